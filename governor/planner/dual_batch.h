@@ -1,0 +1,70 @@
+// Fused dual-batch execution (paper V-B, ALGORITHMS.md sec. 5): the four chains F, B, O, R of a
+// scheduling point F_x B_y, compacted into stages, and the DP over chain prefixes that finds the
+// issue order minimising the overlapped time on compute, comm, D2H and H2D.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "governor/planner/assignment.h"
+
+namespace bgl::plan {
+
+enum class Resource : uint8_t { kCompute, kComm, kD2H, kH2D };
+constexpr int kResourceCount = 4;
+const char* ResourceName(Resource r);
+
+// F: forward of x; B: backward of y; O: offloads of x-1; R: reloads/recomputes of y+1.
+enum class Chain : uint8_t { kForward, kBackward, kOffload, kRecover };
+constexpr int kChainCount = 4;
+const char* ChainName(Chain c);
+
+// A run of work on one resource that the DP treats as one unit.
+struct ChainStage {
+  Resource resource = Resource::kCompute;
+  double duration_s = 0;
+  std::string label;
+};
+
+using Chains = std::array<std::vector<ChainStage>, kChainCount>;
+
+// One round: the stage issued from each chain (-1: chain not advanced) and its duration.
+struct IssueRound {
+  std::array<int, kChainCount> stage{-1, -1, -1, -1};
+  double time_s = 0;
+};
+
+// The DP's answer.
+struct DualBatchSchedule {
+  std::vector<IssueRound> rounds;
+  double overlapped_s = 0;  // sum of round times: the point's makespan under the round model
+  double serial_s = 0;      // every stage one after another
+};
+
+// Round time: max over resources of the summed durations of the issued stages on it.
+double RoundTime(const Chains& chains, const std::array<int, kChainCount>& stage);
+
+// Optimal issue order under the round model. States are chain prefixes; each transition advances
+// a non-empty subset of chains by one stage, so order inside a chain is kept by construction.
+DualBatchSchedule SolveDualBatch(const Chains& chains);
+
+// The micro-batches of one scheduling point, each with its assignment and load (null: absent).
+struct PointUnits {
+  const Assignment* forward = nullptr;
+  double forward_r = 1;
+  const Assignment* backward = nullptr;
+  double backward_r = 1;
+  const Assignment* offload = nullptr;  // x - 1, its offloads run now
+  double offload_r = 1;
+  const Assignment* recover = nullptr;  // y + 1, its reloads and recomputes run now
+  double recover_r = 1;
+  double offload_chunk_bytes = 64.0 * (1 << 20);
+};
+
+// Compacts the point's work into chains: F and B split at communication operators, O chunked,
+// R per layer (reloads then recompute), last layer first as the backward needs it.
+Chains BuildChains(const CostEvaluator& eval, const PointUnits& units);
+
+}  // namespace bgl::plan

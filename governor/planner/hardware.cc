@@ -1,0 +1,199 @@
+#include "governor/planner/hardware.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace bgl::plan {
+
+double Roofline::Time(double bytes) const {
+  return std::max(launch_floor_s, bytes / peak_bytes_per_s);
+}
+
+double HardwareProfile::KernelTime(double flops, double bytes) const {
+  const double compute = flops / (peak_flops * matmul_efficiency);
+  const double memory = bytes / (hbm_bytes_per_s * memory_efficiency);
+  return std::max({kernel_launch_s, compute, memory});
+}
+
+double HardwareProfile::AllToAllTime(double bytes, int64_t group) const {
+  if (group <= 1 || bytes <= 0) return 0;
+  const double leaving = bytes * static_cast<double>(group - 1) / static_cast<double>(group);
+  const double bandwidth = group <= gpus_per_node ? intra_node_bytes_per_s : inter_node_bytes_per_s;
+  return kernel_launch_s * 2 + leaving / bandwidth;
+}
+
+Status HardwareProfile::Validate() const {
+  auto positive = [&](double v, const char* field) -> Status {
+    if (!(v > 0) || !std::isfinite(v)) {
+      return InvalidArgument("hardware profile '" + name + "': " + field +
+                             " must be positive, got " + std::to_string(v));
+    }
+    return OkStatus();
+  };
+  BGL_RETURN_IF_ERROR(positive(peak_flops, "peak_tflops"));
+  BGL_RETURN_IF_ERROR(positive(matmul_efficiency, "matmul_efficiency"));
+  BGL_RETURN_IF_ERROR(positive(hbm_bytes_per_s, "hbm_GBps"));
+  BGL_RETURN_IF_ERROR(positive(memory_efficiency, "memory_efficiency"));
+  BGL_RETURN_IF_ERROR(positive(static_cast<double>(memory_bytes), "memory_GiB"));
+  BGL_RETURN_IF_ERROR(positive(intra_node_bytes_per_s, "intra_node_GBps"));
+  BGL_RETURN_IF_ERROR(positive(inter_node_bytes_per_s, "inter_node_GBps"));
+  BGL_RETURN_IF_ERROR(positive(gpus_per_node, "gpus_per_node"));
+  BGL_RETURN_IF_ERROR(positive(offload.peak_bytes_per_s, "rooflines.offload.peak_GBps"));
+  BGL_RETURN_IF_ERROR(positive(reload.peak_bytes_per_s, "rooflines.reload.peak_GBps"));
+  BGL_RETURN_IF_ERROR(positive(fp8_cast.peak_bytes_per_s, "rooflines.fp8_cast.peak_GBps"));
+  if (matmul_efficiency > 1 || memory_efficiency > 1) {
+    return InvalidArgument("hardware profile '" + name + "': efficiencies must be at most 1");
+  }
+  return OkStatus();
+}
+
+namespace {
+
+constexpr double kGB = 1e9;
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+HardwareProfile Hopper(std::string name, double hbm_gbps, double memory_gib) {
+  HardwareProfile p;
+  p.name = std::move(name);
+  p.peak_flops = 989e12;
+  p.hbm_bytes_per_s = hbm_gbps * kGB;
+  p.memory_bytes = static_cast<int64_t>(memory_gib * kGiB);
+  p.intra_node_bytes_per_s = 450 * kGB;  // NVLink 4, one direction
+  p.inter_node_bytes_per_s = 50 * kGB;   // one 400 Gb/s NIC per GPU
+  p.offload = {10e-6, 50 * kGB};         // PCIe Gen5 x16, pinned
+  p.reload = {10e-6, 50 * kGB};
+  // A cast reads 2 bytes and writes 1 per element: ~2/3 of achieved HBM bandwidth in source bytes.
+  p.fp8_cast = {6e-6, hbm_gbps * kGB * 0.8 * 2.0 / 3.0};
+  return p;
+}
+
+}  // namespace
+
+Result<HardwareProfile> HardwareProfileByName(std::string_view name) {
+  if (name == "h100") return Hopper("h100", 3350, 80);
+  if (name == "h200") return Hopper("h200", 4800, 141e9 / kGiB);
+  if (name == "paper") {
+    // The paper's GPU (VI-A): 480 TFLOP/s BF16, 64 GB, 400 GB/s intra-node, 4x400 Gb/s per node.
+    HardwareProfile p;
+    p.name = "paper";
+    p.peak_flops = 480e12;
+    p.hbm_bytes_per_s = 1800 * kGB;
+    p.memory_bytes = static_cast<int64_t>(64 * kGB);
+    p.intra_node_bytes_per_s = 400 * kGB;
+    p.inter_node_bytes_per_s = 4 * 400e9 / 8 / 8;  // node NICs shared by 8 GPUs
+    p.offload = {10e-6, 32 * kGB};
+    p.reload = {10e-6, 32 * kGB};
+    p.fp8_cast = {6e-6, 1800 * kGB * 0.8 * 2.0 / 3.0};
+    return p;
+  }
+  std::string known;
+  for (const auto& n : HardwareProfileNames()) known += (known.empty() ? "" : ", ") + n;
+  return InvalidArgument("gpu: unknown hardware profile '" + std::string(name) +
+                         "' (known: " + known + ")");
+}
+
+std::vector<std::string> HardwareProfileNames() { return {"h100", "h200", "paper"}; }
+
+namespace {
+
+Status ReadNumber(const nlohmann::json& doc, const std::string& key, double& out) {
+  if (!doc.is_number()) {
+    return InvalidArgument("calibration: '" + key + "' must be a number, got " + doc.dump());
+  }
+  out = doc.get<double>();
+  if (!(out > 0) || !std::isfinite(out)) {
+    return InvalidArgument("calibration: '" + key + "' must be positive, got " + doc.dump());
+  }
+  return OkStatus();
+}
+
+Status ReadRoofline(const nlohmann::json& doc, const std::string& key, Roofline& roofline) {
+  if (!doc.is_object()) return InvalidArgument("calibration: '" + key + "' must be an object");
+  for (const auto& [field, value] : doc.items()) {
+    double v = 0;
+    BGL_RETURN_IF_ERROR(ReadNumber(value, key + "." + field, v));
+    if (field == "launch_floor_us")
+      roofline.launch_floor_s = v * 1e-6;
+    else if (field == "peak_GBps")
+      roofline.peak_bytes_per_s = v * kGB;
+    else
+      return InvalidArgument("calibration: unknown key '" + key + "." + field + "'");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status ApplyCalibration(const nlohmann::json& doc, HardwareProfile& p) {
+  if (!doc.is_object()) return InvalidArgument("calibration: top level must be a JSON object");
+  // "gpu" picks the base profile; every other key overrides a field of it.
+  if (doc.contains("gpu")) {
+    if (!doc["gpu"].is_string()) return InvalidArgument("calibration: 'gpu' must be a string");
+    auto base = HardwareProfileByName(doc["gpu"].get<std::string>());
+    if (!base.ok()) return base.status();
+    p = *base;
+  }
+  for (const auto& [key, value] : doc.items()) {
+    double v = 0;
+    if (key == "gpu") {
+      continue;
+    } else if (key == "rooflines") {
+      if (!value.is_object()) return InvalidArgument("calibration: 'rooflines' must be an object");
+      for (const auto& [strategy, roof] : value.items()) {
+        const std::string name = "rooflines." + strategy;
+        if (strategy == "offload")
+          BGL_RETURN_IF_ERROR(ReadRoofline(roof, name, p.offload));
+        else if (strategy == "reload")
+          BGL_RETURN_IF_ERROR(ReadRoofline(roof, name, p.reload));
+        else if (strategy == "fp8_cast")
+          BGL_RETURN_IF_ERROR(ReadRoofline(roof, name, p.fp8_cast));
+        else
+          return InvalidArgument("calibration: unknown strategy '" + name + "'");
+      }
+    } else if (key == "peak_tflops") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
+      p.peak_flops = v * 1e12;
+    } else if (key == "matmul_efficiency") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, p.matmul_efficiency));
+    } else if (key == "memory_efficiency") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, p.memory_efficiency));
+    } else if (key == "hbm_GBps") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
+      p.hbm_bytes_per_s = v * kGB;
+    } else if (key == "memory_GiB") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
+      p.memory_bytes = static_cast<int64_t>(v * kGiB);
+    } else if (key == "kernel_launch_us") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
+      p.kernel_launch_s = v * 1e-6;
+    } else if (key == "intra_node_GBps") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
+      p.intra_node_bytes_per_s = v * kGB;
+    } else if (key == "inter_node_GBps") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
+      p.inter_node_bytes_per_s = v * kGB;
+    } else if (key == "gpus_per_node") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
+      p.gpus_per_node = static_cast<int>(v);
+    } else if (key == "comment" || key == "source") {
+      // Free-text provenance, kept by tools that write calibration files.
+    } else {
+      return InvalidArgument("calibration: unknown key '" + key + "'");
+    }
+  }
+  return p.Validate();
+}
+
+Status ApplyCalibrationFile(const std::string& path, HardwareProfile& profile) {
+  std::ifstream in(path);
+  if (!in) return NotFound("calibration: cannot open '" + path + "'");
+  nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) return InvalidArgument("calibration: '" + path + "' is not valid JSON");
+  Status s = ApplyCalibration(doc, profile);
+  if (!s.ok()) return {s.code(), path + ": " + s.message()};
+  return OkStatus();
+}
+
+}  // namespace bgl::plan

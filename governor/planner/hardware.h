@@ -1,0 +1,58 @@
+// Hardware profiles: the speeds the cost model turns FLOPs and bytes into seconds with, and the
+// rooflines of the three mitigation strategies (paper IV-B), overridable by calibration.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "governor/planner/status.h"
+
+namespace bgl::plan {
+
+// time(bytes) = max(launch floor, bytes / peak); the knee sits at S = floor * peak (paper Fig. 6).
+struct Roofline {
+  double launch_floor_s = 0;
+  double peak_bytes_per_s = 1;
+
+  double Time(double bytes) const;
+  double KneeBytes() const { return launch_floor_s * peak_bytes_per_s; }
+  // Bytes mitigated per second of overhead at this size: the y axis of the paper's Fig. 6.
+  double Bandwidth(double bytes) const { return bytes / Time(bytes); }
+};
+
+// One GPU model as the planner sees it.
+struct HardwareProfile {
+  std::string name;
+  double peak_flops = 0;           // dense BF16 FLOP/s
+  double matmul_efficiency = 0.6;  // achieved fraction of peak on large GEMMs
+  double hbm_bytes_per_s = 0;
+  double memory_efficiency = 0.8;  // achieved fraction of HBM bandwidth on elementwise kernels
+  int64_t memory_bytes = 0;
+  double kernel_launch_s = 5e-6;
+  double intra_node_bytes_per_s = 0;  // per GPU, NVLink-class
+  double inter_node_bytes_per_s = 0;  // per GPU, network
+  int gpus_per_node = 8;
+  Roofline offload;   // device to pinned host (D2H copy engine)
+  Roofline reload;    // pinned host to device (H2D copy engine)
+  Roofline fp8_cast;  // cast or uncast, bytes of the source tensor
+
+  // Seconds for a kernel doing `flops` and moving `bytes` (roofline of the op itself).
+  double KernelTime(double flops, double bytes) const;
+  // Seconds for an all-to-all moving `bytes` out of this GPU across `group` ranks.
+  double AllToAllTime(double bytes, int64_t group) const;
+  Status Validate() const;
+};
+
+// Built-in profiles: "h100", "h200", "paper" (the paper's 480 TFLOP/s, 64 GB GPU).
+Result<HardwareProfile> HardwareProfileByName(std::string_view name);
+std::vector<std::string> HardwareProfileNames();
+
+// Applies a calibration document (JSON object; see docs/planner.md) on top of `profile`.
+// Unknown keys are errors, so a typo never silently keeps a default.
+Status ApplyCalibration(const nlohmann::json& doc, HardwareProfile& profile);
+Status ApplyCalibrationFile(const std::string& path, HardwareProfile& profile);
+
+}  // namespace bgl::plan

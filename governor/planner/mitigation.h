@@ -1,0 +1,47 @@
+// Algorithm 2: greedy per-operator mitigation selection with re-evaluation after each choice,
+// roofline-best strategy per operator and conflict rejection; plus deferred planning after the
+// MoE gate (paper V-A, ALGORITHMS.md sec. 4).
+#pragma once
+
+#include <vector>
+
+#include "governor/planner/assignment.h"
+#include "governor/planner/status.h"
+
+namespace bgl::plan {
+
+// Which strategies the selection may use (static baselines restrict them).
+struct MitigationOptions {
+  bool allow_recompute = true;
+  bool allow_offload = true;
+  bool allow_fp8 = true;
+  // After the budget is met, undo choices that are no longer needed (cheapest first).
+  bool refine = true;
+};
+
+// The chosen assignment and how it was reached.
+struct MitigationResult {
+  Assignment assignment;
+  AssignmentCost cost;
+  double budget = 0;
+  bool fits = false;                     // cost.device_bytes <= budget
+  bool fallback_full_recompute = false;  // the greedy ran out of candidates
+  int rounds = 0;
+  int rejected_conflicts = 0;
+};
+
+// Every operator with something to drop set to recompute: memory M0.
+Assignment FullRecompute(const CostEvaluator& eval);
+
+// Selects strategies so the micro-batch fits `budget` bytes at load factor r. A budget below M0
+// is an error: nothing can meet it.
+Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, double budget,
+                                          const MitigationOptions& options = {});
+
+// Deferred planning: once the gate of `gate_layer` has run and the observed load factor is
+// known, re-checks `planned` against the budget; if it no longer fits, the MoE block of that layer
+// and later layers is downgraded to full recompute. Earlier layers are already executed.
+MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
+                                 int gate_layer, double observed_r, double budget);
+
+}  // namespace bgl::plan

@@ -1,0 +1,89 @@
+// Plan caches (paper V-B "memorizing"): assignments keyed by (phase, chunk, discretised budget,
+// load bucket) and issue orders keyed by the four units of a scheduling point. Bounded; counted.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <optional>
+#include <tuple>
+
+namespace bgl::plan {
+
+// The discretised inputs that determine an assignment.
+struct MitigationKey {
+  int phase = 0;
+  int chunk = 0;
+  int64_t budget_bucket = 0;  // floor(budget / step)
+  int64_t load_bucket = 0;    // ceil(r / bucket)
+  bool valid = false;         // false: no such unit at this point
+
+  auto Tie() const { return std::tie(valid, phase, chunk, budget_bucket, load_bucket); }
+  bool operator<(const MitigationKey& o) const { return Tie() < o.Tie(); }
+  bool operator==(const MitigationKey& o) const { return Tie() == o.Tie(); }
+};
+
+// The four units of a point: F, B, O, R.
+using ScheduleKey = std::array<MitigationKey, 4>;
+
+// Hit and miss counters of one cache.
+struct CacheCounters {
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t evictions = 0;
+  size_t entries = 0;
+};
+
+// A least-recently-used map with counters.
+template <typename Key, typename Value>
+class LruCache {
+ public:
+  explicit LruCache(size_t capacity) : capacity_(capacity) {}
+
+  const Value* Find(const Key& key) {
+    auto it = index_.find(key);
+    if (it == index_.end()) {
+      ++counters_.misses;
+      return nullptr;
+    }
+    ++counters_.hits;
+    order_.splice(order_.begin(), order_, it->second);
+    return &it->second->second;
+  }
+
+  const Value& Insert(const Key& key, Value value) {
+    auto it = index_.find(key);
+    if (it != index_.end()) {
+      it->second->second = std::move(value);
+      order_.splice(order_.begin(), order_, it->second);
+      return it->second->second;
+    }
+    order_.emplace_front(key, std::move(value));
+    index_[key] = order_.begin();
+    if (order_.size() > capacity_) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+      ++counters_.evictions;
+    }
+    return order_.front().second;
+  }
+
+  void Clear() {
+    order_.clear();
+    index_.clear();
+  }
+  CacheCounters counters() const {
+    CacheCounters c = counters_;
+    c.entries = order_.size();
+    return c;
+  }
+
+ private:
+  size_t capacity_;
+  std::list<std::pair<Key, Value>> order_;
+  std::map<Key, typename std::list<std::pair<Key, Value>>::iterator> index_;
+  CacheCounters counters_;
+};
+
+}  // namespace bgl::plan

@@ -1,0 +1,110 @@
+#include "governor/planner/plan_format.h"
+
+#include <cstdio>
+#include <sstream>
+
+#include "governor/planner/units.h"
+
+namespace bgl::plan {
+
+std::string FormatPlanTable(const Plan& plan, const StagePlanner& planner) {
+  const StageGraph& g = planner.graph();
+  const CostEvaluator& eval = planner.evaluator();
+  std::ostringstream out;
+  char line[256];
+  out << "phase " << PhaseName(plan.phase) << ", forward micro-batch " << plan.micro_batch
+      << " chunk " << plan.chunk << ", load factor " << plan.load_factor << "\n";
+  out << "budget " << FormatBytes(plan.budget_bytes) << " (free " << FormatBytes(plan.free_bytes)
+      << " over k=" << plan.k << "), M0 " << FormatBytes(plan.m0_bytes) << ", keep-all "
+      << FormatBytes(plan.keep_all_bytes) << " -> planned " << FormatBytes(plan.predicted_bytes)
+      << " on device, " << FormatBytes(plan.host_bytes) << " on host\n";
+  if (plan.infeasible) out << "PRESSURE: free memory is below k x M0; evict before this forward\n";
+  if (plan.fallback_full_recompute) out << "fallback: full recompute of the chunk\n";
+  out << "exposed overhead " << FormatSeconds(plan.overhead_s) << "; point serial "
+      << FormatSeconds(plan.serial_s) << ", dual-batch overlapped "
+      << FormatSeconds(plan.overlapped_s) << (plan.cache_hit ? " (cache hit)" : "") << "\n\n";
+  std::snprintf(line, sizeof line, "%-24s %-18s %-10s %12s %10s %10s  %s\n", "operator", "kind",
+                "strategy", "saved", "fwd", "bwd", "tensors");
+  out << line;
+  for (size_t o = 0; o < g.ops.size() && o < plan.strategies.size(); ++o) {
+    const Operator& op = g.ops[o];
+    double saved = 0;
+    std::string tensors;
+    for (int t : op.saves) {
+      saved += g.tensors[t].Bytes(plan.load_factor);
+      tensors += (tensors.empty() ? "" : " ") +
+                 g.tensors[t].name.substr(g.tensors[t].name.find('.') + 1) + "[" +
+                 PlacementName(eval.TensorPlacement(plan.strategies, t)) + "]";
+    }
+    std::snprintf(line, sizeof line, "%-24s %-18s %-10s %12s %10s %10s  %s\n", op.name.c_str(),
+                  OpKindName(op.kind), StrategyName(plan.strategies[o]), FormatBytes(saved).c_str(),
+                  FormatSeconds(op.ForwardTime(plan.load_factor)).c_str(),
+                  FormatSeconds(op.BackwardTime(plan.load_factor)).c_str(), tensors.c_str());
+    out << line;
+  }
+  if (!plan.issue_order.empty()) {
+    out << "\nissue order (round: chain stage on resource, duration)\n";
+    for (const IssueItem& item : plan.issue_order) {
+      std::snprintf(line, sizeof line, "%5d: %s%-3d %-8s %10s  %s\n", item.round,
+                    ChainName(item.chain), item.stage, ResourceName(item.resource),
+                    FormatSeconds(item.duration_s).c_str(), item.label.c_str());
+      out << line;
+    }
+  }
+  return out.str();
+}
+
+nlohmann::json PlanToJson(const Plan& plan, const StageGraph& g) {
+  nlohmann::json j;
+  j["phase"] = PhaseName(plan.phase);
+  j["micro_batch"] = plan.micro_batch;
+  j["chunk"] = plan.chunk;
+  j["load_factor"] = plan.load_factor;
+  j["budget_bytes"] = plan.budget_bytes;
+  j["free_bytes"] = plan.free_bytes;
+  j["k"] = plan.k;
+  j["infeasible"] = plan.infeasible;
+  j["m0_bytes"] = plan.m0_bytes;
+  j["keep_all_bytes"] = plan.keep_all_bytes;
+  j["predicted_bytes"] = plan.predicted_bytes;
+  j["host_bytes"] = plan.host_bytes;
+  j["overhead_s"] = plan.overhead_s;
+  j["serial_s"] = plan.serial_s;
+  j["overlapped_s"] = plan.overlapped_s;
+  j["fallback_full_recompute"] = plan.fallback_full_recompute;
+  j["deferred"] = plan.deferred;
+  j["cache_hit"] = plan.cache_hit;
+  auto& ops = j["operators"] = nlohmann::json::array();
+  for (size_t o = 0; o < plan.strategies.size() && o < g.ops.size(); ++o) {
+    ops.push_back({{"name", g.ops[o].name},
+                   {"kind", OpKindName(g.ops[o].kind)},
+                   {"strategy", StrategyName(plan.strategies[o])}});
+  }
+  auto& order = j["issue_order"] = nlohmann::json::array();
+  for (const IssueItem& item : plan.issue_order) {
+    order.push_back({{"round", item.round},
+                     {"chain", ChainName(item.chain)},
+                     {"stage", item.stage},
+                     {"resource", ResourceName(item.resource)},
+                     {"duration_s", item.duration_s},
+                     {"label", item.label}});
+  }
+  return j;
+}
+
+std::string CurveToCsv(const IterationCurve& planned, const IterationCurve& keep_all) {
+  std::ostringstream out;
+  out << "step,time_s,planned_bytes,keep_all_time_s,keep_all_bytes\n";
+  for (size_t i = 0; i < planned.points.size(); ++i) {
+    out << planned.points[i].step << "," << planned.points[i].time_s << ","
+        << static_cast<int64_t>(planned.points[i].bytes);
+    if (i < keep_all.points.size()) {
+      out << "," << keep_all.points[i].time_s << ","
+          << static_cast<int64_t>(keep_all.points[i].bytes);
+    }
+    out << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace bgl::plan

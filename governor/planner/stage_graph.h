@@ -1,0 +1,94 @@
+// StageGraph: the operators of one model chunk on one pipeline stage, in forward order, and the
+// activation tensors they save for backward (paper IV-A). Expert operators scale with the load
+// factor r: tokens routed to this GPU's experts over the balanced count.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "governor/planner/hardware.h"
+#include "governor/planner/model_config.h"
+#include "governor/planner/status.h"
+
+namespace bgl::plan {
+
+// What an operator is; decides which mitigations apply and where stages split.
+enum class OpKind {
+  kNorm,
+  kLinear,
+  kAttention,
+  kRouter,
+  kDispatch,
+  kCombine,
+  kExpertLinear,
+  kExpertActivation,
+  kSharedLinear,
+  kSharedActivation,
+  kComm,
+  kOther
+};
+const char* OpKindName(OpKind kind);
+Result<OpKind> ParseOpKind(const std::string& name, const std::string& field);
+bool IsCommunication(OpKind kind);
+bool IsMoeBlock(OpKind kind);  // runs after the gate: dispatch, experts, combine, shared expert
+
+// One kernel-level operator of the forward pass.
+struct Operator {
+  std::string name;
+  OpKind kind = OpKind::kOther;
+  int layer = 0;
+  double forward_s = 0;   // at load factor 1
+  double backward_s = 0;  // at load factor 1
+  double flops = 0;       // forward FLOPs at load 1 (for MFU)
+  bool scales_with_load = false;
+  bool fp8_allowed = true;  // precision-sensitive operators (the router) never store FP8
+  std::vector<int> inputs;  // tensors read in forward (needed to recompute it)
+  std::vector<int> saves;   // tensors it saves for backward
+
+  double ForwardTime(double r) const { return scales_with_load ? forward_s * r : forward_s; }
+  double BackwardTime(double r) const { return scales_with_load ? backward_s * r : backward_s; }
+  bool IsComm() const { return IsCommunication(kind); }
+};
+
+// One activation tensor. A tensor saved by several operators is stored once.
+struct SavedTensor {
+  std::string name;
+  int64_t bytes = 0;  // at load factor 1
+  DType dtype = DType::kBF16;
+  int producer = -1;  // operator index; -1: produced outside this chunk
+  std::vector<int> savers;
+  bool scales_with_load = false;
+  bool block_input = false;  // a layer's input: always retained (the checkpoint that defines M0)
+
+  double Bytes(double r) const {
+    return scales_with_load ? static_cast<double>(bytes) * r : static_cast<double>(bytes);
+  }
+};
+
+// The operator graph of one chunk (layers_per_chunk transformer layers).
+class StageGraph {
+ public:
+  std::vector<Operator> ops;
+  std::vector<SavedTensor> tensors;
+  int layers = 0;
+
+  // Memory retained under full recompute (block inputs only): the paper's M0.
+  double M0(double r) const;
+  // Memory with every saved tensor kept on device.
+  double KeepAllBytes(double r) const;
+  double ForwardTime(double r) const;
+  double BackwardTime(double r) const;
+  double ForwardFlops(double r) const;
+  int FindOp(const std::string& name) const;
+
+  // Checks indices, the producer-before-consumer order and fills savers from saves.
+  Status Finalize();
+};
+
+// Builds the chunk graph of a fine-grained MoE transformer (norms, QKV, core attention, output
+// projection, router, dispatch/combine all-to-all, expert FC1/activation/FC2, shared expert), or
+// the graph given in config.layer_graph, replicated over the chunk's layers.
+Result<StageGraph> BuildStageGraph(const ModelConfig& config, const HardwareProfile& hw);
+
+}  // namespace bgl::plan
