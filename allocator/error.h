@@ -1,0 +1,32 @@
+// Error reporting: the calling thread's last error message, optionally echoed to stderr.
+#pragma once
+
+#include <string>
+
+namespace bgl::alloc {
+
+// Result of an allocator operation (the C ABI returns these values).
+enum class Status : int {
+  kOk = 0,
+  kInvalidArgument = 1,
+  kOutOfMemory = 2,
+  kForeignPointer = 3,
+  kDoubleFree = 4,
+  kWrongSize = 5,
+  kWrongDevice = 6,
+  kBackendError = 7,
+  kNotInitialized = 8,
+  kBufferTooSmall = 9,
+};
+
+// Stores `message` as the thread's last error; writes "bgl_alloc: <message>" to stderr when
+// `log` is true.
+void report_error(bool log, const std::string& message);
+// The thread's last error ("" when none).
+const std::string& last_error();
+void clear_last_error();
+
+// "1.50 GiB (1610612736 bytes)".
+std::string format_bytes(std::size_t bytes);
+
+}  // namespace bgl::alloc

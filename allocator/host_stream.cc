@@ -1,0 +1,87 @@
+#include "allocator/host_stream.h"
+
+#include <unordered_set>
+
+namespace bgl::alloc {
+namespace {
+
+std::mutex& registry_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::unordered_set<const void*>& registry() {
+  static auto* set = new std::unordered_set<const void*>();
+  return *set;
+}
+
+}  // namespace
+
+HostStream::HostStream() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mu());
+    registry().insert(this);
+  }
+  worker_ = std::thread([this] { run(); });
+}
+
+HostStream::~HostStream() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+  std::lock_guard<std::mutex> lock(registry_mu());
+  registry().erase(this);
+}
+
+bool HostStream::is_live(const void* p) {
+  if (p == nullptr) return false;
+  std::lock_guard<std::mutex> lock(registry_mu());
+  return registry().count(p) != 0;
+}
+
+std::uint64_t HostStream::enqueue(std::function<void()> work) {
+  std::uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(work));
+    ticket = ++enqueued_;
+  }
+  cv_.notify_all();
+  return ticket;
+}
+
+std::uint64_t HostStream::enqueued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return enqueued_;
+}
+
+bool HostStream::done(std::uint64_t ticket) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return completed_ >= ticket;
+}
+
+void HostStream::wait(std::uint64_t ticket) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return completed_ >= ticket; });
+}
+
+void HostStream::synchronize() const { wait(enqueued()); }
+
+void HostStream::run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_ and drained
+    auto work = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    work();
+    lock.lock();
+    ++completed_;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace bgl::alloc
