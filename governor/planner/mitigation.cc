@@ -34,6 +34,8 @@ bool Permitted(const MitigationOptions& opt, Strategy s) {
 }
 
 constexpr Strategy kMitigations[] = {Strategy::kRecompute, Strategy::kOffload, Strategy::kFp8};
+constexpr Strategy kAll[] = {Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
+                             Strategy::kFp8};
 
 }  // namespace
 
@@ -53,26 +55,53 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
   // dropped[o][s]: candidate (o, s) was rejected for a conflict and is never retried.
   std::vector<std::array<bool, kStrategyCount>> dropped(n);
   for (auto& d : dropped) d.fill(false);
-  std::vector<int> applied;
+
+  // Savers that share a tensor with each operator: a move applies to the ones still keeping it,
+  // so a tensor with several consumers moves as one (otherwise the move is a conflict or saves
+  // nothing, and the greedy could never drop the MoE input or the attention output).
+  std::vector<std::vector<int>> partners(n);
+  for (size_t o = 0; o < n; ++o) {
+    for (int t : g.ops[o].saves) {
+      for (int other : g.tensors[t].savers) {
+        if (other != static_cast<int>(o) &&
+            std::find(partners[o].begin(), partners[o].end(), other) == partners[o].end()) {
+          partners[o].push_back(other);
+        }
+      }
+    }
+  }
+  Assignment trial;
+  auto apply_move = [&](Assignment& a, size_t o, Strategy s) {
+    a[o] = s;
+    for (int other : partners[o]) {
+      if (a[other] == Strategy::kKeep && eval.Allowed(other, s)) a[other] = s;
+    }
+  };
 
   while (result.cost.device_bytes > budget) {
     // Re-evaluate every remaining candidate on the current assignment. Each operator offers its
-    // roofline-best strategy: most bytes saved per second of added overhead, at this size.
+    // roofline-best strategy: most bytes saved per second of added overhead, at this size. An
+    // operator already stored as FP8 may still move to offload or recompute.
+    const double need = result.cost.device_bytes - budget;
     int best_op = -1;
     Strategy best_s = Strategy::kKeep;
     double best_gain = 0, best_overhead = 0;
+    bool best_finishes = false;
     AssignmentCost best_cost;
     for (size_t o = 0; o < n; ++o) {
-      if (result.assignment[o] != Strategy::kKeep) continue;
+      const Strategy current = result.assignment[o];
+      if (current == Strategy::kRecompute || current == Strategy::kOffload) continue;
       int op_s = -1;
       double op_gain = 0, op_overhead = 0, op_rate = -1;
       AssignmentCost op_cost;
       for (Strategy s : kMitigations) {
-        if (!Permitted(options, s) || !eval.Allowed(static_cast<int>(o), s)) continue;
+        if (s == current || !Permitted(options, s) || !eval.Allowed(static_cast<int>(o), s)) {
+          continue;
+        }
         if (dropped[o][static_cast<int>(s)]) continue;
-        result.assignment[o] = s;
-        const AssignmentCost c = eval.Evaluate(result.assignment, r);
-        result.assignment[o] = Strategy::kKeep;
+        trial = result.assignment;
+        apply_move(trial, o, s);
+        const AssignmentCost c = eval.Evaluate(trial, r);
         const double gain = result.cost.device_bytes - c.device_bytes;
         const double overhead = std::max(0.0, c.exposed_s - result.cost.exposed_s);
         const double rate = gain / std::max(overhead, 1e-9);
@@ -85,12 +114,25 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
         }
       }
       if (op_s < 0) continue;
-      if (op_gain > best_gain ||
-          (op_gain == best_gain && best_op >= 0 && op_overhead < best_overhead)) {
+      // Largest gain first (ties: smaller overhead); but once single moves can finish the job,
+      // take the cheapest of those rather than the biggest.
+      const bool finishes = op_gain >= need;
+      bool better;
+      if (best_op < 0)
+        better = true;
+      else if (finishes != best_finishes)
+        better = finishes;
+      else if (finishes)
+        better =
+            op_overhead < best_overhead || (op_overhead == best_overhead && op_gain > best_gain);
+      else
+        better = op_gain > best_gain || (op_gain == best_gain && op_overhead < best_overhead);
+      if (better) {
         best_op = static_cast<int>(o);
         best_s = static_cast<Strategy>(op_s);
         best_gain = op_gain;
         best_overhead = op_overhead;
+        best_finishes = finishes;
         best_cost = op_cost;
       }
     }
@@ -102,44 +144,64 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
       ++result.rejected_conflicts;
       continue;
     }
-    result.assignment[best_op] = best_s;
+    apply_move(result.assignment, static_cast<size_t>(best_op), best_s);
     result.cost = best_cost;
-    applied.push_back(best_op);
   }
 
   if (result.cost.device_bytes > budget) {
     result.assignment = FullRecompute(eval);
     result.cost = eval.Evaluate(result.assignment, r);
     result.fallback_full_recompute = true;
-    applied.clear();
   }
 
-  if (options.refine && !applied.empty()) {
-    // Undo choices that the budget no longer needs, most expensive first.
-    bool changed = true;
-    while (changed) {
-      changed = false;
-      int undo = -1;
-      double undo_saving = 0;
-      AssignmentCost undo_cost;
-      for (int o : applied) {
-        if (result.assignment[o] == Strategy::kKeep) continue;
-        const Strategy was = result.assignment[o];
-        result.assignment[o] = Strategy::kKeep;
-        const AssignmentCost c = eval.Evaluate(result.assignment, r);
-        result.assignment[o] = was;
-        const double saving = result.cost.exposed_s - c.exposed_s;
-        if (!c.conflict && c.device_bytes <= budget && saving > undo_saving) {
-          undo = o;
-          undo_saving = saving;
-          undo_cost = c;
+  if (options.refine) {
+    // Local search: switch one operator (alone or with its partners) to any strategy, keep the
+    // switch that lowers the overhead most while the budget still holds. Undoes choices the
+    // budget no longer needs and swaps an exposed strategy for a hidden one.
+    for (int pass = 0; pass < 4 * static_cast<int>(n); ++pass) {
+      int best_op = -1;
+      Strategy best_s = Strategy::kKeep;
+      bool best_group = false;
+      double best_saving = 1e-12;
+      AssignmentCost best_cost;
+      for (size_t o = 0; o < n; ++o) {
+        for (Strategy s : kAll) {
+          if (s == result.assignment[o] || !Permitted(options, s) ||
+              !eval.Allowed(static_cast<int>(o), s)) {
+            continue;
+          }
+          for (bool group : {false, true}) {
+            trial = result.assignment;
+            if (group) {
+              if (partners[o].empty()) continue;
+              trial[o] = s;
+              for (int other : partners[o]) {
+                if (eval.Allowed(other, s)) trial[other] = s;
+              }
+            } else {
+              trial[o] = s;
+            }
+            const AssignmentCost c = eval.Evaluate(trial, r);
+            const double saving = result.cost.exposed_s - c.exposed_s;
+            if (!c.conflict && c.device_bytes <= budget && saving > best_saving) {
+              best_op = static_cast<int>(o);
+              best_s = s;
+              best_group = group;
+              best_saving = saving;
+              best_cost = c;
+            }
+          }
         }
       }
-      if (undo >= 0) {
-        result.assignment[undo] = Strategy::kKeep;
-        result.cost = undo_cost;
-        changed = true;
+      if (best_op < 0) break;
+      result.assignment[best_op] = best_s;
+      if (best_group) {
+        for (int other : partners[best_op]) {
+          if (eval.Allowed(other, best_s)) result.assignment[other] = best_s;
+        }
       }
+      result.cost = best_cost;
+      ++result.refinements;
     }
   }
   result.fits = result.cost.device_bytes <= budget;

@@ -15,7 +15,8 @@ struct MitigationOptions {
   bool allow_recompute = true;
   bool allow_offload = true;
   bool allow_fp8 = true;
-  // After the budget is met, undo choices that are no longer needed (cheapest first).
+  // After the budget is met, a local search switches single operators (or a tensor's savers
+  // together) to cheaper strategies while the budget holds.
   bool refine = true;
 };
 
@@ -28,6 +29,7 @@ struct MitigationResult {
   bool fallback_full_recompute = false;  // the greedy ran out of candidates
   int rounds = 0;
   int rejected_conflicts = 0;
+  int refinements = 0;  // switches made by the local search
 };
 
 // Every operator with something to drop set to recompute: memory M0.

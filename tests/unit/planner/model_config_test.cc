@@ -1,0 +1,142 @@
+#include "governor/planner/model_config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "governor/planner/planner.h"
+
+namespace bgl::plan {
+namespace {
+
+nlohmann::json Tiny() {
+  return {{"name", "t"},   {"layers", 8}, {"hidden", 512},  {"moe_hidden", 256},
+          {"experts", 16}, {"top_k", 4},  {"head_dim", 64}, {"gpus", 4},
+          {"dp", 1},       {"tp", 1},     {"ep", 1},        {"pp", 4}};
+}
+
+void ExpectError(const nlohmann::json& doc, const std::string& fragment) {
+  auto c = ModelConfigFromJson(doc, "test.json");
+  ASSERT_FALSE(c.ok()) << "accepted: " << doc.dump();
+  EXPECT_NE(c.status().message().find(fragment), std::string::npos) << c.status().message();
+}
+
+TEST(ModelConfig, ShippedModelsLoadAndPlan) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(BGL_MODELS_DIR)) {
+    auto c = LoadModelConfig(entry.path().string());
+    ASSERT_TRUE(c.ok()) << entry.path() << ": " << c.status().message();
+    auto hw = HardwareProfileByName(c->gpu);
+    ASSERT_TRUE(hw.ok());
+    auto planner = StagePlanner::Create(*c, *hw, {});
+    ASSERT_TRUE(planner.ok()) << entry.path() << ": " << planner.status().message();
+    ++count;
+  }
+  EXPECT_GE(count, 9);  // eight Table II rows and the demo model
+}
+
+TEST(ModelConfig, YamlAndJsonAgree) {
+  auto json = LoadModelConfig(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
+  auto yaml = LoadModelConfig(std::string(BGL_MODELS_DIR) + "/tiny-moe.yaml");
+  ASSERT_TRUE(json.ok());
+  ASSERT_TRUE(yaml.ok()) << yaml.status().message();
+  EXPECT_EQ(json->hidden, yaml->hidden);
+  EXPECT_EQ(json->workspace_bytes, yaml->workspace_bytes);
+  EXPECT_EQ(json->MicroBatches(), yaml->MicroBatches());
+}
+
+TEST(ModelConfig, MissingFieldIsNamed) {
+  auto doc = Tiny();
+  doc.erase("hidden");
+  ExpectError(doc, "missing field 'hidden'");
+}
+
+TEST(ModelConfig, NegativeSizeIsNamed) {
+  auto doc = Tiny();
+  doc["moe_hidden"] = -256;
+  ExpectError(doc, "'moe_hidden' must be positive");
+  doc = Tiny();
+  doc["workspace"] = "-3GiB";
+  ExpectError(doc, "workspace");
+}
+
+TEST(ModelConfig, WrongTypeAndUnknownField) {
+  auto doc = Tiny();
+  doc["layers"] = "eight";
+  ExpectError(doc, "'layers' must be an integer");
+  doc = Tiny();
+  doc["hiddden"] = 3;
+  ExpectError(doc, "unknown field 'hiddden'");
+}
+
+TEST(ModelConfig, ImpossibleParallelDegrees) {
+  auto doc = Tiny();
+  doc["gpus"] = 6;
+  ExpectError(doc, "gpus (6) != dp x tp x pp");
+  doc = Tiny();
+  doc["ep"] = 3;
+  ExpectError(doc, "not divisible by ep");
+  doc = Tiny();
+  doc["layers"] = 10;
+  ExpectError(doc, "not divisible by pp");
+}
+
+TEST(ModelConfig, MissingFileAndBadSyntax) {
+  EXPECT_EQ(LoadModelConfig("/nonexistent/model.json").status().code(), StatusCode::kNotFound);
+  const std::string path = ::testing::TempDir() + "/broken.yaml";
+  FILE* f = std::fopen(path.c_str(), "w");
+  std::fputs("name: [unclosed\n", f);
+  std::fclose(f);
+  auto c = LoadModelConfig(path);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("YAML"), std::string::npos);
+}
+
+nlohmann::json CustomGraph() {
+  auto doc = Tiny();
+  doc["layer_graph"] = {
+      {"operators",
+       {{{"name", "norm"}, {"kind", "norm"}, {"forward_ms", 0.1}, {"backward_ms", 0.2}},
+        {{"name", "fc"}, {"kind", "linear"}, {"forward_ms", 1.0}, {"backward_ms", 2.0}},
+        {{"name", "act"}, {"kind", "activation_typo"}, {"forward_ms", 0.1}, {"backward_ms", 0.2}}}},
+      {"tensors",
+       {{{"name", "x"}, {"bytes", 1000}, {"block_input", true}, {"consumers", {"norm"}}},
+        {{"name", "y"}, {"bytes", 2000}, {"producer", "norm"}, {"consumers", {"fc"}}}}}};
+  return doc;
+}
+
+TEST(ModelConfig, CustomGraphErrorsNameTheProblem) {
+  auto doc = CustomGraph();
+  auto config = ModelConfigFromJson(doc, "custom.json");
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  auto hw = HardwareProfileByName("h200");
+  // Unknown operator kind.
+  auto g = BuildStageGraph(*config, *hw);
+  ASSERT_FALSE(g.ok());
+  EXPECT_NE(g.status().message().find("unknown operator kind 'activation_typo'"),
+            std::string::npos);
+  // Unknown operator in a consumer list.
+  doc["layer_graph"]["operators"][2]["kind"] = "other";
+  doc["layer_graph"]["tensors"][1]["consumers"] = {"fc", "nosuchop"};
+  config = ModelConfigFromJson(doc, "custom.json");
+  g = BuildStageGraph(*config, *hw);
+  ASSERT_FALSE(g.ok());
+  EXPECT_NE(g.status().message().find("'nosuchop'"), std::string::npos);
+  // A consumer that runs before the producer: a cycle.
+  doc["layer_graph"]["tensors"][1]["consumers"] = {"fc"};
+  doc["layer_graph"]["tensors"][1]["producer"] = "act";
+  config = ModelConfigFromJson(doc, "custom.json");
+  g = BuildStageGraph(*config, *hw);
+  ASSERT_FALSE(g.ok());
+  EXPECT_NE(g.status().message().find("cyclic consumer list"), std::string::npos);
+  // Fixed: builds, replicated over the chunk's layers, with the layer input retained.
+  doc["layer_graph"]["tensors"][1]["producer"] = "norm";
+  config = ModelConfigFromJson(doc, "custom.json");
+  g = BuildStageGraph(*config, *hw);
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  EXPECT_EQ(g->ops.size(), 3u * config->LayersPerChunk());
+  EXPECT_EQ(g->M0(1.0), 1000.0 * static_cast<double>(config->LayersPerChunk()));
+}
+
+}  // namespace
+}  // namespace bgl::plan
