@@ -17,6 +17,7 @@ enum class Status : int {
   kBackendError = 7,
   kNotInitialized = 8,
   kBufferTooSmall = 9,
+  kAlreadyInitialized = 10,
 };
 
 // Stores `message` as the thread's last error; writes "bgl_alloc: <message>" to stderr when
