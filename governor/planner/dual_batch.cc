@@ -115,18 +115,14 @@ namespace {
 
 // Appends `duration` on `resource` to the chain, merging with the last stage when it uses the
 // same resource: consecutive compute operators gain nothing from being split.
-void Append(std::vector<ChainStage>& chain, Resource resource, double duration,
-            const std::string& label) {
+void Append(std::vector<ChainStage>& chain, Resource resource, double duration, int index) {
   if (duration <= 0) return;
   if (!chain.empty() && chain.back().resource == resource) {
     chain.back().duration_s += duration;
-    const auto dots = chain.back().label.find("..");
-    const std::string first =
-        dots == std::string::npos ? chain.back().label : chain.back().label.substr(0, dots);
-    chain.back().label = first + ".." + label;
+    chain.back().last = index;
     return;
   }
-  chain.push_back({resource, duration, label});
+  chain.push_back({resource, duration, index, index});
 }
 
 }  // namespace
@@ -136,75 +132,83 @@ Chains BuildChains(const CostEvaluator& eval, const PointUnits& u) {
   const HardwareProfile& hw = eval.hw();
   Chains chains;
   const int n = static_cast<int>(g.ops.size());
+  const int n_tensors = static_cast<int>(g.tensors.size());
+  // FP8 casts run right after the producer in forward; uncasts before the first saver's backward.
+  std::vector<double> cast(n, 0.0), uncast(n, 0.0);
+  auto fp8_work = [&](const Assignment& a, double r) {
+    std::fill(cast.begin(), cast.end(), 0.0);
+    std::fill(uncast.begin(), uncast.end(), 0.0);
+    for (int t = 0; t < n_tensors; ++t) {
+      const SavedTensor& tensor = g.tensors[t];
+      if (tensor.savers.empty() || eval.TensorPlacement(a, t) != Placement::kFp8) continue;
+      const double time = hw.fp8_cast.Time(tensor.Bytes(r));
+      if (tensor.producer >= 0) cast[tensor.producer] += time;
+      uncast[tensor.savers.front()] += time;
+    }
+  };
   if (u.forward) {
+    fp8_work(*u.forward, u.forward_r);
     for (int o = 0; o < n; ++o) {
       const Operator& op = g.ops[o];
-      double t = op.ForwardTime(u.forward_r);
-      if (!op.IsComm()) {
-        // FP8 casts of the tensors this operator produces run right after it.
-        for (size_t ti = 0; ti < g.tensors.size(); ++ti) {
-          if (g.tensors[ti].producer == o &&
-              eval.TensorPlacement(*u.forward, static_cast<int>(ti)) == Placement::kFp8) {
-            t += hw.fp8_cast.Time(g.tensors[ti].Bytes(u.forward_r));
-          }
-        }
-      }
-      Append(chains[0], op.IsComm() ? Resource::kComm : Resource::kCompute, t, op.name);
+      Append(chains[0], op.IsComm() ? Resource::kComm : Resource::kCompute,
+             op.ForwardTime(u.forward_r), o);
+      Append(chains[0], Resource::kCompute, cast[o], o);
     }
   }
   if (u.backward) {
+    fp8_work(*u.backward, u.backward_r);
     for (int o = n - 1; o >= 0; --o) {
       const Operator& op = g.ops[o];
-      double t = op.BackwardTime(u.backward_r);
-      if (!op.IsComm()) {
-        for (int ti : op.saves) {
-          if (eval.TensorPlacement(*u.backward, ti) == Placement::kFp8 &&
-              g.tensors[ti].savers.front() == o) {
-            t += hw.fp8_cast.Time(g.tensors[ti].Bytes(u.backward_r));
-          }
-        }
-      }
-      Append(chains[1], op.IsComm() ? Resource::kComm : Resource::kCompute, t, op.name);
+      Append(chains[1], Resource::kCompute, uncast[o], o);
+      Append(chains[1], op.IsComm() ? Resource::kComm : Resource::kCompute,
+             op.BackwardTime(u.backward_r), o);
     }
   }
   if (u.offload) {
     double pending = 0;
-    std::string first, last;
-    for (size_t ti = 0; ti < g.tensors.size(); ++ti) {
-      if (eval.TensorPlacement(*u.offload, static_cast<int>(ti)) != Placement::kHost) continue;
-      pending += g.tensors[ti].Bytes(u.offload_r);
-      if (first.empty()) first = g.tensors[ti].name;
-      last = g.tensors[ti].name;
+    int first = -1;
+    for (int t = 0; t < n_tensors; ++t) {
+      if (eval.TensorPlacement(*u.offload, t) != Placement::kHost) continue;
+      pending += g.tensors[t].Bytes(u.offload_r);
+      if (first < 0) first = t;
       if (pending >= u.offload_chunk_bytes) {
-        chains[2].push_back({Resource::kD2H, hw.offload.Time(pending), first + ".." + last});
+        chains[2].push_back({Resource::kD2H, hw.offload.Time(pending), first, t});
         pending = 0;
-        first.clear();
+        first = -1;
       }
     }
     if (pending > 0) {
-      chains[2].push_back({Resource::kD2H, hw.offload.Time(pending), first + ".." + last});
+      int last = n_tensors - 1;
+      while (last > first && eval.TensorPlacement(*u.offload, last) != Placement::kHost) --last;
+      chains[2].push_back({Resource::kD2H, hw.offload.Time(pending), first, last});
     }
   }
   if (u.recover) {
     const auto rerun = eval.RecomputeClosure(*u.recover);
+    // Reloads of a layer come before its recompute; the last layer first, as backward needs it.
+    std::vector<double> reload(g.layers, 0.0);
+    std::vector<int> reload_first(g.layers, -1), reload_last(g.layers, -1);
+    for (int t = 0; t < n_tensors; ++t) {
+      const SavedTensor& tensor = g.tensors[t];
+      if (tensor.savers.empty() || eval.TensorPlacement(*u.recover, t) != Placement::kHost)
+        continue;
+      const int layer = g.ops[tensor.savers.front()].layer;
+      reload[layer] += tensor.Bytes(u.recover_r);
+      if (reload_first[layer] < 0) reload_first[layer] = t;
+      reload_last[layer] = t;
+    }
+    std::vector<std::vector<int>> rerun_by_layer(g.layers);
+    for (int o = 0; o < n; ++o) {
+      if (rerun[o]) rerun_by_layer[g.ops[o].layer].push_back(o);
+    }
     for (int layer = g.layers - 1; layer >= 0; --layer) {
-      double reload = 0;
-      std::string names;
-      for (size_t ti = 0; ti < g.tensors.size(); ++ti) {
-        const SavedTensor& t = g.tensors[ti];
-        if (t.savers.empty() || g.ops[t.savers.front()].layer != layer) continue;
-        if (eval.TensorPlacement(*u.recover, static_cast<int>(ti)) == Placement::kHost) {
-          reload += t.Bytes(u.recover_r);
-          names = names.empty() ? t.name : names;
-        }
+      if (reload[layer] > 0) {
+        chains[3].push_back({Resource::kH2D, hw.reload.Time(reload[layer]), reload_first[layer],
+                             reload_last[layer]});
       }
-      if (reload > 0) {
-        chains[3].push_back({Resource::kH2D, hw.reload.Time(reload), "reload " + names + ".."});
-      }
-      for (int o = 0; o < n; ++o) {
-        if (!rerun[o] || g.ops[o].layer != layer) continue;
+      for (int o : rerun_by_layer[layer]) {
         Append(chains[3], g.ops[o].IsComm() ? Resource::kComm : Resource::kCompute,
-               g.ops[o].ForwardTime(u.recover_r), "recompute " + g.ops[o].name);
+               g.ops[o].ForwardTime(u.recover_r), o);
       }
     }
   }

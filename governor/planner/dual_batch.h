@@ -5,7 +5,6 @@
 
 #include <array>
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "governor/planner/assignment.h"
@@ -21,11 +20,13 @@ enum class Chain : uint8_t { kForward, kBackward, kOffload, kRecover };
 constexpr int kChainCount = 4;
 const char* ChainName(Chain c);
 
-// A run of work on one resource that the DP treats as one unit.
+// A run of work on one resource that the DP treats as one unit. `first` and `last` are operator
+// indices (F, B, R) or tensor indices (O) of the work it covers, in chain order.
 struct ChainStage {
   Resource resource = Resource::kCompute;
   double duration_s = 0;
-  std::string label;
+  int first = -1;
+  int last = -1;
 };
 
 using Chains = std::array<std::vector<ChainStage>, kChainCount>;
@@ -36,9 +37,22 @@ struct IssueRound {
   double time_s = 0;
 };
 
+// One issued stage of the dual-batch order. first/last: operator indices of the graph (chains
+// F, B, R; R's reloads and O name tensor indices instead).
+struct IssueItem {
+  Chain chain = Chain::kForward;
+  int stage = 0;
+  int round = 0;
+  Resource resource = Resource::kCompute;
+  double duration_s = 0;
+  int first = -1;
+  int last = -1;
+};
+
 // The DP's answer.
 struct DualBatchSchedule {
   std::vector<IssueRound> rounds;
+  std::vector<IssueItem> issue_order;  // the rounds flattened, for callers
   double overlapped_s = 0;  // sum of round times: the point's makespan under the round model
   double serial_s = 0;      // every stage one after another
 };

@@ -1,5 +1,6 @@
 // Plan caches (paper V-B "memorizing"): assignments keyed by (phase, chunk, discretised budget,
-// load bucket) and issue orders keyed by the four units of a scheduling point. Bounded; counted.
+// load bucket) and issue orders keyed by what the four units of a scheduling point run.
+// Bounded (least recently used goes first) and counted.
 #pragma once
 
 #include <array>
@@ -24,8 +25,19 @@ struct MitigationKey {
   bool operator==(const MitigationKey& o) const { return Tie() == o.Tie(); }
 };
 
+// What one unit of a scheduling point runs: its chunk, its assignment (interned id; -1: the
+// unit is absent) and its load class.
+struct UnitKey {
+  int chunk = 0;
+  int assignment = -1;
+  int64_t load_class = 0;
+
+  auto Tie() const { return std::tie(assignment, chunk, load_class); }
+  bool operator<(const UnitKey& o) const { return Tie() < o.Tie(); }
+};
+
 // The four units of a point: F, B, O, R.
-using ScheduleKey = std::array<MitigationKey, 4>;
+using ScheduleKey = std::array<UnitKey, 4>;
 
 // Hit and miss counters of one cache.
 struct CacheCounters {

@@ -7,6 +7,22 @@
 
 namespace bgl::plan {
 
+std::string IssueLabel(const IssueItem& item, const StageGraph& g) {
+  if (item.first < 0) return "";
+  const bool tensors = item.chain == Chain::kOffload || item.resource == Resource::kH2D;
+  auto name = [&](int i) {
+    return tensors ? g.tensors.at(static_cast<size_t>(i)).name
+                   : g.ops.at(static_cast<size_t>(i)).name;
+  };
+  std::string label = item.chain == Chain::kOffload     ? "offload "
+                      : item.resource == Resource::kH2D ? "reload "
+                      : item.chain == Chain::kRecover   ? "recompute "
+                                                        : "";
+  label += name(item.first);
+  if (item.last != item.first) label += ".." + name(item.last);
+  return label;
+}
+
 std::string FormatPlanTable(const Plan& plan, const StagePlanner& planner) {
   const StageGraph& g = planner.graph();
   const CostEvaluator& eval = planner.evaluator();
@@ -47,7 +63,7 @@ std::string FormatPlanTable(const Plan& plan, const StagePlanner& planner) {
     for (const IssueItem& item : plan.issue_order) {
       std::snprintf(line, sizeof line, "%5d: %s%-3d %-8s %10s  %s\n", item.round,
                     ChainName(item.chain), item.stage, ResourceName(item.resource),
-                    FormatSeconds(item.duration_s).c_str(), item.label.c_str());
+                    FormatSeconds(item.duration_s).c_str(), IssueLabel(item, g).c_str());
       out << line;
     }
   }
@@ -87,7 +103,7 @@ nlohmann::json PlanToJson(const Plan& plan, const StageGraph& g) {
                      {"stage", item.stage},
                      {"resource", ResourceName(item.resource)},
                      {"duration_s", item.duration_s},
-                     {"label", item.label}});
+                     {"label", IssueLabel(item, g)}});
   }
   return j;
 }

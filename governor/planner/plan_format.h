@@ -9,6 +9,8 @@
 
 namespace bgl::plan {
 
+// What an issued stage covers, e.g. "L0.attn_norm..L0.router" or "offload L1.dispatched".
+std::string IssueLabel(const IssueItem& item, const StageGraph& graph);
 // A readable table: the budget line, one row per operator, then the issue order.
 std::string FormatPlanTable(const Plan& plan, const StagePlanner& planner);
 nlohmann::json PlanToJson(const Plan& plan, const StageGraph& graph);

@@ -60,7 +60,24 @@ StagePlanner::StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOption
       mitigation_cache_(options.cache_entries),
       schedule_cache_(options.cache_entries) {
   eval_ = std::make_unique<CostEvaluator>(graph_, hw_);
-  keep_all_.assign(graph_.ops.size(), Strategy::kKeep);
+  const size_t units = static_cast<size_t>(config_.MicroBatches() * config_.Chunks());
+  units_.resize(units);
+  forward_step_.assign(units, -1);
+  previous_forward_.assign(units, -1);
+  next_backward_.assign(units, -1);
+  int last_forward = -1, last_backward = -1;
+  for (size_t i = 0; i < steps_.size(); ++i) {
+    const int unit = UnitIndex(steps_[i].micro_batch, steps_[i].chunk);
+    if (steps_[i].forward) {
+      forward_step_[unit] = static_cast<int>(i);
+      previous_forward_[unit] = last_forward;
+      last_forward = unit;
+    } else {
+      if (last_backward >= 0) next_backward_[last_backward] = unit;
+      last_backward = unit;
+    }
+  }
+  keep_all_ = Intern(Assignment(graph_.ops.size(), Strategy::kKeep), 1.0, false);
 }
 
 PlannerCacheStats StagePlanner::cache_stats() const {
@@ -68,8 +85,13 @@ PlannerCacheStats StagePlanner::cache_stats() const {
 }
 
 void StagePlanner::ResetIteration() {
-  units_.clear();
+  for (UnitState& u : units_) u = UnitState{};
   tracker_ = BudgetTracker(m_max_, graph_.M0(1.0));
+}
+
+void StagePlanner::ClearCaches() {
+  mitigation_cache_.Clear();
+  schedule_cache_.Clear();
 }
 
 Status StagePlanner::Validate(const SchedulePoint& p) const {
@@ -108,17 +130,30 @@ Status StagePlanner::Validate(const SchedulePoint& p) const {
   return OkStatus();
 }
 
-const StagePlanner::UnitState* StagePlanner::Unit(int micro_batch, int chunk) const {
-  auto it = units_.find({micro_batch, chunk});
-  return it == units_.end() ? nullptr : &it->second;
+int StagePlanner::Intern(Assignment assignment, double planned_r, bool fallback) {
+  auto it = intern_index_.find(assignment);
+  if (it != intern_index_.end()) return it->second;
+  Interned entry;
+  // Memory is affine in r for a fixed assignment: two evaluations give the line.
+  const AssignmentCost at0 = eval_->Evaluate(assignment, 0.0);
+  const AssignmentCost at1 = eval_->Evaluate(assignment, 1.0);
+  entry.device_fixed = at0.device_bytes;
+  entry.device_per_load = at1.device_bytes - at0.device_bytes;
+  entry.host_fixed = at0.host_bytes;
+  entry.host_per_load = at1.host_bytes - at0.host_bytes;
+  entry.exposed_s = eval_->Evaluate(assignment, planned_r).exposed_s;
+  entry.fallback = fallback;
+  entry.assignment = assignment;
+  const int id = static_cast<int>(interned_.size());
+  interned_.push_back(std::move(entry));
+  intern_index_.emplace(std::move(assignment), id);
+  return id;
 }
 
-const Assignment& StagePlanner::AssignmentFor(const MitigationKey& key, double budget, double r,
-                                              bool& hit, bool& fallback) {
-  if (const CachedAssignment* cached = mitigation_cache_.Find(key)) {
+int StagePlanner::AssignmentFor(const MitigationKey& key, bool& hit) {
+  if (const int* cached = mitigation_cache_.Find(key)) {
     hit = true;
-    fallback = cached->fallback;
-    return cached->assignment;
+    return *cached;
   }
   hit = false;
   // Plan for the worst case of the bucket: the lowest budget and the highest load in it.
@@ -126,19 +161,11 @@ const Assignment& StagePlanner::AssignmentFor(const MitigationKey& key, double b
   const double budget_plan =
       std::max(graph_.M0(r_plan), static_cast<double>(key.budget_bucket) *
                                       static_cast<double>(options_.budget_step_bytes));
-  (void)budget;
-  (void)r;
   auto selected = SelectMitigation(*eval_, r_plan, budget_plan, options_.mitigation);
-  CachedAssignment entry;
-  if (selected.ok()) {
-    entry.assignment = std::move(selected->assignment);
-    entry.fallback = selected->fallback_full_recompute;
-  } else {
-    entry.assignment = FullRecompute(*eval_);
-    entry.fallback = true;
-  }
-  fallback = entry.fallback;
-  return mitigation_cache_.Insert(key, std::move(entry)).assignment;
+  const int id = selected.ok() ? Intern(std::move(selected->assignment), r_plan,
+                                        selected->fallback_full_recompute)
+                               : Intern(FullRecompute(*eval_), r_plan, true);
+  return mitigation_cache_.Insert(key, id);
 }
 
 Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point) {
@@ -149,12 +176,8 @@ Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point) {
   if (point.bytes_in_use >= 0) tracker_.Rebase(static_cast<double>(point.bytes_in_use));
   bool hit_mitigation = true;
   if (point.forward_micro_batch >= 0) {
-    const int index = FindForward(steps_, point.forward_micro_batch, point.forward_chunk);
-    if (index < 0) {
-      return InvalidArgument("forward_micro_batch: (" + std::to_string(point.forward_micro_batch) +
-                             ", chunk " + std::to_string(point.forward_chunk) +
-                             ") is not a forward of this stage's schedule");
-    }
+    const int unit_index = UnitIndex(point.forward_micro_batch, point.forward_chunk);
+    const int index = forward_step_[unit_index];
     plan.phase = point.phase.value_or(steps_[index].phase);
     plan.micro_batch = point.forward_micro_batch;
     plan.chunk = point.forward_chunk;
@@ -171,22 +194,22 @@ Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point) {
         std::floor(d.budget / static_cast<double>(options_.budget_step_bytes)));
     key.load_bucket =
         static_cast<int64_t>(std::ceil(point.load_factor / options_.load_bucket - 1e-9));
-    bool fallback = false;
-    const Assignment& a = AssignmentFor(key, d.budget, point.load_factor, hit_mitigation, fallback);
-    plan.strategies = a;
-    plan.fallback_full_recompute = fallback;
-    const AssignmentCost cost = eval_->Evaluate(a, point.load_factor);
-    plan.predicted_bytes = static_cast<int64_t>(cost.device_bytes);
-    plan.host_bytes = static_cast<int64_t>(cost.host_bytes);
-    plan.overhead_s = cost.exposed_s;
+    const int id = AssignmentFor(key, hit_mitigation);
+    const Interned& a = interned_[id];
+    plan.strategies = a.assignment;
+    plan.fallback_full_recompute = a.fallback;
+    const double predicted = a.device_fixed + a.device_per_load * point.load_factor;
+    plan.predicted_bytes = static_cast<int64_t>(predicted);
+    plan.host_bytes = static_cast<int64_t>(a.host_fixed + a.host_per_load * point.load_factor);
+    plan.overhead_s = a.exposed_s;
     plan.keep_all_bytes = static_cast<int64_t>(graph_.KeepAllBytes(point.load_factor));
-    UnitState& unit = units_[{point.forward_micro_batch, point.forward_chunk}];
-    unit.assignment = a;
-    unit.key = key;
+    UnitState& unit = units_[unit_index];
+    unit.live = true;
+    unit.assignment = id;
     unit.load = point.load_factor;
     unit.budget = d.budget;
     // The prediction stands in for the report until the real number arrives.
-    tracker_.OnReport(point.forward_micro_batch, point.forward_chunk, cost.device_bytes);
+    tracker_.OnReport(point.forward_micro_batch, point.forward_chunk, predicted);
   } else {
     plan.phase = point.phase.value_or(Phase::kCooldown);
   }
@@ -195,7 +218,7 @@ Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point) {
   plan.cache_hit = hit_mitigation && plan.cache_hit;
   if (point.backward_micro_batch >= 0) {
     tracker_.OnBackward(point.backward_micro_batch, point.backward_chunk);
-    units_.erase({point.backward_micro_batch, point.backward_chunk});
+    units_[UnitIndex(point.backward_micro_batch, point.backward_chunk)] = UnitState{};
   }
   return plan;
 }
@@ -203,61 +226,48 @@ Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point) {
 void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk,
                                 bool use_cache) {
   // O is the forward before this one; R the backward after this one.
-  int o_mb = -1, o_chunk = 0, r_mb = -1, r_chunk = 0;
-  const int f_index = f_mb >= 0 ? FindForward(steps_, f_mb, f_chunk) : -1;
-  for (int i = f_index - 1; i >= 0; --i) {
-    if (steps_[i].forward) {
-      o_mb = steps_[i].micro_batch;
-      o_chunk = steps_[i].chunk;
-      break;
-    }
-  }
-  if (b_mb >= 0) {
-    bool seen = false;
-    for (const Step& s : steps_) {
-      if (s.forward) continue;
-      if (seen) {
-        r_mb = s.micro_batch;
-        r_chunk = s.chunk;
-        break;
-      }
-      seen = s.micro_batch == b_mb && s.chunk == b_chunk;
-    }
-  }
-  PointUnits units;
-  units.offload_chunk_bytes = options_.offload_chunk_bytes;
+  const int f_unit = f_mb >= 0 ? UnitIndex(f_mb, f_chunk) : -1;
+  const int b_unit = b_mb >= 0 ? UnitIndex(b_mb, b_chunk) : -1;
+  const int units[kChainCount] = {f_unit, b_unit, f_unit >= 0 ? previous_forward_[f_unit] : -1,
+                                  b_unit >= 0 ? next_backward_[b_unit] : -1};
   ScheduleKey key;
-  auto bind = [&](int mb, int chunk, const Assignment*& a, double& r, MitigationKey& k) {
-    if (mb < 0) return;
-    if (const UnitState* u = Unit(mb, chunk)) {
-      a = &u->assignment;
-      r = u->load;
-      k = u->key;
-    } else {
-      // Not planned by this planner (e.g. it started mid-iteration): assume everything kept.
-      a = &keep_all_;
-      k.valid = true;
-      k.budget_bucket = -1;
-      k.chunk = chunk;
-    }
-  };
-  bind(f_mb, f_chunk, units.forward, units.forward_r, key[0]);
-  bind(b_mb, b_chunk, units.backward, units.backward_r, key[1]);
-  bind(o_mb, o_chunk, units.offload, units.offload_r, key[2]);
-  bind(r_mb, r_chunk, units.recover, units.recover_r, key[3]);
-  const DualBatchSchedule* schedule = nullptr;
-  DualBatchSchedule computed;
-  Chains chains = BuildChains(*eval_, units);
-  if (use_cache) schedule = schedule_cache_.Find(key);
+  const Assignment* assignments[kChainCount] = {};
+  double loads[kChainCount] = {1, 1, 1, 1};
+  for (int c = 0; c < kChainCount; ++c) {
+    if (units[c] < 0) continue;
+    const UnitState& u = units_[units[c]];
+    // A unit this planner did not plan (e.g. it started mid-iteration) is assumed kept whole.
+    const int id = u.live ? u.assignment : keep_all_;
+    const double load = u.live ? u.load : 1.0;
+    key[c].chunk = static_cast<int>(units[c] % config_.Chunks());
+    key[c].assignment = id;
+    key[c].load_class = static_cast<int64_t>(std::ceil(load / options_.schedule_load_class - 1e-9));
+    assignments[c] = &interned_[id].assignment;
+    // Durations are taken at the top of the load class, so a cached order is never optimistic.
+    loads[c] = static_cast<double>(key[c].load_class) * options_.schedule_load_class;
+  }
+  const DualBatchSchedule* schedule = use_cache ? schedule_cache_.Find(key) : nullptr;
   plan.cache_hit = schedule != nullptr;
+  DualBatchSchedule computed;
   if (!schedule) {
+    PointUnits point_units;
+    point_units.offload_chunk_bytes = options_.offload_chunk_bytes;
+    point_units.forward = assignments[0];
+    point_units.forward_r = loads[0];
+    point_units.backward = assignments[1];
+    point_units.backward_r = loads[1];
+    point_units.offload = assignments[2];
+    point_units.offload_r = loads[2];
+    point_units.recover = assignments[3];
+    point_units.recover_r = loads[3];
+    const Chains chains = BuildChains(*eval_, point_units);
     if (options_.dual_batch) {
       computed = SolveDualBatch(chains);
     } else {
       // Program order without planning: every chain advances one stage per round in lockstep.
       size_t longest = 0;
-      for (const auto& c : chains) longest = std::max(longest, c.size());
       for (const auto& c : chains) {
+        longest = std::max(longest, c.size());
         for (const auto& s : c) computed.serial_s += s.duration_s;
       }
       for (size_t i = 0; i < longest; ++i) {
@@ -270,26 +280,28 @@ void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int
         computed.rounds.push_back(round);
       }
     }
+    for (size_t r = 0; r < computed.rounds.size(); ++r) {
+      for (int c = 0; c < kChainCount; ++c) {
+        const int stage = computed.rounds[r].stage[c];
+        if (stage < 0) continue;
+        const ChainStage& s = chains[c][stage];
+        computed.issue_order.push_back({static_cast<Chain>(c), stage, static_cast<int>(r),
+                                        s.resource, s.duration_s, s.first, s.last});
+      }
+    }
     schedule = use_cache ? &schedule_cache_.Insert(key, std::move(computed)) : &computed;
   }
   plan.serial_s = schedule->serial_s;
   plan.overlapped_s = schedule->overlapped_s;
-  plan.issue_order.clear();
-  for (size_t r = 0; r < schedule->rounds.size(); ++r) {
-    const IssueRound& round = schedule->rounds[r];
-    for (int c = 0; c < kChainCount; ++c) {
-      if (round.stage[c] < 0 || round.stage[c] >= static_cast<int>(chains[c].size())) continue;
-      const ChainStage& s = chains[c][round.stage[c]];
-      plan.issue_order.push_back({static_cast<Chain>(c), round.stage[c], static_cast<int>(r),
-                                  s.resource, s.duration_s, s.label});
-    }
-  }
+  plan.issue_order = schedule->issue_order;
 }
 
 Result<Plan> StagePlanner::PlanAfterGate(int micro_batch, int chunk, int gate_layer,
                                          double observed_r) {
-  auto it = units_.find({micro_batch, chunk});
-  if (it == units_.end()) {
+  const int mbs = static_cast<int>(config_.MicroBatches());
+  const int chunks = static_cast<int>(config_.Chunks());
+  if (micro_batch < 0 || micro_batch >= mbs || chunk < 0 || chunk >= chunks ||
+      !units_[UnitIndex(micro_batch, chunk)].live) {
     return NotFound("micro_batch: (" + std::to_string(micro_batch) + ", chunk " +
                     std::to_string(chunk) + ") has no forward plan to revise");
   }
@@ -300,18 +312,14 @@ Result<Plan> StagePlanner::PlanAfterGate(int micro_batch, int chunk, int gate_la
   if (!std::isfinite(observed_r) || observed_r <= 0 || observed_r > 64) {
     return InvalidArgument("load_factor: must be in (0, 64], got " + std::to_string(observed_r));
   }
-  UnitState& unit = it->second;
-  const MitigationResult revised =
-      ReplanAfterGate(*eval_, unit.assignment, gate_layer, observed_r, unit.budget);
-  unit.assignment = revised.assignment;
+  UnitState& unit = units_[UnitIndex(micro_batch, chunk)];
+  const MitigationResult revised = ReplanAfterGate(*eval_, interned_[unit.assignment].assignment,
+                                                   gate_layer, observed_r, unit.budget);
+  unit.assignment = Intern(revised.assignment, observed_r, revised.fallback_full_recompute);
   unit.load = observed_r;
-  unit.key.load_bucket = static_cast<int64_t>(std::ceil(observed_r / options_.load_bucket - 1e-9));
-  unit.key.budget_bucket = -2 - gate_layer;  // revised plans never alias first-pass plans
   tracker_.OnReport(micro_batch, chunk, revised.cost.device_bytes);
   Plan plan;
-  plan.phase = Phase::kSteady;
-  const int index = FindForward(steps_, micro_batch, chunk);
-  if (index >= 0) plan.phase = steps_[index].phase;
+  plan.phase = steps_[forward_step_[UnitIndex(micro_batch, chunk)]].phase;
   plan.micro_batch = micro_batch;
   plan.chunk = chunk;
   plan.load_factor = observed_r;
@@ -334,7 +342,8 @@ Status StagePlanner::Report(int micro_batch, int chunk, int64_t actual_bytes) {
     return InvalidArgument("actual_bytes: must be non-negative, got " +
                            std::to_string(actual_bytes));
   }
-  if (!Unit(micro_batch, chunk)) {
+  if (micro_batch < 0 || micro_batch >= static_cast<int>(config_.MicroBatches()) || chunk < 0 ||
+      chunk >= static_cast<int>(config_.Chunks()) || !units_[UnitIndex(micro_batch, chunk)].live) {
     return NotFound("micro_batch: (" + std::to_string(micro_batch) + ", chunk " +
                     std::to_string(chunk) + ") was not planned or its backward already ran");
   }

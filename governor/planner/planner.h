@@ -7,8 +7,6 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <string>
-#include <utility>
 #include <vector>
 
 #include "governor/planner/assignment.h"
@@ -28,7 +26,8 @@ struct PlannerOptions {
   int64_t capacity_bytes = 0;  // device memory; 0: the hardware profile's
   int pipeline_rank = 0;
   int64_t budget_step_bytes = int64_t{64} << 20;  // plan-cache budget discretisation
-  double load_bucket = 0.05;                      // plan-cache load-factor bucket width
+  double load_bucket = 0.05;                      // assignment cache: load-factor bucket width
+  double schedule_load_class = 0.25;              // issue-order cache: load-factor class width
   double offload_chunk_bytes = 64.0 * (1 << 20);
   size_t cache_entries = 4096;
   MitigationOptions mitigation;
@@ -44,16 +43,6 @@ struct SchedulePoint {
   int backward_chunk = 0;
   double load_factor = 1.0;   // predicted (or, after the gate, observed) r of the forward
   int64_t bytes_in_use = -1;  // activation bytes retained now as measured; -1: use reports
-};
-
-// One issued stage of the dual-batch order.
-struct IssueItem {
-  Chain chain = Chain::kForward;
-  int stage = 0;
-  int round = 0;
-  Resource resource = Resource::kCompute;
-  double duration_s = 0;
-  std::string label;
 };
 
 // The planner's answer for one scheduling point; a plain value that hosts serialise.
@@ -101,6 +90,8 @@ class StagePlanner {
   Status Report(int micro_batch, int chunk, int64_t actual_bytes);
   // Starts a new iteration: live micro-batches are forgotten, caches are kept.
   void ResetIteration();
+  // Drops every cached plan (after a calibration change, or to measure a cold planner).
+  void ClearCaches();
 
   const ModelConfig& config() const { return config_; }
   const HardwareProfile& hardware() const { return hw_; }
@@ -116,9 +107,19 @@ class StagePlanner {
   PlannerCacheStats cache_stats() const;
 
  private:
-  struct UnitState {
+  // An assignment the planner has produced, with its memory as a linear function of load
+  // (placements do not depend on r), so cached plans predict bytes without re-evaluation.
+  struct Interned {
     Assignment assignment;
-    MitigationKey key;
+    double device_fixed = 0, device_per_load = 0;
+    double host_fixed = 0, host_per_load = 0;
+    double exposed_s = 0;  // at the load it was planned for
+    bool fallback = false;
+  };
+  // The forward of one (micro-batch, chunk) that has not run its backward yet.
+  struct UnitState {
+    bool live = false;
+    int assignment = -1;
     double load = 1;
     double budget = 0;
   };
@@ -126,10 +127,12 @@ class StagePlanner {
   StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOptions options, StageGraph graph,
                std::vector<Step> steps, double m_max);
   Status Validate(const SchedulePoint& point) const;
-  const Assignment& AssignmentFor(const MitigationKey& key, double budget, double r, bool& hit,
-                                  bool& fallback);
+  int Intern(Assignment assignment, double planned_r, bool fallback);
+  int AssignmentFor(const MitigationKey& key, bool& hit);
   void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, bool use_cache);
-  const UnitState* Unit(int micro_batch, int chunk) const;
+  int UnitIndex(int micro_batch, int chunk) const {
+    return micro_batch * static_cast<int>(config_.Chunks()) + chunk;
+  }
 
   ModelConfig config_;
   HardwareProfile hw_;
@@ -137,16 +140,17 @@ class StagePlanner {
   StageGraph graph_;
   std::unique_ptr<CostEvaluator> eval_;
   std::vector<Step> steps_;
+  std::vector<int> forward_step_;      // unit -> index of its forward step
+  std::vector<int> previous_forward_;  // unit -> unit whose forward precedes it (-1: none)
+  std::vector<int> next_backward_;     // unit -> unit whose backward follows its own (-1: none)
   double m_max_;
   BudgetTracker tracker_;
-  std::map<std::pair<int, int>, UnitState> units_;
-  struct CachedAssignment {
-    Assignment assignment;
-    bool fallback = false;
-  };
-  LruCache<MitigationKey, CachedAssignment> mitigation_cache_;
+  std::vector<UnitState> units_;
+  std::vector<Interned> interned_;
+  std::map<Assignment, int> intern_index_;
+  LruCache<MitigationKey, int> mitigation_cache_;
   LruCache<ScheduleKey, DualBatchSchedule> schedule_cache_;
-  Assignment keep_all_;
+  int keep_all_ = -1;
 };
 
 }  // namespace bgl::plan

@@ -49,7 +49,7 @@ Chains RandomChains(std::mt19937& rng) {
         r = Resource::kD2H;
       else
         r = res(rng) ? Resource::kH2D : Resource::kCompute;
-      chains[c].push_back({r, dur(rng), ""});
+      chains[c].push_back({r, dur(rng), i, i});
     }
   }
   return chains;
@@ -81,9 +81,9 @@ TEST(DualBatch, EqualsBruteForceAndKeepsChainOrder) {
 
 TEST(DualBatch, OverlapsIndependentResources) {
   Chains chains;
-  chains[0] = {{Resource::kCompute, 3, "f"}};
-  chains[2] = {{Resource::kD2H, 2, "o"}};
-  chains[3] = {{Resource::kH2D, 1, "r"}};
+  chains[0] = {{Resource::kCompute, 3, 0, 0}};
+  chains[2] = {{Resource::kD2H, 2, 0, 0}};
+  chains[3] = {{Resource::kH2D, 1, 0, 0}};
   const auto s = SolveDualBatch(chains);
   EXPECT_DOUBLE_EQ(s.overlapped_s, 3);
   EXPECT_DOUBLE_EQ(s.serial_s, 6);
