@@ -205,14 +205,14 @@ Block* Pool::take(Block* b, std::size_t n, std::size_t requested, Stream s) {
     // The remainder keeps the block's free attributes; it cannot merge with its successor
     // (the block was merged as far as possible before).
     Block* rest = split_at(b, b->addr + n);
-    b->arena->free.insert(rest);
+    index_free(rest);
   }
   b->state = BlockState::kAllocated;
   b->requested = requested;
   b->stream = s;
   b->ready = false;
   b->uses.clear();
-  live_.emplace(b->addr, b);
+  live_.insert(b->addr, b);
   stats_.allocated_bytes.add(static_cast<std::int64_t>(b->size));
   stats_.requested_bytes.add(static_cast<std::int64_t>(requested));
   stats_.active_bytes.add(static_cast<std::int64_t>(b->size));
@@ -340,7 +340,7 @@ Block* Pool::map_range(Arena& a, Block* u, std::uintptr_t addr, std::size_t byte
   trace(Action::kSegmentMap, addr, bytes, s);
   call_hooks(addr, bytes, true);
   m = merge_free(m);
-  a.free.insert(m);
+  index_free(m);
   return m;
 }
 
@@ -356,7 +356,7 @@ Block* Pool::grow_segment(Arena& a, Stream s, std::size_t n) {
   b->stream = s;
   b->arena = &a;
   a.heads.insert(b);
-  a.free.insert(b);
+  index_free(b);
   stats_.reserved_bytes.add(static_cast<std::int64_t>(size));
   stats_.segments.add(1);
   ++stats_.num_maps;
@@ -368,7 +368,28 @@ Block* Pool::grow_segment(Arena& a, Stream s, std::size_t n) {
 // ---------------------------------------------------------------------------------------------
 // Free lists
 
-void Pool::erase_free(Block* b) { b->arena->free.erase(b); }
+void Pool::erase_free(Block* b) {
+  Arena& a = *b->arena;
+  auto it = a.free.find(b);
+  if (it == a.free.end()) return;
+  if (a.spare_nodes.size() < 4096) {
+    a.spare_nodes.push_back(a.free.extract(it));
+  } else {
+    a.free.erase(it);
+  }
+}
+
+void Pool::index_free(Block* b) {
+  Arena& a = *b->arena;
+  if (a.spare_nodes.empty()) {
+    a.free.insert(b);
+    return;
+  }
+  Arena::FreeSet::node_type node = std::move(a.spare_nodes.back());
+  a.spare_nodes.pop_back();
+  node.value() = b;
+  a.free.insert(std::move(node));
+}
 
 bool Pool::mergeable(const Block* a, const Block* b) {
   return a->state == BlockState::kFree && b->state == BlockState::kFree &&
@@ -430,7 +451,7 @@ Block* Pool::merge_unmapped(Block* b) {
 void Pool::insert_free(Block* b) {
   b->state = BlockState::kFree;
   b = merge_free(b);
-  b->arena->free.insert(b);
+  index_free(b);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -440,9 +461,9 @@ Status Pool::deallocate(void* ptr, std::size_t bytes, Stream stream) {
   if (ptr == nullptr) return Status::kOk;
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::unique_lock<std::mutex> lock(mu_);
-  auto it = live_.find(addr);
-  if (it == live_.end()) {
-    Block* b = find_block_at(addr);
+  Block* b = live_.find(addr);
+  if (b == nullptr) {
+    b = find_block_at(addr);
     std::string msg;
     Status st;
     if (b != nullptr && b->state != BlockState::kAllocated) {
@@ -460,7 +481,6 @@ Status Pool::deallocate(void* ptr, std::size_t bytes, Stream stream) {
     report_error(options_.log, msg);
     return st;
   }
-  Block* b = it->second;
   Status st = Status::kOk;
   std::string msg;
   if (bytes != 0 && bytes != b->requested) {
@@ -472,7 +492,7 @@ Status Pool::deallocate(void* ptr, std::size_t bytes, Stream stream) {
   if (stream != b->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
     b->uses.push_back(stream);
   }
-  live_.erase(it);
+  live_.erase(addr);
   stats_.allocated_bytes.sub(static_cast<std::int64_t>(b->size));
   stats_.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
   stats_.allocations.sub(1);
@@ -505,9 +525,8 @@ void Pool::free_block(Block* b) {
 
 Status Pool::record_stream(void* ptr, Stream stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = live_.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (it == live_.end()) return Status::kForeignPointer;
-  Block* b = it->second;
+  Block* b = live_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (b == nullptr) return Status::kForeignPointer;
   if (stream != b->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
     b->uses.push_back(stream);
   }
@@ -592,7 +611,7 @@ void Pool::mark_ready(Stream s, std::uint64_t seq) {
     }
     if (blocks.empty()) continue;
     for (Block* b : blocks) {
-      a->free.erase(b);
+      erase_free(b);
       b->ready = true;
       b->stream = nullptr;
     }
@@ -601,7 +620,7 @@ void Pool::mark_ready(Stream s, std::uint64_t seq) {
     for (Block* b : blocks) {
       if (b->state == BlockState::kDead) continue;
       b = merge_free(b);
-      a->free.insert(b);
+      index_free(b);
     }
   }
 }
@@ -662,9 +681,9 @@ std::size_t Pool::release_block(Block* b) {
   Block* mid = b;
   if (lo > b->addr) {
     mid = split_at(b, lo);
-    a.free.insert(b);
+    index_free(b);
   }
-  if (hi < mid->end()) a.free.insert(split_at(mid, hi));
+  if (hi < mid->end()) index_free(split_at(mid, hi));
   const bool left_mapped = mid->prev != nullptr && mid->prev->state != BlockState::kUnmapped;
   const bool right_mapped = mid->next != nullptr && mid->next->state != BlockState::kUnmapped;
   stats_.segments.add(static_cast<int>(left_mapped) + static_cast<int>(right_mapped) - 1);
@@ -844,7 +863,7 @@ bool Pool::contains(const void* ptr) const {
 
 bool Pool::is_allocated(const void* ptr) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return live_.count(reinterpret_cast<std::uintptr_t>(ptr)) != 0;
+  return live_.find(reinterpret_cast<std::uintptr_t>(ptr)) != nullptr;
 }
 
 bool Pool::check_invariants(std::string* why) const {
@@ -873,7 +892,7 @@ bool Pool::check_invariants(std::string* why) const {
             allocated += static_cast<std::int64_t>(b->size);
             active += static_cast<std::int64_t>(b->size);
             requested += static_cast<std::int64_t>(b->requested);
-            if (live_.count(b->addr) == 0 || live_.at(b->addr) != b) {
+            if (live_.find(b->addr) != b) {
               return fail("allocated block missing from live map" + at);
             }
             break;

@@ -17,6 +17,7 @@
 #include "allocator/block.h"
 #include "allocator/error.h"
 #include "allocator/history.h"
+#include "allocator/ptr_map.h"
 #include "allocator/stats.h"
 
 namespace bgl::alloc {
@@ -70,10 +71,12 @@ struct SegmentInfo {
 
 // Internal: one address range family (small or large requests).
 struct Arena {
+  using FreeSet = std::set<Block*, FreeOrder>;
   bool small = false;
   std::uintptr_t base = 0;  // expandable: the reservation
   std::size_t va_size = 0;
-  std::set<Block*, FreeOrder> free;
+  FreeSet free;
+  std::vector<FreeSet::node_type> spare_nodes;  // recycled set nodes: no malloc per insert
   std::set<Block*, AddrOrder> unmapped;
   std::set<Block*, AddrOrder> heads;  // first block of each region
 };
@@ -151,6 +154,7 @@ class Pool {
   Block* merge_unmapped(Block* b);
   static bool mergeable(const Block* a, const Block* b);
   void erase_free(Block* b);
+  void index_free(Block* b);
   void process_events();
   bool steal(bool wait);
   void mark_ready(Stream s, std::uint64_t seq);
@@ -174,7 +178,7 @@ class Pool {
 
   mutable std::mutex mu_;
   Arena small_, large_;
-  std::unordered_map<std::uintptr_t, Block*> live_;
+  PtrMap live_;
   std::vector<PendingFree> pending_;
   std::vector<Steal> steals_;
   std::uint64_t seq_ = 0;
