@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# GPU suite (allocator part): builds with CUDA, runs the CUDA-backend tests, the LD_PRELOAD and
+# C ABI tests, the allocator benchmarks and bgl-replay of the shipped MoE traces on every
+# backend, plus (when PyTorch is installed) the same traces through PyTorch's native allocator,
+# expandable segments, cudaMallocAsync and BaGuaLu's pluggable allocator. Writes everything to
+# one results file (default out/gpu-results.txt). Budget: under 8 minutes on one H200.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-out/gpu-results.txt}
+mkdir -p "$(dirname "$out")"
+build=${BGL_GPU_BUILD:-build-gpu}
+status=0
+log() { echo "$*" | tee -a "$out"; }
+run() {  # label, command...
+  local label=$1; shift
+  log "=== ${label}: $*"
+  local start=$SECONDS
+  if "$@" 2>&1 | tee -a "$out"; then log "--- ${label}: ok ($((SECONDS - start)) s)"
+  else log "--- ${label}: FAILED ($((SECONDS - start)) s)"; status=1; fi
+}
+: > "$out"
+log "bagualu GPU suite, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$out"
+
+run configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBGL_BUILD_BENCH=ON
+run build cmake --build "$build" -j "$(nproc)" --target bgl_alloc_gpu_tests bgl_alloc_tests \
+  bgl_alloc_c_api_tests bgl_preload bgl_preload_probe bgl_alloc bgl-replay bgl_alloc_bench
+run gpu-tests bash -c "cd '$build' && ctest --output-on-failure -L gpu --timeout 120"
+run preload-tests bash -c "cd '$build' && ctest --output-on-failure -R 'alloc_preload|CApi'"
+run bench "$build/bench/allocator/bgl_alloc_bench" --benchmark_min_time=0.2s
+
+for backend in host cuda-vmm cuda-async; do
+  for trace in traces/*.csv; do
+    run "replay $backend $(basename "$trace")" timeout 120 "$build/tools/bgl-replay/bgl-replay" \
+      --trace "$trace" --backend "$backend" --repeat 3 --json
+  done
+done
+
+if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  for mode in native expandable cudaMallocAsync bgl; do
+    for trace in traces/*.csv; do
+      run "torch $mode $(basename "$trace")" timeout 120 python3 tests/gpu/torch_replay.py \
+        --trace "$trace" --mode "$mode" --lib "$build/allocator/libbgl_alloc.so"
+    done
+  done
+else
+  log "=== torch comparison skipped: PyTorch with CUDA not importable"
+fi
+log "=== done, status $status"
+exit $status
