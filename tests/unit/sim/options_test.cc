@@ -1,0 +1,77 @@
+#include "tools/bgl-sim/options.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+namespace bgl::sim {
+namespace {
+
+const std::string kModels = BGL_MODELS_DIR;
+
+Status Build(const std::vector<std::string>& args) {
+  auto options = ParseOptions(args);
+  if (!options.ok()) return options.status();
+  auto config = BuildConfig(*options);
+  return config.ok() ? OkStatus() : config.status();
+}
+
+// Writes the 423B model with one field replaced.
+std::string Variant(const std::string& name, const std::string& field, int value) {
+  std::ifstream in(kModels + "/glm-423b-a30b.json");
+  nlohmann::json doc = nlohmann::json::parse(in);
+  doc[field] = value;
+  const std::string path = ::testing::TempDir() + "/" + name + ".json";
+  std::ofstream(path) << doc.dump();
+  return path;
+}
+
+TEST(OptionsTest, ParsesARun) {
+  auto o = ParseOptions({"--model", kModels + "/tiny-moe.json", "--policy", "ablation,static-over",
+                         "--iterations", "30", "--seed", "9", "--spike-max", "3", "--capacity",
+                         "80GB", "--ranks", "0,3", "--exec", "lockstep", "--json"});
+  ASSERT_TRUE(o.ok()) << o.status().message();
+  EXPECT_EQ(o->policies.size(), 5u);
+  EXPECT_EQ(o->iterations, 30);
+  EXPECT_EQ(o->seed, 9u);
+  EXPECT_DOUBLE_EQ(o->load.spike_max, 3);
+  EXPECT_EQ(o->capacity_bytes, 80'000'000'000);
+  EXPECT_EQ(o->ranks, (std::vector<int>{0, 3}));
+  EXPECT_EQ(o->exec, ExecModel::kLockstep);
+  EXPECT_TRUE(o->json);
+  EXPECT_TRUE(BuildConfig(*o).ok());
+}
+
+TEST(OptionsTest, BadInputIsAClearError) {
+  const std::string tiny = kModels + "/tiny-moe.json";
+  auto message = [](const Status& s) { return s.message(); };
+  EXPECT_NE(message(Build({"--model", kModels + "/nope.json"})).find("nope.json"),
+            std::string::npos);
+  EXPECT_NE(message(Build({"--model", tiny, "--policy", "magic"})).find("unknown policy 'magic'"),
+            std::string::npos);
+  EXPECT_NE(message(Build({"--model", tiny, "--gpu", "tpu"})).find("tpu"), std::string::npos);
+  EXPECT_NE(message(Build({"--model", tiny, "--iterations", "0"})).find("--iterations"),
+            std::string::npos);
+  EXPECT_NE(message(Build({"--model", tiny, "--spike-max", "1.1"})).find("--spike-max"),
+            std::string::npos);
+  EXPECT_NE(message(Build({"--model", tiny, "--ranks", "0,9"})).find("--ranks"), std::string::npos);
+  EXPECT_NE(message(Build({"--model", tiny, "--bogus", "1"})).find("unknown argument"),
+            std::string::npos);
+  EXPECT_NE(message(Build({"--model"})).find("needs a value"), std::string::npos);
+  EXPECT_NE(message(Build({})).find("--model is required"), std::string::npos);
+}
+
+TEST(OptionsTest, ImpossibleLayoutsAndCapacity) {
+  const Status gpus = Build({"--model", Variant("gpus", "gpus", 500)});
+  EXPECT_NE(gpus.message().find("impossible parallel degrees"), std::string::npos)
+      << gpus.message();
+  const Status experts = Build({"--model", Variant("experts", "experts", 100)});
+  EXPECT_NE(experts.message().find("experts (100)"), std::string::npos) << experts.message();
+  const Status capacity = Build({"--model", kModels + "/glm-423b-a30b.json", "--capacity", "12GB"});
+  EXPECT_NE(capacity.message().find("capacity"), std::string::npos) << capacity.message();
+}
+
+}  // namespace
+}  // namespace bgl::sim

@@ -1,0 +1,118 @@
+// bgl-sim: cluster-scale simulator of pipeline-parallel MoE training under activation-memory
+// policies, driven by the planner library the daemon runs (see docs/reproduction.md).
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "tools/bgl-sim/options.h"
+#include "tools/bgl-sim/progress.h"
+#include "tools/bgl-sim/report.h"
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "bgl-sim: %s\n", message.c_str());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace bgl::sim;
+  auto options = ParseOptions(std::vector<std::string>(argv + 1, argv + argc));
+  if (!options.ok()) return Fail(options.status().message() + "\n" + kUsage);
+  if (options->help) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  auto config = BuildConfig(*options);
+  if (!config.ok()) return Fail(config.status().message());
+  const int pp = static_cast<int>(config->model.pp);
+  const int ranks =
+      options->ranks.empty() ? (pp > 1 ? 2 : 1) : static_cast<int>(options->ranks.size());
+  const int mbs = static_cast<int>(config->model.MicroBatches());
+  LoadSpec spec = options->load;
+  spec.seed = options->seed;
+  spec.gpus_per_stage = static_cast<int>(config->model.gpus / config->model.pp);
+  auto trace = options->loads_path.empty()
+                   ? GenerateLoads(spec, options->iterations, ranks, mbs)
+                   : ReadLoadLog(options->loads_path, ranks, mbs, spec.normal_max);
+  if (!trace.ok()) return Fail(trace.status().message());
+  const int iterations = options->loads_path.empty()
+                             ? trace->iterations()
+                             : std::min(trace->iterations(), options->iterations);
+  int traced = options->trace_iteration;
+  if (traced >= iterations) return Fail("--trace-iteration: beyond the last iteration");
+  if (traced < 0) {
+    traced = 0;
+    for (int i = 1; i < iterations; ++i) {
+      if (trace->MaxLoad(i) > trace->MaxLoad(traced)) traced = i;
+    }
+  }
+
+  std::vector<PolicyRun> runs;
+  ProgressBar bar(options->progress || StderrIsTerminal(),
+                  static_cast<long>(iterations) * static_cast<long>(options->policies.size()));
+  long done = 0;
+  for (Policy policy : options->policies) {
+    auto sim = PolicySimulator::Create(*config, policy);
+    if (!sim.ok()) return Fail(sim.status().message());
+    PolicyRun run;
+    for (int it = 0; it < iterations; ++it) {
+      auto rec = (*sim)->Step(*trace, it, it == traced);
+      if (!rec.ok()) return Fail(rec.status().message());
+      if (it == traced) run.traced = (*sim)->traced();
+      bar.Update(++done, PolicyName(policy));
+    }
+    run.summary = (*sim)->Summary();
+    run.records = (*sim)->records();
+    runs.push_back(std::move(run));
+  }
+  bar.Finish();
+
+  if (!options->out_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(options->out_dir, ec);
+    if (ec) return Fail("--out: cannot create '" + options->out_dir + "': " + ec.message());
+    auto write = [&](const char* name, auto&& writer) -> bool {
+      std::ofstream out(std::filesystem::path(options->out_dir) / name);
+      if (!out) return false;
+      writer(out);
+      return static_cast<bool>(out);
+    };
+    bool ok =
+        write("iterations.csv", [&](std::ostream& o) { WriteIterationsCsv(runs, o); }) &&
+        write("summary.csv", [&](std::ostream& o) { WriteSummaryCsv(runs, o); }) &&
+        write("timeline.csv", [&](std::ostream& o) { WriteTimelineCsv(runs, o); }) &&
+        write("memory.csv", [&](std::ostream& o) { WriteMemoryCsv(runs, o); }) &&
+        write("summary.json", [&](std::ostream& o) { o << RunsToJson(runs).dump(2) << "\n"; });
+    if (!ok) return Fail("--out: cannot write into '" + options->out_dir + "'");
+  }
+  if (options->json) {
+    nlohmann::json j = RunsToJson(runs);
+    j["model"] = config->model.name;
+    j["gpu"] = config->hw.name;
+    j["iterations"] = iterations;
+    j["seed"] = options->seed;
+    j["traced_iteration"] = traced;
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  int spikes = 0;
+  for (int i = 0; i < iterations; ++i) spikes += trace->spike[i] ? 1 : 0;
+  std::printf(
+      "%s on %lld x %s, PP %lld (%lld chunk(s)), %lld micro-batches, seq %lld; "
+      "%d iterations (%d with spikes), seed %llu\n\n",
+      config->model.name.c_str(), static_cast<long long>(config->model.gpus),
+      config->hw.name.c_str(), static_cast<long long>(config->model.pp),
+      static_cast<long long>(config->model.Chunks()), static_cast<long long>(mbs),
+      static_cast<long long>(config->model.seq_len), iterations, spikes,
+      static_cast<unsigned long long>(options->seed));
+  std::fputs(FormatSummaryTable(runs).c_str(), stdout);
+  const std::string ablation = FormatAblationTable(runs);
+  if (!ablation.empty()) std::printf("\nablation\n%s", ablation.c_str());
+  return 0;
+}

@@ -1,0 +1,158 @@
+#include "tools/bgl-sim/stage_runner.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "tools/bgl-sim/static_plan.h"
+
+namespace bgl::sim {
+namespace {
+
+size_t Chunks(const plan::StagePlanner& p) { return static_cast<size_t>(p.config().Chunks()); }
+
+// Per-iteration totals that do not depend on the policy.
+void FillCommon(const plan::StagePlanner& p, StageIteration& out) {
+  out.rank = p.options().pipeline_rank;
+  out.capacity_bytes = p.activation_capacity();
+  out.useful_flops = 3.0 * p.graph().ForwardFlops(1.0) *
+                     static_cast<double>(p.config().MicroBatches() * p.config().Chunks());
+}
+
+}  // namespace
+
+void WalkPoints(const std::vector<PointRef>& points, const std::vector<PointSchedule>& schedules,
+                const std::vector<std::vector<double>>& bytes, bool trace, StageIteration& out) {
+  double t = 0;
+  double used = 0;
+  if (trace) out.memory.push_back({0, 0});
+  for (size_t i = 0; i < points.size(); ++i) {
+    const PointRef& p = points[i];
+    const PointSchedule& s = schedules[i];
+    if (p.f_mb >= 0) {
+      used += bytes[p.f_mb][p.f_chunk];
+      if (trace) out.memory.push_back({t + s.forward_end_s, used});
+      if (used > out.peak_bytes) out.peak_bytes = used;
+      if (used > out.capacity_bytes && out.first_over_s < 0) out.first_over_s = t + s.duration_s;
+    }
+    if (p.b_mb >= 0) {
+      used -= bytes[p.b_mb][p.b_chunk];
+      if (trace) out.memory.push_back({t + s.duration_s, std::max(0.0, used)});
+    }
+    if (trace) {
+      for (Interval iv : s.intervals) {
+        iv.point = static_cast<int>(i);
+        iv.start_s += t;
+        iv.end_s += t;
+        out.timeline.push_back(std::move(iv));
+      }
+    }
+    t += s.duration_s;
+  }
+  out.busy_s = t;
+}
+
+StaticStageRunner::StaticStageRunner(std::unique_ptr<plan::StagePlanner> planner, ExecModel exec)
+    : planner_(std::move(planner)), exec_(exec) {
+  assignment_ = plan::FullRecompute(planner_->evaluator());
+  points_ = GroupPoints(planner_->steps());
+}
+
+Result<StageIteration> StaticStageRunner::Run(const std::vector<double>& loads, bool trace) {
+  const plan::CostEvaluator& eval = planner_->evaluator();
+  const size_t mbs = static_cast<size_t>(planner_->config().MicroBatches());
+  if (loads.size() != mbs) return InvalidArgument("loads: one load factor per micro-batch needed");
+  StageIteration out;
+  FillCommon(*planner_, out);
+  std::vector<std::vector<double>> bytes(mbs, std::vector<double>(Chunks(*planner_)));
+  for (size_t mb = 0; mb < mbs; ++mb) {
+    const double device = eval.Evaluate(assignment_, loads[mb]).device_bytes;
+    std::fill(bytes[mb].begin(), bytes[mb].end(), device);
+    out.recompute_flops +=
+        RecomputeFlops(eval, assignment_, loads[mb]) * static_cast<double>(Chunks(*planner_));
+  }
+  std::vector<PointSchedule> schedules;
+  schedules.reserve(points_.size());
+  for (const PointRef& p : points_) {
+    plan::PointUnits units;
+    units.offload_chunk_bytes = planner_->options().offload_chunk_bytes;
+    if (p.f_mb >= 0) units.forward = &assignment_, units.forward_r = loads[p.f_mb];
+    if (p.b_mb >= 0) units.backward = &assignment_, units.backward_r = loads[p.b_mb];
+    if (p.o_mb >= 0) units.offload = &assignment_, units.offload_r = loads[p.o_mb];
+    if (p.r_mb >= 0) units.recover = &assignment_, units.recover_r = loads[p.r_mb];
+    const plan::Chains chains = plan::BuildChains(eval, units);
+    switch (exec_) {
+      case ExecModel::kSerial:
+        schedules.push_back(ScheduleSerial(chains, trace));
+        break;
+      case ExecModel::kLockstep:
+        schedules.push_back(ScheduleRounds(LockstepItems(chains), trace));
+        break;
+      case ExecModel::kDualBatch: {
+        const plan::DualBatchSchedule dp = plan::SolveDualBatch(chains);
+        std::vector<plan::IssueItem> items;
+        for (size_t r = 0; r < dp.rounds.size(); ++r) {
+          for (int c = 0; c < plan::kChainCount; ++c) {
+            const int stage = dp.rounds[r].stage[c];
+            if (stage < 0) continue;
+            items.push_back(Item(chains, c, stage, static_cast<int>(r)));
+          }
+        }
+        schedules.push_back(ScheduleRounds(items, trace));
+        break;
+      }
+    }
+  }
+  WalkPoints(points_, schedules, bytes, trace, out);
+  return out;
+}
+
+DynamicStageRunner::DynamicStageRunner(std::unique_ptr<plan::StagePlanner> planner, ExecModel exec)
+    : planner_(std::move(planner)), exec_(exec) {
+  points_ = GroupPoints(planner_->steps());
+}
+
+Result<StageIteration> DynamicStageRunner::Run(const std::vector<double>& loads, bool trace) {
+  const size_t mbs = static_cast<size_t>(planner_->config().MicroBatches());
+  if (loads.size() != mbs) return InvalidArgument("loads: one load factor per micro-batch needed");
+  StageIteration out;
+  FillCommon(*planner_, out);
+  std::vector<std::vector<double>> bytes(mbs, std::vector<double>(Chunks(*planner_)));
+  std::vector<PointSchedule> schedules;
+  schedules.reserve(points_.size());
+  std::chrono::steady_clock::duration planning{};
+  planner_->ResetIteration();
+  for (const PointRef& p : points_) {
+    plan::SchedulePoint point;
+    point.forward_micro_batch = p.f_mb;
+    point.forward_chunk = p.f_chunk;
+    point.backward_micro_batch = p.b_mb;
+    point.backward_chunk = p.b_chunk;
+    // The gate runs before any load-dependent activation is allocated, so the plan sees the
+    // observed load of the forward (ALGORITHMS.md sec. 3, deferred planning).
+    point.load_factor = p.f_mb >= 0 ? loads[p.f_mb] : 1.0;
+    const auto start = std::chrono::steady_clock::now();
+    auto plan = planner_->PlanPoint(point);
+    if (plan.ok() && plan->micro_batch >= 0) {
+      // The simulated GPU retains exactly what the cost model predicts.
+      Status reported = planner_->Report(plan->micro_batch, plan->chunk, plan->predicted_bytes);
+      if (!reported.ok()) return reported;
+    }
+    planning += std::chrono::steady_clock::now() - start;
+    if (!plan.ok()) return plan.status();
+    if (plan->micro_batch >= 0) {
+      bytes[plan->micro_batch][plan->chunk] = static_cast<double>(plan->predicted_bytes);
+      out.recompute_flops +=
+          RecomputeFlops(planner_->evaluator(), plan->strategies, plan->load_factor);
+      out.fallbacks += plan->fallback_full_recompute ? 1 : 0;
+      out.infeasible += plan->infeasible ? 1 : 0;
+    }
+    schedules.push_back(exec_ == ExecModel::kSerial
+                            ? ScheduleSerial(ChainsFromItems(plan->issue_order), trace)
+                            : ScheduleRounds(plan->issue_order, trace));
+  }
+  out.planning_wall_s = std::chrono::duration<double>(planning).count();
+  WalkPoints(points_, schedules, bytes, trace, out);
+  return out;
+}
+
+}  // namespace bgl::sim
