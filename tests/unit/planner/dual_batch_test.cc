@@ -34,14 +34,18 @@ double BruteForce(const Chains& chains, std::array<int, kChainCount> pos) {
   return best;
 }
 
+// Up to three stages per chain and seven in all, so the unmemoised brute force stays small.
 Chains RandomChains(std::mt19937& rng) {
   std::uniform_int_distribution<int> len(0, 3);
+  std::array<int, kChainCount> lengths;
+  do {
+    for (int& l : lengths) l = len(rng);
+  } while (lengths[0] + lengths[1] + lengths[2] + lengths[3] > 7);
   std::uniform_real_distribution<double> dur(0.1, 5.0);
   std::uniform_int_distribution<int> res(0, 1);
   Chains chains;
   for (int c = 0; c < kChainCount; ++c) {
-    const int n = len(rng);
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < lengths[c]; ++i) {
       Resource r;
       if (c == 0 || c == 1)
         r = res(rng) ? Resource::kCompute : Resource::kComm;
