@@ -36,6 +36,9 @@ Result<std::unique_ptr<PolicySimulator>> PolicySimulator::Create(const SimConfig
     options.capacity_bytes = config.capacity_bytes;
     options.pipeline_rank = rank;
     options.dual_batch = policy == Policy::kL4;
+    // The issue-order cache times chains at the top of a load class; narrow classes keep the
+    // simulated time at the load the micro-batch really has.
+    options.schedule_load_class = config.schedule_load_class;
     auto planner = plan::StagePlanner::Create(config.model, config.hw, options);
     if (!planner.ok()) return planner.status();
     if (IsDynamic(policy)) {

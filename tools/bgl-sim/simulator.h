@@ -26,6 +26,7 @@ struct SimConfig {
   int cooldown = 0;            // iterations before switching back to under-provisioning; 0: never
   bool exec_override = false;  // run every policy but L4 under `exec` instead of serial
   ExecModel exec = ExecModel::kSerial;
+  double schedule_load_class = 0.01;  // the planner's issue-order cache class width
 };
 
 // One iteration of one policy.
