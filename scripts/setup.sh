@@ -2,7 +2,9 @@
 # Installs the Debian packages the build and tests need (idempotent; skips what is present).
 set -euo pipefail
 packages=(cmake ninja-build g++ pkg-config nlohmann-json3-dev libyaml-cpp-dev libgtest-dev
-          libgmock-dev libbenchmark-dev python3 python3-yaml systemd)
+          libgmock-dev libbenchmark-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
+          protobuf-compiler libsystemd-dev prometheus-cpp-dev libncurses-dev python3 python3-yaml
+          systemd passwd procps)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
