@@ -25,7 +25,8 @@ void WriteTimelineCsv(const std::vector<PolicyRun>& runs, std::ostream& out);
 // The traced iteration's activation memory curve per policy and rank.
 void WriteMemoryCsv(const std::vector<PolicyRun>& runs, std::ostream& out);
 
-// The summary table, with BaGuaLu's (L4) speedup over each policy when L4 ran.
+// The summary table, with BaGuaLu's (L4) speedup over each policy when L4 ran: over the whole
+// run and over the spike phase (from the first spike iteration to the end).
 std::string FormatSummaryTable(const std::vector<PolicyRun>& runs);
 // L1 -> L4 step speedups, when all four ran; empty otherwise.
 std::string FormatAblationTable(const std::vector<PolicyRun>& runs);
