@@ -1,0 +1,218 @@
+// The planner's C API (include/bgl/planner.h): JSON in, JSON out, errors through a thread-local
+// message. No exception crosses the boundary.
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "bgl/planner.h"
+#include "governor/planner/plan_format.h"
+#include "governor/planner/planner.h"
+
+struct bgl_planner {
+  std::unique_ptr<bgl::plan::StagePlanner> planner;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+using bgl::plan::StagePlanner;
+using nlohmann::json;
+
+char* Fail(const std::string& message) {
+  last_error = message;
+  return nullptr;
+}
+
+char* Dup(const std::string& text) {
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  if (!out) return Fail("out of host memory");
+  std::memcpy(out, text.c_str(), text.size() + 1);
+  last_error.clear();
+  return out;
+}
+
+bool ParseObject(const char* text, const char* what, json& out) {
+  if (!text) {
+    last_error = std::string(what) + ": NULL";
+    return false;
+  }
+  out = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (out.is_discarded() || !out.is_object()) {
+    last_error = std::string(what) + ": not a JSON object";
+    return false;
+  }
+  return true;
+}
+
+// Reads an optional field of a type, failing with its name when the type is wrong.
+template <typename T>
+bool Optional(const json& doc, const char* key, T& out, const char* what) {
+  if (!doc.contains(key) || doc[key].is_null()) return true;
+  try {
+    out = doc[key].get<T>();
+    return true;
+  } catch (const json::exception&) {
+    last_error = std::string(what) + ": field '" + key + "' has the wrong type";
+    return false;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+bgl_planner* bgl_planner_create(const char* model_json, const char* options_json) {
+  try {
+    json model;
+    if (!ParseObject(model_json, "model_json", model)) return nullptr;
+    auto config = bgl::plan::ModelConfigFromJson(model, "model_json");
+    if (!config.ok()) return reinterpret_cast<bgl_planner*>(Fail(config.status().message()));
+    json options = json::object();
+    if (options_json && !ParseObject(options_json, "options_json", options)) return nullptr;
+    std::string gpu = config->gpu;
+    bgl::plan::PlannerOptions po;
+    bool dual_batch = true, offload = true, fp8 = true, recompute = true;
+    if (!Optional(options, "gpu", gpu, "options_json") ||
+        !Optional(options, "capacity_bytes", po.capacity_bytes, "options_json") ||
+        !Optional(options, "pipeline_rank", po.pipeline_rank, "options_json") ||
+        !Optional(options, "dual_batch", dual_batch, "options_json") ||
+        !Optional(options, "allow_offload", offload, "options_json") ||
+        !Optional(options, "allow_fp8", fp8, "options_json") ||
+        !Optional(options, "allow_recompute", recompute, "options_json")) {
+      return nullptr;
+    }
+    po.dual_batch = dual_batch;
+    po.mitigation.allow_offload = offload;
+    po.mitigation.allow_fp8 = fp8;
+    po.mitigation.allow_recompute = recompute;
+    auto hw = bgl::plan::HardwareProfileByName(gpu);
+    if (!hw.ok()) return reinterpret_cast<bgl_planner*>(Fail(hw.status().message()));
+    if (options.contains("calibration")) {
+      bgl::Status s = bgl::plan::ApplyCalibration(options["calibration"], *hw);
+      if (!s.ok()) return reinterpret_cast<bgl_planner*>(Fail(s.message()));
+    }
+    auto planner = StagePlanner::Create(*config, *hw, po);
+    if (!planner.ok()) return reinterpret_cast<bgl_planner*>(Fail(planner.status().message()));
+    last_error.clear();
+    return new bgl_planner{std::move(*planner)};
+  } catch (const std::exception& e) {
+    return reinterpret_cast<bgl_planner*>(Fail(std::string("internal error: ") + e.what()));
+  }
+}
+
+void bgl_planner_destroy(bgl_planner* planner) { delete planner; }
+
+char* bgl_planner_describe(bgl_planner* handle) {
+  if (!handle) return Fail("planner: NULL handle");
+  try {
+    const StagePlanner& p = *handle->planner;
+    const auto& g = p.graph();
+    json j;
+    j["model"] = p.config().name;
+    j["activation_capacity_bytes"] = static_cast<int64_t>(p.activation_capacity());
+    j["m0_bytes"] = static_cast<int64_t>(p.m0());
+    j["keep_all_bytes"] = static_cast<int64_t>(g.KeepAllBytes(1.0));
+    j["micro_batches"] = p.config().MicroBatches();
+    j["chunks"] = p.config().Chunks();
+    j["layers_per_chunk"] = g.layers;
+    auto& ops = j["operators"] = json::array();
+    for (const auto& o : g.ops) {
+      ops.push_back({{"name", o.name},
+                     {"kind", bgl::plan::OpKindName(o.kind)},
+                     {"layer", o.layer},
+                     {"saves", o.saves},
+                     {"inputs", o.inputs},
+                     {"forward_s", o.forward_s},
+                     {"backward_s", o.backward_s},
+                     {"scales_with_load", o.scales_with_load}});
+    }
+    auto& tensors = j["tensors"] = json::array();
+    for (const auto& t : g.tensors) {
+      tensors.push_back({{"name", t.name},
+                         {"bytes", t.bytes},
+                         {"dtype", bgl::plan::DTypeName(t.dtype)},
+                         {"producer", t.producer},
+                         {"savers", t.savers},
+                         {"scales_with_load", t.scales_with_load},
+                         {"block_input", t.block_input}});
+    }
+    auto& steps = j["steps"] = json::array();
+    for (const auto& s : p.steps()) {
+      steps.push_back({{"forward", s.forward},
+                       {"micro_batch", s.micro_batch},
+                       {"chunk", s.chunk},
+                       {"phase", bgl::plan::PhaseName(s.phase)}});
+    }
+    return Dup(j.dump());
+  } catch (const std::exception& e) {
+    return Fail(std::string("internal error: ") + e.what());
+  }
+}
+
+char* bgl_planner_plan(bgl_planner* handle, const char* point_json) {
+  if (!handle) return Fail("planner: NULL handle");
+  try {
+    json doc;
+    if (!ParseObject(point_json, "point_json", doc)) return nullptr;
+    bgl::plan::SchedulePoint point;
+    std::string phase;
+    if (!Optional(doc, "phase", phase, "point_json") ||
+        !Optional(doc, "forward_micro_batch", point.forward_micro_batch, "point_json") ||
+        !Optional(doc, "forward_chunk", point.forward_chunk, "point_json") ||
+        !Optional(doc, "backward_micro_batch", point.backward_micro_batch, "point_json") ||
+        !Optional(doc, "backward_chunk", point.backward_chunk, "point_json") ||
+        !Optional(doc, "load_factor", point.load_factor, "point_json") ||
+        !Optional(doc, "bytes_in_use", point.bytes_in_use, "point_json")) {
+      return nullptr;
+    }
+    if (!phase.empty()) {
+      auto parsed = bgl::plan::ParsePhase(phase);
+      if (!parsed.ok()) return Fail(parsed.status().message());
+      point.phase = *parsed;
+    }
+    auto plan = handle->planner->PlanPoint(point);
+    if (!plan.ok()) return Fail(plan.status().message());
+    return Dup(bgl::plan::PlanToJson(*plan, handle->planner->graph()).dump());
+  } catch (const std::exception& e) {
+    return Fail(std::string("internal error: ") + e.what());
+  }
+}
+
+char* bgl_planner_plan_after_gate(bgl_planner* handle, int micro_batch, int chunk, int gate_layer,
+                                  double observed_load_factor) {
+  if (!handle) return Fail("planner: NULL handle");
+  try {
+    auto plan =
+        handle->planner->PlanAfterGate(micro_batch, chunk, gate_layer, observed_load_factor);
+    if (!plan.ok()) return Fail(plan.status().message());
+    return Dup(bgl::plan::PlanToJson(*plan, handle->planner->graph()).dump());
+  } catch (const std::exception& e) {
+    return Fail(std::string("internal error: ") + e.what());
+  }
+}
+
+int bgl_planner_report(bgl_planner* handle, int micro_batch, int chunk, int64_t actual_bytes) {
+  if (!handle) {
+    last_error = "planner: NULL handle";
+    return -1;
+  }
+  bgl::Status s = handle->planner->Report(micro_batch, chunk, actual_bytes);
+  if (!s.ok()) {
+    last_error = s.message();
+    return -1;
+  }
+  last_error.clear();
+  return 0;
+}
+
+void bgl_planner_reset_iteration(bgl_planner* handle) {
+  if (handle) handle->planner->ResetIteration();
+}
+
+const char* bgl_planner_last_error(void) { return last_error.c_str(); }
+
+void bgl_planner_free_string(char* text) { std::free(text); }
+
+}  // extern "C"

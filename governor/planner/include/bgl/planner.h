@@ -1,0 +1,60 @@
+/* C API of the BaGuaLu planner (libbgl_planner.so): the embedded planner for frameworks that
+ * cannot link C++ (the PyTorch integration calls it through ctypes). Documents are JSON in the
+ * formats of docs/planner.md; every call is safe to make with bad input: it fails with NULL or a
+ * negative code and bgl_planner_last_error() says what was wrong. A handle is not thread-safe:
+ * serialise calls on one handle. */
+#ifndef BGL_PLANNER_H_
+#define BGL_PLANNER_H_
+
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define BGL_PLANNER_API __attribute__((visibility("default")))
+#else
+#define BGL_PLANNER_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One stage's planner (one GPU, one training process). */
+typedef struct bgl_planner bgl_planner;
+
+/* Creates a planner. model_json: a model document (like models/tiny-moe.json, may include a
+ * "layer_graph"). options_json: NULL or an object with optional keys "capacity_bytes",
+ * "pipeline_rank", "gpu" (profile name), "calibration" (object), "dual_batch" (bool),
+ * "allow_offload", "allow_fp8", "allow_recompute" (bools). NULL on error. */
+BGL_PLANNER_API bgl_planner* bgl_planner_create(const char* model_json, const char* options_json);
+BGL_PLANNER_API void bgl_planner_destroy(bgl_planner* planner);
+
+/* Describes the stage: operators (name, kind, layer, saved tensors), tensors, activation
+ * capacity, M0, micro-batches, chunks, the step schedule. Free with bgl_planner_free_string. */
+BGL_PLANNER_API char* bgl_planner_describe(bgl_planner* planner);
+
+/* Plans a scheduling point: {"phase": "warmup"|"steady"|"cooldown" (optional),
+ * "forward_micro_batch": int (optional), "forward_chunk": int, "backward_micro_batch": int
+ * (optional), "backward_chunk": int, "load_factor": number, "bytes_in_use": int (optional)}.
+ * Returns the plan as JSON (free with bgl_planner_free_string) or NULL. */
+BGL_PLANNER_API char* bgl_planner_plan(bgl_planner* planner, const char* point_json);
+
+/* Deferred planning after the MoE gate of `gate_layer` (within the chunk) ran with load r. */
+BGL_PLANNER_API char* bgl_planner_plan_after_gate(bgl_planner* planner, int micro_batch, int chunk,
+                                                  int gate_layer, double observed_load_factor);
+
+/* What the forward of (micro_batch, chunk) really retained. 0 on success, -1 on error. */
+BGL_PLANNER_API int bgl_planner_report(bgl_planner* planner, int micro_batch, int chunk,
+                                       int64_t actual_bytes);
+
+/* Forgets live micro-batches at an iteration boundary (caches are kept). */
+BGL_PLANNER_API void bgl_planner_reset_iteration(bgl_planner* planner);
+
+/* The last error of the calling thread ("" if none). Valid until the thread's next call. */
+BGL_PLANNER_API const char* bgl_planner_last_error(void);
+BGL_PLANNER_API void bgl_planner_free_string(char* text);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* BGL_PLANNER_H_ */

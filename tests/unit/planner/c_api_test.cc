@@ -1,0 +1,62 @@
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "bgl/planner.h"
+
+namespace {
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string Take(char* text) {
+  std::string out = text ? text : "";
+  bgl_planner_free_string(text);
+  return out;
+}
+
+TEST(PlannerCApi, PlansAndReports) {
+  const std::string model = Slurp(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
+  bgl_planner* p = bgl_planner_create(model.c_str(), R"({"capacity_bytes": 2147483648})");
+  ASSERT_NE(p, nullptr) << bgl_planner_last_error();
+  const auto described = nlohmann::json::parse(Take(bgl_planner_describe(p)));
+  EXPECT_EQ(described["micro_batches"], 8);
+  EXPECT_FALSE(described["operators"].empty());
+  const std::string plan =
+      Take(bgl_planner_plan(p, R"({"forward_micro_batch": 0, "load_factor": 2.6})"));
+  ASSERT_FALSE(plan.empty()) << bgl_planner_last_error();
+  const auto j = nlohmann::json::parse(plan);
+  EXPECT_EQ(j["micro_batch"], 0);
+  EXPECT_EQ(j["operators"].size(), described["operators"].size());
+  EXPECT_EQ(bgl_planner_report(p, 0, 0, j["predicted_bytes"].get<int64_t>()), 0);
+  EXPECT_FALSE(Take(bgl_planner_plan_after_gate(p, 0, 0, 0, 2.6)).empty());
+  bgl_planner_reset_iteration(p);
+  bgl_planner_destroy(p);
+}
+
+TEST(PlannerCApi, BadInputFailsWithAMessage) {
+  EXPECT_EQ(bgl_planner_create("{", nullptr), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("model_json"), std::string::npos);
+  EXPECT_EQ(bgl_planner_create(R"({"name": "x"})", nullptr), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("missing field"), std::string::npos);
+  const std::string model = Slurp(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
+  EXPECT_EQ(bgl_planner_create(model.c_str(), R"({"capacity_bytes": "lots"})"), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("capacity_bytes"), std::string::npos);
+  bgl_planner* p = bgl_planner_create(model.c_str(), nullptr);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(bgl_planner_plan(p, R"({"forward_micro_batch": 99})"), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("forward_micro_batch"), std::string::npos);
+  EXPECT_EQ(bgl_planner_plan(p, "[]"), nullptr);
+  EXPECT_EQ(bgl_planner_report(p, 3, 0, 10), -1);
+  EXPECT_EQ(bgl_planner_plan(nullptr, "{}"), nullptr);
+  bgl_planner_destroy(p);
+}
+
+}  // namespace
