@@ -1,0 +1,279 @@
+/* bgl/enforce.h — C ABI of the BaGuaLu enforcer, exported by libbgl_alloc.so next to bgl/alloc.h.
+ *
+ * The enforcer carries out a plan on one device: it tracks saved activations (one tracked tensor
+ * per storage, with every consumer that saved it), moves them where the plan says (offload to a
+ * pinned host pool, FP8 e4m3 with per-block scales, drop for recompute), brings them back before
+ * their consumers run, and issues that work on side streams at the stage boundaries of the plan's
+ * dual-batch issue order. It also registers a pressure callback with the allocator so that an
+ * allocation that would fail first offloads the tracked activations needed last.
+ *
+ * Conventions
+ *  - Every function returns a bgl_status (bgl/alloc.h); on failure the calling thread's message
+ *    is available from bgl_enf_last_error() (same text as bgl_alloc_last_error()) and the
+ *    enforcer's state is unchanged.
+ *  - Pointers are device pointers (host-backend pointers without a GPU); sizes are bytes.
+ *  - Streams are cudaStream_t on CUDA backends and host-stream handles (bgl_enf_stream_create)
+ *    on the host backend, passed as void*. A null stream is the legacy default stream (CUDA) or
+ *    "run synchronously on the calling thread" (host backend).
+ *  - Handles are uint64_t, never 0, never reused within one enforcer.
+ *  - All functions are thread safe. Callbacks (recompute) run on the calling thread and may call
+ *    back into the enforcer and the allocator.
+ *
+ * Ownership of device memory (bgl_enf_tensor_desc.flags)
+ *  - BGL_ENF_OWNED: `ptr` is a live bgl_alloc allocation of this device that the caller hands
+ *    over; the enforcer frees it (stream ordered) when the tensor leaves the device or is retired.
+ *    The caller must not bgl_free it.
+ *  - borrowed (flags 0): the caller keeps the memory and frees it itself once the tensor has left
+ *    the device (placement != DEVICE). If it is a bgl_alloc allocation, the enforcer marks it used
+ *    on the copy stream (bgl_alloc_record_stream), so an early free is still safe; foreign memory
+ *    must not be freed before bgl_enf_wait_tensor returns.
+ *  Memory the enforcer creates (reloads, FP8 copies, uncast results) is always owned by it and is
+ *  freed when the tensor is retired (all consumers released) or unregistered.
+ *
+ * Consistency rules
+ *  - A tensor with several consumers is moved once; every consumer gets the same pointer back.
+ *  - A reload never starts before its offload finished (the H2D stream waits on the D2H event).
+ *  - An FP8 and a full-precision copy of one tensor never coexist once the plan is applied: an
+ *    owned original is freed as soon as the cast is queued; the FP8 copy is freed as soon as the
+ *    uncast is queued.
+ *
+ * Typical use (PyTorch saved-tensor hooks):
+ *   forward pack:   bgl_enf_lookup(ptr) or bgl_enf_register(desc); bgl_enf_add_consumer(op)
+ *   plan:           bgl_enf_set_strategy(h, s) for each tensor; bgl_enf_apply(h, s) for FP8 /
+ *                   recompute right after the producer; bgl_enf_schedule_begin(issue order)
+ *   stage starts:   bgl_enf_schedule_reached(chain, stage)
+ *   backward unpack: bgl_enf_acquire(h, op, stream, &ptr) ... bgl_enf_release(h, op, stream)
+ */
+#ifndef BGL_ENFORCE_H_
+#define BGL_ENFORCE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bgl/alloc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes added to bgl_status by the enforcer (values continue bgl/alloc.h's). */
+#define BGL_ERR_UNKNOWN_HANDLE 11   /* no live tensor (or enforcer) with that handle */
+#define BGL_ERR_DUPLICATE 12        /* already registered (tensor pointer, consumer) */
+#define BGL_ERR_INVALID_STATE 13    /* e.g. reload of a tensor that was never offloaded */
+#define BGL_ERR_CONFLICT 14         /* the tensor was already moved under another strategy */
+#define BGL_ERR_PINNED_EXHAUSTED 15 /* the pinned host pool has no room for the copy */
+#define BGL_ERR_CALLBACK 16         /* the recompute callback failed or is missing */
+
+/* Element types (FP8 storage accepts F32, F16, BF16; BYTES can be offloaded or dropped only). */
+typedef enum bgl_dtype {
+  BGL_DTYPE_F32 = 0,
+  BGL_DTYPE_F16 = 1,
+  BGL_DTYPE_BF16 = 2,
+  BGL_DTYPE_BYTES = 3
+} bgl_dtype;
+
+/* Strategies, numbered as the planner's Strategy (governor/planner/assignment.h). */
+typedef enum bgl_strategy {
+  BGL_STRATEGY_KEEP = 0,
+  BGL_STRATEGY_RECOMPUTE = 1,
+  BGL_STRATEGY_OFFLOAD = 2,
+  BGL_STRATEGY_FP8 = 3
+} bgl_strategy;
+
+/* Where a tracked tensor's data is. */
+typedef enum bgl_placement {
+  BGL_PLACE_DEVICE = 0,  /* full precision on the device (possibly still being reloaded) */
+  BGL_PLACE_HOST = 1,    /* in the pinned host pool (possibly still being offloaded) */
+  BGL_PLACE_FP8 = 2,     /* on the device as e4m3 plus per-block FP32 scales */
+  BGL_PLACE_DROPPED = 3  /* freed; the recompute callback recreates it */
+} bgl_placement;
+
+/* Dual-batch chains and resources, numbered as the planner's Chain and Resource
+ * (governor/planner/dual_batch.h). */
+typedef enum bgl_chain {
+  BGL_CHAIN_FORWARD = 0,
+  BGL_CHAIN_BACKWARD = 1,
+  BGL_CHAIN_OFFLOAD = 2,
+  BGL_CHAIN_RECOVER = 3
+} bgl_chain;
+typedef enum bgl_resource {
+  BGL_RES_COMPUTE = 0,
+  BGL_RES_COMM = 1,
+  BGL_RES_D2H = 2,
+  BGL_RES_H2D = 3
+} bgl_resource;
+
+#define BGL_ENF_OWNED 1u /* bgl_enf_tensor_desc.flags: the enforcer owns ptr (see above) */
+
+typedef struct bgl_enforcer bgl_enforcer; /* opaque */
+
+/* Options of bgl_enf_create; fill with bgl_enf_default_options first. */
+typedef struct bgl_enf_options {
+  int device;               /* device whose allocator pool the enforcer uses (default 0) */
+  size_t pinned_capacity;   /* bytes of page-locked host memory (default 16 GiB) */
+  size_t fp8_block;         /* elements per FP8 scale (default 128) */
+  int max_inflight;         /* scheduled offload/reload pieces in flight at most (default 4) */
+  void* d2h_stream;         /* null: the enforcer creates (and destroys) its own */
+  void* h2d_stream;         /* null: the enforcer creates (and destroys) its own */
+  int pressure_eviction;    /* 1 (default): offload activations when an allocation would fail */
+  int log;                  /* 1: echo errors to stderr as "bgl_enf: ..." (default 0) */
+} bgl_enf_options;
+
+/* Description of a saved activation for bgl_enf_register. */
+typedef struct bgl_enf_tensor_desc {
+  void* ptr;           /* device data */
+  size_t bytes;        /* size in bytes (> 0; a multiple of the element size for FP8) */
+  int dtype;           /* bgl_dtype */
+  int producer_op;     /* operator index that produced it (stage graph order) */
+  int graph_tensor;    /* tensor index in the planner's stage graph (-1: unknown) */
+  int micro_batch;     /* micro-batch id */
+  void* stream;        /* stream the producer wrote it on; casts and drops are ordered there */
+  uint32_t flags;      /* BGL_ENF_OWNED or 0 */
+} bgl_enf_tensor_desc;
+
+/* State of one tracked tensor. */
+typedef struct bgl_enf_tensor_info {
+  int placement;        /* bgl_placement */
+  int applied;          /* bgl_strategy that moved it (KEEP: never moved) */
+  int planned;          /* bgl_strategy from bgl_enf_set_strategy */
+  int pending;          /* 1 while a copy/cast it depends on may still run */
+  int num_consumers, num_released;
+  size_t bytes;
+  void* device_ptr;     /* null unless placement is DEVICE */
+  void* host_ptr;       /* pinned copy (placement HOST) */
+  void* fp8_ptr;        /* e4m3 data followed by the scales (placement FP8) */
+  size_t fp8_bytes;     /* bytes of the FP8 buffer (data, padding to 16, scales) */
+  int64_t need_order;   /* eviction order key: larger = needed later */
+} bgl_enf_tensor_info;
+
+/* Counters of one enforcer. */
+typedef struct bgl_enf_stats {
+  uint64_t tracked, registered, retired;
+  uint64_t offloads, reloads, fp8_casts, fp8_uncasts, drops, recomputes;
+  uint64_t bytes_d2h, bytes_h2d, bytes_fp8_saved;
+  uint64_t evictions, evicted_bytes, pressure_calls;
+  uint64_t scheduled_issued, scheduled_max_inflight;
+  uint64_t device_bytes, host_bytes, fp8_bytes; /* of tracked tensors, by placement */
+  uint64_t pinned_in_use, pinned_cached, pinned_peak, pinned_capacity;
+  uint64_t pinned_allocs, pinned_hits, pinned_failures;
+} bgl_enf_stats;
+
+/* One item of the plan's dual-batch issue order (planner IssueItem). first/last: tensor indices
+ * (graph_tensor) for OFFLOAD items and RECOVER items on H2D (reloads); producer operator indices
+ * for RECOVER items on COMPUTE (recomputes) and for FORWARD/BACKWARD items. */
+typedef struct bgl_enf_issue_item {
+  int chain;    /* bgl_chain */
+  int stage;    /* index within its chain, increasing */
+  int round;    /* DP round, non-decreasing along the order */
+  int resource; /* bgl_resource */
+  int first, last;
+} bgl_enf_issue_item;
+
+/* Recreates a dropped tensor: run the producer again and return its data in *out_ptr (bytes of
+ * the registered size, same ownership as the registration). Return 0 on success. Called at most
+ * once per drop, when the tensor is first needed (schedule or acquire). */
+typedef int (*bgl_enf_recompute_fn)(uint64_t handle, int producer_op, int micro_batch,
+                                    void* user, void** out_ptr);
+
+/* --- lifetime -------------------------------------------------------------------------------- */
+BGL_ALLOC_API void bgl_enf_default_options(bgl_enf_options* options);
+/* Creates an enforcer over the allocator's pool of options->device. */
+BGL_ALLOC_API int bgl_enf_create(const bgl_enf_options* options, bgl_enforcer** out);
+/* Waits for all queued work, frees everything the enforcer owns, unregisters the pressure
+ * callback. Null is accepted. */
+BGL_ALLOC_API int bgl_enf_destroy(bgl_enforcer* enf);
+
+/* --- streams (mainly for the host backend and tests) ------------------------------------------ */
+/* A new stream of the allocator's backend (host stream, or a non-blocking cudaStream_t). */
+BGL_ALLOC_API int bgl_enf_stream_create(bgl_enforcer* enf, void** stream);
+BGL_ALLOC_API int bgl_enf_stream_destroy(bgl_enforcer* enf, void* stream);
+BGL_ALLOC_API int bgl_enf_stream_synchronize(bgl_enforcer* enf, void* stream);
+
+/* --- tracker --------------------------------------------------------------------------------- */
+/* Tracks a saved activation. BGL_ERR_DUPLICATE when ptr is already a tracked device tensor (use
+ * bgl_enf_lookup + bgl_enf_add_consumer for a storage saved twice). */
+BGL_ALLOC_API int bgl_enf_register(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
+                                   uint64_t* handle);
+/* Adds a consumer (operator index) that saved the tensor; BGL_ERR_DUPLICATE if already added. */
+BGL_ALLOC_API int bgl_enf_add_consumer(bgl_enforcer* enf, uint64_t handle, int consumer_op);
+/* The tracked tensor whose device data is at ptr; BGL_ERR_UNKNOWN_HANDLE if none. */
+BGL_ALLOC_API int bgl_enf_lookup(bgl_enforcer* enf, const void* ptr, uint64_t* handle);
+BGL_ALLOC_API int bgl_enf_query(bgl_enforcer* enf, uint64_t handle, bgl_enf_tensor_info* out);
+/* Forgets a tensor at once, waiting for its queued copies and freeing what the enforcer owns. */
+BGL_ALLOC_API int bgl_enf_unregister(bgl_enforcer* enf, uint64_t handle);
+/* Bytes that applying `strategy` to every device-resident tensor of micro_batch (-1: all) would
+ * free on the device, and how many tensors that is (either pointer may be null). */
+BGL_ALLOC_API int bgl_enf_movable(bgl_enforcer* enf, int micro_batch, int strategy,
+                                  size_t* bytes, size_t* count);
+/* Eviction order key (larger = needed later; pressure eviction takes the largest first). The
+ * default is micro_batch * 2^32 + (2^31 - 1 - producer_op): later micro-batches, and within one,
+ * earlier operators (their backward runs last). */
+BGL_ALLOC_API int bgl_enf_set_need_order(bgl_enforcer* enf, uint64_t handle, int64_t order);
+
+/* --- enforcement ----------------------------------------------------------------------------- */
+/* Records the plan's strategy for a tensor; the stream scheduler applies OFFLOAD (and the
+ * RECOVER chain brings HOST/DROPPED tensors back). Does not move anything. */
+BGL_ALLOC_API int bgl_enf_set_strategy(bgl_enforcer* enf, uint64_t handle, int strategy);
+/* Applies a strategy now. Idempotent: applying the strategy that already moved the tensor is a
+ * no-op (a tensor of several consumers is moved once); another strategy gives BGL_ERR_CONFLICT. */
+BGL_ALLOC_API int bgl_enf_apply(bgl_enforcer* enf, uint64_t handle, int strategy);
+/* Device -> pinned host on the D2H stream, after the producer's stream. */
+BGL_ALLOC_API int bgl_enf_offload(bgl_enforcer* enf, uint64_t handle);
+/* Pinned host -> a new device block on the H2D stream, after the offload's event. A no-op when a
+ * reload is already issued; BGL_ERR_INVALID_STATE when the tensor was never offloaded. */
+BGL_ALLOC_API int bgl_enf_reload(bgl_enforcer* enf, uint64_t handle);
+/* Casts to e4m3 with per-block scales on the producer's stream; frees an owned original. */
+BGL_ALLOC_API int bgl_enf_store_fp8(bgl_enforcer* enf, uint64_t handle);
+/* Frees (owned) or gives up (borrowed) the device data; the recompute callback recreates it. */
+BGL_ALLOC_API int bgl_enf_drop(bgl_enforcer* enf, uint64_t handle);
+BGL_ALLOC_API int bgl_enf_set_recompute_callback(bgl_enforcer* enf, bgl_enf_recompute_fn fn,
+                                                 void* user);
+
+/* --- consumers ------------------------------------------------------------------------------- */
+/* Makes the tensor resident for consumer_op (-1: any) and returns its device pointer in *ptr:
+ * reloads (if not yet issued), uncasts FP8, or recomputes; `stream` is made to wait for the data.
+ * Every consumer gets the same pointer. */
+BGL_ALLOC_API int bgl_enf_acquire(bgl_enforcer* enf, uint64_t handle, int consumer_op,
+                                  void* stream, void** ptr);
+/* The consumer is done (its work is queued on `stream`). When every registered consumer has
+ * released (or at once when none is registered) the tensor is retired and its memory freed after
+ * `stream`'s work. */
+BGL_ALLOC_API int bgl_enf_release(bgl_enforcer* enf, uint64_t handle, int consumer_op,
+                                  void* stream);
+/* Blocks until every queued copy/cast of the tensor has completed. */
+BGL_ALLOC_API int bgl_enf_wait_tensor(bgl_enforcer* enf, uint64_t handle);
+/* Blocks until all enforcer work (both copy streams, scheduled pieces) has completed. */
+BGL_ALLOC_API int bgl_enf_synchronize(bgl_enforcer* enf);
+
+/* --- stream scheduler ------------------------------------------------------------------------ */
+/* Loads a scheduling point's issue order. OFFLOAD items move tensors of offload_micro_batch whose
+ * planned strategy is OFFLOAD; RECOVER items bring back tensors of recover_micro_batch. Items of
+ * a chain must have increasing stages and rounds must not decrease (BGL_ERR_INVALID_ARGUMENT).
+ * Work left from a previous order is finished first. */
+BGL_ALLOC_API int bgl_enf_schedule_begin(bgl_enforcer* enf, const bgl_enf_issue_item* items,
+                                         size_t count, int offload_micro_batch,
+                                         int recover_micro_batch);
+/* Compute reached the start of stage `stage` of chain FORWARD or BACKWARD: issues every OFFLOAD/
+ * RECOVER item of that round or earlier, in order, keeping at most max_inflight in flight (the
+ * rest are issued by later calls as earlier pieces complete). */
+BGL_ALLOC_API int bgl_enf_schedule_reached(bgl_enforcer* enf, int chain, int stage);
+/* Retires completed pieces and issues what the bound allowed; *waiting (may be null) gets the
+ * number of items not yet issued. */
+BGL_ALLOC_API int bgl_enf_schedule_poll(bgl_enforcer* enf, size_t* waiting);
+/* Issues everything left (respecting the bound) and waits for all of it. */
+BGL_ALLOC_API int bgl_enf_schedule_finish(bgl_enforcer* enf);
+
+/* --- memory pressure and statistics ---------------------------------------------------------- */
+/* Offloads owned, idle, device-resident tensors in need order (needed last first) until
+ * bytes_needed are freed or none is left; *freed (may be null) gets the bytes freed. The pool's
+ * pressure callback calls this. */
+BGL_ALLOC_API int bgl_enf_evict(bgl_enforcer* enf, size_t bytes_needed, size_t* freed);
+BGL_ALLOC_API int bgl_enf_get_stats(bgl_enforcer* enf, bgl_enf_stats* out);
+/* Same as bgl_alloc_last_error(). */
+BGL_ALLOC_API const char* bgl_enf_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* BGL_ENFORCE_H_ */
