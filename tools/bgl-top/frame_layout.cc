@@ -1,0 +1,168 @@
+#include "tools/bgl-top/frame_layout.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <ctime>
+
+#include "governor/planner/units.h"
+#include "tools/bgl-top/gpu_bar.h"
+#include "tools/bgl-top/strategy_text.h"
+
+namespace bgl::top {
+namespace {
+
+std::string Bytes(int64_t bytes) { return FormatBytes(static_cast<double>(bytes)); }
+
+std::string Clock(int64_t unix_ms) {
+  const std::time_t t = static_cast<std::time_t>(unix_ms / 1000);
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  char buf[16];
+  std::strftime(buf, sizeof buf, "%H:%M:%S", &tm);
+  return buf;
+}
+
+std::string Fixed(double value, int decimals) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, value);
+  return buf;
+}
+
+std::string Plural(size_t n, const char* word) {
+  return std::to_string(n) + " " + word + (n == 1 ? "" : "s");
+}
+
+void AddTitle(const bagualu::v1::WatchResponse& frame, const LayoutOptions& o, Screen& screen) {
+  size_t processes = 0;
+  for (const auto& gpu : frame.gpus()) processes += static_cast<size_t>(gpu.processes_size());
+  Line& line = screen.Add();
+  line.push_back({"bgl-top", Style::kTitle});
+  line.push_back({"  " + o.address + "  " + Plural(static_cast<size_t>(frame.gpus_size()), "GPU") +
+                  ", " + Plural(processes, "process") + "  " + Clock(frame.unix_ms()) + "  sort: " +
+                  std::string(SortKeyName(o.sort)) + (o.reverse ? " (reversed)" : "")});
+}
+
+void AddGpu(const bagualu::v1::GpuState& gpu, const History& history, const LayoutOptions& o,
+            Screen& screen) {
+  const Glyphs& glyphs = o.ascii ? AsciiGlyphs() : UnicodeGlyphs();
+  Line& head = screen.Add();
+  head.push_back({"GPU " + std::to_string(gpu.gpu_index()), Style::kHeader});
+  head.push_back({" " + gpu.gpu_uuid() + "  "});
+  head.push_back({"in use " + Bytes(gpu.in_use_bytes()), Style::kInUse});
+  head.push_back({"  "});
+  head.push_back({"reserved " + Bytes(gpu.reserved_bytes()), Style::kReserved});
+  head.push_back({"  "});
+  head.push_back({"budget " + Bytes(gpu.budget_bytes()), Style::kBudget});
+  head.push_back({"  capacity " + Bytes(gpu.capacity_bytes())});
+  head.push_back({"  load " + Fixed(gpu.load_factor(), 2),
+                  gpu.load_factor() > kSpikeLoadFactor ? Style::kSpike : Style::kNormal});
+  const uint64_t lookups = gpu.plan_cache_hits() + gpu.plan_cache_misses();
+  head.push_back({"  cache " + std::to_string(gpu.plan_cache_hits()) + "/" +
+                  std::to_string(lookups) + "  OOMs avoided " +
+                  std::to_string(gpu.ooms_avoided())});
+
+  const int bar_width = std::max(10, o.width - 14);
+  Line& bar = screen.Add();
+  bar.push_back({" mem  ["});
+  AppendGpuBar({gpu.capacity_bytes(), gpu.in_use_bytes(), gpu.reserved_bytes(), gpu.budget_bytes()},
+               bar_width, glyphs, bar);
+  const double percent = gpu.capacity_bytes() > 0
+                             ? 100.0 * static_cast<double>(gpu.in_use_bytes()) /
+                                   static_cast<double>(gpu.capacity_bytes())
+                             : 0.0;
+  bar.push_back({"] " + Fixed(percent, 0) + "%"});
+
+  const auto& samples = history.Of(gpu.gpu_uuid());
+  Line& spark = screen.Add();
+  Line& markers = screen.Add();
+  spark.push_back({" hist ["});
+  markers.push_back({"       "});
+  AppendSparkline(samples, bar_width, glyphs, spark, markers);
+  const int spikes = CountSpikes(samples, bar_width);
+  spark.push_back({"] " + Plural(static_cast<size_t>(spikes), "spike"),
+                   spikes > 0 ? Style::kSpike : Style::kDim});
+  markers.push_back({"  load > " + Fixed(kSpikeLoadFactor, 1), Style::kDim});
+}
+
+// Column layout of the process table; the last column takes the rest of the width.
+struct Column {
+  const char* title;
+  size_t width;
+  bool right;
+};
+constexpr Column kColumns[] = {{"GPU", 3, true},        {"PID", 7, true},  {"USER", 9, false},
+                               {"JOB", 14, false},      {"RANK", 4, true}, {"IN USE", 10, true},
+                               {"PEAK", 10, true},      {"LOAD", 5, true}, {"OOMS-AV", 7, true},
+                               {"STRATEGIES", 0, false}};
+
+std::string Row(const std::vector<std::string>& cells, int width) {
+  std::string text;
+  size_t used = 0;
+  for (size_t i = 0; i < cells.size(); ++i) {
+    const Column& c = kColumns[i];
+    size_t w = c.width;
+    if (w == 0) w = static_cast<size_t>(std::max<int>(10, width - static_cast<int>(used)));
+    text += Fit(cells[i], w, c.right);
+    used += w;
+    if (i + 1 < cells.size()) {
+      text += ' ';
+      ++used;
+    }
+  }
+  return text;
+}
+
+void AddProcesses(const bagualu::v1::WatchResponse& frame, const LayoutOptions& o, Screen& screen) {
+  std::vector<std::string> titles;
+  for (const Column& c : kColumns) titles.push_back(c.title);
+  screen.Add().push_back({Row(titles, o.width), Style::kHeader});
+  const auto rows = SortedProcesses(frame, o.sort, o.reverse);
+  if (rows.empty()) {
+    screen.Add().push_back({"(no sessions)", Style::kDim});
+    return;
+  }
+  for (const ProcessRef& ref : rows) {
+    const auto& r = *ref.row;
+    const auto& s = r.session();
+    const std::string user = s.user().empty() ? std::to_string(s.uid()) : s.user();
+    Line& line = screen.Add();
+    line.push_back({Row({std::to_string(ref.gpu->gpu_index()), std::to_string(s.pid()), user,
+                         s.job_id().empty() ? "-" : s.job_id(), std::to_string(s.pipeline_rank()),
+                         Bytes(r.in_use_bytes()), Bytes(r.peak_bytes()), Fixed(r.load_factor(), 2),
+                         std::to_string(r.ooms_avoided()), StrategyText(r.strategy_counts())},
+                        o.width),
+                    r.load_factor() > kSpikeLoadFactor ? Style::kSpike : Style::kNormal});
+  }
+}
+
+}  // namespace
+
+Screen LayoutFrame(const bagualu::v1::WatchResponse& frame, const History& history,
+                   const LayoutOptions& options) {
+  Screen screen;
+  AddTitle(frame, options, screen);
+  screen.Add();
+  if (frame.gpus().empty()) {
+    screen.Add().push_back({"(no GPUs: no training process has registered)", Style::kDim});
+    screen.Add();
+  }
+  for (const auto& gpu : frame.gpus()) {
+    AddGpu(gpu, history, options, screen);
+    screen.Add();
+  }
+  AddProcesses(frame, options, screen);
+  if (!options.status_line.empty()) {
+    screen.Add();
+    screen.Add().push_back({options.status_line, Style::kWarn});
+  }
+  if (options.show_keys) {
+    screen.Add();
+    screen.Add().push_back(
+        {"q quit  sort: m memory  e peak  p pid  u user  j job  r rank  o ooms  g gpu  "
+         "R reverse",
+         Style::kDim});
+  }
+  return screen;
+}
+
+}  // namespace bgl::top

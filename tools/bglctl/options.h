@@ -1,0 +1,43 @@
+// Command line of bglctl: global flags, one subcommand and its flags. Errors name the flag so
+// they can be shown as is (exit status 2).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "governor/planner/status.h"
+
+namespace bgl::ctl {
+
+// The subcommands.
+enum class Command { kHealth, kSessions, kSnapshot, kPlan, kHelp };
+
+// Everything one bglctl run was asked to do.
+struct CtlOptions {
+  std::string governor;    // empty: $BGL_GOVERNOR, else the default socket
+  double timeout_s = 3.0;  // deadline of each call
+  Command command = Command::kHelp;
+  bool json = false;
+  // health
+  std::string service;  // empty: the server as a whole
+  // snapshot, plan
+  std::string session_id;
+  std::string out_path;  // snapshot: empty means stdout
+  // plan
+  std::string phase = "unspecified";
+  std::optional<int32_t> forward_micro_batch;
+  int32_t forward_chunk = 0;
+  std::optional<int32_t> backward_micro_batch;
+  int32_t backward_chunk = 0;
+  double load_factor = 0;
+  std::optional<int64_t> bytes_in_use;
+};
+
+// Parses argv without the program name.
+Result<CtlOptions> ParseCtlOptions(const std::vector<std::string>& args);
+
+extern const char* const kCtlUsage;
+
+}  // namespace bgl::ctl
