@@ -1,0 +1,271 @@
+// bgl-governord: the node-local governor daemon. Hosts one planner per training process, serves
+// the bagualu.v1.Governor service on a unix socket (peer credentials via SO_PEERCRED) and
+// optionally TCP, grpc.health.v1 and reflection, and Prometheus metrics. SIGHUP reloads the
+// configuration; SIGTERM/SIGINT drain within drain_timeout_ms.
+#include <grp.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <prometheus/exposer.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "governor/daemon/config.h"
+#include "governor/daemon/log.h"
+#include "governor/daemon/systemd_notify.h"
+#include "governor/service/governor_core.h"
+#include "governor/service/grpc_service.h"
+#include "governor/service/metrics.h"
+#include "governor/service/unix_listener.h"
+
+namespace bgl::gov {
+namespace {
+
+constexpr const char* kServiceName = "bagualu.v1.Governor";
+
+const char* kUsage =
+    "usage: bgl-governord [--listen unix:///PATH] [--config FILE] [--metrics-port N]\n"
+    "                     [--tcp-listen HOST:PORT] [--socket-group G] [--admin-group G]\n"
+    "                     [--KEY VALUE ...]\n"
+    "Configuration: YAML file, then BGL_GOVERNOR_<KEY> environment variables, then flags.\n"
+    "Keys: listen tcp_listen socket_mode socket_group admin_group metrics_address metrics_port\n"
+    "      max_sessions max_sessions_per_uid max_model_json_bytes max_snapshot_json_bytes\n"
+    "      reap_interval_ms drain_timeout_ms log_level\n";
+
+struct Flags {
+  std::string config_file;
+  ConfigOverrides overrides;
+};
+
+// "--metrics-port 5" and "--metrics-port=5"; dashes and underscores are interchangeable.
+Result<Flags> ParseFlags(int argc, char** argv) {
+  Flags flags;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") return Status(StatusCode::kNotFound, "help");
+    if (arg.rfind("--", 0) != 0) return InvalidArgument("unexpected argument '" + arg + "'");
+    std::string key = arg.substr(2), value;
+    if (auto eq = key.find('='); eq != std::string::npos) {
+      value = key.substr(eq + 1);
+      key = key.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return InvalidArgument("--" + key + ": missing value");
+    }
+    std::replace(key.begin(), key.end(), '-', '_');
+    if (key == "config") {
+      flags.config_file = value;
+    } else if (std::find(ConfigKeys().begin(), ConfigKeys().end(), key) != ConfigKeys().end()) {
+      flags.overrides[key] = value;
+    } else {
+      return InvalidArgument("unknown flag '--" + key + "'");
+    }
+  }
+  return flags;
+}
+
+int64_t GroupId(const std::string& name) {
+  if (name.empty()) return -1;
+  struct group gr {};
+  struct group* found = nullptr;
+  std::vector<char> buf(16384);
+  if (getgrnam_r(name.c_str(), &gr, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+    return -2;
+  }
+  return gr.gr_gid;
+}
+
+bool ProcessAlive(int32_t pid) { return kill(pid, 0) == 0 || errno == EPERM; }
+
+// Background work: reaping dead sessions, publishing gauges, pinging the watchdog.
+class Housekeeper {
+ public:
+  Housekeeper(GovernorCore* core, std::atomic<int>* reap_interval_ms)
+      : core_(core), reap_interval_ms_(reap_interval_ms) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~Housekeeper() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void Loop() {
+    using Clock = std::chrono::steady_clock;
+    const auto watchdog = WatchdogPingInterval();
+    auto next_reap = Clock::now(), next_publish = Clock::now(), next_ping = Clock::now();
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      lock.unlock();
+      const auto now = Clock::now();
+      if (now >= next_reap) {
+        if (int n = core_->Reap(ProcessAlive); n > 0) {
+          Log(LogLevel::kInfo, "reaped " + std::to_string(n) + " session(s) of exited processes");
+        }
+        next_reap = now + std::chrono::milliseconds(reap_interval_ms_->load());
+      }
+      if (now >= next_publish) {
+        core_->PublishMetrics();
+        NotifySystemd("STATUS=serving " + std::to_string(core_->session_count()) + " sessions");
+        next_publish = now + std::chrono::seconds(1);
+      }
+      if (watchdog.count() > 0 && now >= next_ping) {
+        NotifySystemd("WATCHDOG=1");
+        next_ping = now + watchdog;
+      }
+      lock.lock();
+      cv_.wait_for(lock, std::chrono::milliseconds(10), [&] { return stop_; });
+    }
+  }
+
+  GovernorCore* core_;
+  std::atomic<int>* reap_interval_ms_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+int Run(int argc, char** argv) {
+  auto flags = ParseFlags(argc, argv);
+  if (!flags.ok()) {
+    if (flags.status().code() == StatusCode::kNotFound) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    std::fprintf(stderr, "bgl-governord: %s\n%s", flags.status().message().c_str(), kUsage);
+    return 2;
+  }
+  auto config = LoadDaemonConfig(flags->config_file, flags->overrides);
+  if (!config.ok()) {
+    std::fprintf(stderr, "bgl-governord: %s\n", config.status().message().c_str());
+    return 2;
+  }
+  SetLogLevel(config->log_level);
+  const int64_t admin_gid = GroupId(config->admin_group);
+  if (admin_gid == -2) {
+    std::fprintf(stderr, "bgl-governord: admin_group: no such group '%s'\n",
+                 config->admin_group.c_str());
+    return 2;
+  }
+  // Signals go to the main thread's sigwait only: block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  for (int s : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&signals, s);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  Metrics metrics;
+  GovernorCore core(&metrics, config->limits);
+  PeerRegistry peers;
+  GovernorService service(&core, &peers);
+  service.SetAdminGroup(admin_gid);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(32 << 20);
+  builder.SetMaxSendMessageSize(32 << 20);
+  int tcp_port = 0;
+  if (!config->tcp_listen.empty()) {
+    builder.AddListeningPort(config->tcp_listen, grpc::InsecureServerCredentials(), &tcp_port);
+  }
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || (!config->tcp_listen.empty() && tcp_port == 0)) {
+    std::fprintf(stderr, "bgl-governord: tcp_listen: cannot listen on '%s'\n",
+                 config->tcp_listen.c_str());
+    return 1;
+  }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  const std::string path = UnixSocketPath(config->listen);
+  auto listener = UnixListener::Bind(path, config->socket_mode, config->socket_group);
+  if (!listener.ok()) {
+    std::fprintf(stderr, "bgl-governord: %s\n", listener.status().message().c_str());
+    return 1;
+  }
+  (*listener)->Start(server.get(), &peers);
+
+  std::unique_ptr<prometheus::Exposer> exposer;
+  if (config->metrics_port > 0) {
+    const std::string bind = config->metrics_address + ":" + std::to_string(config->metrics_port);
+    try {
+      exposer = std::make_unique<prometheus::Exposer>(bind);
+      exposer->RegisterCollectable(metrics.registry());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bgl-governord: metrics_port: cannot listen on %s: %s\n", bind.c_str(),
+                   e.what());
+      return 1;
+    }
+  }
+  std::atomic<int> reap_interval_ms{config->reap_interval_ms};
+  auto housekeeper = std::make_unique<Housekeeper>(&core, &reap_interval_ms);
+  health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(true);
+  Log(LogLevel::kInfo, "serving on " + config->listen +
+                           (tcp_port ? " and tcp port " + std::to_string(tcp_port) : "") +
+                           (exposer ? "; metrics on port " + std::to_string(config->metrics_port)
+                                    : ""));
+  NotifySystemd("READY=1\nSTATUS=serving");
+
+  for (;;) {
+    int sig = 0;
+    if (sigwait(&signals, &sig) != 0) continue;
+    if (sig != SIGHUP) break;
+    NotifySystemd("RELOADING=1");
+    auto fresh = LoadDaemonConfig(flags->config_file, flags->overrides);
+    if (!fresh.ok()) {
+      Log(LogLevel::kError, "reload failed, keeping the old configuration: " +
+                                fresh.status().message());
+    } else {
+      const int64_t gid = GroupId(fresh->admin_group);
+      if (gid == -2) {
+        Log(LogLevel::kError, "reload failed: admin_group: no such group '" +
+                                  fresh->admin_group + "'");
+      } else {
+        core.SetLimits(fresh->limits);
+        service.SetAdminGroup(gid);
+        reap_interval_ms.store(fresh->reap_interval_ms);
+        SetLogLevel(fresh->log_level);
+        if (fresh->listen != config->listen || fresh->tcp_listen != config->tcp_listen ||
+            fresh->metrics_port != config->metrics_port) {
+          Log(LogLevel::kWarning, "listen, tcp_listen and metrics_port change only on restart");
+        }
+        config = std::move(fresh);
+        Log(LogLevel::kInfo, "configuration reloaded (max_sessions_per_uid " +
+                                 std::to_string(config->limits.max_sessions_per_uid) + ")");
+      }
+    }
+    NotifySystemd("READY=1");
+  }
+
+  Log(LogLevel::kInfo, "draining (deadline " + std::to_string(config->drain_timeout_ms) + " ms)");
+  NotifySystemd("STOPPING=1");
+  health->SetServingStatus(kServiceName, false);
+  health->SetServingStatus(false);
+  (*listener)->Stop();
+  service.BeginShutdown();
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(config->drain_timeout_ms));
+  housekeeper.reset();
+  Log(LogLevel::kInfo, "stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace bgl::gov
+
+int main(int argc, char** argv) { return bgl::gov::Run(argc, argv); }

@@ -1,0 +1,440 @@
+#include "governor/service/governor_core.h"
+
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "governor/planner/assignment.h"
+#include "governor/service/convert.h"
+
+namespace bgl::gov {
+namespace {
+
+namespace pb = bagualu::v1;
+using grpc::StatusCode;
+
+grpc::Status Invalid(std::string msg) { return {StatusCode::INVALID_ARGUMENT, std::move(msg)}; }
+grpc::Status Exhausted(std::string msg) {
+  return {StatusCode::RESOURCE_EXHAUSTED, std::move(msg)};
+}
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// 128 random bits in hex: session ids are not guessable (authorisation does not rely on it).
+std::string NewSessionId() {
+  static std::mutex mu;
+  static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mu);
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "s-%016llx%016llx", static_cast<unsigned long long>(rng()),
+                static_cast<unsigned long long>(rng()));
+  return buf;
+}
+
+// Prefixes a planner error about a gate field with "gate." so it names the request field.
+grpc::Status GateError(const Status& s) {
+  grpc::Status g = ToGrpcStatus(s);
+  return {g.error_code(), "gate." + g.error_message()};
+}
+
+bool IsRejection(const grpc::Status& s) {
+  return s.error_code() == StatusCode::INVALID_ARGUMENT ||
+         s.error_code() == StatusCode::RESOURCE_EXHAUSTED;
+}
+
+grpc::Status CheckNonNegative(int64_t v, const char* field) {
+  if (v < 0) return Invalid(std::string(field) + ": must be non-negative, got " + std::to_string(v));
+  if (v > (int64_t{1} << 50)) {
+    return Invalid(std::string(field) + ": out of range (> 2^50), got " + std::to_string(v));
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace
+
+GovernorCore::GovernorCore(Metrics* metrics, RequestLimits limits)
+    : metrics_(metrics), limits_(limits) {}
+
+void GovernorCore::SetLimits(const RequestLimits& limits) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  limits_ = limits;
+}
+
+RequestLimits GovernorCore::limits() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return limits_;
+}
+
+size_t GovernorCore::session_count() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return sessions_.size();
+}
+
+grpc::Status GovernorCore::Reject(const char* method, grpc::Status status) {
+  if (metrics_ != nullptr && IsRejection(status)) metrics_->OnInvalidRequest(method);
+  return status;
+}
+
+bool GovernorCore::Visible(const Caller& caller, const Session& s) const {
+  return caller.admin || caller.uid == s.info.uid();
+}
+
+grpc::Status GovernorCore::Find(const Caller& caller, const std::string& id, bool read_only,
+                                std::shared_ptr<Session>* out) const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  if (id.size() > limits_.max_string_bytes) {
+    return Exhausted("session_id: " + std::to_string(id.size()) + " bytes exceed the limit of " +
+                     std::to_string(limits_.max_string_bytes));
+  }
+  if (id.empty()) return Invalid("session_id: required");
+  auto it = sessions_.find(id);
+  // Another uid's session looks exactly like a missing one: its existence is not disclosed.
+  if (it == sessions_.end() || !(Visible(caller, *it->second))) {
+    return {StatusCode::NOT_FOUND, "session_id: unknown session"};
+  }
+  const Session& s = *it->second;
+  if (!read_only) {
+    const bool owner = caller.uid == s.info.uid() &&
+                       (caller.pid < 0 || s.info.pid() <= 0 || caller.pid == s.info.pid());
+    if (!owner) {
+      return {StatusCode::PERMISSION_DENIED,
+              "session_id: belongs to process " + std::to_string(s.info.pid()) +
+                  "; only that process may change it"};
+    }
+  }
+  *out = it->second;
+  return grpc::Status::OK;
+}
+
+grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequest& req,
+                                    pb::RegisterResponse* resp) {
+  const RequestLimits limits = this->limits();
+  // Cheap checks (sizes, quotas) first, so oversized or abusive requests cost nothing.
+  if (Status s = ValidateRegisterRequest(req, limits); !s.ok()) {
+    return Reject("Register", ToGrpcStatus(s));
+  }
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (static_cast<int>(sessions_.size()) >= limits.max_sessions) {
+      return Reject("Register", Exhausted("sessions: the daemon's limit of " +
+                                          std::to_string(limits.max_sessions) + " is reached"));
+    }
+    int mine = 0;
+    for (const auto& [id, s] : sessions_) mine += s->info.uid() == caller.uid ? 1 : 0;
+    if (mine >= limits.max_sessions_per_uid) {
+      return Reject("Register", Exhausted("sessions: uid " + std::to_string(caller.uid) +
+                                          " already has " + std::to_string(mine) +
+                                          " sessions (limit " +
+                                          std::to_string(limits.max_sessions_per_uid) + ")"));
+    }
+  }
+  auto planner = CreatePlannerFromRequest(req, limits);
+  if (!planner.ok()) return Reject("Register", ToGrpcStatus(planner.status()));
+
+  auto session = std::make_shared<Session>();
+  const std::string id = NewSessionId();
+  pb::Session& info = session->info;
+  info.set_session_id(id);
+  info.set_pid(caller.pid >= 0 ? caller.pid : req.pid());
+  info.set_uid(caller.uid);
+  info.set_user(caller.user);
+  info.set_job_id(req.job_id());
+  info.set_gpu_uuid(req.gpu_uuid());
+  info.set_gpu_index(req.gpu_index());
+  info.set_pipeline_rank(req.pipeline_rank());
+  info.set_model((*planner)->config().name);
+  info.set_capacity_bytes(req.capacity_bytes());
+  info.set_created_unix_ms(NowUnixMs());
+  session->capacity_bytes = req.capacity_bytes() > 0 ? req.capacity_bytes()
+                                                      : (*planner)->hardware().memory_bytes;
+  session->planner = std::move(planner).value();
+  FillRegisterResponse(*session->planner, resp);
+  resp->set_session_id(id);
+  // Without a caller pid (TCP) the pid is informational only: such sessions are never reaped.
+  if (caller.pid < 0) info.set_pid(0);
+  size_t count = 0;
+  {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    sessions_.emplace(id, std::move(session));
+    count = sessions_.size();
+  }
+  if (metrics_ != nullptr) {
+    metrics_->OnRegister();
+    metrics_->SetSessions(count);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req,
+                                pb::PlanResponse* resp) {
+  const auto start = std::chrono::steady_clock::now();
+  std::shared_ptr<Session> session;
+  if (grpc::Status s = Find(caller, req.session_id(), false, &session); !s.ok()) {
+    return Reject("Plan", s);
+  }
+  Result<plan::Plan> result = Status();
+  std::optional<int64_t> bytes_in_use;
+  if (req.has_gate()) {
+    const pb::GateObservation& g = req.gate();
+    if (g.micro_batch() < 0) return Reject("Plan", Invalid("gate.micro_batch: must be >= 0"));
+    if (g.chunk() < 0) return Reject("Plan", Invalid("gate.chunk: must be >= 0"));
+    if (g.gate_layer() < 0) return Reject("Plan", Invalid("gate.gate_layer: must be >= 0"));
+    const double r = g.observed_load_factor();
+    if (!std::isfinite(r) || r <= 0 || r > 64) {
+      return Reject("Plan", Invalid("gate.observed_load_factor: must be in (0, 64], got " +
+                                    std::to_string(r)));
+    }
+    std::lock_guard<std::mutex> lock(session->mu);
+    result = session->planner->PlanAfterGate(g.micro_batch(), g.chunk(), g.gate_layer(), r);
+    if (!result.ok()) return Reject("Plan", GateError(result.status()));
+  } else {
+    auto point = PointFromProto(req);
+    if (!point.ok()) return Reject("Plan", ToGrpcStatus(point.status()));
+    if (point->bytes_in_use >= 0) bytes_in_use = point->bytes_in_use;
+    std::lock_guard<std::mutex> lock(session->mu);
+    result = session->planner->PlanPoint(*point);
+    if (!result.ok()) return Reject("Plan", ToGrpcStatus(result.status()));
+  }
+  const plan::Plan& p = *result;
+  {
+    std::lock_guard<std::mutex> lock(session->mu);
+    session->plans++;
+    session->budget_bytes = p.budget_bytes;
+    session->load_factor = p.load_factor;
+    if (bytes_in_use) session->in_use_bytes = *bytes_in_use;
+    session->peak_bytes = std::max(session->peak_bytes, session->in_use_bytes);
+    session->strategy_counts.clear();
+    for (plan::Strategy s : p.strategies) session->strategy_counts[plan::StrategyName(s)]++;
+    PlanToProto(p, &session->planner->graph(), resp->mutable_plan());
+  }
+  if (metrics_ != nullptr) {
+    metrics_->OnPlan(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+        p.cache_hit);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest& req,
+                                  pb::ReportResponse*) {
+  std::shared_ptr<Session> session;
+  if (grpc::Status s = Find(caller, req.session_id(), false, &session); !s.ok()) {
+    return Reject("Report", s);
+  }
+  const RequestLimits limits = this->limits();
+  if (req.allocator_snapshot_json().size() > limits.max_snapshot_json_bytes) {
+    return Reject("Report", Exhausted("allocator_snapshot_json: " +
+                                      std::to_string(req.allocator_snapshot_json().size()) +
+                                      " bytes exceed the limit of " +
+                                      std::to_string(limits.max_snapshot_json_bytes)));
+  }
+  if (req.micro_batch() < 0) return Reject("Report", Invalid("micro_batch: must be >= 0"));
+  if (req.chunk() < 0) return Reject("Report", Invalid("chunk: must be >= 0"));
+  if (auto s = CheckNonNegative(req.actual_bytes(), "actual_bytes"); !s.ok()) {
+    return Reject("Report", s);
+  }
+  const pb::AllocatorStats& st = req.stats();
+  for (auto [v, field] : {std::pair{st.allocated_bytes(), "stats.allocated_bytes"},
+                          {st.reserved_bytes(), "stats.reserved_bytes"},
+                          {st.peak_allocated_bytes(), "stats.peak_allocated_bytes"},
+                          {st.oom_count(), "stats.oom_count"},
+                          {st.ooms_avoided(), "stats.ooms_avoided"}}) {
+    if (auto s = CheckNonNegative(v, field); !s.ok()) return Reject("Report", s);
+  }
+  if (!std::isfinite(st.fragmentation()) || st.fragmentation() < 0 || st.fragmentation() > 1) {
+    return Reject("Report", Invalid("stats.fragmentation: must be in [0, 1], got " +
+                                    std::to_string(st.fragmentation())));
+  }
+  if (!req.allocator_snapshot_json().empty() &&
+      !nlohmann::json::accept(req.allocator_snapshot_json())) {
+    return Reject("Report", Invalid("allocator_snapshot_json: not valid JSON"));
+  }
+  int64_t ooms_delta = 0;
+  {
+    std::lock_guard<std::mutex> lock(session->mu);
+    Status s = session->planner->Report(req.micro_batch(), req.chunk(), req.actual_bytes());
+    if (!s.ok()) return Reject("Report", ToGrpcStatus(s));
+    if (req.has_stats()) {
+      ooms_delta = st.ooms_avoided() - session->ooms_avoided;
+      session->in_use_bytes = st.allocated_bytes();
+      session->reserved_bytes = st.reserved_bytes();
+      session->peak_bytes = std::max({session->peak_bytes, st.peak_allocated_bytes(),
+                                      st.allocated_bytes()});
+      session->ooms_avoided = st.ooms_avoided();
+      session->oom_count = st.oom_count();
+    } else {
+      session->in_use_bytes = static_cast<int64_t>(session->planner->used_bytes());
+      session->peak_bytes = std::max(session->peak_bytes, session->in_use_bytes);
+    }
+    if (!req.allocator_snapshot_json().empty()) {
+      session->snapshot_json = req.allocator_snapshot_json();
+      session->snapshot_unix_ms = NowUnixMs();
+    }
+  }
+  if (metrics_ != nullptr && ooms_delta > 0) metrics_->OnOomsAvoided(ooms_delta);
+  return grpc::Status::OK;
+}
+
+grpc::Status GovernorCore::Unregister(const Caller& caller, const pb::UnregisterRequest& req,
+                                      pb::UnregisterResponse*) {
+  std::shared_ptr<Session> session;
+  grpc::Status s = Find(caller, req.session_id(), false, &session);
+  // Root may end any session (an operator cleaning up); everyone else only their own.
+  if (s.error_code() == StatusCode::PERMISSION_DENIED && caller.uid == 0) {
+    s = Find(caller, req.session_id(), true, &session);
+  }
+  if (!s.ok()) return Reject("Unregister", s);
+  size_t count = 0;
+  {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    sessions_.erase(req.session_id());
+    count = sessions_.size();
+  }
+  if (metrics_ != nullptr) metrics_->SetSessions(count);
+  return grpc::Status::OK;
+}
+
+grpc::Status GovernorCore::ListSessions(const Caller& caller, const pb::ListSessionsRequest&,
+                                        pb::ListSessionsResponse* resp) {
+  std::map<std::string, const Session*> sorted;
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  for (const auto& [id, s] : sessions_) {
+    if (Visible(caller, *s)) sorted.emplace(id, s.get());
+  }
+  for (const auto& [id, s] : sorted) *resp->add_sessions() = s->info;
+  return grpc::Status::OK;
+}
+
+grpc::Status GovernorCore::Snapshot(const Caller& caller, const pb::SnapshotRequest& req,
+                                    pb::SnapshotResponse* resp) {
+  std::vector<std::shared_ptr<Session>> chosen;
+  if (!req.session_id().empty()) {
+    std::shared_ptr<Session> session;
+    if (grpc::Status s = Find(caller, req.session_id(), true, &session); !s.ok()) {
+      return Reject("Snapshot", s);
+    }
+    chosen.push_back(std::move(session));
+  } else {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    for (const auto& [id, s] : sessions_) {
+      if (Visible(caller, *s)) chosen.push_back(s);
+    }
+  }
+  for (const auto& s : chosen) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (s->snapshot_json.empty() && req.session_id().empty()) continue;
+    pb::SessionSnapshot* out = resp->add_snapshots();
+    out->set_session_id(s->info.session_id());
+    out->set_allocator_snapshot_json(s->snapshot_json);
+    out->set_reported_unix_ms(s->snapshot_unix_ms);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status GovernorCore::ValidateWatch(const pb::WatchRequest& req) const {
+  if (req.interval_ms() != 0 && (req.interval_ms() < 10 || req.interval_ms() > 3600000)) {
+    return Invalid("interval_ms: must be 0 (1000) or in [10, 3600000], got " +
+                   std::to_string(req.interval_ms()));
+  }
+  if (req.max_samples() < 0) {
+    return Invalid("max_samples: must be >= 0, got " + std::to_string(req.max_samples()));
+  }
+  return grpc::Status::OK;
+}
+
+void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
+  resp->set_unix_ms(NowUnixMs());
+  std::vector<std::shared_ptr<Session>> visible;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    for (const auto& [id, s] : sessions_) {
+      if (Visible(caller, *s)) visible.push_back(s);
+    }
+  }
+  std::sort(visible.begin(), visible.end(), [](const auto& a, const auto& b) {
+    return a->info.gpu_index() != b->info.gpu_index() ? a->info.gpu_index() < b->info.gpu_index()
+                                                      : a->info.pid() < b->info.pid();
+  });
+  std::map<std::string, pb::GpuState*> gpus;
+  for (const auto& s : visible) {
+    pb::GpuState*& gpu = gpus[s->info.gpu_uuid()];
+    if (gpu == nullptr) {
+      gpu = resp->add_gpus();
+      gpu->set_gpu_uuid(s->info.gpu_uuid());
+      gpu->set_gpu_index(s->info.gpu_index());
+    }
+    std::lock_guard<std::mutex> lock(s->mu);
+    pb::ProcessRow* row = gpu->add_processes();
+    *row->mutable_session() = s->info;
+    row->set_in_use_bytes(s->in_use_bytes);
+    row->set_peak_bytes(s->peak_bytes);
+    row->set_reserved_bytes(s->reserved_bytes);
+    row->set_budget_bytes(s->budget_bytes);
+    row->set_load_factor(s->load_factor);
+    for (const auto& [name, n] : s->strategy_counts) {
+      (*row->mutable_strategy_counts())[name] = n;
+      (*gpu->mutable_strategy_counts())[name] += n;
+    }
+    row->set_ooms_avoided(s->ooms_avoided);
+    row->set_oom_count(s->oom_count);
+    row->set_plans(s->plans);
+    const plan::PlannerCacheStats cache = s->planner->cache_stats();
+    gpu->set_capacity_bytes(std::max(gpu->capacity_bytes(), s->capacity_bytes));
+    gpu->set_in_use_bytes(gpu->in_use_bytes() + s->in_use_bytes);
+    gpu->set_reserved_bytes(gpu->reserved_bytes() + s->reserved_bytes);
+    gpu->set_budget_bytes(gpu->budget_bytes() + s->budget_bytes);
+    gpu->set_load_factor(std::max(gpu->load_factor(), s->load_factor));
+    gpu->set_plan_cache_hits(gpu->plan_cache_hits() + cache.mitigation.hits);
+    gpu->set_plan_cache_misses(gpu->plan_cache_misses() + cache.mitigation.misses);
+    gpu->set_ooms_avoided(gpu->ooms_avoided() + s->ooms_avoided);
+  }
+}
+
+int GovernorCore::Reap(const std::function<bool(int32_t pid)>& alive) {
+  std::vector<std::pair<std::string, int32_t>> candidates;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    for (const auto& [id, s] : sessions_) {
+      if (s->info.pid() > 0) candidates.emplace_back(id, s->info.pid());
+    }
+  }
+  std::vector<std::string> dead;
+  for (const auto& [id, pid] : candidates) {
+    if (!alive(pid)) dead.push_back(id);
+  }
+  if (dead.empty()) return 0;
+  size_t count = 0;
+  {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    for (const auto& id : dead) sessions_.erase(id);
+    count = sessions_.size();
+  }
+  if (metrics_ != nullptr) {
+    metrics_->OnReaped(static_cast<int>(dead.size()));
+    metrics_->SetSessions(count);
+  }
+  return static_cast<int>(dead.size());
+}
+
+void GovernorCore::PublishMetrics() {
+  if (metrics_ == nullptr) return;
+  Caller all;
+  all.admin = true;
+  pb::WatchResponse sample;
+  Sample(all, &sample);
+  for (const pb::GpuState& g : sample.gpus()) {
+    metrics_->SetGpu(g.gpu_index(), g.gpu_uuid(),
+                     GpuFigures{g.capacity_bytes(), g.in_use_bytes(), g.reserved_bytes(),
+                                g.budget_bytes()});
+  }
+  metrics_->SetSessions(session_count());
+}
+
+}  // namespace bgl::gov

@@ -1,0 +1,68 @@
+// GovernorCore: the request handlers of the Governor service without the transport: sessions,
+// validation, authorisation and per-GPU state. The gRPC adapter (GovernorService) and the fuzz
+// harness both call it. Thread-safe; calls on one session serialise on that session.
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include <functional>
+#include <memory>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+
+#include "bagualu/v1/governor.pb.h"
+#include "governor/service/caller.h"
+#include "governor/service/metrics.h"
+#include "governor/service/registration.h"
+#include "governor/service/session.h"
+
+namespace bgl::gov {
+
+class GovernorCore {
+ public:
+  // `metrics` may be null (tests); it must outlive the core.
+  explicit GovernorCore(Metrics* metrics = nullptr, RequestLimits limits = {});
+
+  // Limits can change at run time (SIGHUP); existing sessions are kept.
+  void SetLimits(const RequestLimits& limits);
+  RequestLimits limits() const;
+
+  grpc::Status Register(const Caller& caller, const bagualu::v1::RegisterRequest& req,
+                        bagualu::v1::RegisterResponse* resp);
+  grpc::Status Plan(const Caller& caller, const bagualu::v1::PlanRequest& req,
+                    bagualu::v1::PlanResponse* resp);
+  grpc::Status Report(const Caller& caller, const bagualu::v1::ReportRequest& req,
+                      bagualu::v1::ReportResponse* resp);
+  grpc::Status Unregister(const Caller& caller, const bagualu::v1::UnregisterRequest& req,
+                          bagualu::v1::UnregisterResponse* resp);
+  grpc::Status ListSessions(const Caller& caller, const bagualu::v1::ListSessionsRequest& req,
+                            bagualu::v1::ListSessionsResponse* resp);
+  grpc::Status Snapshot(const Caller& caller, const bagualu::v1::SnapshotRequest& req,
+                        bagualu::v1::SnapshotResponse* resp);
+  // Checks a WatchRequest (the stream loop lives in the transport).
+  grpc::Status ValidateWatch(const bagualu::v1::WatchRequest& req) const;
+  // One Watch sample: per-GPU state over the sessions the caller may see.
+  void Sample(const Caller& caller, bagualu::v1::WatchResponse* resp);
+
+  // Removes the sessions of processes `alive` says are gone; returns how many.
+  int Reap(const std::function<bool(int32_t pid)>& alive);
+  // Publishes per-GPU gauges and the session count.
+  void PublishMetrics();
+  size_t session_count() const;
+
+ private:
+  // The session `id` names, if `caller` may change it (owner uid and pid) or, with
+  // `read_only`, read it (owner uid, or admin).
+  grpc::Status Find(const Caller& caller, const std::string& id, bool read_only,
+                    std::shared_ptr<Session>* out) const;
+  grpc::Status Reject(const char* method, grpc::Status status);
+  bool Visible(const Caller& caller, const Session& s) const;
+
+  Metrics* metrics_;
+  mutable std::shared_mutex mu_;  // guards sessions_ and limits_
+  RequestLimits limits_;
+  std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+};
+
+}  // namespace bgl::gov

@@ -1,0 +1,35 @@
+// Session: one training process's planning state in the daemon: its StagePlanner (not
+// thread-safe, so every use holds `mu`) and the figures Watch and the metrics show.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "bagualu/v1/governor.pb.h"
+#include "governor/planner/planner.h"
+
+namespace bgl::gov {
+
+struct Session {
+  bagualu::v1::Session info;  // identity; immutable after registration
+  int64_t capacity_bytes = 0;  // effective: the request's or the GPU profile's
+
+  std::mutex mu;  // guards everything below
+  std::unique_ptr<plan::StagePlanner> planner;
+  int64_t in_use_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t reserved_bytes = 0;
+  int64_t budget_bytes = 0;
+  double load_factor = 1.0;
+  std::map<std::string, int64_t> strategy_counts;
+  int64_t ooms_avoided = 0;
+  int64_t oom_count = 0;
+  uint64_t plans = 0;
+  std::string snapshot_json;
+  int64_t snapshot_unix_ms = 0;
+};
+
+}  // namespace bgl::gov
