@@ -95,6 +95,7 @@ int main(int argc, char** argv) {
     nlohmann::json j = RunsToJson(runs);
     j["model"] = config->model.name;
     j["gpu"] = config->hw.name;
+    j["gpus"] = config->model.gpus;
     j["iterations"] = iterations;
     j["seed"] = options->seed;
     j["traced_iteration"] = traced;
