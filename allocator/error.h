@@ -18,6 +18,13 @@ enum class Status : int {
   kNotInitialized = 8,
   kBufferTooSmall = 9,
   kAlreadyInitialized = 10,
+  // Enforcer (bgl/enforce.h).
+  kUnknownHandle = 11,
+  kDuplicate = 12,
+  kInvalidState = 13,
+  kConflict = 14,
+  kPinnedExhausted = 15,
+  kCallbackError = 16,
 };
 
 // Stores `message` as the thread's last error; writes "bgl_alloc: <message>" to stderr when
