@@ -1,0 +1,740 @@
+#include "allocator/enforcer.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "kernels/fp8_cast.h"
+
+namespace bgl::alloc {
+namespace {
+
+std::string tensor_name(std::uint64_t h) { return "tensor " + std::to_string(h); }
+
+bool is_float(ElemType t) {
+  return t == ElemType::kF32 || t == ElemType::kF16 || t == ElemType::kBF16;
+}
+std::size_t elem_size(ElemType t) { return t == ElemType::kF32 ? 4 : t == ElemType::kBytes ? 1 : 2; }
+
+// Marks a tensor busy for the scope, so pressure eviction (which may run inside a pool
+// allocation made by the operation) leaves it alone.
+class Busy {
+ public:
+  explicit Busy(TrackedTensor& t) : t_(t) { ++t_.busy; }
+  ~Busy() { --t_.busy; }
+  Busy(const Busy&) = delete;
+  Busy& operator=(const Busy&) = delete;
+
+ private:
+  TrackedTensor& t_;
+};
+
+}  // namespace
+
+std::unique_ptr<Enforcer> Enforcer::create(Pool* pool, std::unique_ptr<DeviceOps> ops,
+                                           const EnforcerOptions& options, std::string* error) {
+  if (pool == nullptr || ops == nullptr) {
+    *error = "enforcer: no pool or device operations";
+    return nullptr;
+  }
+  if (options.fp8_block == 0 || options.fp8_block > (std::size_t{1} << 20)) {
+    *error = "enforcer: fp8_block must be in 1..1048576, not " + std::to_string(options.fp8_block);
+    return nullptr;
+  }
+  if (options.max_inflight < 1) {
+    *error = "enforcer: max_inflight must be >= 1, not " + std::to_string(options.max_inflight);
+    return nullptr;
+  }
+  std::unique_ptr<Enforcer> e(new Enforcer(pool, std::move(ops), options));
+  for (auto [stream, own] : {std::pair{&e->options_.d2h, &e->own_d2h_},
+                             std::pair{&e->options_.h2d, &e->own_h2d_}}) {
+    if (*stream != nullptr) continue;
+    if (e->ops_->create_stream(stream) != Status::kOk) {
+      *error = "enforcer: cannot create a copy stream: " + e->ops_->last_error();
+      return nullptr;
+    }
+    *own = true;
+  }
+  if (options.pressure_eviction) {
+    Enforcer* self = e.get();
+    e->pressure_id_ = pool->add_pressure_callback([self](int, std::size_t needed) {
+      std::size_t freed = 0;
+      self->evict(needed, &freed);
+      std::lock_guard<std::recursive_mutex> lock(self->mu_);
+      ++self->stats_.pressure_calls;
+      return freed;
+    });
+  }
+  return e;
+}
+
+Enforcer::Enforcer(Pool* pool, std::unique_ptr<DeviceOps> ops, const EnforcerOptions& options)
+    : pool_(pool),
+      ops_(std::move(ops)),
+      options_(options),
+      pinned_(std::make_unique<PinnedPool>(ops_.get(), options.pinned_capacity)),
+      sched_(this, options.max_inflight) {}
+
+Enforcer::~Enforcer() {
+  if (pressure_id_ != 0) pool_->remove_pressure_callback(pressure_id_);
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::string ignored;
+  sched_.finish(&ignored);
+  ops_->synchronize(options_.d2h);
+  ops_->synchronize(options_.h2d);
+  std::vector<std::uint64_t> handles;
+  for (auto& [h, t] : tracker_.tensors()) handles.push_back(h);
+  for (std::uint64_t h : handles) {
+    TrackedTensor* t = tracker_.find(h);
+    ops_->synchronize(t->alloc_stream);
+    retire_locked(*t, t->alloc_stream);
+  }
+  ops_->synchronize(options_.d2h);
+  ops_->synchronize(options_.h2d);
+  pinned_.reset();
+  if (own_d2h_) ops_->destroy_stream(options_.d2h);
+  if (own_h2d_) ops_->destroy_stream(options_.h2d);
+}
+
+Status Enforcer::fail(Status s, const std::string& message) {
+  report_error(options_.log, message);
+  return s;
+}
+
+TrackedTensor* Enforcer::get(std::uint64_t handle, const char* fn, Status* st) {
+  TrackedTensor* t = tracker_.find(handle);
+  if (t == nullptr) {
+    *st = fail(Status::kUnknownHandle,
+               std::string(fn) + ": unknown tensor handle " + std::to_string(handle));
+  }
+  return t;
+}
+
+// ---- tracker ------------------------------------------------------------------------------
+
+Status Enforcer::register_tensor(const TensorDesc& desc, std::uint64_t* handle) {
+  if (desc.ptr == nullptr || desc.bytes == 0) {
+    return fail(Status::kInvalidArgument, "register: null pointer or zero bytes");
+  }
+  if (static_cast<int>(desc.dtype) > static_cast<int>(ElemType::kBytes)) {
+    return fail(Status::kInvalidArgument,
+                "register: dtype " + std::to_string(static_cast<int>(desc.dtype)) + " unknown");
+  }
+  if (desc.owned && !pool_->is_allocated(desc.ptr)) {
+    return fail(Status::kForeignPointer,
+                "register: an owned tensor must be a live allocation of the device's pool");
+  }
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::string error;
+  const Status s = tracker_.add(desc, handle, &error);
+  if (s != Status::kOk) return fail(s, "register: " + error);
+  ++stats_.registered;
+  return Status::kOk;
+}
+
+Status Enforcer::add_consumer(std::uint64_t handle, int consumer_op) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "add_consumer", &st);
+  if (t == nullptr) return st;
+  for (const auto& c : t->consumers) {
+    if (c.op == consumer_op) {
+      return fail(Status::kDuplicate, "add_consumer: operator " + std::to_string(consumer_op) +
+                                          " already consumes " + tensor_name(handle));
+    }
+  }
+  t->consumers.push_back({consumer_op, false});
+  return Status::kOk;
+}
+
+Status Enforcer::lookup(const void* ptr, std::uint64_t* handle) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const std::uint64_t h = tracker_.lookup(ptr);
+  if (h == 0) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%p", ptr);
+    return fail(Status::kUnknownHandle, std::string("lookup: no tracked tensor at ") + buf);
+  }
+  *handle = h;
+  return Status::kOk;
+}
+
+Status Enforcer::info(std::uint64_t handle, bgl_enf_tensor_info* out) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "query", &st);
+  if (t == nullptr) return st;
+  *out = bgl_enf_tensor_info{};
+  out->placement = static_cast<int>(t->placement);
+  out->applied = static_cast<int>(t->applied);
+  out->planned = static_cast<int>(t->planned);
+  out->pending = (t->has_offload && !ops_->query(t->offload_done)) ||
+                 (t->has_ready && !ops_->query(t->ready));
+  out->num_consumers = static_cast<int>(t->consumers.size());
+  out->num_released = static_cast<int>(t->num_released());
+  out->bytes = t->desc.bytes;
+  out->device_ptr = t->ptr;
+  out->host_ptr = t->host;
+  out->fp8_ptr = t->fp8;
+  out->fp8_bytes = t->fp8_bytes;
+  out->need_order = t->need_order;
+  return Status::kOk;
+}
+
+Status Enforcer::unregister(std::uint64_t handle) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "unregister", &st);
+  if (t == nullptr) return st;
+  if (t->busy != 0) return fail(Status::kInvalidState, "unregister: " + tensor_name(handle) + " is busy");
+  if (t->has_offload) ops_->wait(t->offload_done);
+  if (t->has_ready) ops_->wait(t->ready);
+  retire_locked(*t, t->alloc_stream);
+  return Status::kOk;
+}
+
+std::size_t Enforcer::fp8_data_bytes(const TrackedTensor& t) const {
+  const std::size_t n = t.desc.bytes / elem_size(t.desc.dtype);
+  return (n + 15) / 16 * 16 + kern::fp8_num_blocks(n, options_.fp8_block) * sizeof(float);
+}
+
+Status Enforcer::movable(int micro_batch, Strategy s, std::size_t* bytes, std::size_t* count) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::size_t b = 0, c = 0;
+  for (auto& [h, t] : tracker_.tensors()) {
+    if (micro_batch != -1 && t.desc.micro_batch != micro_batch) continue;
+    if (t.placement != Placement::kDevice || t.applied != Strategy::kKeep) continue;
+    if (s == Strategy::kKeep) continue;
+    if (s == Strategy::kFp8) {
+      if (!is_float(t.desc.dtype)) continue;
+      const std::size_t f = fp8_data_bytes(t);
+      b += t.desc.bytes > f ? t.desc.bytes - f : 0;
+    } else {
+      b += t.desc.bytes;
+    }
+    ++c;
+  }
+  if (bytes != nullptr) *bytes = b;
+  if (count != nullptr) *count = c;
+  return Status::kOk;
+}
+
+Status Enforcer::set_need_order(std::uint64_t handle, std::int64_t order) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "set_need_order", &st);
+  if (t == nullptr) return st;
+  t->need_order = order;
+  return Status::kOk;
+}
+
+// ---- enforcement ------------------------------------------------------------------------------
+
+Status Enforcer::set_strategy(std::uint64_t handle, Strategy s) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "set_strategy", &st);
+  if (t == nullptr) return st;
+  if (static_cast<int>(s) > static_cast<int>(Strategy::kFp8)) {
+    return fail(Status::kInvalidArgument, "set_strategy: strategy " +
+                                              std::to_string(static_cast<int>(s)) + " unknown");
+  }
+  t->planned = s;
+  return Status::kOk;
+}
+
+Status Enforcer::apply(std::uint64_t handle, Strategy s) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "apply", &st);
+  if (t == nullptr) return st;
+  if (static_cast<int>(s) > static_cast<int>(Strategy::kFp8)) {
+    return fail(Status::kInvalidArgument,
+                "apply: strategy " + std::to_string(static_cast<int>(s)) + " unknown");
+  }
+  if (t->applied == s) return Status::kOk;  // already moved by this strategy: moved once
+  if (t->applied != Strategy::kKeep) {
+    return fail(Status::kConflict, "apply: " + tensor_name(handle) + " was already moved by " +
+                                       strategy_name(t->applied) + "; the plan now asks " +
+                                       strategy_name(s));
+  }
+  switch (s) {
+    case Strategy::kKeep: return Status::kOk;
+    case Strategy::kOffload: return offload_locked(*t);
+    case Strategy::kFp8: return fp8_locked(*t);
+    case Strategy::kRecompute: return drop_locked(*t);
+  }
+  return Status::kInvalidArgument;
+}
+
+#define BGL_ENF_OP(fn, body)                               \
+  Status Enforcer::fn(std::uint64_t handle) {              \
+    std::lock_guard<std::recursive_mutex> lock(mu_);       \
+    Status st;                                             \
+    TrackedTensor* t = get(handle, #fn, &st);              \
+    if (t == nullptr) return st;                           \
+    return body;                                           \
+  }
+BGL_ENF_OP(offload, offload_locked(*t))
+BGL_ENF_OP(reload, reload_locked(*t))
+BGL_ENF_OP(store_fp8, fp8_locked(*t))
+BGL_ENF_OP(drop, drop_locked(*t))
+#undef BGL_ENF_OP
+
+void Enforcer::set_recompute(RecomputeFn fn) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  recompute_ = std::move(fn);
+}
+
+void Enforcer::order_after_data(TrackedTensor& t, Stream s) {
+  // Work on `s` must follow whatever wrote the device data: a reload/uncast event, or the
+  // producer's stream.
+  if (t.has_ready) {
+    ops_->stream_wait(s, t.ready);
+  } else if (t.desc.stream != s) {
+    const Event e = ops_->record(t.desc.stream);
+    ops_->stream_wait(s, e);
+    ops_->release(e);
+  }
+}
+
+void Enforcer::set_ready(TrackedTensor& t, Stream s) {
+  if (t.has_ready) ops_->release(t.ready);
+  t.ready = ops_->record(s);
+  t.has_ready = true;
+}
+
+Status Enforcer::offload_locked(TrackedTensor& t) {
+  const std::string name = "offload " + tensor_name(t.handle);
+  if (t.placement != Placement::kDevice) {
+    return fail(Status::kInvalidState,
+                name + ": it is on " + placement_name(t.placement) + ", not the device");
+  }
+  if (t.acquired > 0 || t.busy > 0) {
+    return fail(Status::kInvalidState, name + ": a consumer or an operation is using it");
+  }
+  Busy busy(t);
+  void* host = nullptr;
+  std::string error;
+  if (pinned_->allocate(t.desc.bytes, &host, &error) != Status::kOk) {
+    return fail(Status::kPinnedExhausted, name + ": " + error);
+  }
+  const Stream d2h = options_.d2h;
+  order_after_data(t, d2h);
+  if (ops_->copy(host, t.ptr, t.desc.bytes, d2h) != Status::kOk) {
+    pinned_->free_after(host, Event{});
+    return fail(Status::kBackendError, name + ": " + ops_->last_error());
+  }
+  if (t.has_offload) ops_->release(t.offload_done);
+  t.offload_done = ops_->record(d2h);
+  t.has_offload = true;
+  // The device block goes back to the pool ordered after the copy: a free on another stream
+  // than the allocation stream is reused only after an event on that stream (record_stream).
+  if (t.owned) {
+    pool_->deallocate(t.ptr, 0, d2h);
+  } else if (pool_->is_allocated(t.ptr)) {
+    pool_->record_stream(t.ptr, d2h);
+  }
+  if (t.has_ready) {
+    ops_->release(t.ready);
+    t.has_ready = false;
+  }
+  tracker_.set_ptr(t, nullptr);
+  t.host = host;
+  t.placement = Placement::kHost;
+  t.applied = Strategy::kOffload;
+  ++stats_.offloads;
+  stats_.bytes_d2h += t.desc.bytes;
+  return Status::kOk;
+}
+
+Status Enforcer::reload_locked(TrackedTensor& t) {
+  const std::string name = "reload " + tensor_name(t.handle);
+  if (t.placement == Placement::kDevice) {
+    if (t.applied == Strategy::kOffload) return Status::kOk;  // already reloaded (moved once)
+    return fail(Status::kInvalidState, name + ": it was never offloaded");
+  }
+  if (t.placement != Placement::kHost) {
+    return fail(Status::kInvalidState, name + ": it is " + placement_name(t.placement) +
+                                           ", not offloaded");
+  }
+  if (t.busy > 0) return fail(Status::kInvalidState, name + ": an operation is under way");
+  Busy busy(t);
+  const Stream h2d = options_.h2d;
+  void* dev = pool_->allocate(t.desc.bytes, h2d);
+  if (dev == nullptr) return fail(Status::kOutOfMemory, name + ": " + last_error());
+  // The race in Megatron-LM's fine-grained offloading: never start before the D2H finished.
+  ops_->stream_wait(h2d, t.offload_done);
+  if (ops_->copy(dev, t.host, t.desc.bytes, h2d) != Status::kOk) {
+    pool_->deallocate(dev, 0, h2d);
+    return fail(Status::kBackendError, name + ": " + ops_->last_error());
+  }
+  set_ready(t, h2d);
+  pinned_->free_after(t.host, ops_->record(h2d));
+  t.host = nullptr;
+  tracker_.set_ptr(t, dev);
+  t.owned = true;
+  t.alloc_stream = h2d;
+  t.placement = Placement::kDevice;
+  ++stats_.reloads;
+  stats_.bytes_h2d += t.desc.bytes;
+  return Status::kOk;
+}
+
+Status Enforcer::fp8_locked(TrackedTensor& t) {
+  const std::string name = "store_fp8 " + tensor_name(t.handle);
+  if (!is_float(t.desc.dtype) || t.desc.bytes % elem_size(t.desc.dtype) != 0) {
+    return fail(Status::kInvalidArgument,
+                name + ": FP8 needs an F32/F16/BF16 tensor of whole elements");
+  }
+  if (t.placement != Placement::kDevice) {
+    return fail(Status::kInvalidState,
+                name + ": it is on " + placement_name(t.placement) + ", not the device");
+  }
+  if (t.acquired > 0 || t.busy > 0) {
+    return fail(Status::kInvalidState, name + ": a consumer or an operation is using it");
+  }
+  Busy busy(t);
+  const Stream s = t.desc.stream;
+  const std::size_t n = t.desc.bytes / elem_size(t.desc.dtype);
+  const std::size_t total = fp8_data_bytes(t);
+  auto* f = static_cast<std::uint8_t*>(pool_->allocate(total, s));
+  if (f == nullptr) return fail(Status::kOutOfMemory, name + ": " + last_error());
+  order_after_data(t, s);
+  auto* scales = reinterpret_cast<float*>(f + (n + 15) / 16 * 16);
+  if (ops_->cast_to_fp8(t.ptr, static_cast<kern::DType>(t.desc.dtype), n, f, scales,
+                        options_.fp8_block, s) != Status::kOk) {
+    pool_->deallocate(f, 0, s);
+    return fail(Status::kBackendError, name + ": " + ops_->last_error());
+  }
+  // The full-precision copy goes as soon as the cast is queued (ordered after it on `s`).
+  if (t.owned) {
+    pool_->deallocate(t.ptr, 0, s);
+  } else if (pool_->is_allocated(t.ptr)) {
+    pool_->record_stream(t.ptr, s);
+  }
+  if (t.has_ready) {
+    ops_->release(t.ready);
+    t.has_ready = false;
+  }
+  tracker_.set_ptr(t, nullptr);
+  t.fp8 = f;
+  t.fp8_bytes = total;
+  t.placement = Placement::kFp8;
+  t.applied = Strategy::kFp8;
+  ++stats_.fp8_casts;
+  stats_.bytes_fp8_saved += t.desc.bytes > total ? t.desc.bytes - total : 0;
+  return Status::kOk;
+}
+
+Status Enforcer::uncast_locked(TrackedTensor& t, Stream s) {
+  const std::string name = "uncast " + tensor_name(t.handle);
+  Busy busy(t);
+  const std::size_t n = t.desc.bytes / elem_size(t.desc.dtype);
+  void* dev = pool_->allocate(t.desc.bytes, s);
+  if (dev == nullptr) return fail(Status::kOutOfMemory, name + ": " + last_error());
+  auto* f = static_cast<std::uint8_t*>(t.fp8);
+  if (s != t.desc.stream) {
+    const Event e = ops_->record(t.desc.stream);
+    ops_->stream_wait(s, e);
+    ops_->release(e);
+  }
+  const auto* scales = reinterpret_cast<const float*>(f + (n + 15) / 16 * 16);
+  if (ops_->cast_from_fp8(f, scales, n, options_.fp8_block, static_cast<kern::DType>(t.desc.dtype),
+                          dev, s) != Status::kOk) {
+    pool_->deallocate(dev, 0, s);
+    return fail(Status::kBackendError, name + ": " + ops_->last_error());
+  }
+  pool_->deallocate(f, 0, s);  // FP8 copy freed once the uncast is queued
+  t.fp8 = nullptr;
+  t.fp8_bytes = 0;
+  tracker_.set_ptr(t, dev);
+  t.owned = true;
+  t.alloc_stream = s;
+  set_ready(t, s);
+  t.placement = Placement::kDevice;
+  ++stats_.fp8_uncasts;
+  return Status::kOk;
+}
+
+Status Enforcer::drop_locked(TrackedTensor& t) {
+  const std::string name = "drop " + tensor_name(t.handle);
+  if (t.placement != Placement::kDevice) {
+    return fail(Status::kInvalidState,
+                name + ": it is on " + placement_name(t.placement) + ", not the device");
+  }
+  if (t.acquired > 0 || t.busy > 0) {
+    return fail(Status::kInvalidState, name + ": a consumer or an operation is using it");
+  }
+  if (t.owned) pool_->deallocate(t.ptr, 0, t.alloc_stream);
+  if (t.has_ready) {
+    ops_->release(t.ready);
+    t.has_ready = false;
+  }
+  tracker_.set_ptr(t, nullptr);
+  t.placement = Placement::kDropped;
+  t.applied = Strategy::kRecompute;
+  ++stats_.drops;
+  return Status::kOk;
+}
+
+Status Enforcer::recompute_locked(TrackedTensor& t, Stream s) {
+  const std::string name = "recompute " + tensor_name(t.handle);
+  if (t.busy > 0) return fail(Status::kInvalidState, name + ": already being recomputed");
+  if (!recompute_) return fail(Status::kCallbackError, name + ": no recompute callback is set");
+  Busy busy(t);
+  void* p = nullptr;
+  const int rc = recompute_(t.handle, t.desc.producer_op, t.desc.micro_batch, &p);
+  if (rc != 0 || p == nullptr) {
+    return fail(Status::kCallbackError, name + ": the callback returned " + std::to_string(rc) +
+                                            (p == nullptr ? " and no data" : ""));
+  }
+  tracker_.set_ptr(t, p);
+  t.owned = t.desc.owned;
+  t.alloc_stream = s;
+  set_ready(t, s);
+  t.placement = Placement::kDevice;
+  ++stats_.recomputes;
+  return Status::kOk;
+}
+
+// ---- consumers --------------------------------------------------------------------------------
+
+Status Enforcer::acquire(std::uint64_t handle, int consumer_op, Stream stream, void** ptr) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "acquire", &st);
+  if (t == nullptr) return st;
+  Consumer* c = nullptr;
+  if (consumer_op != -1) {
+    for (auto& x : t->consumers) c = x.op == consumer_op ? &x : c;
+    if (c == nullptr) {
+      return fail(Status::kInvalidArgument, "acquire: operator " + std::to_string(consumer_op) +
+                                                " is not a consumer of " + tensor_name(handle));
+    }
+    if (c->released) {
+      return fail(Status::kInvalidState, "acquire: operator " + std::to_string(consumer_op) +
+                                             " already released " + tensor_name(handle));
+    }
+  }
+  switch (t->placement) {
+    case Placement::kHost: st = reload_locked(*t); break;
+    case Placement::kFp8: st = uncast_locked(*t, stream); break;
+    case Placement::kDropped: st = recompute_locked(*t, stream); break;
+    case Placement::kDevice: st = Status::kOk; break;
+  }
+  if (st != Status::kOk) return st;
+  if (t->has_ready) ops_->stream_wait(stream, t->ready);
+  ++t->acquired;
+  *ptr = t->ptr;
+  return Status::kOk;
+}
+
+Status Enforcer::release(std::uint64_t handle, int consumer_op, Stream stream) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "release", &st);
+  if (t == nullptr) return st;
+  if (consumer_op != -1) {
+    Consumer* c = nullptr;
+    for (auto& x : t->consumers) c = x.op == consumer_op ? &x : c;
+    if (c == nullptr) {
+      return fail(Status::kInvalidArgument, "release: operator " + std::to_string(consumer_op) +
+                                                " is not a consumer of " + tensor_name(handle));
+    }
+    if (c->released) {
+      return fail(Status::kInvalidState, "release: operator " + std::to_string(consumer_op) +
+                                             " already released " + tensor_name(handle));
+    }
+    c->released = true;
+  }
+  if (t->acquired > 0) --t->acquired;
+  if (t->ptr != nullptr && t->owned && stream != t->alloc_stream) {
+    pool_->record_stream(t->ptr, stream);  // its memory is reused only after this consumer
+  }
+  if (t->num_released() == t->consumers.size()) retire_locked(*t, stream);
+  return Status::kOk;
+}
+
+void Enforcer::retire_locked(TrackedTensor& t, Stream s) {
+  if (t.ptr != nullptr && t.owned) pool_->deallocate(t.ptr, 0, s);
+  if (t.fp8 != nullptr) pool_->deallocate(t.fp8, 0, s);
+  if (t.host != nullptr) pinned_->free_after(t.host, ops_->record(options_.d2h));
+  if (t.has_ready) ops_->release(t.ready);
+  if (t.has_offload) ops_->release(t.offload_done);
+  tracker_.remove(t.handle);  // t is gone after this
+  ++stats_.retired;
+}
+
+Status Enforcer::wait_tensor(std::uint64_t handle) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "wait_tensor", &st);
+  if (t == nullptr) return st;
+  if (t->has_offload) ops_->wait(t->offload_done);
+  if (t->has_ready) ops_->wait(t->ready);
+  if (t->placement == Placement::kFp8) ops_->synchronize(t->desc.stream);
+  return Status::kOk;
+}
+
+Status Enforcer::synchronize() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  ops_->synchronize(options_.d2h);
+  ops_->synchronize(options_.h2d);
+  std::string ignored;
+  sched_.pump(&ignored);
+  return Status::kOk;
+}
+
+// ---- scheduler ----------------------------------------------------------------------------------
+
+Status Enforcer::schedule_begin(const std::vector<plan::IssueItem>& order,
+                                int offload_micro_batch, int recover_micro_batch) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::string error;
+  StreamScheduler probe(this, 1);
+  if (probe.load(order, &error) != Status::kOk) {
+    return fail(Status::kInvalidArgument, "schedule_begin: " + error);
+  }
+  Status first = sched_.finish(&error);  // the previous point's leftovers
+  if (first != Status::kOk) report_error(options_.log, "schedule_begin: previous order: " + error);
+  sched_.load(order, &error);
+  offload_mb_ = offload_micro_batch;
+  recover_mb_ = recover_micro_batch;
+  return Status::kOk;
+}
+
+Status Enforcer::schedule_reached(plan::Chain chain, int stage) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::string error;
+  const Status s = sched_.reached(chain, stage, &error);
+  stats_.scheduled_issued = sched_.issued();
+  stats_.scheduled_max_inflight = sched_.max_inflight_seen();
+  return s == Status::kOk ? s : fail(s, error);
+}
+
+Status Enforcer::schedule_poll(std::size_t* waiting) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::string error;
+  const Status s = sched_.pump(&error);
+  stats_.scheduled_issued = sched_.issued();
+  stats_.scheduled_max_inflight = sched_.max_inflight_seen();
+  if (waiting != nullptr) *waiting = sched_.waiting();
+  return s == Status::kOk ? s : fail(s, error);
+}
+
+Status Enforcer::schedule_finish() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::string error;
+  const Status s = sched_.finish(&error);
+  stats_.scheduled_issued = sched_.issued();
+  stats_.scheduled_max_inflight = sched_.max_inflight_seen();
+  return s == Status::kOk ? s : fail(s, error);
+}
+
+Status Enforcer::issue(const plan::IssueItem& item, Event* done, std::string* error) {
+  Status first = Status::kOk;
+  auto note = [&](Status s) {
+    if (s != Status::kOk && first == Status::kOk) {
+      first = s;
+      *error = last_error();
+    }
+  };
+  auto in = [&](int v) { return v >= item.first && v <= item.last; };
+  std::vector<TrackedTensor*> picked;
+  for (auto& [h, t] : tracker_.tensors()) picked.push_back(&t);
+  if (item.chain == plan::Chain::kOffload) {
+    for (TrackedTensor* t : picked) {
+      if (t->desc.micro_batch == offload_mb_ && in(t->desc.graph_tensor) &&
+          t->planned == Strategy::kOffload && t->placement == Placement::kDevice &&
+          t->applied == Strategy::kKeep) {
+        note(offload_locked(*t));
+      }
+    }
+    *done = ops_->record(options_.d2h);
+  } else if (item.chain == plan::Chain::kRecover && item.resource == plan::Resource::kH2D) {
+    for (TrackedTensor* t : picked) {
+      if (t->desc.micro_batch == recover_mb_ && in(t->desc.graph_tensor) &&
+          t->placement == Placement::kHost) {
+        note(reload_locked(*t));
+      }
+    }
+    *done = ops_->record(options_.h2d);
+  } else if (item.chain == plan::Chain::kRecover) {
+    // Recomputes in forward order of their producers.
+    std::vector<TrackedTensor*> dropped;
+    for (TrackedTensor* t : picked) {
+      if (t->desc.micro_batch == recover_mb_ && in(t->desc.producer_op) &&
+          t->placement == Placement::kDropped) {
+        dropped.push_back(t);
+      }
+    }
+    std::stable_sort(dropped.begin(), dropped.end(), [](auto* a, auto* b) {
+      return a->desc.producer_op < b->desc.producer_op;
+    });
+    Stream last = nullptr;
+    for (TrackedTensor* t : dropped) {
+      note(recompute_locked(*t, t->desc.stream));
+      last = t->desc.stream;
+    }
+    *done = ops_->record(last);
+  }
+  return first;
+}
+
+// ---- pressure ---------------------------------------------------------------------------------
+
+Status Enforcer::evict(std::size_t needed, std::size_t* freed) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::vector<TrackedTensor*> candidates;
+  for (auto& [h, t] : tracker_.tensors()) {
+    // Owned (freeing it helps the pool), idle, on the device, and not a reload (needed soon).
+    if (t.owned && t.placement == Placement::kDevice && t.busy == 0 && t.acquired == 0 &&
+        t.applied == Strategy::kKeep) {
+      candidates.push_back(&t);
+    }
+  }
+  std::stable_sort(candidates.begin(), candidates.end(), [](auto* a, auto* b) {
+    return a->need_order > b->need_order;  // needed last first
+  });
+  std::size_t got = 0;
+  for (TrackedTensor* t : candidates) {
+    if (got >= needed) break;
+    const std::size_t bytes = pool_->round_size(t->desc.bytes);
+    if (offload_locked(*t) == Status::kOk) {
+      got += bytes;
+      ++stats_.evictions;
+      stats_.evicted_bytes += t->desc.bytes;
+    }
+  }
+  clear_last_error();
+  if (freed != nullptr) *freed = got;
+  return Status::kOk;
+}
+
+EnforcerStats Enforcer::stats() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  EnforcerStats s = stats_;
+  s.tracked = tracker_.size();
+  s.device_bytes = s.host_bytes = s.fp8_bytes = 0;
+  for (auto& [h, t] : tracker_.tensors()) {
+    switch (t.placement) {
+      case Placement::kDevice: s.device_bytes += t.desc.bytes; break;
+      case Placement::kHost: s.host_bytes += t.desc.bytes; break;
+      case Placement::kFp8: s.fp8_bytes += t.fp8_bytes; break;
+      case Placement::kDropped: break;
+    }
+  }
+  const PinnedStats p = pinned_->stats();
+  s.pinned_in_use = p.in_use;
+  s.pinned_cached = p.cached;
+  s.pinned_peak = p.peak;
+  s.pinned_capacity = p.capacity;
+  s.pinned_allocs = p.allocs;
+  s.pinned_hits = p.hits;
+  s.pinned_failures = p.failures;
+  s.scheduled_issued = sched_.issued();
+  s.scheduled_max_inflight = sched_.max_inflight_seen();
+  return s;
+}
+
+}  // namespace bgl::alloc

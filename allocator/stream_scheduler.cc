@@ -1,0 +1,129 @@
+#include "allocator/stream_scheduler.h"
+
+#include <algorithm>
+#include <array>
+#include <limits>
+
+namespace bgl::alloc {
+
+StreamScheduler::StreamScheduler(WorkIssuer* issuer, int max_inflight)
+    : issuer_(issuer), max_inflight_(max_inflight < 1 ? 1 : max_inflight) {}
+
+Status StreamScheduler::load(const std::vector<plan::IssueItem>& order, std::string* error) {
+  std::array<int, plan::kChainCount> last_stage{-1, -1, -1, -1};
+  int last_round = std::numeric_limits<int>::min();
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    const auto& it = order[i];
+    const int c = static_cast<int>(it.chain);
+    const std::string where = "issue item " + std::to_string(i);
+    if (c >= plan::kChainCount) {
+      *error = where + ": chain " + std::to_string(c) + " out of range";
+      return Status::kInvalidArgument;
+    }
+    if (static_cast<int>(it.resource) >= plan::kResourceCount) {
+      *error = where + ": resource " + std::to_string(static_cast<int>(it.resource)) +
+               " out of range";
+      return Status::kInvalidArgument;
+    }
+    if (it.stage <= last_stage[c]) {
+      *error = where + ": stage " + std::to_string(it.stage) + " of chain " + std::to_string(c) +
+               " does not follow stage " + std::to_string(last_stage[c]) +
+               " (order inside a chain)";
+      return Status::kInvalidArgument;
+    }
+    if (it.round < last_round) {
+      *error = where + ": round " + std::to_string(it.round) + " after round " +
+               std::to_string(last_round);
+      return Status::kInvalidArgument;
+    }
+    last_stage[c] = it.stage;
+    last_round = it.round;
+  }
+  queue_.clear();
+  compute_rounds_.clear();
+  frontier_ = -1;
+  for (const auto& it : order) {
+    if (it.chain == plan::Chain::kOffload || it.chain == plan::Chain::kRecover) {
+      queue_.push_back(it);
+    } else {
+      compute_rounds_.push_back({{static_cast<int>(it.chain), it.stage}, it.round});
+    }
+  }
+  return Status::kOk;
+}
+
+Status StreamScheduler::reached(plan::Chain chain, int stage, std::string* error) {
+  if (chain != plan::Chain::kForward && chain != plan::Chain::kBackward) {
+    *error = "schedule_reached: chain must be forward (0) or backward (1), not " +
+             std::to_string(static_cast<int>(chain));
+    return Status::kInvalidArgument;
+  }
+  const std::pair<int, int> key{static_cast<int>(chain), stage};
+  auto it = std::find_if(compute_rounds_.begin(), compute_rounds_.end(),
+                         [&](const auto& e) { return e.first == key; });
+  if (it == compute_rounds_.end()) {
+    *error = "schedule_reached: no stage " + std::to_string(stage) + " of chain " +
+             std::to_string(key.first) + " in the loaded issue order";
+    return Status::kInvalidArgument;
+  }
+  frontier_ = std::max(frontier_, it->second);
+  return pump(error);
+}
+
+void StreamScheduler::retire() {
+  // Pieces complete in any order across streams; retire every completed one.
+  for (auto it = inflight_.begin(); it != inflight_.end();) {
+    if (issuer_->query(it->done)) {
+      issuer_->release(it->done);
+      it = inflight_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+Status StreamScheduler::pump(std::string* error) {
+  retire();
+  Status first = Status::kOk;
+  while (!queue_.empty() && queue_.front().round <= frontier_ &&
+         inflight_.size() < static_cast<std::size_t>(max_inflight_)) {
+    const plan::IssueItem item = queue_.front();
+    queue_.pop_front();
+    Event done;
+    std::string why;
+    const Status s = issuer_->issue(item, &done, &why);
+    ++issued_;
+    if (s != Status::kOk) {
+      if (first == Status::kOk) {
+        first = s;
+        *error = why;
+      }
+      continue;
+    }
+    inflight_.push_back({item, done});
+    max_seen_ = std::max(max_seen_, inflight_.size());
+    retire();
+  }
+  return first;
+}
+
+Status StreamScheduler::finish(std::string* error) {
+  frontier_ = std::numeric_limits<int>::max();
+  Status first = Status::kOk;
+  while (true) {
+    std::string why;
+    const Status s = pump(&why);
+    if (s != Status::kOk && first == Status::kOk) {
+      first = s;
+      *error = why;
+    }
+    if (inflight_.empty()) {
+      if (queue_.empty()) break;
+      continue;
+    }
+    issuer_->wait(inflight_.front().done);
+  }
+  return first;
+}
+
+}  // namespace bgl::alloc

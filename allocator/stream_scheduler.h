@@ -1,0 +1,69 @@
+// StreamScheduler: issues the offload (O) and recover (R) pieces of a plan's dual-batch issue
+// order when compute reaches the stage boundary the plan names, in order, with at most
+// `max_inflight` pieces issued but not complete.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "allocator/backend.h"
+#include "allocator/error.h"
+#include "governor/planner/dual_batch.h"
+
+namespace bgl::alloc {
+
+// Carries out one O/R piece (queues its copies/casts) and reports when it completed.
+class WorkIssuer {
+ public:
+  virtual ~WorkIssuer() = default;
+  // Queues the work of `item`; *done gets an event after it (a null handle: already complete).
+  virtual Status issue(const plan::IssueItem& item, Event* done, std::string* error) = 0;
+  virtual bool query(const Event& e) = 0;
+  virtual void wait(const Event& e) = 0;
+  virtual void release(const Event& /*e*/) {}
+};
+
+// See file comment. Not thread safe (the Enforcer's lock guards it).
+class StreamScheduler {
+ public:
+  StreamScheduler(WorkIssuer* issuer, int max_inflight);
+
+  // Loads an issue order. kInvalidArgument (and nothing loaded) when stages of a chain do not
+  // increase, rounds decrease, or a chain/resource value is out of range.
+  Status load(const std::vector<plan::IssueItem>& order, std::string* error);
+  // Compute (chain F or B) reached the start of `stage`: O/R pieces of that round or earlier
+  // become issuable. kInvalidArgument when no such compute stage is in the order.
+  Status reached(plan::Chain chain, int stage, std::string* error);
+  // Retires completed pieces and issues what the frontier and the bound allow. The first issue
+  // error is returned (that piece is skipped: its tensors stay where they are).
+  Status pump(std::string* error);
+  // Makes everything issuable, issues it all and waits for it.
+  Status finish(std::string* error);
+
+  std::size_t waiting() const { return queue_.size(); }
+  std::size_t inflight() const { return inflight_.size(); }
+  std::uint64_t issued() const { return issued_; }
+  std::size_t max_inflight_seen() const { return max_seen_; }
+  int max_inflight() const { return max_inflight_; }
+
+ private:
+  struct Flight {
+    plan::IssueItem item;
+    Event done;
+  };
+  void retire();
+
+  WorkIssuer* issuer_;
+  int max_inflight_;
+  std::deque<plan::IssueItem> queue_;  // O/R pieces not yet issued, in issue order
+  std::vector<std::pair<std::pair<int, int>, int>> compute_rounds_;  // (chain, stage) -> round
+  std::deque<Flight> inflight_;
+  int frontier_ = -1;  // highest round compute has reached
+  std::uint64_t issued_ = 0;
+  std::size_t max_seen_ = 0;
+};
+
+}  // namespace bgl::alloc
