@@ -1,0 +1,168 @@
+// The enforcer's C ABI through libbgl_alloc.so, as ctypes calls it.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bgl/enforce.h"
+
+namespace {
+
+class EnforceCApi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(bgl_alloc_configure("backend:host,capacity:256MiB,page_size:64KiB,log:false"),
+              BGL_OK)
+        << bgl_alloc_last_error();
+    bgl_enf_options o;
+    bgl_enf_default_options(&o);
+    o.pinned_capacity = 8 << 20;
+    ASSERT_EQ(bgl_enf_create(&o, &enf_), BGL_OK) << bgl_enf_last_error();
+    ASSERT_EQ(bgl_enf_stream_create(enf_, &compute_), BGL_OK);
+  }
+  void TearDown() override {
+    bgl_enf_stream_synchronize(enf_, compute_);
+    EXPECT_EQ(bgl_enf_destroy(enf_), BGL_OK);
+    // The stream is a host stream of the (still live) allocator backend.
+    bgl_enforcer* tmp = nullptr;
+    bgl_enf_create(nullptr, &tmp);
+    bgl_enf_stream_destroy(tmp, compute_);
+    bgl_enf_destroy(tmp);
+  }
+
+  uint64_t make(size_t bytes, std::vector<uint8_t>* data, int flags = BGL_ENF_OWNED) {
+    void* p = bgl_alloc(bytes, 0, compute_);
+    EXPECT_NE(p, nullptr);
+    data->resize(bytes);
+    std::mt19937 rng(static_cast<unsigned>(bytes));
+    for (auto& b : *data) b = static_cast<uint8_t>(rng());
+    std::memcpy(p, data->data(), bytes);
+    bgl_enf_tensor_desc d{};
+    d.ptr = p;
+    d.bytes = bytes;
+    d.dtype = BGL_DTYPE_BYTES;
+    d.producer_op = 1;
+    d.graph_tensor = 0;
+    d.micro_batch = 0;
+    d.stream = compute_;
+    d.flags = static_cast<uint32_t>(flags);
+    uint64_t h = 0;
+    EXPECT_EQ(bgl_enf_register(enf_, &d, &h), BGL_OK) << bgl_enf_last_error();
+    return h;
+  }
+
+  bgl_enforcer* enf_ = nullptr;
+  void* compute_ = nullptr;
+};
+
+TEST_F(EnforceCApi, OffloadAcquireReleaseRoundTrip) {
+  std::vector<uint8_t> data;
+  const uint64_t h = make(123457, &data);
+  ASSERT_EQ(bgl_enf_add_consumer(enf_, h, 4), BGL_OK);
+  ASSERT_EQ(bgl_enf_offload(enf_, h), BGL_OK);
+  bgl_enf_tensor_info info;
+  ASSERT_EQ(bgl_enf_query(enf_, h, &info), BGL_OK);
+  EXPECT_EQ(info.placement, BGL_PLACE_HOST);
+  EXPECT_EQ(info.applied, BGL_STRATEGY_OFFLOAD);
+  void* p = nullptr;
+  ASSERT_EQ(bgl_enf_acquire(enf_, h, 4, compute_, &p), BGL_OK);
+  ASSERT_EQ(bgl_enf_stream_synchronize(enf_, compute_), BGL_OK);
+  EXPECT_EQ(std::memcmp(p, data.data(), data.size()), 0);
+  uint64_t found = 0;
+  ASSERT_EQ(bgl_enf_lookup(enf_, p, &found), BGL_OK);
+  EXPECT_EQ(found, h);
+  ASSERT_EQ(bgl_enf_release(enf_, h, 4, compute_), BGL_OK);
+  bgl_enf_stats s;
+  ASSERT_EQ(bgl_enf_get_stats(enf_, &s), BGL_OK);
+  EXPECT_EQ(s.offloads, 1u);
+  EXPECT_EQ(s.reloads, 1u);
+  EXPECT_EQ(s.tracked, 0u);
+}
+
+TEST_F(EnforceCApi, ErrorsHaveCodesAndMessages) {
+  std::vector<uint8_t> data;
+  const uint64_t h = make(16 << 20, &data);  // larger than the 8 MiB pinned pool
+  EXPECT_EQ(bgl_enf_offload(enf_, h + 7), BGL_ERR_UNKNOWN_HANDLE);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("unknown tensor handle"), std::string::npos);
+  EXPECT_EQ(bgl_enf_reload(enf_, h), BGL_ERR_INVALID_STATE);
+  EXPECT_EQ(bgl_enf_offload(enf_, h), BGL_ERR_PINNED_EXHAUSTED);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("pinned"), std::string::npos);
+  bgl_enf_tensor_info info;
+  ASSERT_EQ(bgl_enf_query(enf_, h, &info), BGL_OK);
+  bgl_enf_tensor_desc d{};
+  d.ptr = info.device_ptr;
+  d.bytes = 16;
+  d.stream = compute_;
+  uint64_t h2 = 0;
+  EXPECT_EQ(bgl_enf_register(enf_, &d, &h2), BGL_ERR_DUPLICATE);
+  EXPECT_EQ(bgl_enf_apply(enf_, h, 9), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bgl_enf_offload(reinterpret_cast<bgl_enforcer*>(&d), h), BGL_ERR_UNKNOWN_HANDLE);
+  bgl_enf_issue_item bad[2] = {{BGL_CHAIN_OFFLOAD, 1, 0, BGL_RES_D2H, 0, 0},
+                               {BGL_CHAIN_OFFLOAD, 0, 0, BGL_RES_D2H, 0, 0}};
+  EXPECT_EQ(bgl_enf_schedule_begin(enf_, bad, 2, 0, 1), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bgl_enf_unregister(enf_, h), BGL_OK);
+}
+
+int g_calls = 0;
+std::vector<uint8_t>* g_data = nullptr;
+void* g_stream = nullptr;
+
+int recompute(uint64_t, int producer, int micro_batch, void*, void** out) {
+  ++g_calls;
+  EXPECT_EQ(producer, 1);
+  EXPECT_EQ(micro_batch, 0);
+  *out = bgl_alloc(g_data->size(), 0, g_stream);
+  std::memcpy(*out, g_data->data(), g_data->size());
+  return 0;
+}
+
+TEST_F(EnforceCApi, ScheduleRecomputesAndFp8RoundTrip) {
+  std::vector<uint8_t> data;
+  const uint64_t h = make(8192, &data);
+  g_data = &data;
+  g_stream = compute_;
+  ASSERT_EQ(bgl_enf_set_recompute_callback(enf_, recompute, nullptr), BGL_OK);
+  ASSERT_EQ(bgl_enf_apply(enf_, h, BGL_STRATEGY_RECOMPUTE), BGL_OK);
+  bgl_enf_issue_item order[2] = {{BGL_CHAIN_BACKWARD, 0, 0, BGL_RES_COMPUTE, 5, 5},
+                                 {BGL_CHAIN_RECOVER, 0, 0, BGL_RES_COMPUTE, 0, 3}};
+  ASSERT_EQ(bgl_enf_schedule_begin(enf_, order, 2, -1, 0), BGL_OK);
+  ASSERT_EQ(bgl_enf_schedule_reached(enf_, BGL_CHAIN_BACKWARD, 0), BGL_OK);
+  ASSERT_EQ(bgl_enf_schedule_finish(enf_), BGL_OK);
+  EXPECT_EQ(g_calls, 1);
+  void* p = nullptr;
+  ASSERT_EQ(bgl_enf_acquire(enf_, h, -1, compute_, &p), BGL_OK);
+  bgl_enf_stream_synchronize(enf_, compute_);
+  EXPECT_EQ(std::memcmp(p, data.data(), data.size()), 0);
+  EXPECT_EQ(g_calls, 1);
+  ASSERT_EQ(bgl_enf_release(enf_, h, -1, compute_), BGL_OK);
+
+  // FP32 tensor through FP8 and back: within the e4m3 bound.
+  std::vector<float> x(1000);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(static_cast<float>(i)) * 10.0f;
+  void* fp = bgl_alloc(x.size() * 4, 0, compute_);
+  std::memcpy(fp, x.data(), x.size() * 4);
+  bgl_enf_tensor_desc d{};
+  d.ptr = fp;
+  d.bytes = x.size() * 4;
+  d.dtype = BGL_DTYPE_F32;
+  d.stream = compute_;
+  d.flags = BGL_ENF_OWNED;
+  uint64_t hf = 0;
+  ASSERT_EQ(bgl_enf_register(enf_, &d, &hf), BGL_OK);
+  size_t bytes = 0, count = 0;
+  ASSERT_EQ(bgl_enf_movable(enf_, 0, BGL_STRATEGY_FP8, &bytes, &count), BGL_OK);
+  EXPECT_EQ(count, 1u);
+  EXPECT_EQ(bytes, 4000u - (1008u + 8 * 4));
+  ASSERT_EQ(bgl_enf_store_fp8(enf_, hf), BGL_OK);
+  ASSERT_EQ(bgl_enf_acquire(enf_, hf, -1, compute_, &p), BGL_OK);
+  bgl_enf_stream_synchronize(enf_, compute_);
+  const float* y = static_cast<const float*>(p);
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_LE(std::fabs(x[i] - y[i]), std::fabs(x[i]) / 16 + 10.0f / 448 / 1024 + 1e-6f) << i;
+  }
+  ASSERT_EQ(bgl_enf_release(enf_, hf, -1, compute_), BGL_OK);
+}
+
+}  // namespace

@@ -1,0 +1,183 @@
+// StreamScheduler: issue order, stage-boundary frontier and the in-flight bound, with a fake
+// issuer (deterministic completion) and with the enforcer on host streams.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "allocator/stream_scheduler.h"
+#include "tests/unit/enforcer/test_env.h"
+
+namespace bgl::alloc::testing {
+namespace {
+
+using plan::Chain;
+using plan::IssueItem;
+using plan::Resource;
+
+IssueItem item(Chain c, int stage, int round, Resource r, int first = 0, int last = 0) {
+  IssueItem i;
+  i.chain = c;
+  i.stage = stage;
+  i.round = round;
+  i.resource = r;
+  i.first = first;
+  i.last = last;
+  return i;
+}
+
+// Completes an item only when the test says so.
+class FakeIssuer : public WorkIssuer {
+ public:
+  Status issue(const IssueItem& it, Event* done, std::string*) override {
+    issued.push_back(it);
+    const std::uint64_t id = issued.size();
+    complete[id] = false;
+    *done = Event{this, id};
+    max_open = std::max(max_open, open());
+    return Status::kOk;
+  }
+  bool query(const Event& e) override { return complete[e.value]; }
+  void wait(const Event& e) override { complete[e.value] = true; }
+  std::size_t open() const {
+    std::size_t n = 0;
+    for (auto& [id, c] : complete) n += c ? 0 : 1;
+    return n;
+  }
+  std::vector<IssueItem> issued;
+  std::map<std::uint64_t, bool> complete;
+  std::size_t max_open = 0;
+};
+
+std::vector<IssueItem> sample_order() {
+  return {item(Chain::kForward, 0, 0, Resource::kCompute),
+          item(Chain::kOffload, 0, 0, Resource::kD2H),
+          item(Chain::kBackward, 0, 1, Resource::kCompute),
+          item(Chain::kOffload, 1, 1, Resource::kD2H),
+          item(Chain::kRecover, 0, 1, Resource::kH2D),
+          item(Chain::kForward, 1, 2, Resource::kCompute),
+          item(Chain::kOffload, 2, 2, Resource::kD2H),
+          item(Chain::kRecover, 1, 2, Resource::kH2D),
+          item(Chain::kRecover, 2, 2, Resource::kCompute),
+          item(Chain::kBackward, 1, 3, Resource::kCompute)};
+}
+
+TEST(StreamScheduler, IssuesAtStageBoundariesInChainOrderWithinTheBound) {
+  FakeIssuer fake;
+  StreamScheduler s(&fake, /*max_inflight=*/2);
+  std::string error;
+  ASSERT_EQ(s.load(sample_order(), &error), Status::kOk) << error;
+  EXPECT_TRUE(fake.issued.empty());  // nothing before compute starts
+  ASSERT_EQ(s.reached(Chain::kForward, 0, &error), Status::kOk);
+  ASSERT_EQ(fake.issued.size(), 1u);  // O0 (round 0)
+  ASSERT_EQ(s.reached(Chain::kBackward, 0, &error), Status::kOk);
+  ASSERT_EQ(fake.issued.size(), 2u);  // O1; R0 waits for the bound
+  EXPECT_EQ(s.waiting(), 4u);
+  fake.complete[1] = true;
+  s.pump(&error);
+  ASSERT_EQ(fake.issued.size(), 3u);  // R0
+  ASSERT_EQ(s.reached(Chain::kForward, 1, &error), Status::kOk);
+  EXPECT_EQ(fake.issued.size(), 3u);  // two in flight
+  for (auto& [id, c] : fake.complete) c = true;
+  s.pump(&error);
+  EXPECT_EQ(fake.issued.size(), 5u);
+  ASSERT_EQ(s.finish(&error), Status::kOk);
+  ASSERT_EQ(fake.issued.size(), 6u);
+  EXPECT_LE(fake.max_open, 2u);
+  EXPECT_LE(s.max_inflight_seen(), 2u);
+  // Issued = the O/R items in issue order, so chain order holds.
+  std::vector<std::pair<Chain, int>> got, want;
+  for (auto& i : fake.issued) got.push_back({i.chain, i.stage});
+  for (auto& i : sample_order()) {
+    if (i.chain == Chain::kOffload || i.chain == Chain::kRecover) want.push_back({i.chain, i.stage});
+  }
+  EXPECT_EQ(got, want);
+}
+
+TEST(StreamScheduler, BoundOfOneSerialisesEveryPiece) {
+  FakeIssuer fake;
+  StreamScheduler s(&fake, 1);
+  std::string error;
+  ASSERT_EQ(s.load(sample_order(), &error), Status::kOk);
+  ASSERT_EQ(s.reached(Chain::kBackward, 1, &error), Status::kOk);  // everything issuable
+  EXPECT_EQ(fake.issued.size(), 1u);
+  ASSERT_EQ(s.finish(&error), Status::kOk);
+  EXPECT_EQ(fake.issued.size(), 6u);
+  EXPECT_EQ(fake.max_open, 1u);
+}
+
+TEST(StreamScheduler, RejectsBadOrdersAndUnknownStages) {
+  FakeIssuer fake;
+  StreamScheduler s(&fake, 2);
+  std::string error;
+  auto order = sample_order();
+  std::swap(order[3], order[6]);  // O2 before O1
+  order[3].round = 1;
+  order[6].round = 2;
+  EXPECT_EQ(s.load(order, &error), Status::kInvalidArgument);
+  EXPECT_NE(error.find("order inside a chain"), std::string::npos) << error;
+  order = sample_order();
+  order[5].round = 0;  // rounds go back
+  EXPECT_EQ(s.load(order, &error), Status::kInvalidArgument);
+  ASSERT_EQ(s.load(sample_order(), &error), Status::kOk);
+  EXPECT_EQ(s.reached(Chain::kForward, 7, &error), Status::kInvalidArgument);
+  EXPECT_EQ(s.reached(Chain::kOffload, 0, &error), Status::kInvalidArgument);
+  EXPECT_TRUE(fake.issued.empty());
+}
+
+TEST(StreamScheduler, EnforcerOffloadsAndRecoversWhatThePlanNames) {
+  Env env(std::size_t{256} << 20, 64 << 20, /*max_inflight=*/1);
+  // Micro-batch 0: six tensors (graph 0..5) to offload now; micro-batch 1: two offloaded and
+  // two dropped tensors to recover.
+  std::vector<std::vector<std::uint8_t>> data(10);
+  std::vector<std::uint64_t> h;
+  for (int t = 0; t < 6; ++t) {
+    h.push_back(env.make(70000 + t, &data[t], t, 0, t));
+    env.enf->set_strategy(h.back(), t == 4 ? Strategy::kKeep : Strategy::kOffload);
+  }
+  for (int t = 0; t < 4; ++t) {
+    h.push_back(env.make(50000 + t, &data[6 + t], /*producer=*/t, 1, t));
+    ASSERT_EQ(env.enf->apply(h.back(), t < 2 ? Strategy::kOffload : Strategy::kRecompute),
+              Status::kOk);
+  }
+  std::vector<int> recomputed;
+  env.enf->set_recompute([&](std::uint64_t handle, int producer, int, void** out) {
+    recomputed.push_back(producer);
+    auto& d = data[6 + producer];
+    void* p = env.pool->allocate(d.size(), &env.compute);
+    std::memcpy(p, d.data(), d.size());
+    *out = p;
+    (void)handle;
+    return 0;
+  });
+  const std::vector<IssueItem> order = {
+      item(Chain::kForward, 0, 0, Resource::kCompute),
+      item(Chain::kOffload, 0, 0, Resource::kD2H, 0, 2),
+      item(Chain::kRecover, 0, 0, Resource::kH2D, 0, 1),
+      item(Chain::kBackward, 0, 1, Resource::kCompute),
+      item(Chain::kOffload, 1, 1, Resource::kD2H, 3, 5),
+      item(Chain::kRecover, 1, 1, Resource::kCompute, 3, 3),
+      item(Chain::kRecover, 2, 2, Resource::kCompute, 2, 2),
+      item(Chain::kForward, 1, 2, Resource::kCompute)};
+  ASSERT_EQ(env.enf->schedule_begin(order, 0, 1), Status::kOk);
+  EXPECT_EQ(env.enf->stats().offloads, 2u);  // only the applies so far
+  ASSERT_EQ(env.enf->schedule_reached(Chain::kForward, 0), Status::kOk);
+  ASSERT_EQ(env.enf->schedule_reached(Chain::kBackward, 0), Status::kOk);
+  ASSERT_EQ(env.enf->schedule_reached(Chain::kForward, 1), Status::kOk);
+  ASSERT_EQ(env.enf->schedule_finish(), Status::kOk) << last_error();
+  auto s = env.enf->stats();
+  EXPECT_EQ(s.offloads, 2u + 5u);
+  EXPECT_EQ(s.reloads, 2u);
+  EXPECT_EQ(recomputed, (std::vector<int>{3, 2}));  // in issue order, each once
+  EXPECT_LE(s.scheduled_max_inflight, 1u);
+  for (int t = 0; t < 6; ++t) {
+    EXPECT_EQ(env.info(h[t]).placement, t == 4 ? BGL_PLACE_DEVICE : BGL_PLACE_HOST) << t;
+  }
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    env.expect_data(h[i], data[i]);
+    env.enf->release(h[i], -1, &env.compute);
+  }
+  EXPECT_EQ(recomputed.size(), 2u);
+}
+
+}  // namespace
+}  // namespace bgl::alloc::testing
