@@ -131,6 +131,8 @@ TEST(SimulatorTest, AfterAnOomStaticUnderStaysOverProvisioned) {
   EXPECT_EQ((*sim)->Summary().ooms, 1);
 }
 
+void TimelineChecks(const char* model);
+
 // Checks a traced stage: one stage at a time per resource, chains in order, points in sequence.
 void CheckTimeline(const StageIteration& stage) {
   ASSERT_FALSE(stage.timeline.empty());
@@ -183,7 +185,14 @@ void CheckTimeline(const StageIteration& stage) {
 }
 
 TEST(SimulatorTest, TimelineRespectsResourcesAndChainOrder) {
-  SimConfig config = Config("glm-423b-a30b.json");
+  // Interleaved 1F1B (423B: 2 chunks per rank) and plain 1F1B (tiny-moe).
+  for (const char* model : {"glm-423b-a30b.json", "tiny-moe.json"}) {
+    TimelineChecks(model);
+  }
+}
+
+void TimelineChecks(const char* model) {
+  SimConfig config = Config(model);
   const LoadTrace trace = Trace(config, 1, 1.0);
   for (Policy policy : {Policy::kL4, Policy::kL3, Policy::kKuaiLike, Policy::kStaticOver}) {
     for (ExecModel exec : {ExecModel::kSerial, ExecModel::kLockstep, ExecModel::kDualBatch}) {
@@ -194,7 +203,8 @@ TEST(SimulatorTest, TimelineRespectsResourcesAndChainOrder) {
       ASSERT_TRUE((*sim)->Step(trace, 0, true).ok());
       ASSERT_EQ((*sim)->traced().size(), 2u);
       for (const StageIteration& stage : (*sim)->traced()) {
-        SCOPED_TRACE(std::string(PolicyName(policy)) + " rank " + std::to_string(stage.rank));
+        SCOPED_TRACE(std::string(model) + " " + PolicyName(policy) + " rank " +
+                     std::to_string(stage.rank));
         CheckTimeline(stage);
       }
     }
