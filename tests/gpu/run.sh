@@ -24,10 +24,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 run configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBGL_BUILD_BENCH=ON
 run build cmake --build "$build" -j "$(nproc)" --target bgl_alloc_gpu_tests bgl_alloc_tests \
-  bgl_alloc_c_api_tests bgl_preload bgl_preload_probe bgl_alloc bgl-replay bgl_alloc_bench
+  bgl_alloc_c_api_tests bgl_preload bgl_preload_probe bgl_alloc bgl-replay bgl_alloc_bench \
+  bgl_enforcer_gpu_tests bgl_enforcer_tests bgl_enforcer_c_api_tests bgl_enforcer_gpu_timing
 run gpu-tests bash -c "cd '$build' && ctest --output-on-failure -L gpu --timeout 120"
 run preload-tests bash -c "cd '$build' && ctest --output-on-failure -R 'alloc_preload|CApi'"
 run bench "$build/bench/allocator/bgl_alloc_bench" --benchmark_min_time=0.2s
+# Enforcer: the host-backend suite, the CUDA-backend tests (label gpu above runs them too), the
+# FP8 kernels against the host twin, and the timing table (offload/reload vs cudaMemcpyAsync of
+# pinned memory, FP8 cast/uncast vs a D2D copy, overlap of offload with a compute kernel).
+run enforcer-tests bash -c "cd '$build' && ctest --output-on-failure -R 'Enforcer|Fp8|StreamScheduler|EnforceCApi' --timeout 120"
+run enforcer-timing timeout 120 "$build/bench/enforcer/bgl_enforcer_gpu_timing"
 
 for backend in host cuda-vmm cuda-async; do
   for trace in traces/*.csv; do
