@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
                    ? GenerateLoads(spec, options->iterations, ranks, mbs)
                    : ReadLoadLog(options->loads_path, ranks, mbs, spec.normal_max);
   if (!trace.ok()) return Fail(trace.status().message());
-  const int iterations = options->loads_path.empty()
+  const int iterations = options->loads_path.empty() || !options->iterations_given
                              ? trace->iterations()
                              : std::min(trace->iterations(), options->iterations);
   int traced = options->trace_iteration;

@@ -20,7 +20,8 @@ the planner library the daemon runs, and prints a summary per policy and the abl
   --policy NAMES       comma-separated: static-under, static-over, kuai-like, adapipe-like,
                        L1, L2, L3, L4 (= bagualu), or the groups all, baselines, ablation
                        (default: all)
-  --iterations N       iterations to simulate (default 200; with --loads: lines of the log)
+  --iterations N       iterations to simulate (default 200; with --loads: every line of the
+                       log, or at most N)
   --seed S             seed of the load distribution (default 1)
   --json               print JSON instead of tables
   --out DIR            write iterations.csv, summary.csv, timeline.csv, memory.csv, summary.json
@@ -111,6 +112,7 @@ Result<SimOptions> ParseOptions(const std::vector<std::string>& args) {
       o.policies_text = v;
     } else if (a == "--iterations") {
       BGL_RETURN_IF_ERROR(set_int(o.iterations, 1, 10'000'000));
+      o.iterations_given = true;
     } else if (a == "--seed") {
       BGL_RETURN_IF_ERROR(set_int(o.seed, 0, INT64_MAX));
     } else if (a == "--out") {

@@ -18,6 +18,7 @@ struct SimOptions {
   std::string policies_text = "all";
   std::vector<Policy> policies;
   int iterations = 200;
+  bool iterations_given = false;  // --iterations on the command line (caps a --loads replay)
   uint64_t seed = 1;
   bool json = false;
   std::string out_dir;
