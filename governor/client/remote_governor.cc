@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <set>
 
 #include "governor/service/convert.h"
 
@@ -280,6 +281,18 @@ void RemoteGovernor::ReconnectLoop() {
       ctx.set_wait_for_ready(true);
       SetDeadline(ctx, std::max(backoff, std::chrono::milliseconds(20)));
       ok = stub_->ListSessions(&ctx, req, &resp).ok();
+      if (ok) {
+        // Sessions the daemon no longer knows (it restarted) are registered again below.
+        std::set<std::string> known;
+        for (const auto& s : resp.sessions()) known.insert(s.session_id());
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& [handle, entry] : sessions_) {
+          if (!entry.daemon_id.empty() && !known.count(entry.daemon_id)) {
+            entry.daemon_id.clear();
+            pending.push_back(handle);
+          }
+        }
+      }
     }
     for (size_t i = 0; ok && i < pending.size(); ++i) {
       if (!RegisterEntry(pending[i])) {

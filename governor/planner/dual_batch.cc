@@ -113,6 +113,68 @@ DualBatchSchedule SolveDualBatch(const Chains& chains) {
 
 namespace {
 
+void AddRound(const Chains& chains, DualBatchSchedule& s, std::array<int, kChainCount> stage) {
+  IssueRound round;
+  round.stage = stage;
+  round.time_s = RoundTime(chains, stage);
+  s.overlapped_s += round.time_s;
+  s.rounds.push_back(round);
+}
+
+double SerialTime(const Chains& chains) {
+  double total = 0;
+  for (const auto& chain : chains) {
+    for (const auto& s : chain) total += s.duration_s;
+  }
+  return total;
+}
+
+}  // namespace
+
+DualBatchSchedule LockstepSchedule(const Chains& chains) {
+  DualBatchSchedule s;
+  s.serial_s = SerialTime(chains);
+  size_t longest = 0;
+  for (const auto& c : chains) longest = std::max(longest, c.size());
+  for (size_t i = 0; i < longest; ++i) {
+    std::array<int, kChainCount> stage{-1, -1, -1, -1};
+    for (int c = 0; c < kChainCount; ++c) {
+      if (i < chains[c].size()) stage[c] = static_cast<int>(i);
+    }
+    AddRound(chains, s, stage);
+  }
+  return s;
+}
+
+DualBatchSchedule SerialSchedule(const Chains& chains) {
+  DualBatchSchedule s;
+  s.serial_s = SerialTime(chains);
+  const auto& f = chains[static_cast<int>(Chain::kForward)];
+  const auto& o = chains[static_cast<int>(Chain::kOffload)];
+  const auto& r = chains[static_cast<int>(Chain::kRecover)];
+  const auto& b = chains[static_cast<int>(Chain::kBackward)];
+  size_t next_o = 0;
+  for (size_t i = 0; i < f.size(); ++i) {
+    std::array<int, kChainCount> stage{static_cast<int>(i), -1, -1, -1};
+    if (next_o < o.size()) stage[2] = static_cast<int>(next_o++);
+    AddRound(chains, s, stage);
+  }
+  for (size_t i = 0; i < r.size();) {
+    std::array<int, kChainCount> stage{-1, -1, -1, static_cast<int>(i++)};
+    if (next_o < o.size()) stage[2] = static_cast<int>(next_o++);
+    AddRound(chains, s, stage);
+  }
+  for (size_t i = 0; i < b.size(); ++i) {
+    std::array<int, kChainCount> stage{-1, static_cast<int>(i), -1, -1};
+    if (next_o < o.size()) stage[2] = static_cast<int>(next_o++);
+    AddRound(chains, s, stage);
+  }
+  while (next_o < o.size()) AddRound(chains, s, {-1, -1, static_cast<int>(next_o++), -1});
+  return s;
+}
+
+namespace {
+
 // Appends `duration` on `resource` to the chain, merging with the last stage when it uses the
 // same resource: consecutive compute operators gain nothing from being split.
 void Append(std::vector<ChainStage>& chain, Resource resource, double duration, int index) {

@@ -64,6 +64,12 @@ double RoundTime(const Chains& chains, const std::array<int, kChainCount>& stage
 // a non-empty subset of chains by one stage, so order inside a chain is kept by construction.
 DualBatchSchedule SolveDualBatch(const Chains& chains);
 
+// The same chains in lockstep: round i issues stage i of every chain.
+DualBatchSchedule LockstepSchedule(const Chains& chains);
+// Without fusion: F's stages one per round (O's offloads beside them on D2H), then R (reloads
+// beside recomputes), then B's stages one per round.
+DualBatchSchedule SerialSchedule(const Chains& chains);
+
 // The micro-batches of one scheduling point, each with its assignment and load (null: absent).
 struct PointUnits {
   const Assignment* forward = nullptr;

@@ -261,24 +261,10 @@ void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int
     point_units.recover = assignments[3];
     point_units.recover_r = loads[3];
     const Chains chains = BuildChains(*eval_, point_units);
-    if (options_.dual_batch) {
-      computed = SolveDualBatch(chains);
-    } else {
-      // Program order without planning: every chain advances one stage per round in lockstep.
-      size_t longest = 0;
-      for (const auto& c : chains) {
-        longest = std::max(longest, c.size());
-        for (const auto& s : c) computed.serial_s += s.duration_s;
-      }
-      for (size_t i = 0; i < longest; ++i) {
-        IssueRound round;
-        for (int c = 0; c < kChainCount; ++c) {
-          if (i < chains[c].size()) round.stage[c] = static_cast<int>(i);
-        }
-        round.time_s = RoundTime(chains, round.stage);
-        computed.overlapped_s += round.time_s;
-        computed.rounds.push_back(round);
-      }
+    switch (options_.issue_policy) {
+      case IssuePolicy::kDualBatch: computed = SolveDualBatch(chains); break;
+      case IssuePolicy::kLockstep: computed = LockstepSchedule(chains); break;
+      case IssuePolicy::kSerial: computed = SerialSchedule(chains); break;
     }
     for (size_t r = 0; r < computed.rounds.size(); ++r) {
       for (int c = 0; c < kChainCount; ++c) {

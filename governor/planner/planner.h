@@ -21,6 +21,14 @@
 
 namespace bgl::plan {
 
+// How a scheduling point's chains are ordered.
+enum class IssuePolicy {
+  kDualBatch,  // the DP of paper V-B (fused dual-batch execution)
+  kLockstep,   // round i issues stage i of every chain: overlap by accident, no planning
+  kSerial,     // no fusion (Megatron 1F1B): F then R then B one stage per round; the copy
+               // engines run O beside F and R's reloads beside R's recomputes
+};
+
 // How one stage is planned.
 struct PlannerOptions {
   int64_t capacity_bytes = 0;  // device memory; 0: the hardware profile's
@@ -31,7 +39,7 @@ struct PlannerOptions {
   double offload_chunk_bytes = 64.0 * (1 << 20);
   size_t cache_entries = 4096;
   MitigationOptions mitigation;
-  bool dual_batch = true;  // false: issue in program order (ablation L3)
+  IssuePolicy issue_policy = IssuePolicy::kDualBatch;
 };
 
 // A pipeline scheduling point F_x B_y (either side may be absent in warmup or cooldown).

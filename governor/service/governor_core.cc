@@ -285,12 +285,10 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
 grpc::Status GovernorCore::Unregister(const Caller& caller, const pb::UnregisterRequest& req,
                                       pb::UnregisterResponse*) {
   std::shared_ptr<Session> session;
-  grpc::Status s = Find(caller, req.session_id(), false, &session);
-  // Root may end any session (an operator cleaning up); everyone else only their own.
-  if (s.error_code() == StatusCode::PERMISSION_DENIED && caller.uid == 0) {
-    s = Find(caller, req.session_id(), true, &session);
+  // Only the owning process ends a session; a dead one's session is reaped.
+  if (grpc::Status s = Find(caller, req.session_id(), false, &session); !s.ok()) {
+    return Reject("Unregister", s);
   }
-  if (!s.ok()) return Reject("Unregister", s);
   size_t count = 0;
   {
     std::unique_lock<std::shared_mutex> lock(mu_);

@@ -1,0 +1,140 @@
+#include "tests/integration/daemon_process.h"
+
+#include <fcntl.h>
+#include <grp.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "governor/client/remote_governor.h"
+
+namespace bgl::gov::testing {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string TinyModelJson() { return ReadFile(std::string(BGL_MODELS_DIR) + "/tiny-moe.json"); }
+
+DaemonProcess::DaemonProcess(std::vector<std::string> extra, std::string dir)
+    : extra_(std::move(extra)), dir_(std::move(dir)) {
+  if (dir_.empty()) {
+    char tmpl[] = "/tmp/bgl-gov-test-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    chmod(dir_.c_str(), 0755);
+  }
+  address_ = "unix://" + dir_ + "/governor.sock";
+}
+
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0) Kill();
+  std::string cmd = "rm -rf '" + dir_ + "'";
+  (void)std::system(cmd.c_str());
+}
+
+bool DaemonProcess::Start() {
+  std::vector<std::string> args = {BGL_GOVERNORD, "--listen", address_, "--metrics-port", "0",
+                                   "--drain-timeout-ms", "1000"};
+  args.insert(args.end(), extra_.begin(), extra_.end());
+  const std::string log = dir_ + "/daemon.log";
+  pid_ = fork();
+  if (pid_ == 0) {
+    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  // Wait for the socket first: a channel whose first connect failed backs off before retrying.
+  const std::string path = dir_ + "/governor.sock";
+  for (int i = 0; i < 1000; ++i) {
+    struct stat st {};
+    if (stat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) break;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  RemoteOptions options;
+  options.address = address_;
+  options.reconnect = false;
+  RemoteGovernor probe(options);
+  for (int i = 0; i < 500; ++i) {
+    if (probe.Health(std::chrono::milliseconds(200)).ok()) return true;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+void DaemonProcess::Signal(int sig) {
+  if (pid_ > 0) kill(pid_, sig);
+}
+
+void DaemonProcess::Kill() {
+  if (pid_ <= 0) return;
+  kill(pid_, SIGKILL);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+}
+
+int DaemonProcess::Stop() {
+  if (pid_ <= 0) return -1;
+  kill(pid_, SIGTERM);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+int RunProgram(const std::vector<std::string>& args, std::string* out, int uid, int gid) {
+  int pipefd[2];
+  if (pipe(pipefd) != 0) return -1;
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(pipefd[1], 1);
+    close(pipefd[0]);
+    close(pipefd[1]);
+    if (gid >= 0 && (setgroups(0, nullptr) != 0 || setgid(static_cast<gid_t>(gid)) != 0)) {
+      _exit(126);
+    }
+    if (uid >= 0 && setuid(static_cast<uid_t>(uid)) != 0) _exit(126);
+    std::vector<std::string> copy = args;
+    std::vector<char*> argv;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(pipefd[1]);
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(pipefd[0], buf, sizeof(buf))) > 0) out->append(buf, static_cast<size_t>(n));
+  close(pipefd[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace bgl::gov::testing

@@ -1,0 +1,46 @@
+// DaemonProcess: starts the real bgl-governord binary on a temporary socket for a test, waits
+// until it answers health checks, and signals or kills it.
+#pragma once
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace bgl::gov::testing {
+
+class DaemonProcess {
+ public:
+  // `extra` are more flags; the socket lives in a fresh temporary directory.
+  explicit DaemonProcess(std::vector<std::string> extra = {}, std::string dir = "");
+  ~DaemonProcess();
+
+  // Starts (or restarts) the daemon; true once it answers on the socket.
+  bool Start();
+  void Signal(int sig);
+  // Sends SIGKILL and reaps it.
+  void Kill();
+  // Sends SIGTERM and waits; returns the exit status (-1 if it did not exit normally).
+  int Stop();
+  const std::string& address() const { return address_; }
+  const std::string& dir() const { return dir_; }
+  pid_t pid() const { return pid_; }
+
+ private:
+  std::vector<std::string> extra_;
+  std::string dir_;
+  std::string address_;
+  pid_t pid_ = -1;
+};
+
+// Reads a file into a string ("" when missing).
+std::string ReadFile(const std::string& path);
+// A registration of the tiny model the tests use.
+std::string TinyModelJson();
+// Runs `argv` (argv[0] a path), optionally as another uid/gid, capturing stdout; returns the
+// exit status (or -1).
+int RunProgram(const std::vector<std::string>& argv, std::string* out, int uid = -1,
+               int gid = -1);
+
+}  // namespace bgl::gov::testing
