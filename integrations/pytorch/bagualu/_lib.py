@@ -1,0 +1,64 @@
+"""Locates and loads the project's shared libraries (libbgl_planner.so, libbgl_alloc.so).
+
+Search order: the directory in ``BGL_LIB_DIR`` (the file itself or the build tree's
+subdirectories), then the repository's ``build*/`` directories relative to this package.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .errors import LibraryNotFound
+
+_SUBDIRS = {
+    "libbgl_planner.so": ["", "governor/planner"],
+    "libbgl_alloc.so": ["", "allocator"],
+    "bgl-governord": ["", "governor/daemon"],
+}
+_loaded: Dict[str, ctypes.CDLL] = {}
+
+
+def repo_root() -> Path:
+    """The repository root (integrations/pytorch/bagualu/../../..)."""
+    return Path(__file__).resolve().parents[3]
+
+
+def _candidate_dirs() -> List[Path]:
+    dirs: List[Path] = []
+    env = os.environ.get("BGL_LIB_DIR")
+    if env:
+        dirs.extend(Path(p) for p in env.split(os.pathsep) if p)
+    root = repo_root()
+    preferred = [root / "build", root / "build-py"]
+    others = sorted(Path(p) for p in glob.glob(str(root / "build*")) if Path(p) not in preferred)
+    # Sanitizer builds cannot be loaded into an uninstrumented Python.
+    others = [p for p in others if not any(s in p.name for s in ("asan", "tsan", "ubsan"))]
+    dirs.extend(preferred + others)
+    return dirs
+
+
+def find_file(name: str) -> Optional[Path]:
+    """Returns the first existing path of a library or binary ``name``, or None."""
+    for d in _candidate_dirs():
+        for sub in _SUBDIRS.get(name, [""]):
+            p = d / sub / name if sub else d / name
+            if p.is_file():
+                return p
+    return None
+
+
+def load(name: str) -> ctypes.CDLL:
+    """Loads (once) the shared library ``name``; raises LibraryNotFound with the places tried."""
+    if name in _loaded:
+        return _loaded[name]
+    path = find_file(name)
+    if path is None:
+        tried = ", ".join(str(d) for d in _candidate_dirs())
+        raise LibraryNotFound(
+            f"{name} not found (set BGL_LIB_DIR to the CMake build directory; tried {tried})")
+    lib = ctypes.CDLL(str(path))
+    _loaded[name] = lib
+    return lib

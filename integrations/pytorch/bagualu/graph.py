@@ -1,0 +1,123 @@
+"""Turns a captured micro-batch into the planner's model document: an explicit "layer_graph"
+(docs/planner.md) describing what PyTorch really saved per operator, so the planner's memory
+model predicts the captured bytes."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .ops import SCALING_KINDS
+from .tracker import Op, Record
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def layer_records(records: Iterable[Record], layer: int) -> List[Record]:
+    """Records every saver of which is an operator of ``layer``."""
+    return [r for r in records if r.consumers and all(c.layer == layer for c in r.consumers)]
+
+
+def in_layer_bytes(records: Iterable[Record]) -> int:
+    """Captured bytes of storages saved only by layer operators (what the graph models)."""
+    return sum(r.nbytes for r in records
+               if r.consumers and all(c.layer >= 0 for c in r.consumers))
+
+
+def build_layer_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
+                      op_ms: Dict[str, float]) -> Dict[str, Any]:
+    """The layer_graph of layer ``ops[0].layer`` from its captured records.
+
+    Storages are grouped by (producer, savers, dtype) so per-expert tensors become one graph
+    tensor; bytes of tensors whose producer scales with the load are divided by the layer's
+    observed load factor (the graph is stated at r = 1)."""
+    layer = ops[0].layer
+    names = {op.name for op in ops}
+    order = {op.name: i for i, op in enumerate(ops)}
+    recs = layer_records(records, layer)
+    external = [r for r in recs if r.producer.layer != layer or r.producer.name not in names]
+    block_input = max(external, key=lambda r: r.nbytes) if external else None
+    groups: "OrderedDict[Tuple[Any, ...], Dict[str, Any]]" = OrderedDict()
+    fp8_blocked = set()
+    for r in sorted(recs, key=lambda r: r.seq):
+        savers = tuple(sorted({c.name for c in r.consumers}, key=order.get))
+        inside = r.producer.layer == layer and r.producer.name in names
+        if not _DTYPES.get(r.dtype):
+            fp8_blocked.update(savers)
+        if r is block_input:
+            key: Tuple[Any, ...] = ("__block_input__",)
+        else:
+            key = (r.producer.name if inside else None, savers, str(r.dtype))
+        g = groups.get(key)
+        scales = inside and next(o.kind for o in ops if o.name == r.producer.name) in SCALING_KINDS
+        if g is None:
+            g = {"name": _tensor_name(key, len(groups)), "bytes": 0.0,
+                 "dtype": _DTYPES.get(r.dtype, "fp32"), "consumers": list(savers)}
+            if key == ("__block_input__",):
+                g["block_input"] = True
+            elif inside:
+                g["producer"] = r.producer.name
+            if scales:
+                g["scales_with_load"] = True
+            groups[key] = g
+        g["bytes"] += r.nbytes / (load if scales and load > 0 else 1.0)
+    if block_input is None:
+        # Every layer needs its input; a graph whose input nobody saves still records it.
+        groups[("__block_input__",)] = {"name": "x", "bytes": 0, "block_input": True,
+                                        "consumers": [ops[0].name]}
+    tensors = []
+    for g in groups.values():
+        g["bytes"] = int(round(g["bytes"]))
+        tensors.append(g)
+    operators = []
+    for op in ops:
+        fwd = max(op_ms.get(op.name, 0.01), 0.001)
+        o: Dict[str, Any] = {"name": op.name, "kind": op.kind, "forward_ms": round(fwd, 4),
+                             "backward_ms": round(2 * fwd, 4),
+                             "scales_with_load": op.kind in SCALING_KINDS}
+        if op.name in fp8_blocked:
+            o["fp8_allowed"] = False
+        operators.append(o)
+    return {"operators": operators, "tensors": tensors}
+
+
+def _tensor_name(key: Tuple[Any, ...], index: int) -> str:
+    if key == ("__block_input__",):
+        return "x"
+    producer, savers = key[0], key[1]
+    return f"t{index}.{producer or 'in'}>{'+'.join(savers)}"
+
+
+def keep_all_bytes(description: Dict[str, Any], load: float) -> float:
+    """The planner's keep-all activation bytes of one micro-batch at load factor ``load``
+    (StageGraph::KeepAllBytes over the planner's own description)."""
+    total = 0.0
+    for t in description["tensors"]:
+        if t["savers"] or t["block_input"]:
+            total += t["bytes"] * (load if t["scales_with_load"] else 1.0)
+    return total
+
+
+def model_document(layer_graph: Dict[str, Any], layers: int, pipeline_stages: int,
+                   micro_batches: int, info: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A planner model document for one stage of ``layers`` layers with an explicit graph.
+
+    Static memory (parameters, optimizer, workspace) is zero: the capacity given to the
+    planner is the activation capacity."""
+    info = dict(info or {})
+    doc: Dict[str, Any] = {
+        "name": info.pop("name", "pytorch-model"),
+        "layers": layers * pipeline_stages,
+        "hidden": 64, "moe_hidden": 64, "experts": 1, "top_k": 1, "head_dim": 64,
+        "gpus": pipeline_stages, "dp": 1, "tp": 1, "ep": 1, "pp": pipeline_stages, "vp": 0,
+        "micro_batches": micro_batches, "dtype": "fp32", "param_bytes": 0, "grad_bytes": 0,
+        "optimizer_bytes": 0, "workspace": 0, "safety_margin": 0.0,
+        "sequence_parallel": False,
+    }
+    for k, v in info.items():
+        if k in ("hidden", "moe_hidden", "experts", "top_k", "head_dim", "heads", "seq_len",
+                 "micro_batch_size", "shared_experts", "shared_expert_hidden", "gpu"):
+            doc[k] = v
+    doc["layer_graph"] = layer_graph
+    return doc

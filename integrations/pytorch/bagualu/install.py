@@ -1,0 +1,77 @@
+"""bagualu.install(): the allocator, the simulated device on CPU, the governor connection."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional, Union
+
+import torch
+
+from . import _lib, runtime
+from .errors import InstallError
+from .governor import Governor
+from .pool import DevicePool
+
+log = logging.getLogger("bagualu")
+
+
+def swap_cuda_allocator() -> None:
+    """Makes libbgl_alloc.so PyTorch's CUDA allocator; InstallError if CUDA is initialised."""
+    if torch.cuda.is_initialized():
+        raise InstallError(
+            "bagualu.install() must run before the first CUDA allocation: CUDA is already "
+            "initialised in this process, so PyTorch's allocator cannot be replaced. Call "
+            "bagualu.install() at the top of the program (before model.cuda()).")
+    path = _lib.find_file("libbgl_alloc.so")
+    if path is None:
+        raise InstallError("libbgl_alloc.so not found (set BGL_LIB_DIR to the build directory)")
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(str(path), "bgl_alloc", "bgl_free")
+    torch.cuda.memory.change_current_allocator(alloc)
+
+
+def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
+            device: Optional[Union[str, torch.device]] = None, governor: Optional[str] = None,
+            pipeline_rank: int = 0, pipeline_stages: int = 1, micro_batches: int = 8,
+            log_iterations: bool = True, fp8_block: int = 128, strict: bool = False,
+            deadline_s: float = 0.5) -> "runtime.Runtime":
+    """Installs bagualu in this process and returns its runtime.
+
+    capacity: activation memory of the (simulated) device, bytes or '256MiB'. On CPU the host
+      backend of libbgl_alloc.so holds one block per saved activation, so the capacity and OOM
+      are real. On CUDA, libbgl_alloc.so becomes PyTorch's allocator.
+    policy: 'keep-all', 'static-under', 'static-over' or 'bagualu'.
+    governor: the daemon address (default $BGL_GOVERNOR, else unix:///run/bagualu/governor.sock);
+      'none' uses the embedded planner only.
+    strict: raise instead of warning when the CUDA allocator cannot be swapped.
+    """
+    runtime.check_policy(policy)
+    if runtime.active() is not None:
+        uninstall()
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    cap = runtime.parse_size(capacity)
+    pool = None
+    if dev.type == "cuda":
+        try:
+            swap_cuda_allocator()
+        except InstallError as e:
+            if strict:
+                raise
+            log.error("bagualu: %s Continuing with PyTorch's allocator (plans still apply).", e)
+    else:
+        pool = DevicePool(cap)
+    gov = Governor(governor, deadline_s=deadline_s,
+                   gpu_index=dev.index or 0 if dev.type == "cuda" else pipeline_rank)
+    rt = runtime.Runtime(dev, cap, policy, gov, pipeline_rank, pipeline_stages, micro_batches,
+                         log_iterations, fp8_block, pool)
+    runtime._RT = rt
+    return rt
+
+
+def uninstall() -> None:
+    """Removes hooks and closes the governor session (the allocator stays: it cannot be
+    swapped back once used)."""
+    rt = runtime.active()
+    if rt is not None:
+        rt.close()
+        runtime._RT = None

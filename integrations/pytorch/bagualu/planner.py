@@ -1,0 +1,103 @@
+"""The embedded planner: ctypes over libbgl_planner.so (governor/planner/include/bgl/planner.h).
+
+Every document is JSON (docs/planner.md). Errors become PlannerError with the planner's text.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+from typing import Any, Dict, Optional
+
+from . import _lib
+from .errors import PlannerError
+
+Json = Dict[str, Any]
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    if getattr(lib, "_bgl_bound", False):
+        return
+    c_str, c_void = ctypes.c_char_p, ctypes.c_void_p
+    lib.bgl_planner_create.argtypes = [c_str, c_str]
+    lib.bgl_planner_create.restype = c_void
+    lib.bgl_planner_destroy.argtypes = [c_void]
+    lib.bgl_planner_destroy.restype = None
+    for fn in ("bgl_planner_describe",):
+        getattr(lib, fn).argtypes = [c_void]
+        getattr(lib, fn).restype = c_void
+    lib.bgl_planner_plan.argtypes = [c_void, c_str]
+    lib.bgl_planner_plan.restype = c_void
+    lib.bgl_planner_plan_after_gate.argtypes = [c_void, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                ctypes.c_double]
+    lib.bgl_planner_plan_after_gate.restype = c_void
+    lib.bgl_planner_report.argtypes = [c_void, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    lib.bgl_planner_report.restype = ctypes.c_int
+    lib.bgl_planner_reset_iteration.argtypes = [c_void]
+    lib.bgl_planner_reset_iteration.restype = None
+    lib.bgl_planner_last_error.argtypes = []
+    lib.bgl_planner_last_error.restype = c_str
+    lib.bgl_planner_free_string.argtypes = [c_void]
+    lib.bgl_planner_free_string.restype = None
+    lib._bgl_bound = True
+
+
+class EmbeddedPlanner:
+    """One stage's planner in this process. Thread safe (calls are serialised)."""
+
+    def __init__(self, model: Json, options: Optional[Json] = None) -> None:
+        self._lib = _lib.load("libbgl_planner.so")
+        _bind(self._lib)
+        self._mutex = threading.Lock()
+        opts = json.dumps(options).encode() if options else None
+        handle = self._lib.bgl_planner_create(json.dumps(model).encode(), opts)
+        if not handle:
+            raise PlannerError(f"planner rejected the model: {self._error()}")
+        self._handle = ctypes.c_void_p(handle)
+        self.description: Json = self._take(self._lib.bgl_planner_describe(self._handle))
+
+    def _error(self) -> str:
+        msg = self._lib.bgl_planner_last_error()
+        return msg.decode() if msg else "unknown error"
+
+    def _take(self, ptr: Optional[int]) -> Json:
+        if not ptr:
+            raise PlannerError(self._error())
+        try:
+            return json.loads(ctypes.string_at(ptr).decode())
+        finally:
+            self._lib.bgl_planner_free_string(ctypes.c_void_p(ptr))
+
+    def plan(self, point: Json) -> Json:
+        """Plans a scheduling point (phase, micro-batches, load_factor, bytes_in_use)."""
+        with self._mutex:
+            return self._take(self._lib.bgl_planner_plan(self._handle, json.dumps(point).encode()))
+
+    def plan_after_gate(self, micro_batch: int, chunk: int, gate_layer: int,
+                        load_factor: float) -> Json:
+        """Deferred planning after the router of ``gate_layer`` observed ``load_factor``."""
+        with self._mutex:
+            return self._take(self._lib.bgl_planner_plan_after_gate(
+                self._handle, micro_batch, chunk, gate_layer, float(load_factor)))
+
+    def report(self, micro_batch: int, chunk: int, actual_bytes: int) -> None:
+        """Reports what the forward of a micro-batch really retained."""
+        with self._mutex:
+            if self._lib.bgl_planner_report(self._handle, micro_batch, chunk,
+                                            int(actual_bytes)) != 0:
+                raise PlannerError(self._error())
+
+    def reset_iteration(self) -> None:
+        with self._mutex:
+            self._lib.bgl_planner_reset_iteration(self._handle)
+
+    def close(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.bgl_planner_destroy(handle)
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass

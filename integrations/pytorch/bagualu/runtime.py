@@ -1,0 +1,515 @@
+"""The per-process runtime behind bagualu.install(): allocator, tracker, governor, plans.
+
+One Runtime per process (bagualu.install creates it). It owns the saved-tensor hooks of the
+micro-batches in flight, asks the governor for a plan at every scheduling point, carries the
+plan out (offload, FP8, recompute regions), reports what each forward retained, and writes one
+log line per iteration."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from . import graph as graphmod
+from .errors import InstallError, InstrumentError, OutOfMemoryError, PolicyError
+from .ops import OpBlock, Step, classify, layer_of, recompute_closure, regions, run_step
+from .tracker import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op, Tracker
+
+log = logging.getLogger("bagualu")
+POLICIES = ("keep-all", "static-under", "static-over", "bagualu")
+_RT: Optional["Runtime"] = None
+
+
+def active() -> Optional["Runtime"]:
+    """The installed runtime, or None."""
+    return _RT
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string like '512MiB', '2GiB', '1.5GB'."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    s = str(value).strip()
+    units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+             "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40, "kb": 10**3,
+             "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = s[len(num):].strip().lower()
+    if unit not in units or not num:
+        raise ValueError(f"not a size: '{value}' (examples: 268435456, 256MiB, 2GiB)")
+    return int(float(num) * units[unit])
+
+
+def check_policy(policy: str) -> str:
+    """Returns the policy or raises PolicyError naming the known ones."""
+    if policy not in POLICIES:
+        raise PolicyError(f"unknown policy '{policy}' (known: {', '.join(POLICIES)})")
+    return policy
+
+
+class Runtime:
+    """State of bagualu in this process (see module docstring)."""
+
+    def __init__(self, device: torch.device, capacity: int, policy: str, governor: Any,
+                 pipeline_rank: int, pipeline_stages: int, micro_batches: int,
+                 log_iterations: bool, fp8_block: int, pool: Any) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.policy = check_policy(policy)
+        self.governor = governor            # governor.Governor (remote or embedded), lazily set up
+        self.pipeline_rank = pipeline_rank
+        self.pipeline_stages = pipeline_stages
+        self.micro_batches = micro_batches
+        self.log_iterations = log_iterations
+        self.pool = pool
+        self._host_used = 0
+        self.tracker = Tracker(self._device_alloc, self._device_free, self._strategy_of,
+                               pin_memory=device.type == "cuda", fp8_block=fp8_block,
+                               copy_stream=torch.cuda.Stream(device) if device.type == "cuda"
+                               else None)
+        if pool is not None and policy == "bagualu":
+            pool.add_pressure_callback(self._on_pressure)
+        self.blocks: List[OpBlock] = []
+        self.layer_ops: Dict[int, List[Op]] = {}
+        self.module_ops: Dict[nn.Module, Op] = {}
+        self._handles: List[Any] = []
+        self.model_info: Dict[str, Any] = {}
+        self.description: Optional[Dict[str, Any]] = None
+        self.static_strategies: Dict[str, str] = {}
+        self.mb_strategies: Dict[int, Dict[str, str]] = {}
+        self.mb_plan: Dict[int, Dict[str, Any]] = {}
+        self.mb_loads: Dict[int, List[float]] = {}
+        self.last_load = 1.0
+        self.forwarding = False
+        self.op_ms: Dict[str, float] = {}
+        self.iteration = 0
+        self.iter: Dict[str, Any] = {}
+        self.history: List[Dict[str, Any]] = []
+        self.accuracy: List[Tuple[float, float, float]] = []  # (load, predicted, captured)
+        self.oom_count = 0
+        self._reset_iteration_stats()
+
+    # -- device accounting ------------------------------------------------------------------
+    def _device_alloc(self, nbytes: int) -> int:
+        if self.pool is None:  # CUDA: the real allocator is the pool; count only
+            self._host_used += nbytes
+            return 1
+        try:
+            return self.pool.alloc(nbytes)
+        except OutOfMemoryError:
+            self.oom_count += 1
+            raise
+
+    def _device_free(self, block: int, nbytes: int) -> None:
+        if self.pool is None:
+            self._host_used -= nbytes
+            return
+        self.pool.free(block, nbytes)
+
+    def _on_pressure(self, needed: int) -> int:
+        return self.tracker.evict(needed)
+
+    # -- instrumentation --------------------------------------------------------------------
+    def instrument(self, model: nn.Module, info: Optional[Dict[str, Any]] = None) -> int:
+        """Maps the model's modules to operators; returns the number of operators."""
+        self.model_info = dict(info or {})
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self.tracker.param_keys = params
+        blocks = [m for m in model.modules() if isinstance(m, OpBlock)]
+        count = 0
+        inside: Set[nn.Module] = set()
+        for i, b in enumerate(blocks):
+            b.bgl_layer = i
+            self.layer_ops[i] = [Op(s.op, s.kind, i) for s in b.op_steps()]
+            count += len(self.layer_ops[i])
+            inside.update(b.modules())
+        self.blocks = blocks
+        for path, m in model.named_modules():
+            if m in inside or m is model:
+                continue
+            kind = classify(path, m)
+            if kind is None:
+                continue
+            op = Op(path, kind, -1)  # outside the planner's layers: scoped, kept
+            self.module_ops[m] = op
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook(op)))
+            self._handles.append(m.register_forward_hook(self._post_hook(op)))
+            count += 1
+        if count == 0:
+            raise InstrumentError(
+                f"{type(model).__name__} has no recognised operators: no bagualu.OpBlock layer "
+                "and no module named like norm/attn/router/expert/shared/dispatch/combine or of "
+                "a known class (nn.Linear, nn.LayerNorm, ...); nothing can be planned")
+        if not blocks:
+            log.warning("bagualu: %s has no OpBlock layers; activations are captured and "
+                        "accounted but not planned (keep-all)", type(model).__name__)
+        return count
+
+    def instrumented(self, block: OpBlock) -> bool:
+        return block.bgl_layer >= 0 and self.forwarding
+
+    def _pre_hook(self, op: Op) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.forwarding:
+                self.tracker.scope.append(op)
+        return hook
+
+    def _post_hook(self, op: Op) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if self.forwarding and self.tracker.scope and self.tracker.scope[-1] is op:
+                self.tracker.scope.pop()
+                self.tracker.note_output(out, op)
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for b in self.blocks:
+            b.bgl_layer = -1
+
+    # -- strategies -------------------------------------------------------------------------
+    def _strategy_of(self, op: Op, mb: int) -> str:
+        if op.layer < 0 or self.policy == "keep-all":
+            return KEEP
+        if self.policy == "static-over":
+            return RECOMPUTE
+        if self.policy == "static-under":
+            return self.static_strategies.get(op.qualname, KEEP)
+        return self.mb_strategies.get(mb, {}).get(op.qualname, KEEP)
+
+    def set_strategies(self, mb: int, strategies: Dict[str, str]) -> None:
+        """Forces the strategies of micro-batch ``mb`` (qualname -> strategy); for tests."""
+        self.mb_strategies[mb] = dict(strategies)
+
+    def _recompute_set(self, block: OpBlock, mb: int, frozen_before: int = -1) -> Set[int]:
+        steps = block.op_steps()
+        ops = self.layer_ops[block.bgl_layer]
+        chosen = {i for i, op in enumerate(ops) if self._strategy_of(op, mb) == RECOMPUTE
+                  and i > frozen_before}
+        if not chosen:
+            return chosen
+        return recompute_closure(steps, chosen, block.bgl_savers or _consumers(steps),
+                                 block.input_name, frozen_before)
+
+    # -- executing an OpBlock ---------------------------------------------------------------
+    def run_block(self, block: OpBlock, x: torch.Tensor) -> torch.Tensor:
+        steps = block.op_steps()
+        ops = self.layer_ops[block.bgl_layer]
+        mb = self.tracker.micro_batch
+        env: Dict[str, Any] = {block.input_name: x, **block.block_env()}
+        capture = self.tracker.capture
+        if capture:
+            self.record_env(block.bgl_layer, block.input_name, x)
+        rec = self._recompute_set(block, mb)
+        n = len(steps)
+        i = 0
+        while i < n:
+            if i in rec:
+                j = i
+                while j + 1 < n and j + 1 in rec:
+                    j += 1
+                self._run_region(block, steps, ops, env, i, j)
+                i = j + 1
+                continue
+            op = ops[i]
+            self.tracker.scope.append(op)
+            t0 = time.perf_counter()
+            try:
+                out = run_step(steps[i], env)
+            finally:
+                self.tracker.scope.pop()
+            if self.tracker.capture:
+                self.op_ms[op.name] = self.op_ms.get(op.name, 0.0) + \
+                    (time.perf_counter() - t0) * 1e3 / max(len(self.blocks), 1)
+            self.tracker.note_output(out, op)
+            if capture:
+                for name in steps[i].outputs:
+                    self.record_env(block.bgl_layer, name, env[name])
+            if steps[i].gate and "load" in env:
+                if self.observe_gate(block.bgl_layer, float(env["load"])):
+                    rec = self._recompute_set(block, mb, frozen_before=i)
+            i += 1
+        return env[block.output_name]
+
+    def _run_region(self, block: OpBlock, steps: List[Step], ops: List[Op],
+                    env: Dict[str, Any], i: int, j: int) -> None:
+        produced: Set[str] = set()
+        inputs: List[str] = []
+        for k in range(i, j + 1):
+            for name in steps[k].inputs:
+                if name not in produced and name not in inputs:
+                    inputs.append(name)
+            produced.update(steps[k].outputs)
+        later = {name for s in steps[j + 1:] for name in s.inputs} | {block.output_name}
+        outputs = [name for k in range(i, j + 1) for name in steps[k].outputs if name in later]
+        gate_layer = block.bgl_layer
+
+        def region(*values: Any) -> Tuple[Any, ...]:
+            local = dict(zip(inputs, values))
+            for k in range(i, j + 1):
+                run_step(steps[k], local)
+                if steps[k].gate and "load" in local and self.forwarding \
+                        and torch.is_grad_enabled():
+                    self._observe_only(gate_layer, float(local["load"]))
+            return tuple(local[name] for name in outputs)
+
+        values = [env[name] for name in inputs]
+        self.tracker.hold_inputs([v for v in values if isinstance(v, torch.Tensor)], ops[i])
+        t0 = time.perf_counter()
+        result = checkpoint(region, *values, use_reentrant=False, preserve_rng_state=True)
+        self.iter["recompute_ms"] += (time.perf_counter() - t0) * 1e3
+        self.iter["recompute_ops"] += j - i + 1
+        for name, v in zip(outputs, result):
+            env[name] = v
+
+    # -- governor and plans -----------------------------------------------------------------
+    def _observe_only(self, layer: int, load: float) -> None:
+        self.mb_loads.setdefault(self.tracker.micro_batch, []).append(load)
+
+    def observe_gate(self, layer: int, load: float) -> bool:
+        """The router of ``layer`` ran with load factor ``load``; returns True when deferred
+        planning changed the strategies of the rest of the micro-batch."""
+        mb = self.tracker.micro_batch
+        self._observe_only(layer, load)
+        if self.policy != "bagualu" or self.governor is None or mb not in self.mb_plan:
+            return False
+        plan = self.governor.plan_after_gate(mb, 0, layer, load)
+        if not plan or not plan.get("deferred"):
+            return False
+        new = {o["name"]: o["strategy"] for o in plan["operators"]}
+        if new == self.mb_strategies.get(mb):
+            return False
+        self.mb_strategies[mb] = new
+        self.iter["deferred"] += 1
+        return True
+
+    def _ensure_planner(self) -> None:
+        """After the capture micro-batch: describe the model to the governor."""
+        if self.governor is None or self.governor.ready or not self.blocks:
+            return
+        recs = self.tracker.captured
+        loads = self.mb_loads.get(self._capture_mb, [])
+        load0 = loads[0] if loads else 1.0
+        lg = graphmod.build_layer_graph(recs, self.layer_ops[0], load0, self.op_ms)
+        # The graph is stated at r=1 for layer 0; learn which steps save each named tensor.
+        self._learn_savers(recs)
+        doc = graphmod.model_document(lg, len(self.blocks), self.pipeline_stages,
+                                      self.micro_batches, self.model_info)
+        outside = sum(r.nbytes for r in recs if not r.consumers or
+                      any(c.layer < 0 for c in r.consumers))
+        in_flight = max(self.pipeline_stages - self.pipeline_rank, 1)
+        plan_capacity = int(self.capacity * 0.95) - outside * in_flight
+        self.model_doc = doc
+        self.governor.register(doc, plan_capacity, self.pipeline_rank,
+                               allow_offload=self.policy == "bagualu",
+                               allow_fp8=self.policy == "bagualu")
+        self.description = self.governor.description
+        if self.policy == "static-under":
+            self.static_strategies = self.governor.static_plan(self._forward_steps())
+
+    def _forward_steps(self) -> List[Dict[str, Any]]:
+        d = self.description or {}
+        return [s for s in d.get("steps", []) if s["forward"]]
+
+    def _learn_savers(self, recs: List[Any]) -> None:
+        for b in self.blocks:
+            steps = b.op_steps()
+            ops = self.layer_ops[b.bgl_layer]
+            index = {op: k for k, op in enumerate(ops)}
+            savers: Dict[str, Set[int]] = {n: set() for s in steps for n in s.outputs}
+            by_key = getattr(self, "_env_keys", {}).get(b.bgl_layer, {})
+            for r in recs:
+                name = by_key.get(r.key)
+                if name is None:
+                    continue
+                savers.setdefault(name, set()).update(index[c] for c in r.consumers
+                                                      if c in index)
+            b.bgl_savers = savers if by_key else _consumers(steps)
+
+    def step_point(self, phase: str, forward_mb: Optional[int],
+                   backward_mb: Optional[int]) -> Optional[Dict[str, Any]]:
+        """A pipeline scheduling point: plans the forward of ``forward_mb`` (if any)."""
+        if phase not in ("warmup", "steady", "cooldown"):
+            raise ValueError(f"unknown phase '{phase}' (warmup, steady, cooldown)")
+        if forward_mb is None or self.policy != "bagualu" or self.governor is None \
+                or not self.governor.ready:
+            return None
+        point: Dict[str, Any] = {"phase": phase, "forward_micro_batch": int(forward_mb),
+                                 "load_factor": max(self.last_load, 0.05),
+                                 "bytes_in_use": int(self.tracker.device_bytes())}
+        if backward_mb is not None:
+            point["backward_micro_batch"] = int(backward_mb)
+        plan = self.governor.plan(point)
+        if plan is None:
+            return None
+        self.mb_plan[forward_mb] = plan
+        self.mb_strategies[forward_mb] = {o["name"]: o["strategy"] for o in plan["operators"]}
+        self.iter["budget"] = min(self.iter["budget"], plan["budget_bytes"])
+        return plan
+
+    # -- micro-batch contexts ---------------------------------------------------------------
+    @contextmanager
+    def forward(self, mb: int) -> Iterator[None]:
+        """Runs a micro-batch's forward under the saved-tensor hooks."""
+        capture = self.governor is not None and not self.governor.ready and bool(self.blocks)
+        t = self.tracker
+        t.micro_batch = mb
+        t.capture = capture
+        self._capture_mb = mb
+        self.forwarding = True
+        self.mb_loads[mb] = []
+        self._env_keys = getattr(self, "_env_keys", {}) if not capture else {}
+        if capture:
+            self._record_env = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(t.pack, t.unpack):
+                yield
+        finally:
+            self.forwarding = False
+            t.scope.clear()
+            t.end_forward()
+            t.capture = False
+        loads = self.mb_loads.get(mb) or [self.last_load]
+        load = sum(loads) / len(loads)
+        self.last_load = load
+        self.iter["loads"].append(load)
+        captured = graphmod.in_layer_bytes(t.by_mb.get(mb, ()))
+        if capture:
+            self._ensure_planner()
+        if self.description is not None and captured > 0:
+            self.accuracy.append((load, graphmod.keep_all_bytes(self.description, load),
+                                  float(captured)))
+        if self.governor is not None and self.governor.ready and mb in self.mb_plan:
+            self.governor.report(mb, 0, t.retained_bytes(mb))
+        self._note_peak()
+
+    @contextmanager
+    def backward(self, mb: int) -> Iterator[None]:
+        """Runs a micro-batch's backward; afterwards its activations are gone."""
+        try:
+            yield
+        finally:
+            self._note_peak()
+            self.tracker.end_backward(mb)
+            self.mb_plan.pop(mb, None)
+
+    def record_env(self, layer: int, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.numel() > 0:
+            self._env_keys.setdefault(layer, {})[value.untyped_storage().data_ptr()] = name
+
+    # -- iterations and observability -------------------------------------------------------
+    def _reset_iteration_stats(self) -> None:
+        self.iter = {"loads": [], "budget": math.inf, "recompute_ms": 0.0, "recompute_ops": 0,
+                     "deferred": 0, "t0": time.perf_counter(),
+                     "counters0": dict(self.tracker.counters), "ooms0": self.oom_count}
+        if self.pool is not None:
+            self.pool.reset_peak()
+        self._peak = 0
+
+    def _note_peak(self) -> None:
+        if self.pool is None:
+            self._peak = max(self._peak, self._host_used)
+
+    def begin_iteration(self) -> None:
+        self._reset_iteration_stats()
+        self.mb_strategies.clear()
+        self.mb_plan.clear()
+        if self.governor is not None and self.governor.ready:
+            self.governor.reset_iteration()
+
+    def end_iteration(self) -> Dict[str, Any]:
+        """Closes the iteration and logs its line; returns the line's fields."""
+        it = self.iter
+        c0, c = it["counters0"], self.tracker.counters
+        loads = it["loads"] or [1.0]
+        peak = self._peak
+        if self.pool is not None:
+            peak = int(self.pool.stats().get("allocated_bytes_peak", 0))
+        counts = self._strategy_counts()
+        elapsed = (time.perf_counter() - it["t0"]) * 1e3
+        line = {
+            "iteration": self.iteration, "policy": self.policy,
+            "load_factor": sum(loads) / len(loads), "max_load_factor": max(loads),
+            "budget_bytes": None if it["budget"] == math.inf else int(it["budget"]),
+            "peak_bytes": peak, "capacity_bytes": self.capacity, "strategies": counts,
+            "offloads": c["offloads"] - c0["offloads"], "fp8_casts": c["fp8_casts"] - c0["fp8_casts"],
+            "recomputed_ops": it["recompute_ops"], "evictions": c["evictions"] - c0["evictions"],
+            "deferred": it["deferred"], "overhead_ms": it["recompute_ms"],
+            "iteration_ms": elapsed, "ooms": self.oom_count - it["ooms0"],
+        }
+        self.history.append(line)
+        if self.log_iterations:
+            budget = "-" if line["budget_bytes"] is None else _mib(line["budget_bytes"])
+            strat = " ".join(f"{k}={v}" for k, v in counts.items() if v)
+            log.info("bagualu: iter %d policy %s load %.2f (max %.2f) budget %s peak %s/%s "
+                     "strategies %s offloads %d fp8 %d recomputed %d evictions %d deferred %d "
+                     "overhead %.1fms (%.1f%%)", line["iteration"], self.policy,
+                     line["load_factor"], line["max_load_factor"], budget, _mib(peak),
+                     _mib(self.capacity), strat or "keep", line["offloads"], line["fp8_casts"],
+                     line["recomputed_ops"], line["evictions"], line["deferred"],
+                     line["overhead_ms"], 100 * line["overhead_ms"] / max(elapsed, 1e-9))
+        self.iteration += 1
+        return line
+
+    def _strategy_counts(self) -> Dict[str, int]:
+        counts = {KEEP: 0, OFFLOAD: 0, FP8: 0, RECOMPUTE: 0}
+        for layer, ops in self.layer_ops.items():
+            for mb in (self.mb_strategies or {-1: {}}):
+                for op in ops:
+                    s = self._strategy_of(op, mb)
+                    counts[s] = counts.get(s, 0) + 1
+        return counts
+
+    def stats(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"policy": self.policy, "device": str(self.device),
+                               "capacity_bytes": self.capacity,
+                               "tracker": dict(self.tracker.counters),
+                               "activation_bytes": self.tracker.device_bytes(),
+                               "ooms": self.oom_count,
+                               "governor": self.governor.kind if self.governor else None}
+        if self.pool is not None:
+            out["allocator"] = self.pool.stats()
+        if self.accuracy:
+            errs = [abs(p - c) / c for _, p, c in self.accuracy if c > 0]
+            out["memory_model"] = {"samples": len(errs), "mean_error": sum(errs) / len(errs),
+                                   "worst_error": max(errs)}
+        return out
+
+    def dump_snapshot(self, path: str) -> None:
+        """Writes the allocator's snapshot as the pickle pytorch.org/memory_viz opens."""
+        if self.device.type == "cuda" and self.pool is None:
+            torch.cuda.memory._dump_snapshot(path)
+            return
+        snap = self.pool.snapshot() if self.pool is not None else {
+            "segments": [], "device_traces": [[]]}
+        with open(path, "wb") as f:
+            pickle.dump(snap, f)
+
+    def close(self) -> None:
+        self.remove_hooks()
+        if self.pool is not None:
+            self.pool.close()
+        if self.governor is not None:
+            self.governor.close()
+
+
+def _consumers(steps: List[Step]) -> Dict[str, Set[int]]:
+    out: Dict[str, Set[int]] = {}
+    for i, s in enumerate(steps):
+        for n in s.inputs:
+            out.setdefault(n, set()).add(i)
+    return out
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.1f}MiB"

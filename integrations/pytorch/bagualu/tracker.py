@@ -1,0 +1,351 @@
+"""Saved-activation capture and enforcement: one record per storage, with its producer and every
+operator that saved it, placed on the (simulated) device, on the host, or in FP8.
+
+The pack hook of torch.autograd.graph.saved_tensors_hooks receives only a tensor; the operator
+that saves it is the innermost operator scope (see scopes in runtime.py). Tensors are
+deduplicated by storage: a view of a larger storage shares its base's record, and the unpack
+hook rebuilds the view (offset, sizes, strides) on whatever storage holds the data then.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from . import fp8 as fp8mod
+from .errors import OutOfMemoryError
+
+KEEP, RECOMPUTE, OFFLOAD, FP8 = "keep", "recompute", "offload", "fp8"
+STRATEGIES = (KEEP, RECOMPUTE, OFFLOAD, FP8)
+DEVICE, HOST, FP8_PLACE = "device", "host", "fp8"
+
+
+@dataclass(frozen=True)
+class Op:
+    """A planner operator: name within its layer, kind (docs/planner.md), layer (-1: outside)."""
+
+    name: str
+    kind: str
+    layer: int = -1
+
+    @property
+    def qualname(self) -> str:
+        return f"L{self.layer}.{self.name}" if self.layer >= 0 else self.name
+
+
+OUTSIDE = Op("outside", "other", -1)
+
+
+class Record:
+    """One saved storage of one micro-batch."""
+
+    __slots__ = ("key", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
+                 "placement", "storage", "host", "fp8", "block", "block_bytes", "refs",
+                 "pinned", "in_backward", "tracker", "ref", "seq", "__weakref__")
+
+    def __init__(self, tracker: "Tracker", storage: torch.UntypedStorage, dtype: torch.dtype,
+                 producer: Op, micro_batch: int, seq: int) -> None:
+        self.tracker = tracker
+        self.key = storage.data_ptr()
+        self.nbytes = storage.nbytes()
+        self.dtype = dtype
+        self.device = storage.device
+        self.producer = producer
+        self.consumers: List[Op] = []
+        self.micro_batch = micro_batch
+        self.placement = DEVICE
+        self.storage: Optional[torch.UntypedStorage] = storage
+        self.ref = weakref.ref(storage)
+        self.host: Optional[torch.Tensor] = None
+        self.fp8: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
+        self.block = 0
+        self.block_bytes = 0
+        self.refs = 0
+        self.pinned = False
+        self.in_backward = False
+        self.seq = seq
+
+    # -- accounting -------------------------------------------------------------------------
+    def _account(self, nbytes: int) -> None:
+        self._unaccount()
+        self.block = self.tracker.device_alloc(nbytes)
+        self.block_bytes = nbytes
+
+    def _unaccount(self) -> None:
+        if self.block:
+            self.tracker.device_free(self.block, self.block_bytes)
+            self.block, self.block_bytes = 0, 0
+
+    def device_bytes(self) -> int:
+        return self.block_bytes
+
+    # -- moves ------------------------------------------------------------------------------
+    def offload(self) -> int:
+        """Copies the storage to host memory and lets the device copy go; bytes freed."""
+        if self.placement != DEVICE or self.pinned or self.storage is None:
+            return 0
+        t = self.tracker
+        src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
+        host = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu",
+                           pin_memory=t.pin_memory)
+        t.copy_to_host(host, src)
+        self.host = host
+        self.storage = None
+        self.placement = HOST
+        freed = self.block_bytes
+        self._unaccount()
+        t.counters["offloads"] += 1
+        t.counters["bytes_d2h"] += self.nbytes
+        return freed
+
+    def store_fp8(self) -> int:
+        """Replaces the storage by an e4m3 copy with per-block scales; bytes freed."""
+        if (self.placement != DEVICE or self.pinned or self.storage is None
+                or not fp8mod.supported(self.dtype)):
+            return 0
+        t = self.tracker
+        numel = self.nbytes // torch.empty(0, dtype=self.dtype).element_size()
+        flat = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            self.storage, 0, (numel,), (1,))
+        data, scales = fp8mod.quantize(flat, t.fp8_block)
+        before = self.block_bytes
+        self._account(fp8mod.nbytes(numel, t.fp8_block))
+        self.fp8 = (data, scales, numel)
+        self.storage = None
+        self.placement = FP8_PLACE
+        t.counters["fp8_casts"] += 1
+        return max(before - self.block_bytes, 0)
+
+    def materialize(self) -> torch.UntypedStorage:
+        """The storage with full-precision data on the device, reloading or uncasting it."""
+        if self.storage is not None:
+            return self.storage
+        t = self.tracker
+        if self.placement == HOST:
+            self._account(self.nbytes)
+            dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            t.copy_to_device(dst, self.host)
+            self.storage = dst.untyped_storage()
+            self.host = None
+            t.counters["reloads"] += 1
+            t.counters["bytes_h2d"] += self.nbytes
+        elif self.placement == FP8_PLACE:
+            data, scales, numel = self.fp8
+            flat = fp8mod.dequantize(data, scales, numel, self.dtype, t.fp8_block)
+            self._account(self.nbytes)
+            self.storage = flat.untyped_storage()
+            self.fp8 = None
+            t.counters["fp8_uncasts"] += 1
+        self.placement = DEVICE
+        return self.storage
+
+    def release(self) -> None:
+        """Every holder is gone: the storage is no longer an activation."""
+        self._unaccount()
+        self.storage = self.host = self.fp8 = None
+        self.tracker.retire(self)
+
+
+class Packed:
+    """What autograd keeps for one saved tensor: its record and the view to rebuild."""
+
+    __slots__ = ("rec", "dtype", "offset", "size", "stride")
+
+    def __init__(self, rec: Record, t: torch.Tensor) -> None:
+        self.rec = rec
+        self.dtype = t.dtype
+        self.offset = t.storage_offset()
+        self.size = tuple(t.size())
+        self.stride = tuple(t.stride())
+        rec.refs += 1
+
+    def unpack(self) -> torch.Tensor:
+        rec = self.rec
+        rec.in_backward = True
+        storage = rec.materialize()
+        return torch.empty(0, dtype=self.dtype, device=rec.device).set_(
+            storage, self.offset, self.size, self.stride)
+
+    def __del__(self) -> None:
+        rec = self.rec
+        rec.refs -= 1
+        if rec.refs == 0:
+            rec.release()
+
+
+StrategyFn = Callable[[Op, int], str]
+
+
+@dataclass
+class Tracker:
+    """Captures saved activations of the micro-batches in flight and applies strategies."""
+
+    device_alloc: Callable[[int], int]
+    device_free: Callable[[int, int], None]
+    strategy_of: StrategyFn
+    pin_memory: bool = False
+    fp8_block: int = 128
+    copy_stream: Any = None
+    param_keys: Set[int] = field(default_factory=set)
+    counters: Dict[str, int] = field(default_factory=lambda: {
+        "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
+        "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0})
+
+    def __post_init__(self) -> None:
+        self.scope: List[Op] = []
+        self.micro_batch = -1
+        self.live: Dict[int, Record] = {}          # storage ptr -> record (dedupe)
+        self.by_mb: Dict[int, Set[Record]] = {}    # micro-batch -> its live records
+        self.producers: Dict[int, Tuple[Any, Op]] = {}  # storage ptr -> (weakref, producer)
+        self.pinned_holders: Dict[int, List[Packed]] = {}
+        self.captured: List[Record] = []           # filled while capture is on
+        self.capture = False
+        self._seq = 0
+        self.enabled = True
+
+    # -- scopes -----------------------------------------------------------------------------
+    def current_op(self) -> Op:
+        return self.scope[-1] if self.scope else OUTSIDE
+
+    def note_output(self, out: Any, op: Op) -> None:
+        """Records ``op`` as the producer of every tensor in ``out``."""
+        if isinstance(out, torch.Tensor):
+            if out.numel() > 0:
+                st = out.untyped_storage()
+                self.producers[st.data_ptr()] = (weakref.ref(st), op)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                self.note_output(o, op)
+        elif isinstance(out, dict):
+            for o in out.values():
+                self.note_output(o, op)
+
+    def _producer(self, st: torch.UntypedStorage, default: Op) -> Op:
+        hit = self.producers.get(st.data_ptr())
+        if hit is not None and hit[0]() is st:
+            return hit[1]
+        return default
+
+    # -- hooks ------------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        if not self.enabled or self.micro_batch < 0 or t.numel() == 0 or t.is_sparse:
+            return t
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.param_keys or isinstance(t, torch.nn.Parameter):
+            return t
+        op = self.current_op()
+        rec = self.live.get(key)
+        if rec is None or rec.ref() is not st or rec.micro_batch != self.micro_batch:
+            rec = self.new_record(st, t.dtype, self._producer(st, op))
+        if op not in rec.consumers:
+            rec.consumers.append(op)
+        self._apply(rec, self.strategy_of(op, self.micro_batch))
+        return Packed(rec, t)
+
+    @staticmethod
+    def unpack(p: Any) -> torch.Tensor:
+        return p.unpack() if isinstance(p, Packed) else p
+
+    def new_record(self, st: torch.UntypedStorage, dtype: torch.dtype, producer: Op) -> Record:
+        self._seq += 1
+        rec = Record(self, st, dtype, producer, self.micro_batch, self._seq)
+        rec._account(rec.nbytes)
+        self.live[rec.key] = rec
+        self.by_mb.setdefault(rec.micro_batch, set()).add(rec)
+        self.counters["records"] += 1
+        if self.capture:
+            self.captured.append(rec)
+        return rec
+
+    def _apply(self, rec: Record, strategy: str) -> None:
+        if strategy == OFFLOAD:
+            rec.offload()
+        elif strategy == FP8:
+            rec.store_fp8()
+
+    def hold_inputs(self, tensors: List[torch.Tensor], op: Op) -> None:
+        """Registers tensors a recompute region keeps alive (checkpoint inputs): they stay on
+        the device until the micro-batch's backward ends."""
+        holders = self.pinned_holders.setdefault(self.micro_batch, [])
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_sparse:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in self.param_keys:
+                continue
+            rec = self.live.get(st.data_ptr())
+            if rec is None or rec.ref() is not st or rec.micro_batch != self.micro_batch:
+                rec = self.new_record(st, t.dtype, self._producer(st, op))
+            if rec.placement != DEVICE:
+                rec.materialize()
+            rec.pinned = True
+            if op not in rec.consumers:
+                rec.consumers.append(op)
+            holders.append(Packed(rec, t))
+
+    def retire(self, rec: Record) -> None:
+        if self.live.get(rec.key) is rec:
+            del self.live[rec.key]
+        recs = self.by_mb.get(rec.micro_batch)
+        if recs is not None:
+            recs.discard(rec)
+
+    def end_forward(self) -> None:
+        """Forgets producers of the finished forward (their pointers may be reused)."""
+        self.producers.clear()
+
+    def end_backward(self, micro_batch: int) -> None:
+        """Drops the checkpoint-input holders of a micro-batch whose backward finished."""
+        self.pinned_holders.pop(micro_batch, None)
+
+    # -- queries and pressure --------------------------------------------------------------
+    def device_bytes(self, micro_batch: Optional[int] = None) -> int:
+        if micro_batch is None:
+            return sum(r.block_bytes for recs in self.by_mb.values() for r in recs)
+        return sum(r.block_bytes for r in self.by_mb.get(micro_batch, ()))
+
+    def retained_bytes(self, micro_batch: int) -> int:
+        """Bytes of the micro-batch's activations on the device (storage sizes)."""
+        return sum(r.nbytes if r.placement == DEVICE else
+                   (r.block_bytes if r.placement == FP8_PLACE else 0)
+                   for r in self.by_mb.get(micro_batch, ()))
+
+    def evict(self, needed: int) -> int:
+        """Offloads device-resident activations needed last until ``needed`` bytes are freed."""
+        cands = [r for recs in self.by_mb.values() for r in recs
+                 if r.placement == DEVICE and not r.pinned and not r.in_backward
+                 and r.storage is not None and r.block_bytes > 0]
+        # Later micro-batches first; within one, earlier records (their backward runs last).
+        cands.sort(key=lambda r: (-r.micro_batch, r.seq))
+        freed = 0
+        for r in cands:
+            if freed >= needed:
+                break
+            got = r.offload()
+            if got:
+                freed += got
+                self.counters["evictions"] += 1
+                self.counters["evicted_bytes"] += got
+        return freed
+
+    # -- copies -----------------------------------------------------------------------------
+    def copy_to_host(self, host: torch.Tensor, src: torch.Tensor) -> None:
+        if self.copy_stream is not None and src.is_cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(self.copy_stream):
+                host.copy_(src, non_blocking=True)
+            src.record_stream(self.copy_stream)
+            self.copy_stream.synchronize()
+        else:
+            host.copy_(src)
+
+    def copy_to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        dst.copy_(host, non_blocking=dst.is_cuda and self.pin_memory)
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,261 @@
+"""Trains the small fine-grained MoE model under bagualu and compares activation policies.
+
+Single process (default): emulates one pipeline stage's 1F1B memory pattern (rank 0 of
+--stages, so up to --stages micro-batches are in flight). Under torchrun (WORLD_SIZE > 1):
+real pipeline parallelism, one stage per rank (gloo on CPU, NCCL on GPU), every rank talking
+to the same governor daemon ($BGL_GOVERNOR).
+
+  python integrations/pytorch/examples/moe_train.py --policy all --capacity 24MiB \
+      --spike-size 2.6 --spike-every 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bagualu  # noqa: E402
+from bagualu.schedule import P2PStage, one_f_one_b  # noqa: E402
+from moe_model import DriftingCorpus, MoEConfig, MoEStage  # noqa: E402
+
+POLICIES = ["keep-all", "static-under", "static-over", "bagualu"]
+
+
+def spike_for(global_mb: int, every: int, size: float) -> Optional[float]:
+    """The injected load factor of a micro-batch (None: natural routing)."""
+    if every > 0 and size > 1.0 and global_mb % every == every - 1:
+        return size
+    return None
+
+
+def train(cfg: MoEConfig, policy: str, iterations: int = 4, micro_batches: int = 8,
+          stages: int = 4, capacity: Any = "24MiB", spike_size: float = 0.0,
+          spike_every: int = 0, seed: int = 0, governor: Optional[str] = "none",
+          device: str = "cpu", lr: float = 0.05, log_iterations: bool = True,
+          collect_grads: bool = False) -> Dict[str, Any]:
+    """One single-process run; returns losses, times, per-iteration lines and stats.
+
+    policy 'plain' runs plain PyTorch (no bagualu) for the overhead comparison."""
+    torch.manual_seed(seed)
+    model = MoEStage(cfg).to(device)
+    corpus = DriftingCorpus(cfg, seed=seed + 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    use = policy != "plain"
+    if use:
+        bagualu.install(capacity=capacity, policy=policy, device=device, governor=governor,
+                        pipeline_stages=stages, micro_batches=micro_batches,
+                        log_iterations=log_iterations)
+        bagualu.instrument(model, cfg.info())
+    result: Dict[str, Any] = {"policy": policy, "losses": [], "iteration_s": [], "lines": [],
+                              "finished": 0, "oom": None, "grads": []}
+    gmb = 0
+    try:
+        for it in range(iterations):
+            t0 = time.perf_counter()
+            data = [corpus.batch(it) for _ in range(micro_batches)]
+            losses: Dict[int, torch.Tensor] = {}
+            opt.zero_grad(set_to_none=True)
+            if use:
+                bagualu.begin_iteration()
+            for phase, f, b in one_f_one_b(micro_batches, stages, 0):
+                if use:
+                    bagualu.step_point(phase, f, b)
+                if f is not None:
+                    x, y = (t.to(device) for t in data[f])
+                    model.set_spike(spike_for(gmb + f, spike_every, spike_size))
+                    if use:
+                        with bagualu.forward(f):
+                            logits = model(x)
+                            losses[f] = torch.nn.functional.cross_entropy(
+                                logits.view(-1, cfg.vocab), y.view(-1)) / micro_batches
+                    else:
+                        logits = model(x)
+                        losses[f] = torch.nn.functional.cross_entropy(
+                            logits.view(-1, cfg.vocab), y.view(-1)) / micro_batches
+                    del logits
+                if b is not None:
+                    loss = losses[b]
+                    if use:
+                        with bagualu.backward(b):
+                            loss.backward()
+                    else:
+                        loss.backward()
+                    losses[b] = loss.detach()
+            gmb += micro_batches
+            total = torch.stack([losses[i] for i in range(micro_batches)]).sum()
+            if collect_grads:
+                result["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()
+                                        if p.grad is not None})
+            opt.step()
+            result["losses"].append(total.detach().clone())
+            result["iteration_s"].append(time.perf_counter() - t0)
+            if use:
+                result["lines"].append(bagualu.end_iteration())
+            result["finished"] += 1
+    except bagualu.OutOfMemoryError as e:
+        result["oom"] = f"iteration {len(result['losses'])}: {e}"
+        logging.getLogger("bagualu").error("%s: out of memory at %s", policy, result["oom"])
+    finally:
+        if use:
+            result["stats"] = bagualu.stats()
+            losses = {}
+            bagualu.uninstall()
+    return result
+
+
+def summarize(results: List[Dict[str, Any]], iterations: int) -> str:
+    """A table comparing policies: finished iterations, OOM, median iteration time, peak."""
+    rows = ["| policy | finished | OOM | median iteration (s) | peak activation (MiB) | "
+            "offloads | fp8 | recomputed ops |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        times = r["iteration_s"][1:] or r["iteration_s"]
+        med = statistics.median(times) if times else float("nan")
+        lines = r["lines"]
+        peak = max((ln["peak_bytes"] for ln in lines), default=0) / (1 << 20)
+        rows.append("| {} | {}/{} | {} | {:.3f} | {:.1f} | {} | {} | {} |".format(
+            r["policy"], r["finished"], iterations, "yes" if r["oom"] else "no", med, peak,
+            sum(ln["offloads"] for ln in lines), sum(ln["fp8_casts"] for ln in lines),
+            sum(ln["recomputed_ops"] for ln in lines)))
+    return "\n".join(rows)
+
+
+def run_distributed(args: argparse.Namespace, cfg: MoEConfig) -> None:
+    """One pipeline stage per rank under torchrun."""
+    import torch.distributed as dist
+    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if backend == "nccl" \
+        else torch.device("cpu")
+    per = cfg.layers // world
+    first, last = rank * per, cfg.layers if rank == world - 1 else (rank + 1) * per
+    policy = "bagualu" if args.policy in ("all", "plain") else args.policy
+    bagualu.install(capacity=args.capacity, policy=policy, device=device,
+                    governor=args.governor, pipeline_rank=rank, pipeline_stages=world,
+                    micro_batches=args.micro_batches)
+    torch.manual_seed(args.seed)
+    full = MoEStage(cfg)
+    stage = MoEStage(cfg, first, last, embed=rank == 0, head=rank == world - 1)
+    stage.load_state_dict({k: v for k, v in _slice_state(full, first, last, rank == 0,
+                                                         rank == world - 1).items()})
+    stage.to(device)
+    del full
+    bagualu.instrument(stage, cfg.info())
+    corpus = DriftingCorpus(cfg, seed=args.seed + 1)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.05)
+    shape = (cfg.micro_batch_size, cfg.seq_len, cfg.hidden)
+    runner = P2PStage(rank, world, args.micro_batches, shape, device=device)
+    gmb = 0
+    for it in range(args.iterations):
+        data = [corpus.batch(it) for _ in range(args.micro_batches)]
+
+        def fwd(mb: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+            stage.set_spike(spike_for(gmb + mb, args.spike_every, args.spike_size))
+            inp = data[mb][0].to(device) if rank == 0 else x
+            out = stage(inp)
+            if rank == world - 1:
+                return torch.nn.functional.cross_entropy(
+                    out.view(-1, cfg.vocab), data[mb][1].to(device).view(-1)) / args.micro_batches
+            return out
+
+        opt.zero_grad(set_to_none=True)
+        bagualu.begin_iteration()
+        losses = runner.run(fwd)
+        opt.step()
+        line = bagualu.end_iteration()
+        gmb += args.micro_batches
+        if rank == world - 1:
+            print(f"rank {rank} iteration {it} loss {sum(losses.values()):.4f}", flush=True)
+    st = bagualu.stats()
+    print(f"rank {rank} finished {args.iterations} iterations governor={st['governor']} "
+          f"ooms={st['ooms']}", flush=True)
+    bagualu.uninstall()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _slice_state(full: MoEStage, first: int, last: int, embed: bool, head: bool
+                 ) -> Dict[str, torch.Tensor]:
+    out: Dict[str, torch.Tensor] = {}
+    for k, v in full.state_dict().items():
+        if k.startswith("layers."):
+            idx = int(k.split(".")[1])
+            if first <= idx < last:
+                out["layers." + str(idx - first) + k[len("layers." + str(idx)):]] = v
+        elif k.startswith("embed."):
+            if embed:
+                out[k] = v
+        elif head:
+            out[k] = v
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", default="all",
+                   help="keep-all | static-under | static-over | bagualu | plain | all")
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages emulated (1 process)")
+    p.add_argument("--capacity", default="24MiB", help="activation memory of the device")
+    p.add_argument("--spike-size", type=float, default=2.6, help="injected load factor")
+    p.add_argument("--spike-every", type=int, default=16,
+                   help="inject a spike every N micro-batches (0: never)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--governor", default=os.environ.get("BGL_GOVERNOR", "none"),
+                   help="governor address (unix:///path); 'none': embedded planner")
+    p.add_argument("--json-out", default="", help="write the results as JSON here")
+    p.add_argument("--quiet", action="store_true", help="no per-iteration log lines")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    cfg = MoEConfig(layers=args.layers, experts=args.experts, top_k=args.top_k,
+                    seq_len=args.seq_len, hidden=args.hidden)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        run_distributed(args, cfg)
+        return 0
+    policies = POLICIES if args.policy == "all" else [args.policy]
+    for pol in policies:
+        if pol != "plain" and pol not in bagualu.POLICIES:
+            print(f"error: unknown policy '{pol}' (known: {', '.join(bagualu.POLICIES)}, "
+                  "plain, all)", file=sys.stderr)
+            return 2
+    results = []
+    for pol in policies:
+        print(f"=== policy {pol}", flush=True)
+        results.append(train(cfg, pol, args.iterations, args.micro_batches, args.stages,
+                             args.capacity, args.spike_size, args.spike_every, args.seed,
+                             args.governor, args.device, log_iterations=not args.quiet))
+    print()
+    print(summarize(results, args.iterations))
+    by = {r["policy"]: r for r in results}
+    if "bagualu" in by and "static-over" in by and by["static-over"]["finished"] > 1:
+        t_b = statistics.median(by["bagualu"]["iteration_s"][1:])
+        t_o = statistics.median(by["static-over"]["iteration_s"][1:])
+        print(f"\niteration time static-over / bagualu: {t_o / t_b:.2f}x")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k not in ("losses", "grads")} |
+                       {"losses": [float(x) for x in r["losses"]]} for r in results], f,
+                      indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Creates .venv (Python 3.11) with PyTorch, numpy, pytest, grpcio(-tools) and the `bagualu`
+# package in editable mode. Idempotent: a venv whose stamp matches this script is left as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv
+torch_version=${BGL_TORCH_VERSION:-2.5.1}
+stamp="torch=${torch_version};numpy;pytest;grpcio;grpcio-tools;bagualu-editable-v1"
+
+find_python() {
+  local root candidates=()
+  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  for d in "$root"/versions/3.11*; do [[ -x $d/bin/python3 ]] && candidates+=("$d/bin/python3"); done
+  candidates+=(python3.11 python3)
+  for c in "${candidates[@]}"; do
+    if command -v "$c" >/dev/null 2>&1 &&
+       "$c" -c 'import sys; sys.exit(0 if sys.version_info[:2] >= (3, 9) else 1)' 2>/dev/null; then
+      echo "$c"; return 0
+    fi
+  done
+  echo "setup-python: no Python >= 3.9 found" >&2; return 1
+}
+
+if [[ -f $venv/.bgl-stamp && $(cat $venv/.bgl-stamp) == "$stamp" ]] &&
+   $venv/bin/python -c 'import torch, numpy, pytest, grpc, grpc_tools, bagualu' 2>/dev/null; then
+  echo "setup-python: $venv is up to date"
+  exit 0
+fi
+
+start=$(date +%s)
+py=$(find_python)
+echo "setup-python: creating $venv with $py ($("$py" --version 2>&1))"
+"$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" --upgrade pip setuptools wheel
+# The PyPI wheel of torch depends on the nvidia-* CUDA runtime wheels; it does not import on
+# CPU-only machines without them, so it is installed with its dependencies.
+"${pip[@]}" "torch==${torch_version}" numpy pytest grpcio grpcio-tools
+"${pip[@]}" -e integrations/pytorch
+echo "$stamp" > $venv/.bgl-stamp
+echo "setup-python: done in $(( $(date +%s) - start )) s"
