@@ -38,8 +38,8 @@ class CudaDeviceOps final : public DeviceOps {
   void release(const Event& e) override { events_.release(e); }
   Status stream_wait(Stream s, const Event& e) override {
     if (e.handle == nullptr) return Status::kOk;
-    return ok(cudaStreamWaitEvent(static_cast<cudaStream_t>(s),
-                                  static_cast<cudaEvent_t>(e.handle), 0),
+    return ok(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e.handle),
+                                  0),
               "cudaStreamWaitEvent")
                ? Status::kOk
                : Status::kBackendError;

@@ -45,8 +45,8 @@ Enforcer* resolve(bgl_enforcer* enf, const char* fn) {
 
 using namespace bgl::alloc;  // NOLINT: C ABI implementation file
 
-#define BGL_ENF_RESOLVE(fn)                                      \
-  Enforcer* e = resolve(enf, fn);                                \
+#define BGL_ENF_RESOLVE(fn)       \
+  Enforcer* e = resolve(enf, fn); \
   if (e == nullptr) return BGL_ERR_UNKNOWN_HANDLE
 
 extern "C" {
@@ -233,8 +233,8 @@ BGL_ALLOC_API int bgl_enf_set_recompute_callback(bgl_enforcer* enf, bgl_enf_reco
   return BGL_OK;
 }
 
-BGL_ALLOC_API int bgl_enf_acquire(bgl_enforcer* enf, uint64_t handle, int consumer_op,
-                                  void* stream, void** ptr) {
+BGL_ALLOC_API int bgl_enf_acquire(bgl_enforcer* enf, uint64_t handle, int consumer_op, void* stream,
+                                  void** ptr) {
   BGL_ENF_RESOLVE("bgl_enf_acquire");
   if (ptr == nullptr) return bad(Status::kInvalidArgument, "bgl_enf_acquire: null ptr out");
   return code(e->acquire(handle, consumer_op, stream, ptr));

@@ -13,7 +13,9 @@ std::string tensor_name(std::uint64_t h) { return "tensor " + std::to_string(h);
 bool is_float(ElemType t) {
   return t == ElemType::kF32 || t == ElemType::kF16 || t == ElemType::kBF16;
 }
-std::size_t elem_size(ElemType t) { return t == ElemType::kF32 ? 4 : t == ElemType::kBytes ? 1 : 2; }
+std::size_t elem_size(ElemType t) {
+  return t == ElemType::kF32 ? 4 : t == ElemType::kBytes ? 1 : 2;
+}
 
 // Marks a tensor busy for the scope, so pressure eviction (which may run inside a pool
 // allocation made by the operation) leaves it alone.
@@ -45,8 +47,8 @@ std::unique_ptr<Enforcer> Enforcer::create(Pool* pool, std::unique_ptr<DeviceOps
     return nullptr;
   }
   std::unique_ptr<Enforcer> e(new Enforcer(pool, std::move(ops), options));
-  for (auto [stream, own] : {std::pair{&e->options_.d2h, &e->own_d2h_},
-                             std::pair{&e->options_.h2d, &e->own_h2d_}}) {
+  for (auto [stream, own] :
+       {std::pair{&e->options_.d2h, &e->own_d2h_}, std::pair{&e->options_.h2d, &e->own_h2d_}}) {
     if (*stream != nullptr) continue;
     if (e->ops_->create_stream(stream) != Status::kOk) {
       *error = "enforcer: cannot create a copy stream: " + e->ops_->last_error();
@@ -167,8 +169,8 @@ Status Enforcer::info(std::uint64_t handle, bgl_enf_tensor_info* out) {
   out->placement = static_cast<int>(t->placement);
   out->applied = static_cast<int>(t->applied);
   out->planned = static_cast<int>(t->planned);
-  out->pending = (t->has_offload && !ops_->query(t->offload_done)) ||
-                 (t->has_ready && !ops_->query(t->ready));
+  out->pending =
+      (t->has_offload && !ops_->query(t->offload_done)) || (t->has_ready && !ops_->query(t->ready));
   out->num_consumers = static_cast<int>(t->consumers.size());
   out->num_released = static_cast<int>(t->num_released());
   out->bytes = t->desc.bytes;
@@ -185,7 +187,8 @@ Status Enforcer::unregister(std::uint64_t handle) {
   Status st;
   TrackedTensor* t = get(handle, "unregister", &st);
   if (t == nullptr) return st;
-  if (t->busy != 0) return fail(Status::kInvalidState, "unregister: " + tensor_name(handle) + " is busy");
+  if (t->busy != 0)
+    return fail(Status::kInvalidState, "unregister: " + tensor_name(handle) + " is busy");
   if (t->has_offload) ops_->wait(t->offload_done);
   if (t->has_ready) ops_->wait(t->ready);
   retire_locked(*t, t->alloc_stream);
@@ -235,8 +238,8 @@ Status Enforcer::set_strategy(std::uint64_t handle, Strategy s) {
   TrackedTensor* t = get(handle, "set_strategy", &st);
   if (t == nullptr) return st;
   if (static_cast<int>(s) > static_cast<int>(Strategy::kFp8)) {
-    return fail(Status::kInvalidArgument, "set_strategy: strategy " +
-                                              std::to_string(static_cast<int>(s)) + " unknown");
+    return fail(Status::kInvalidArgument,
+                "set_strategy: strategy " + std::to_string(static_cast<int>(s)) + " unknown");
   }
   t->planned = s;
   return Status::kOk;
@@ -258,21 +261,25 @@ Status Enforcer::apply(std::uint64_t handle, Strategy s) {
                                        strategy_name(s));
   }
   switch (s) {
-    case Strategy::kKeep: return Status::kOk;
-    case Strategy::kOffload: return offload_locked(*t);
-    case Strategy::kFp8: return fp8_locked(*t);
-    case Strategy::kRecompute: return drop_locked(*t);
+    case Strategy::kKeep:
+      return Status::kOk;
+    case Strategy::kOffload:
+      return offload_locked(*t);
+    case Strategy::kFp8:
+      return fp8_locked(*t);
+    case Strategy::kRecompute:
+      return drop_locked(*t);
   }
   return Status::kInvalidArgument;
 }
 
-#define BGL_ENF_OP(fn, body)                               \
-  Status Enforcer::fn(std::uint64_t handle) {              \
-    std::lock_guard<std::recursive_mutex> lock(mu_);       \
-    Status st;                                             \
-    TrackedTensor* t = get(handle, #fn, &st);              \
-    if (t == nullptr) return st;                           \
-    return body;                                           \
+#define BGL_ENF_OP(fn, body)                         \
+  Status Enforcer::fn(std::uint64_t handle) {        \
+    std::lock_guard<std::recursive_mutex> lock(mu_); \
+    Status st;                                       \
+    TrackedTensor* t = get(handle, #fn, &st);        \
+    if (t == nullptr) return st;                     \
+    return body;                                     \
   }
 BGL_ENF_OP(offload, offload_locked(*t))
 BGL_ENF_OP(reload, reload_locked(*t))
@@ -354,8 +361,8 @@ Status Enforcer::reload_locked(TrackedTensor& t) {
     return fail(Status::kInvalidState, name + ": it was never offloaded");
   }
   if (t.placement != Placement::kHost) {
-    return fail(Status::kInvalidState, name + ": it is " + placement_name(t.placement) +
-                                           ", not offloaded");
+    return fail(Status::kInvalidState,
+                name + ": it is " + placement_name(t.placement) + ", not offloaded");
   }
   if (t.busy > 0) return fail(Status::kInvalidState, name + ": an operation is under way");
   Busy busy(t);
@@ -517,10 +524,18 @@ Status Enforcer::acquire(std::uint64_t handle, int consumer_op, Stream stream, v
     }
   }
   switch (t->placement) {
-    case Placement::kHost: st = reload_locked(*t); break;
-    case Placement::kFp8: st = uncast_locked(*t, stream); break;
-    case Placement::kDropped: st = recompute_locked(*t, stream); break;
-    case Placement::kDevice: st = Status::kOk; break;
+    case Placement::kHost:
+      st = reload_locked(*t);
+      break;
+    case Placement::kFp8:
+      st = uncast_locked(*t, stream);
+      break;
+    case Placement::kDropped:
+      st = recompute_locked(*t, stream);
+      break;
+    case Placement::kDevice:
+      st = Status::kOk;
+      break;
   }
   if (st != Status::kOk) return st;
   if (t->has_ready) ops_->stream_wait(stream, t->ready);
@@ -587,8 +602,8 @@ Status Enforcer::synchronize() {
 
 // ---- scheduler ----------------------------------------------------------------------------------
 
-Status Enforcer::schedule_begin(const std::vector<plan::IssueItem>& order,
-                                int offload_micro_batch, int recover_micro_batch) {
+Status Enforcer::schedule_begin(const std::vector<plan::IssueItem>& order, int offload_micro_batch,
+                                int recover_micro_batch) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   std::string error;
   StreamScheduler probe(this, 1);
@@ -668,9 +683,8 @@ Status Enforcer::issue(const plan::IssueItem& item, Event* done, std::string* er
         dropped.push_back(t);
       }
     }
-    std::stable_sort(dropped.begin(), dropped.end(), [](auto* a, auto* b) {
-      return a->desc.producer_op < b->desc.producer_op;
-    });
+    std::stable_sort(dropped.begin(), dropped.end(),
+                     [](auto* a, auto* b) { return a->desc.producer_op < b->desc.producer_op; });
     Stream last = nullptr;
     for (TrackedTensor* t : dropped) {
       note(recompute_locked(*t, t->desc.stream));
@@ -718,10 +732,17 @@ EnforcerStats Enforcer::stats() {
   s.device_bytes = s.host_bytes = s.fp8_bytes = 0;
   for (auto& [h, t] : tracker_.tensors()) {
     switch (t.placement) {
-      case Placement::kDevice: s.device_bytes += t.desc.bytes; break;
-      case Placement::kHost: s.host_bytes += t.desc.bytes; break;
-      case Placement::kFp8: s.fp8_bytes += t.fp8_bytes; break;
-      case Placement::kDropped: break;
+      case Placement::kDevice:
+        s.device_bytes += t.desc.bytes;
+        break;
+      case Placement::kHost:
+        s.host_bytes += t.desc.bytes;
+        break;
+      case Placement::kFp8:
+        s.fp8_bytes += t.fp8_bytes;
+        break;
+      case Placement::kDropped:
+        break;
     }
   }
   const PinnedStats p = pinned_->stats();

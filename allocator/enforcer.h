@@ -36,8 +36,8 @@ struct EnforcerOptions {
 using EnforcerStats = bgl_enf_stats;
 
 // Recreates a dropped tensor; returns 0 and its data in *out on success.
-using RecomputeFn = std::function<int(std::uint64_t handle, int producer_op, int micro_batch,
-                                      void** out)>;
+using RecomputeFn =
+    std::function<int(std::uint64_t handle, int producer_op, int micro_batch, void** out)>;
 
 // See file comment. Thread safe (one recursive lock: callbacks may call back in).
 class Enforcer final : private WorkIssuer {

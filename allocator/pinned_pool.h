@@ -17,9 +17,9 @@ namespace bgl::alloc {
 // Counters of a PinnedPool (bytes are rounded block sizes).
 struct PinnedStats {
   std::size_t capacity = 0;
-  std::size_t in_use = 0;   // handed out, including blocks waiting for their last copy
-  std::size_t cached = 0;   // free, kept for reuse
-  std::size_t peak = 0;     // peak in_use
+  std::size_t in_use = 0;  // handed out, including blocks waiting for their last copy
+  std::size_t cached = 0;  // free, kept for reuse
+  std::size_t peak = 0;    // peak in_use
   std::uint64_t allocs = 0, hits = 0, misses = 0, failures = 0, releases = 0;
 };
 

@@ -21,8 +21,8 @@ Status StreamScheduler::load(const std::vector<plan::IssueItem>& order, std::str
       return Status::kInvalidArgument;
     }
     if (static_cast<int>(it.resource) >= plan::kResourceCount) {
-      *error = where + ": resource " + std::to_string(static_cast<int>(it.resource)) +
-               " out of range";
+      *error =
+          where + ": resource " + std::to_string(static_cast<int>(it.resource)) + " out of range";
       return Status::kInvalidArgument;
     }
     if (it.stage <= last_stage[c]) {

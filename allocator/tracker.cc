@@ -6,20 +6,28 @@ namespace bgl::alloc {
 
 const char* placement_name(Placement p) {
   switch (p) {
-    case Placement::kDevice: return "device";
-    case Placement::kHost: return "host";
-    case Placement::kFp8: return "fp8";
-    case Placement::kDropped: return "dropped";
+    case Placement::kDevice:
+      return "device";
+    case Placement::kHost:
+      return "host";
+    case Placement::kFp8:
+      return "fp8";
+    case Placement::kDropped:
+      return "dropped";
   }
   return "?";
 }
 
 const char* strategy_name(Strategy s) {
   switch (s) {
-    case Strategy::kKeep: return "keep";
-    case Strategy::kRecompute: return "recompute";
-    case Strategy::kOffload: return "offload";
-    case Strategy::kFp8: return "fp8";
+    case Strategy::kKeep:
+      return "keep";
+    case Strategy::kRecompute:
+      return "recompute";
+    case Strategy::kOffload:
+      return "offload";
+    case Strategy::kFp8:
+      return "fp8";
   }
   return "?";
 }

@@ -66,8 +66,8 @@ struct TrackedTensor {
   // FP8 copy: n e4m3 bytes, padding to 16, then the scales.
   void* fp8 = nullptr;
   std::size_t fp8_bytes = 0;
-  int busy = 0;          // an operation on it is under way (eviction must skip it)
-  int acquired = 0;      // consumers holding the device pointer
+  int busy = 0;      // an operation on it is under way (eviction must skip it)
+  int acquired = 0;  // consumers holding the device pointer
   std::size_t num_released() const;
 };
 

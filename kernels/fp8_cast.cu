@@ -38,8 +38,8 @@ __global__ void cast_to_fp8_kernel(const void* __restrict__ src, std::size_t n,
   const unsigned tid = blockIdx.x * blockDim.x + threadIdx.x;
   const int lane = static_cast<int>(threadIdx.x) % g;
   const unsigned warp_lane = threadIdx.x % 32u;
-  const unsigned mask =
-      (g == 32 ? 0xffffffffu : ((1u << g) - 1u)) << (warp_lane / static_cast<unsigned>(g) * g);
+  const unsigned mask = (g == 32 ? 0xffffffffu : ((1u << g) - 1u))
+                        << (warp_lane / static_cast<unsigned>(g) * g);
   const std::size_t groups = static_cast<std::size_t>(gridDim.x) * blockDim.x / g;
   for (std::size_t k = tid / g; k < nblocks; k += groups) {
     const std::size_t b0 = k * block;
@@ -47,8 +47,8 @@ __global__ void cast_to_fp8_kernel(const void* __restrict__ src, std::size_t n,
     const bool full = vec && end - b0 == block;
     float amax = 0.0f;
     if (full) {
-      const uint4* v = reinterpret_cast<const uint4*>(static_cast<const char*>(src) +
-                                                      b0 * kElemSize<T>);
+      const uint4* v =
+          reinterpret_cast<const uint4*>(static_cast<const char*>(src) + b0 * kElemSize<T>);
       const std::size_t nv = block / kPer;
       for (std::size_t j = lane; j < nv; j += g) {
         const uint4 x = v[j];
@@ -64,8 +64,8 @@ __global__ void cast_to_fp8_kernel(const void* __restrict__ src, std::size_t n,
     const BlockScale s = block_scale(amax);
     if (lane == 0) scales[k] = s.scale;
     if (full) {
-      const uint4* v = reinterpret_cast<const uint4*>(static_cast<const char*>(src) +
-                                                      b0 * kElemSize<T>);
+      const uint4* v =
+          reinterpret_cast<const uint4*>(static_cast<const char*>(src) + b0 * kElemSize<T>);
       using P = typename Packed<kPer>::type;
       P* out = reinterpret_cast<P*>(dst + b0);
       const std::size_t nv = block / kPer;
@@ -124,16 +124,16 @@ unsigned grid_for(std::size_t threads_needed) {
 }
 
 template <DType T>
-int launch_cast(const void* src, std::size_t n, std::uint8_t* dst, float* scales,
-                std::size_t block, cudaStream_t stream) {
+int launch_cast(const void* src, std::size_t n, std::uint8_t* dst, float* scales, std::size_t block,
+                cudaStream_t stream) {
   constexpr int kPer = 16 / kElemSize<T>;
   const bool vec = block % kPer == 0 && aligned16(src) && aligned16(dst);
   const std::size_t lanes_wanted = vec ? block / kPer : block;
   int g = 1;
   while (g < 32 && static_cast<std::size_t>(g) * 2 <= lanes_wanted) g *= 2;
   const std::size_t nblocks = fp8_num_blocks(n, block);
-  cast_to_fp8_kernel<T><<<grid_for(nblocks * g), kThreads, 0, stream>>>(src, n, dst, scales,
-                                                                         block, nblocks, g, vec);
+  cast_to_fp8_kernel<T>
+      <<<grid_for(nblocks * g), kThreads, 0, stream>>>(src, n, dst, scales, block, nblocks, g, vec);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -142,8 +142,8 @@ int launch_uncast(const std::uint8_t* src, const float* scales, std::size_t n, s
                   void* dst, cudaStream_t stream) {
   constexpr int kPer = 16 / kElemSize<T>;
   const bool vec = block % kPer == 0 && aligned16(src) && aligned16(dst);
-  cast_from_fp8_kernel<T><<<grid_for(vec ? n / kPer + 1 : n), kThreads, 0, stream>>>(
-      src, scales, n, block, dst, vec);
+  cast_from_fp8_kernel<T>
+      <<<grid_for(vec ? n / kPer + 1 : n), kThreads, 0, stream>>>(src, scales, n, block, dst, vec);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -157,9 +157,12 @@ int cast_to_fp8(const void* src, DType t, std::size_t n, std::uint8_t* dst, floa
   if (block == 0) return static_cast<int>(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
   switch (t) {
-    case DType::kF32: return launch_cast<DType::kF32>(src, n, dst, scales, block, s);
-    case DType::kF16: return launch_cast<DType::kF16>(src, n, dst, scales, block, s);
-    case DType::kBF16: return launch_cast<DType::kBF16>(src, n, dst, scales, block, s);
+    case DType::kF32:
+      return launch_cast<DType::kF32>(src, n, dst, scales, block, s);
+    case DType::kF16:
+      return launch_cast<DType::kF16>(src, n, dst, scales, block, s);
+    case DType::kBF16:
+      return launch_cast<DType::kBF16>(src, n, dst, scales, block, s);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }
@@ -170,9 +173,12 @@ int cast_from_fp8(const std::uint8_t* src, const float* scales, std::size_t n, s
   if (block == 0) return static_cast<int>(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
   switch (t) {
-    case DType::kF32: return launch_uncast<DType::kF32>(src, scales, n, block, dst, s);
-    case DType::kF16: return launch_uncast<DType::kF16>(src, scales, n, block, dst, s);
-    case DType::kBF16: return launch_uncast<DType::kBF16>(src, scales, n, block, dst, s);
+    case DType::kF32:
+      return launch_uncast<DType::kF32>(src, scales, n, block, dst, s);
+    case DType::kF16:
+      return launch_uncast<DType::kF16>(src, scales, n, block, dst, s);
+    case DType::kBF16:
+      return launch_uncast<DType::kBF16>(src, scales, n, block, dst, s);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }

@@ -18,7 +18,8 @@ void cast_to_fp8_host(const void* src, DType t, std::size_t n, std::uint8_t* dst
 void cast_from_fp8_host(const std::uint8_t* src, const float* scales, std::size_t n,
                         std::size_t block, DType t, void* dst) {
   if (block == 0) return;
-  for (std::size_t i = 0; i < n; ++i) store_elem(dst, t, i, e4m3_to_float(src[i]) * scales[i / block]);
+  for (std::size_t i = 0; i < n; ++i)
+    store_elem(dst, t, i, e4m3_to_float(src[i]) * scales[i / block]);
 }
 
 }  // namespace bgl::kern

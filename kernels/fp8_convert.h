@@ -51,17 +51,17 @@ BGL_HD std::uint8_t float_to_e4m3(float f) {
   const std::uint32_t u = float_bits(f);
   const std::uint32_t sign = (u >> 24) & 0x80u;
   const std::uint32_t mag = u & 0x7fffffffu;
-  if (mag > 0x7f800000u) return 0x7f;                // NaN
-  if (mag >= 0x43e00000u) return sign | 0x7eu;       // >= 448 (and inf): saturate
-  const int e = static_cast<int>(mag >> 23) - 127;   // unbiased exponent
-  if (e < -10) return sign;                          // < 2^-10: rounds to zero
+  if (mag > 0x7f800000u) return 0x7f;               // NaN
+  if (mag >= 0x43e00000u) return sign | 0x7eu;      // >= 448 (and inf): saturate
+  const int e = static_cast<int>(mag >> 23) - 127;  // unbiased exponent
+  if (e < -10) return sign;                         // < 2^-10: rounds to zero
   const std::uint32_t sig = (mag & 0x7fffffu) | 0x800000u;
   std::uint32_t code;
   if (e < -6) {
     // Subnormal: units of 2^-9; q = sig * 2^(e - 23 + 9). q == 8 encodes 2^-6 (0x08).
     code = shift_rne(sig, 14 - e);
   } else {
-    const std::uint32_t q = shift_rne(sig, 20);      // 8..16 with the implicit bit
+    const std::uint32_t q = shift_rne(sig, 20);  // 8..16 with the implicit bit
     code = (static_cast<std::uint32_t>(e + 7) << 3) + q - 8u;
   }
   if (code > 0x7eu) code = 0x7eu;
@@ -83,7 +83,9 @@ BGL_HD float e4m3_to_float(std::uint8_t b) {
 }
 
 // BF16 bits -> FP32 (exact).
-BGL_HD float bf16_to_float(std::uint16_t h) { return bits_float(static_cast<std::uint32_t>(h) << 16); }
+BGL_HD float bf16_to_float(std::uint16_t h) {
+  return bits_float(static_cast<std::uint32_t>(h) << 16);
+}
 
 // FP32 -> BF16 bits, round to nearest even; NaN stays NaN (quiet).
 BGL_HD std::uint16_t float_to_bf16(float f) {

@@ -60,7 +60,11 @@ void BM_OffloadReload(benchmark::State& state) {
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * n * 2));
 }
-BENCHMARK(BM_OffloadReload)->Arg(64 << 10)->Arg(1 << 20)->Arg(16 << 20)->Arg(64 << 20)
+BENCHMARK(BM_OffloadReload)
+    ->Arg(64 << 10)
+    ->Arg(1 << 20)
+    ->Arg(16 << 20)
+    ->Arg(64 << 20)
     ->UseRealTime();
 
 // Baseline: the same bytes copied twice by memcpy on the calling thread.
@@ -136,7 +140,7 @@ void BM_ScheduleOrder(benchmark::State& state) {
       it.chain = c;
       it.stage = r;
       it.round = r;
-      it.resource = c == plan::Chain::kOffload  ? plan::Resource::kD2H
+      it.resource = c == plan::Chain::kOffload   ? plan::Resource::kD2H
                     : c == plan::Chain::kRecover ? plan::Resource::kH2D
                                                  : plan::Resource::kCompute;
       order.push_back(it);

@@ -61,9 +61,12 @@ int run() {
   cudaMalloc(&dev2, bytes);
   cudaHostAlloc(&host, bytes, cudaHostAllocPortable);
   cudaMemset(dev, 1, bytes);
-  const double base_d2h = time_it(reps, d2h, [&] { cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, d2h); });
-  const double base_h2d = time_it(reps, h2d, [&] { cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, h2d); });
-  const double base_d2d = time_it(reps, compute, [&] { cudaMemcpyAsync(dev2, dev, bytes, cudaMemcpyDeviceToDevice, compute); });
+  const double base_d2h =
+      time_it(reps, d2h, [&] { cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, d2h); });
+  const double base_h2d =
+      time_it(reps, h2d, [&] { cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, h2d); });
+  const double base_d2d = time_it(
+      reps, compute, [&] { cudaMemcpyAsync(dev2, dev, bytes, cudaMemcpyDeviceToDevice, compute); });
 
   // Enforcer offload (D2H) and reload (H2D) of the same bytes.
   double off_s = 0, rel_s = 0;
@@ -114,18 +117,24 @@ int run() {
 
   auto gbs = [&](double s) { return static_cast<double>(bytes) / s / 1e9; };
   std::printf("| measurement | GB/s | baseline GB/s | ratio | target |\n|---|---|---|---|---|\n");
-  std::printf("| offload (D2H, 256 MiB) vs cudaMemcpyAsync D2H pinned | %.1f | %.1f | %.2f | >= 0.90 |\n",
-              gbs(off_s), gbs(base_d2h), base_d2h / off_s);
-  std::printf("| reload (H2D, 256 MiB) vs cudaMemcpyAsync H2D pinned | %.1f | %.1f | %.2f | >= 0.90 |\n",
-              gbs(rel_s), gbs(base_h2d), base_h2d / rel_s);
-  std::printf("| FP8 cast BF16->e4m3 (bytes read+written) vs D2D copy | %.1f | %.1f | %.2f | >= 0.70 |\n",
-              (bytes * 1.5) / cast_s / 1e9, 2.0 * bytes / base_d2d / 1e9,
-              (bytes * 1.5 / cast_s) / (2.0 * bytes / base_d2d));
-  std::printf("| FP8 uncast e4m3->BF16 (bytes read+written) vs D2D copy | %.1f | %.1f | %.2f | >= 0.70 |\n",
-              (bytes * 1.5) / uncast_s / 1e9, 2.0 * bytes / base_d2d / 1e9,
-              (bytes * 1.5 / uncast_s) / (2.0 * bytes / base_d2d));
-  std::printf("| overlap: kernel %.2f ms, D2H %.2f ms, together %.2f ms | | | %.2f | 1.0 = fully hidden |\n",
-              kernel_s * 1e3, base_d2h * 1e3, both_s * 1e3, overlap);
+  std::printf(
+      "| offload (D2H, 256 MiB) vs cudaMemcpyAsync D2H pinned | %.1f | %.1f | %.2f | >= 0.90 |\n",
+      gbs(off_s), gbs(base_d2h), base_d2h / off_s);
+  std::printf(
+      "| reload (H2D, 256 MiB) vs cudaMemcpyAsync H2D pinned | %.1f | %.1f | %.2f | >= 0.90 |\n",
+      gbs(rel_s), gbs(base_h2d), base_h2d / rel_s);
+  std::printf(
+      "| FP8 cast BF16->e4m3 (bytes read+written) vs D2D copy | %.1f | %.1f | %.2f | >= 0.70 |\n",
+      (bytes * 1.5) / cast_s / 1e9, 2.0 * bytes / base_d2d / 1e9,
+      (bytes * 1.5 / cast_s) / (2.0 * bytes / base_d2d));
+  std::printf(
+      "| FP8 uncast e4m3->BF16 (bytes read+written) vs D2D copy | %.1f | %.1f | %.2f | >= 0.70 |\n",
+      (bytes * 1.5) / uncast_s / 1e9, 2.0 * bytes / base_d2d / 1e9,
+      (bytes * 1.5 / uncast_s) / (2.0 * bytes / base_d2d));
+  std::printf(
+      "| overlap: kernel %.2f ms, D2H %.2f ms, together %.2f ms | | | %.2f | 1.0 = fully hidden "
+      "|\n",
+      kernel_s * 1e3, base_d2h * 1e3, both_s * 1e3, overlap);
   cudaFree(dev);
   cudaFree(dev2);
   cudaFree(q);

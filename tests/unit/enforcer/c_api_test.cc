@@ -13,8 +13,7 @@ namespace {
 class EnforceCApi : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_EQ(bgl_alloc_configure("backend:host,capacity:256MiB,page_size:64KiB,log:false"),
-              BGL_OK)
+    ASSERT_EQ(bgl_alloc_configure("backend:host,capacity:256MiB,page_size:64KiB,log:false"), BGL_OK)
         << bgl_alloc_last_error();
     bgl_enf_options o;
     bgl_enf_default_options(&o);

@@ -98,7 +98,8 @@ TEST(Enforcer, Fp8StoreFreesTheOriginalAndRestoresTheHostTwinsValues) {
   std::vector<std::uint8_t> data(2 * n);
   std::mt19937 rng(3);
   std::normal_distribution<float> normal(0, 2);
-  for (std::size_t i = 0; i < n; ++i) kern::store_elem(data.data(), kern::DType::kBF16, i, normal(rng));
+  for (std::size_t i = 0; i < n; ++i)
+    kern::store_elem(data.data(), kern::DType::kBF16, i, normal(rng));
   void* p = env.pool->allocate(data.size(), &env.compute);
   std::memcpy(p, data.data(), data.size());
   TensorDesc d{p, data.size(), ElemType::kBF16, 0, 0, 0, &env.compute, true};

@@ -47,9 +47,9 @@ TEST(Fp8Convert, EveryE4m3ValueAndNeighbourEncodesLikeCuda) {
     if (std::isnan(v)) continue;
     const float next = e4m3_to_float(static_cast<std::uint8_t>(b + 1 < 256 ? b + 1 : b));
     const float mid = std::isnan(next) ? v * 1.03125f : (v + next) / 2;
-    for (float x : {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f),
-                    std::nextafter(mid, -1e30f), std::nextafter(v, 1e30f),
-                    std::nextafter(v, -1e30f)}) {
+    for (float x :
+         {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f),
+          std::nextafter(mid, -1e30f), std::nextafter(v, 1e30f), std::nextafter(v, -1e30f)}) {
       EXPECT_EQ(float_to_e4m3(x), cuda_e4m3(x)) << "x=" << x << " bits=" << std::hex << bits(x);
     }
   }
@@ -124,16 +124,19 @@ void round_trip(DType t, std::size_t n, std::size_t block, Fill fill) {
   for (std::size_t b0 = 0; b0 < n; b0 += block) {
     const std::size_t end = std::min(n, b0 + block);
     float amax = 0;
-    for (std::size_t i = b0; i < end; ++i) amax = std::max(amax, std::fabs(load_elem(src.data(), t, i)));
+    for (std::size_t i = b0; i < end; ++i)
+      amax = std::max(amax, std::fabs(load_elem(src.data(), t, i)));
     // e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normals, absolute <= 2^-10 of the
     // scale below 2^-6 (subnormals); plus one rounding of the output type.
     const float out_eps = t == DType::kF32 ? 0.0f : (t == DType::kBF16 ? 1.0f / 256 : 1.0f / 2048);
     for (std::size_t i = b0; i < end; ++i) {
       const float x = load_elem(src.data(), t, i);
       const float y = load_elem(back.data(), t, i);
-      const float bound = std::max(std::fabs(x) * 0.0625f, amax / 448.0f * 0.0009765625f) * 1.0001f +
-                          std::fabs(x) * 1.0625f * out_eps + 1e-30f;
-      ASSERT_LE(std::fabs(x - y), bound) << "i=" << i << " x=" << x << " y=" << y << " amax=" << amax;
+      const float bound =
+          std::max(std::fabs(x) * 0.0625f, amax / 448.0f * 0.0009765625f) * 1.0001f +
+          std::fabs(x) * 1.0625f * out_eps + 1e-30f;
+      ASSERT_LE(std::fabs(x - y), bound)
+          << "i=" << i << " x=" << x << " y=" << y << " amax=" << amax;
     }
   }
 }
@@ -147,7 +150,8 @@ TEST(Fp8Cast, RoundTripWithinE4m3BoundPerBlock) {
         std::normal_distribution<float> normal(0.0f, 1.0f);
         std::vector<float> scale_of_block(n / block + 1);
         for (auto& s : scale_of_block) s = std::ldexp(1.0f, static_cast<int>(rng() % 20) - 10);
-        round_trip(t, n, block, [&](std::size_t i) { return normal(rng) * scale_of_block[i / block]; });
+        round_trip(t, n, block,
+                   [&](std::size_t i) { return normal(rng) * scale_of_block[i / block]; });
         round_trip(t, n, block, [](std::size_t) { return 0.0f; });
         round_trip(t, n, block, [](std::size_t i) { return i % 2 ? 3.5f : -3.5f; });
       }

@@ -73,7 +73,12 @@ std::vector<std::uint8_t> random_bytes(std::size_t n, unsigned seed) {
 struct Gate {
   explicit Gate(cudaStream_t s) {
     cudaLaunchHostFunc(
-        s, [](void* f) { while (!static_cast<std::atomic<bool>*>(f)->load()) {} }, &open_);
+        s,
+        [](void* f) {
+          while (!static_cast<std::atomic<bool>*>(f)->load()) {
+          }
+        },
+        &open_);
   }
   void open() { open_ = true; }
   std::atomic<bool> open_{false};
@@ -111,8 +116,10 @@ TEST(EnforcerGpu, ReloadWaitsForTheOffloadAndTheBlockIsNotReusedEarly) {
 TEST(EnforcerGpu, Fp8KernelsMatchTheHostTwinBitForBit) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
   for (kern::DType t : {kern::DType::kF32, kern::DType::kF16, kern::DType::kBF16}) {
-    for (std::size_t block : {std::size_t{128}, std::size_t{32}, std::size_t{100}, std::size_t{1024}}) {
-      for (std::size_t n : {std::size_t{1}, std::size_t{1000}, std::size_t{1} << 20, std::size_t{1000003}}) {
+    for (std::size_t block :
+         {std::size_t{128}, std::size_t{32}, std::size_t{100}, std::size_t{1024}}) {
+      for (std::size_t n :
+           {std::size_t{1}, std::size_t{1000}, std::size_t{1} << 20, std::size_t{1000003}}) {
         std::mt19937 rng(static_cast<unsigned>(n + block));
         std::normal_distribution<float> normal(0, 3);
         std::vector<std::uint8_t> src(n * kern::dtype_size(t));
@@ -129,9 +136,11 @@ TEST(EnforcerGpu, Fp8KernelsMatchTheHostTwinBitForBit) {
         cudaMalloc(&db, src.size());
         cudaMemcpy(ds, src.data(), src.size(), cudaMemcpyHostToDevice);
         ASSERT_EQ(kern::cast_to_fp8(ds, t, n, static_cast<std::uint8_t*>(dq),
-                                    static_cast<float*>(dsc), block, nullptr), 0);
+                                    static_cast<float*>(dsc), block, nullptr),
+                  0);
         ASSERT_EQ(kern::cast_from_fp8(static_cast<std::uint8_t*>(dq), static_cast<float*>(dsc), n,
-                                      block, t, db, nullptr), 0);
+                                      block, t, db, nullptr),
+                  0);
         cudaMemcpy(qd.data(), dq, n, cudaMemcpyDeviceToHost);
         cudaMemcpy(scd.data(), dsc, nb * 4, cudaMemcpyDeviceToHost);
         cudaMemcpy(backd.data(), db, src.size(), cudaMemcpyDeviceToHost);
@@ -154,7 +163,8 @@ TEST(EnforcerGpu, Fp8StoreAndRestoreThroughTheEnforcer) {
   std::vector<std::uint8_t> src(2 * n);
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0, 1);
-  for (std::size_t i = 0; i < n; ++i) kern::store_elem(src.data(), kern::DType::kBF16, i, normal(rng));
+  for (std::size_t i = 0; i < n; ++i)
+    kern::store_elem(src.data(), kern::DType::kBF16, i, normal(rng));
   const auto h = env.make(src, ElemType::kBF16);
   ASSERT_EQ(env.enf->store_fp8(h), Status::kOk) << last_error();
   std::vector<std::uint8_t> q(n), want(2 * n);

@@ -88,7 +88,8 @@ TEST(StreamScheduler, IssuesAtStageBoundariesInChainOrderWithinTheBound) {
   std::vector<std::pair<Chain, int>> got, want;
   for (auto& i : fake.issued) got.push_back({i.chain, i.stage});
   for (auto& i : sample_order()) {
-    if (i.chain == Chain::kOffload || i.chain == Chain::kRecover) want.push_back({i.chain, i.stage});
+    if (i.chain == Chain::kOffload || i.chain == Chain::kRecover)
+      want.push_back({i.chain, i.stage});
   }
   EXPECT_EQ(got, want);
 }
@@ -149,15 +150,14 @@ TEST(StreamScheduler, EnforcerOffloadsAndRecoversWhatThePlanNames) {
     (void)handle;
     return 0;
   });
-  const std::vector<IssueItem> order = {
-      item(Chain::kForward, 0, 0, Resource::kCompute),
-      item(Chain::kOffload, 0, 0, Resource::kD2H, 0, 2),
-      item(Chain::kRecover, 0, 0, Resource::kH2D, 0, 1),
-      item(Chain::kBackward, 0, 1, Resource::kCompute),
-      item(Chain::kOffload, 1, 1, Resource::kD2H, 3, 5),
-      item(Chain::kRecover, 1, 1, Resource::kCompute, 3, 3),
-      item(Chain::kRecover, 2, 2, Resource::kCompute, 2, 2),
-      item(Chain::kForward, 1, 2, Resource::kCompute)};
+  const std::vector<IssueItem> order = {item(Chain::kForward, 0, 0, Resource::kCompute),
+                                        item(Chain::kOffload, 0, 0, Resource::kD2H, 0, 2),
+                                        item(Chain::kRecover, 0, 0, Resource::kH2D, 0, 1),
+                                        item(Chain::kBackward, 0, 1, Resource::kCompute),
+                                        item(Chain::kOffload, 1, 1, Resource::kD2H, 3, 5),
+                                        item(Chain::kRecover, 1, 1, Resource::kCompute, 3, 3),
+                                        item(Chain::kRecover, 2, 2, Resource::kCompute, 2, 2),
+                                        item(Chain::kForward, 1, 2, Resource::kCompute)};
   ASSERT_EQ(env.enf->schedule_begin(order, 0, 1), Status::kOk);
   EXPECT_EQ(env.enf->stats().offloads, 2u);  // only the applies so far
   ASSERT_EQ(env.enf->schedule_reached(Chain::kForward, 0), Status::kOk);

@@ -41,7 +41,8 @@ struct Env {
 
   // An owned tensor of `bytes` random bytes allocated on the compute stream.
   std::uint64_t make(std::size_t bytes, std::vector<std::uint8_t>* data, int producer = 0,
-                     int micro_batch = 0, int graph_tensor = -1, ElemType dtype = ElemType::kBytes) {
+                     int micro_batch = 0, int graph_tensor = -1,
+                     ElemType dtype = ElemType::kBytes) {
     void* p = pool->allocate(bytes, &compute);
     EXPECT_NE(p, nullptr);
     data->resize(bytes);
