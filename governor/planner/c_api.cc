@@ -83,7 +83,19 @@ bgl_planner* bgl_planner_create(const char* model_json, const char* options_json
         !Optional(options, "allow_recompute", recompute, "options_json")) {
       return nullptr;
     }
-    po.dual_batch = dual_batch;
+    std::string issue = dual_batch ? "dual-batch" : "serial";
+    if (!Optional(options, "issue_policy", issue, "options_json")) return nullptr;
+    if (issue == "dual-batch")
+      po.issue_policy = bgl::plan::IssuePolicy::kDualBatch;
+    else if (issue == "lockstep")
+      po.issue_policy = bgl::plan::IssuePolicy::kLockstep;
+    else if (issue == "serial")
+      po.issue_policy = bgl::plan::IssuePolicy::kSerial;
+    else {
+      return reinterpret_cast<bgl_planner*>(
+          Fail("options_json: field 'issue_policy' must be dual-batch, lockstep or serial, not '" +
+               issue + "'"));
+    }
     po.mitigation.allow_offload = offload;
     po.mitigation.allow_fp8 = fp8;
     po.mitigation.allow_recompute = recompute;

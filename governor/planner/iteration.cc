@@ -28,9 +28,9 @@ Result<IterationReplay> ReplayIteration(StagePlanner& planner, const std::vector
       point.load_factor = loads[s.micro_batch];
       // A steady forward shares its point with the next backward, unless that backward is its
       // own (the last rank runs F_x then B_x: two points).
-      const bool pair = i + 1 < steps.size() && !steps[i + 1].forward &&
-                        s.phase == Phase::kSteady &&
-                        !(steps[i + 1].micro_batch == s.micro_batch && steps[i + 1].chunk == s.chunk);
+      const bool pair =
+          i + 1 < steps.size() && !steps[i + 1].forward && s.phase == Phase::kSteady &&
+          !(steps[i + 1].micro_batch == s.micro_batch && steps[i + 1].chunk == s.chunk);
       if (pair) {
         point.backward_micro_batch = steps[i + 1].micro_batch;
         point.backward_chunk = steps[i + 1].chunk;

@@ -262,9 +262,15 @@ void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int
     point_units.recover_r = loads[3];
     const Chains chains = BuildChains(*eval_, point_units);
     switch (options_.issue_policy) {
-      case IssuePolicy::kDualBatch: computed = SolveDualBatch(chains); break;
-      case IssuePolicy::kLockstep: computed = LockstepSchedule(chains); break;
-      case IssuePolicy::kSerial: computed = SerialSchedule(chains); break;
+      case IssuePolicy::kDualBatch:
+        computed = SolveDualBatch(chains);
+        break;
+      case IssuePolicy::kLockstep:
+        computed = LockstepSchedule(chains);
+        break;
+      case IssuePolicy::kSerial:
+        computed = SerialSchedule(chains);
+        break;
     }
     for (size_t r = 0; r < computed.rounds.size(); ++r) {
       for (int c = 0; c < kChainCount; ++c) {

@@ -163,7 +163,8 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(const pb::R
   plan::PlannerOptions options;
   options.capacity_bytes = req.capacity_bytes();
   options.pipeline_rank = req.pipeline_rank();
-  options.dual_batch = !req.disable_dual_batch();
+  options.issue_policy = req.disable_dual_batch() ? plan::IssuePolicy::kSerial
+                                                 : plan::IssuePolicy::kDualBatch;
   try {
     auto planner = plan::StagePlanner::Create(*config, profile, options);
     if (!planner.ok()) {

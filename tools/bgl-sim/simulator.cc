@@ -35,7 +35,8 @@ Result<std::unique_ptr<PolicySimulator>> PolicySimulator::Create(const SimConfig
     plan::PlannerOptions options;
     options.capacity_bytes = config.capacity_bytes;
     options.pipeline_rank = rank;
-    options.dual_batch = policy == Policy::kL4;
+    options.issue_policy =
+        policy == Policy::kL4 ? plan::IssuePolicy::kDualBatch : plan::IssuePolicy::kSerial;
     // The issue-order cache times chains at the top of a load class; narrow classes keep the
     // simulated time at the load the micro-batch really has.
     options.schedule_load_class = config.schedule_load_class;

@@ -67,7 +67,7 @@ TEST(StagePlanner, CacheHitsRepeatThePlan) {
 
 TEST(StagePlanner, DualBatchNeverSlowerThanProgramOrder) {
   PlannerOptions no_dp;
-  no_dp.dual_batch = false;
+  no_dp.issue_policy = IssuePolicy::kLockstep;
   auto with = Make("glm-423b-a30b.json", k64GB);
   auto without = Make("glm-423b-a30b.json", k64GB, 0, no_dp);
   std::vector<double> loads(32, 1.6);
@@ -78,6 +78,35 @@ TEST(StagePlanner, DualBatchNeverSlowerThanProgramOrder) {
   for (const auto& plan : a->plans) ta += plan.overlapped_s;
   for (const auto& plan : b->plans) tb += plan.overlapped_s;
   EXPECT_LT(ta, tb);
+}
+
+TEST(StagePlanner, LastRankRunsEachForwardAndItsBackwardAsTwoPoints) {
+  auto p = Make("glm-423b-a30b.json", k64GB, /*rank=*/7);
+  std::vector<double> loads(32, 1.0);
+  auto replay = ReplayIteration(*p, loads);
+  ASSERT_TRUE(replay.ok()) << replay.status().message();
+  int forwards = 0;
+  for (const auto& plan : replay->plans) forwards += plan.micro_batch >= 0;
+  EXPECT_EQ(forwards, 32 * 2);  // every forward of every chunk planned once
+}
+
+TEST(StagePlanner, DualBatchOrderBeatsSerialAndLockstep) {
+  double total[3] = {0, 0, 0};
+  const IssuePolicy policies[3] = {IssuePolicy::kDualBatch, IssuePolicy::kLockstep,
+                                   IssuePolicy::kSerial};
+  for (int i = 0; i < 3; ++i) {
+    PlannerOptions options;
+    options.issue_policy = policies[i];
+    auto p = Make("glm-423b-a30b.json", k64GB, 0, options);
+    auto replay = ReplayIteration(*p, std::vector<double>(32, 2.0));
+    ASSERT_TRUE(replay.ok());
+    for (const auto& plan : replay->plans) {
+      total[i] += plan.overlapped_s;
+      EXPECT_LE(plan.overlapped_s, plan.serial_s + 1e-12);
+    }
+  }
+  EXPECT_LE(total[0], total[1]);
+  EXPECT_LE(total[0], total[2]);
 }
 
 TEST(StagePlanner, BadPointsAreRejectedAndStateIsKept) {

@@ -23,7 +23,8 @@ typedef struct bgl_planner bgl_planner;
 
 /* Creates a planner. model_json: a model document (like models/tiny-moe.json, may include a
  * "layer_graph"). options_json: NULL or an object with optional keys "capacity_bytes",
- * "pipeline_rank", "gpu" (profile name), "calibration" (object), "dual_batch" (bool),
+ * "pipeline_rank", "gpu" (profile name), "calibration" (object), "issue_policy" ("dual-batch" (default),
+ * "lockstep" or "serial"; "dual_batch": false is "serial"),
  * "allow_offload", "allow_fp8", "allow_recompute" (bools). NULL on error. */
 BGL_PLANNER_API bgl_planner* bgl_planner_create(const char* model_json, const char* options_json);
 BGL_PLANNER_API void bgl_planner_destroy(bgl_planner* planner);
