@@ -34,6 +34,7 @@ class Governor:
         self._warned = False
         self._model: Optional[Dict[str, Any]] = None
         self._options: Dict[str, Any] = {}
+        self.scale = 1
 
     @property
     def ready(self) -> bool:
@@ -50,14 +51,25 @@ class Governor:
         self.kind = "embedded"
 
     def register(self, model: Dict[str, Any], capacity_bytes: int, pipeline_rank: int,
-                 allow_offload: bool = True, allow_fp8: bool = True) -> None:
-        """Describes the stage. The embedded planner is always created (the fallback)."""
+                 allow_offload: bool = True, allow_fp8: bool = True,
+                 calibration: Optional[Dict[str, Any]] = None) -> None:
+        """Describes the stage. The embedded planner is always created (the fallback).
+
+        The planner caches plans by budget in 64 MiB buckets (docs/planner.md), which is coarse
+        for small models; bytes are therefore given to it scaled by a power of two so that a
+        bucket is at most 1/64 of the capacity, and scaled back in every answer (copy
+        bandwidths in the calibration are scaled alike, so times are unchanged)."""
+        self.scale = _byte_scale(capacity_bytes)
+        model = _scaled_model(model, self.scale)
+        capacity_bytes = int(capacity_bytes * self.scale)
         self._model = model
         self._options = {"capacity_bytes": int(capacity_bytes), "pipeline_rank": 0,
                          "allow_offload": allow_offload, "allow_fp8": allow_fp8,
                          "dual_batch": False}
+        if calibration:
+            self._options["calibration"] = _scaled_calibration(calibration, self.scale)
         self.embedded = plannermod.EmbeddedPlanner(model, self._options)
-        self.description = self.embedded.description
+        self.description = _unscale_description(self.embedded.description, self.scale)
         self.kind = "embedded"
         if self.address and self.address.lower() not in ("none", "embedded", "off"):
             try:
@@ -86,22 +98,26 @@ class Governor:
         return getattr(self.embedded, what)(*args)
 
     def plan(self, point: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        point = dict(point)
+        if "bytes_in_use" in point:
+            point["bytes_in_use"] = int(point["bytes_in_use"] * self.scale)
         try:
-            return self._call("plan", point)
+            return _unscale_plan(self._call("plan", point), self.scale)
         except PlannerError as e:
             log.warning("bagualu: planning failed (%s); keeping the previous strategies", e)
             return None
 
     def plan_after_gate(self, mb: int, chunk: int, layer: int, load: float) -> Optional[Dict]:
         try:
-            return self._call("plan_after_gate", mb, chunk, layer, load)
+            return _unscale_plan(self._call("plan_after_gate", mb, chunk, layer, load),
+                                 self.scale)
         except PlannerError as e:
             log.warning("bagualu: deferred planning failed (%s)", e)
             return None
 
     def report(self, mb: int, chunk: int, actual: int) -> None:
         try:
-            self._call("report", mb, chunk, actual)
+            self._call("report", mb, chunk, int(actual * self.scale))
         except PlannerError as e:
             log.debug("bagualu: report ignored: %s", e)
 
@@ -111,16 +127,22 @@ class Governor:
         if self.remote is not None:
             self.remote.reset_iteration()
 
-    def static_plan(self, forward_steps: List[Dict[str, Any]]) -> Dict[str, str]:
+    def static_plan(self, steps: List[Dict[str, Any]]) -> Dict[str, str]:
         """Strategies sized for load 1.0 at the iteration's tightest forward, with recompute
         only (the static-under baseline), computed on a private embedded planner."""
         opts = dict(self._options, allow_offload=False, allow_fp8=False)
         p = plannermod.EmbeddedPlanner(self._model, opts)
         best: Optional[Dict[str, Any]] = None
-        for s in forward_steps:
-            plan = p.plan({"phase": s["phase"], "forward_micro_batch": s["micro_batch"],
-                           "load_factor": 1.0})
-            p.report(s["micro_batch"], 0, int(plan["predicted_bytes"]))
+        for i, s in enumerate(steps):
+            if not s["forward"]:
+                continue
+            point = {"phase": s["phase"], "forward_micro_batch": s["micro_batch"],
+                     "load_factor": 1.0}
+            nxt = steps[i + 1] if i + 1 < len(steps) else None
+            if nxt is not None and not nxt["forward"]:
+                point["backward_micro_batch"] = nxt["micro_batch"]
+            plan = p.plan(point)
+            p.report(s["micro_batch"], 0, int(plan["predicted_bytes"]))  # scaled already
             if best is None or plan["predicted_bytes"] < best["predicted_bytes"]:
                 best = plan
         p.close()
@@ -145,3 +167,57 @@ def _short(e: BaseException) -> str:
         if "details" in line:
             detail = line.strip()
     return f"{type(e).__name__}: {detail}"[:200]
+
+
+_BUCKET = 64 << 20  # the planner's budget bucket (PlannerOptions::budget_step_bytes)
+_BYTE_FIELDS = ("budget_bytes", "free_bytes", "m0_bytes", "keep_all_bytes", "predicted_bytes",
+                "host_bytes")
+
+
+def _byte_scale(capacity: int) -> int:
+    scale = 1
+    while _BUCKET / scale > max(capacity, 1) / 64 and scale < (1 << 20):
+        scale *= 2
+    return scale
+
+
+def _scaled_model(model: Dict[str, Any], scale: int) -> Dict[str, Any]:
+    if scale == 1 or "layer_graph" not in model:
+        return model
+    out = dict(model)
+    lg = dict(model["layer_graph"])
+    lg["tensors"] = [dict(t, bytes=int(t["bytes"]) * scale) for t in lg["tensors"]]
+    out["layer_graph"] = lg
+    return out
+
+
+def _scaled_calibration(cal: Dict[str, Any], scale: int) -> Dict[str, Any]:
+    out = dict(cal)
+    roof = {k: dict(v) for k, v in cal.get("rooflines", {}).items()}
+    for v in roof.values():
+        if "peak_GBps" in v:
+            v["peak_GBps"] = v["peak_GBps"] * scale
+    if roof:
+        out["rooflines"] = roof
+    return out
+
+
+def _unscale_description(d: Dict[str, Any], scale: int) -> Dict[str, Any]:
+    if scale == 1:
+        return d
+    d = dict(d)
+    for k in ("activation_capacity_bytes", "m0_bytes", "keep_all_bytes"):
+        if k in d:
+            d[k] = d[k] / scale
+    d["tensors"] = [dict(t, bytes=t["bytes"] / scale) for t in d.get("tensors", [])]
+    return d
+
+
+def _unscale_plan(plan: Optional[Dict[str, Any]], scale: int) -> Optional[Dict[str, Any]]:
+    if plan is None or scale == 1:
+        return plan
+    plan = dict(plan)
+    for k in _BYTE_FIELDS:
+        if k in plan:
+            plan[k] = plan[k] / scale
+    return plan

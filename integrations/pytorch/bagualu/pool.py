@@ -83,7 +83,9 @@ class DevicePool:
         self.device = device
         self.capacity_bytes = int(capacity_bytes)
         if configure:
-            conf = f"backend:host,capacity:{self.capacity_bytes},log:false"
+            page = 64 << 10
+            self.capacity_bytes = (self.capacity_bytes + page - 1) // page * page
+            conf = f"backend:host,capacity:{self.capacity_bytes},page_size:{page},log:false"
             if history:
                 conf += f",history:{int(history)}"
             rc = self.lib.bgl_alloc_configure(conf.encode())

@@ -95,6 +95,7 @@ class Runtime:
         self.history: List[Dict[str, Any]] = []
         self.accuracy: List[Tuple[float, float, float]] = []  # (load, predicted, captured)
         self.oom_count = 0
+        self.forced: Optional[Dict[str, str]] = None
         self._reset_iteration_stats()
 
     # -- device accounting ------------------------------------------------------------------
@@ -179,6 +180,8 @@ class Runtime:
 
     # -- strategies -------------------------------------------------------------------------
     def _strategy_of(self, op: Op, mb: int) -> str:
+        if op.layer >= 0 and self.forced is not None:
+            return self.forced.get(op.name, self.forced.get(op.qualname, KEEP))
         if op.layer < 0 or self.policy == "keep-all":
             return KEEP
         if self.policy == "static-over":
@@ -187,9 +190,13 @@ class Runtime:
             return self.static_strategies.get(op.qualname, KEEP)
         return self.mb_strategies.get(mb, {}).get(op.qualname, KEEP)
 
-    def set_strategies(self, mb: int, strategies: Dict[str, str]) -> None:
-        """Forces the strategies of micro-batch ``mb`` (qualname -> strategy); for tests."""
-        self.mb_strategies[mb] = dict(strategies)
+    def force_strategies(self, strategies: Optional[Dict[str, str]]) -> None:
+        """Overrides every plan: operator name ('expert_fc1', every layer) or qualname
+        ('L0.expert_fc1') -> strategy; None returns to the policy."""
+        for s in (strategies or {}).values():
+            if s not in (KEEP, OFFLOAD, FP8, RECOMPUTE):
+                raise PolicyError(f"unknown strategy '{s}' (keep, offload, fp8, recompute)")
+        self.forced = dict(strategies) if strategies is not None else None
 
     def _recompute_set(self, block: OpBlock, mb: int, frozen_before: int = -1) -> Set[int]:
         steps = block.op_steps()
@@ -208,6 +215,8 @@ class Runtime:
         mb = self.tracker.micro_batch
         env: Dict[str, Any] = {block.input_name: x, **block.block_env()}
         capture = self.tracker.capture
+        # The block input comes from outside the layer (previous layer or embedding).
+        self.tracker.note_output(x, Op("input", "other", block.bgl_layer - 1), overwrite=False)
         if capture:
             self.record_env(block.bgl_layer, block.input_name, x)
         rec = self._recompute_set(block, mb)
@@ -315,7 +324,8 @@ class Runtime:
                                allow_fp8=self.policy == "bagualu")
         self.description = self.governor.description
         if self.policy == "static-under":
-            self.static_strategies = self.governor.static_plan(self._forward_steps())
+            self.static_strategies = self.governor.static_plan(
+                (self.description or {}).get("steps", []))
 
     def _forward_steps(self) -> List[Dict[str, Any]]:
         d = self.description or {}
@@ -368,6 +378,8 @@ class Runtime:
         self._capture_mb = mb
         self.forwarding = True
         self.mb_loads[mb] = []
+        before = (t.counters["offloads"], t.counters["fp8_casts"], t.counters["evictions"],
+                  self.iter["recompute_ops"])
         self._env_keys = getattr(self, "_env_keys", {}) if not capture else {}
         if capture:
             self._record_env = True
@@ -386,7 +398,10 @@ class Runtime:
         captured = graphmod.in_layer_bytes(t.by_mb.get(mb, ()))
         if capture:
             self._ensure_planner()
-        if self.description is not None and captured > 0:
+        after = (t.counters["offloads"], t.counters["fp8_casts"], t.counters["evictions"],
+                 self.iter["recompute_ops"])
+        if self.description is not None and captured > 0 and after == before:
+            # Nothing was mitigated: the planner's keep-all bytes at the observed load.
             self.accuracy.append((load, graphmod.keep_all_bytes(self.description, load),
                                   float(captured)))
         if self.governor is not None and self.governor.ready and mb in self.mb_plan:

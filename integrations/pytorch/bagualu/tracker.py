@@ -210,18 +210,23 @@ class Tracker:
     def current_op(self) -> Op:
         return self.scope[-1] if self.scope else OUTSIDE
 
-    def note_output(self, out: Any, op: Op) -> None:
-        """Records ``op`` as the producer of every tensor in ``out``."""
+    def note_output(self, out: Any, op: Op, overwrite: bool = True) -> None:
+        """Records ``op`` as the producer of every tensor in ``out`` (unless one is known and
+        ``overwrite`` is False)."""
         if isinstance(out, torch.Tensor):
             if out.numel() > 0:
                 st = out.untyped_storage()
+                if not overwrite:
+                    hit = self.producers.get(st.data_ptr())
+                    if hit is not None and hit[0]() is st:
+                        return
                 self.producers[st.data_ptr()] = (weakref.ref(st), op)
         elif isinstance(out, (tuple, list)):
             for o in out:
-                self.note_output(o, op)
+                self.note_output(o, op, overwrite)
         elif isinstance(out, dict):
             for o in out.values():
-                self.note_output(o, op)
+                self.note_output(o, op, overwrite)
 
     def _producer(self, st: torch.UntypedStorage, default: Op) -> Op:
         hit = self.producers.get(st.data_ptr())
