@@ -25,7 +25,7 @@ bool UnknownSession(const grpc::Status& s) {
 }  // namespace
 
 std::string GovernorAddressFromEnv() {
-  const char* env = std::getenv("BGL_GOVERNOR_ADDR");
+  const char* env = std::getenv("BGL_GOVERNOR");
   return env != nullptr && *env != '\0' ? env : kDefaultGovernorAddress;
 }
 

@@ -25,7 +25,8 @@ namespace bgl::gov {
 // The default daemon address.
 inline constexpr const char* kDefaultGovernorAddress = "unix:///run/bagualu/governor.sock";
 
-// Address from $BGL_GOVERNOR_ADDR, else the default.
+// Address from $BGL_GOVERNOR (as bglctl, bgl-top and the Python package read it), else the
+// default unix socket.
 std::string GovernorAddressFromEnv();
 
 // A channel to the daemon with the message-size limits and reconnect backoff the clients use.
