@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup-python.sh
 jobs=${BGL_JOBS:-$(nproc)}
 
 run_suite() {  # name, build dir, cmake args..., then ctest args after --

@@ -21,7 +21,7 @@ from .errors import (BagualuError, InstallError, InstrumentError, LibraryNotFoun
 from .ops import OpBlock, Step
 from .runtime import POLICIES
 from .tracker import FP8, KEEP, OFFLOAD, RECOMPUTE
-from .install import install, uninstall
+from .installer import install, uninstall
 from . import runtime as _runtime
 
 __all__ = ["install", "uninstall", "instrument", "step_point", "forward", "backward",

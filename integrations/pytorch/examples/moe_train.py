@@ -40,7 +40,8 @@ def train(cfg: MoEConfig, policy: str, iterations: int = 4, micro_batches: int =
           stages: int = 4, capacity: Any = "24MiB", spike_size: float = 0.0,
           spike_every: int = 0, seed: int = 0, governor: Optional[str] = "none",
           device: str = "cpu", lr: float = 0.05, log_iterations: bool = True,
-          collect_grads: bool = False) -> Dict[str, Any]:
+          collect_grads: bool = False, force: Optional[Dict[str, str]] = None
+          ) -> Dict[str, Any]:
     """One single-process run; returns losses, times, per-iteration lines and stats.
 
     policy 'plain' runs plain PyTorch (no bagualu) for the overhead comparison."""
@@ -54,6 +55,8 @@ def train(cfg: MoEConfig, policy: str, iterations: int = 4, micro_batches: int =
                         pipeline_stages=stages, micro_batches=micro_batches,
                         log_iterations=log_iterations)
         bagualu.instrument(model, cfg.info())
+        if force is not None:
+            bagualu.current().force_strategies(force)
     result: Dict[str, Any] = {"policy": policy, "losses": [], "iteration_s": [], "lines": [],
                               "finished": 0, "oom": None, "grads": []}
     gmb = 0

@@ -1,0 +1,42 @@
+"""The embedded planner over ctypes and the allocator pool."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT, require_libs
+from bagualu.errors import OutOfMemoryError, PlannerError
+from bagualu.planner import EmbeddedPlanner
+
+
+def test_plans_the_demo_model() -> None:
+    require_libs()
+    model = json.loads((ROOT / "models" / "tiny-moe.json").read_text())
+    p = EmbeddedPlanner(model, {"capacity_bytes": 4 << 30})
+    assert p.description["micro_batches"] == 8
+    plan = p.plan({"phase": "warmup", "forward_micro_batch": 0, "load_factor": 1.0})
+    assert plan["budget_bytes"] > 0
+    assert {o["strategy"] for o in plan["operators"]} <= {"keep", "offload", "fp8", "recompute"}
+    p.report(0, 0, int(plan["predicted_bytes"]))
+    p.close()
+
+
+def test_bad_model_gives_the_planners_message() -> None:
+    require_libs()
+    with pytest.raises(PlannerError, match="layers|field"):
+        EmbeddedPlanner({"name": "broken"})
+
+
+def test_pool_capacity_is_real() -> None:
+    require_libs()
+    from bagualu.pool import DevicePool
+    pool = DevicePool(1 << 20)
+    a = pool.alloc(600 << 10)
+    with pytest.raises(OutOfMemoryError, match="out of memory"):
+        pool.alloc(600 << 10)
+    pool.free(a, 600 << 10)
+    b = pool.alloc(600 << 10)
+    pool.free(b, 600 << 10)
+    assert pool.stats()["num_ooms"] >= 1
+    pool.close()
