@@ -63,7 +63,7 @@ class Governor:
         model = _scaled_model(model, self.scale)
         capacity_bytes = int(capacity_bytes * self.scale)
         self._model = model
-        self._options = {"capacity_bytes": int(capacity_bytes), "pipeline_rank": 0,
+        self._options = {"capacity_bytes": int(capacity_bytes), "pipeline_rank": pipeline_rank,
                          "allow_offload": allow_offload, "allow_fp8": allow_fp8,
                          "dual_batch": False}
         if calibration:
@@ -75,6 +75,7 @@ class Governor:
             try:
                 from .remote import RemoteGovernor
                 self.remote = RemoteGovernor(self.address, self.deadline_s)
+                self.remote_address = self.address
                 self.remote.register(model, capacity_bytes, pipeline_rank, self.job_id,
                                      self.gpu_index)
                 self.kind = "remote"
@@ -93,7 +94,15 @@ class Governor:
                 elif what == "report":
                     self.embedded.report(*args)
                 return out
+            except PlannerError:
+                raise
             except Exception as e:
+                code = getattr(e, "code", None)
+                name = getattr(code(), "name", "") if callable(code) else ""
+                if name in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"):
+                    # The daemon understood and refused: a planning error, not an outage.
+                    details = e.details() if hasattr(e, "details") else str(e)
+                    raise PlannerError(f"governor: {details}") from e
                 self._fallback(_short(e))
         return getattr(self.embedded, what)(*args)
 

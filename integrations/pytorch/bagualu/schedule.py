@@ -19,7 +19,11 @@ def one_f_one_b(micro_batches: int, stages: int, rank: int) -> List[Point]:
     warm = min(stages - rank - 1, micro_batches)
     points: List[Point] = [("warmup", f, None) for f in range(warm)]
     for i in range(micro_batches - warm):
-        points.append(("steady", warm + i, i))
+        if warm + i == i:  # the last stage: F_x and B_x are two points
+            points.append(("steady", i, None))
+            points.append(("steady", None, i))
+        else:
+            points.append(("steady", warm + i, i))
     for b in range(micro_batches - warm, micro_batches):
         points.append(("cooldown", None, b))
     return points

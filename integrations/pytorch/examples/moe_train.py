@@ -133,6 +133,7 @@ def summarize(results: List[Dict[str, Any]], iterations: int) -> str:
 def run_distributed(args: argparse.Namespace, cfg: MoEConfig) -> None:
     """One pipeline stage per rank under torchrun."""
     import torch.distributed as dist
+    os.environ.setdefault("BGL_JOB_ID", "torchrun-" + os.environ.get("TORCHELASTIC_RUN_ID", "job"))
     backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -180,6 +181,13 @@ def run_distributed(args: argparse.Namespace, cfg: MoEConfig) -> None:
     st = bagualu.stats()
     print(f"rank {rank} finished {args.iterations} iterations governor={st['governor']} "
           f"ooms={st['ooms']}", flush=True)
+    dist.barrier()  # every rank is still registered here
+    gov = bagualu.current().governor
+    if rank == 0 and gov.remote is not None:
+        job = gov.job_id
+        ranks = sorted(s.pipeline_rank for s in gov.remote.list_sessions() if s.job_id == job)
+        print(f"governor sessions of job {job}: pipeline ranks {ranks}", flush=True)
+    dist.barrier()
     bagualu.uninstall()
     dist.barrier()
     dist.destroy_process_group()

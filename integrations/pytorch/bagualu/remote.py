@@ -1,0 +1,137 @@
+"""The governor daemon over gRPC (proto/bagualu/v1/governor.proto) with short deadlines.
+
+Stubs are generated from the proto with grpcio-tools on first use into a cache directory
+(``$BGL_CACHE_DIR`` or ~/.cache/bagualu/proto-<hash>) and imported from there."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import _lib
+
+_PHASES = {"warmup": 1, "steady": 2, "cooldown": 3}
+_PHASE_NAMES = {0: "unspecified", 1: "warmup", 2: "steady", 3: "cooldown"}
+_STRATEGIES = {0: "keep", 1: "recompute", 2: "offload", 3: "fp8"}
+_CHAINS = {0: "F", 1: "B", 2: "O", 3: "R"}
+_RESOURCES = {0: "compute", 1: "comm", 2: "d2h", 3: "h2d"}
+
+
+def proto_path() -> Path:
+    return _lib.repo_root() / "proto" / "bagualu" / "v1" / "governor.proto"
+
+
+def load_stubs() -> Tuple[Any, Any]:
+    """(governor_pb2, governor_pb2_grpc), generated from the repository's proto if needed."""
+    if "bgl_governor_pb2" in sys.modules:
+        return sys.modules["bgl_governor_pb2"], sys.modules["bgl_governor_pb2_grpc"]
+    src = proto_path()
+    text = src.read_bytes()
+    digest = hashlib.sha256(text).hexdigest()[:16]
+    base = Path(os.environ.get("BGL_CACHE_DIR", Path.home() / ".cache" / "bagualu"))
+    out = base / f"proto-{digest}"
+    if not (out / "bgl_governor_pb2_grpc.py").exists():
+        from grpc_tools import protoc  # grpcio-tools
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="proto-", dir=out.parent))
+        # A top-level module name that cannot clash with the `bagualu` package.
+        (tmp / "bgl_governor.proto").write_bytes(text)
+        rc = protoc.main(["protoc", f"-I{tmp}", f"--python_out={tmp}",
+                          f"--grpc_python_out={tmp}", str(tmp / "bgl_governor.proto")])
+        if rc != 0:
+            raise RuntimeError(f"grpc_tools.protoc failed ({rc}) on {src}")
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process won the race
+            pass
+    if str(out) not in sys.path:
+        sys.path.insert(0, str(out))
+    return importlib.import_module("bgl_governor_pb2"), importlib.import_module(
+        "bgl_governor_pb2_grpc")
+
+
+class RemoteGovernor:
+    """One session with bgl-governord."""
+
+    def __init__(self, address: str, deadline_s: float = 0.5) -> None:
+        import grpc
+        self.pb, pb_grpc = load_stubs()
+        self.address = address
+        self.deadline = deadline_s
+        self.channel = grpc.insecure_channel(address)
+        grpc.channel_ready_future(self.channel).result(timeout=max(deadline_s, 0.2) * 4)
+        self.stub = pb_grpc.GovernorStub(self.channel)
+        self.session_id = ""
+        self.operator_names: List[str] = []
+
+    def register(self, model: Dict[str, Any], capacity: int, rank: int, job_id: str,
+                 gpu_index: int) -> None:
+        import json
+        req = self.pb.RegisterRequest(
+            gpu_uuid=f"host-{gpu_index}", gpu_index=gpu_index, pid=os.getpid(), job_id=job_id,
+            pipeline_rank=rank, capacity_bytes=int(capacity), model_json=json.dumps(model),
+            disable_dual_batch=True)
+        resp = self.stub.Register(req, timeout=max(self.deadline, 2.0))
+        self.session_id = resp.session_id
+        self.operator_names = list(resp.operator_names)
+
+    def _plan(self, req: Any) -> Dict[str, Any]:
+        p = self.stub.Plan(req, timeout=self.deadline).plan
+        return {
+            "phase": _PHASE_NAMES.get(p.phase, "unspecified"), "micro_batch": p.micro_batch,
+            "chunk": p.chunk, "load_factor": p.load_factor, "budget_bytes": p.budget_bytes,
+            "free_bytes": p.free_bytes, "k": p.k, "infeasible": p.infeasible,
+            "m0_bytes": p.m0_bytes, "keep_all_bytes": p.keep_all_bytes,
+            "predicted_bytes": p.predicted_bytes, "host_bytes": p.host_bytes,
+            "overhead_s": p.overhead_s, "serial_s": p.serial_s, "overlapped_s": p.overlapped_s,
+            "fallback_full_recompute": p.fallback_full_recompute, "deferred": p.deferred,
+            "cache_hit": p.cache_hit,
+            "operators": [{"name": self.operator_names[i] if i < len(self.operator_names)
+                           else str(i), "strategy": _STRATEGIES.get(s, "keep")}
+                          for i, s in enumerate(p.strategies)],
+            "issue_order": [{"round": it.round, "chain": _CHAINS.get(it.chain, "?"),
+                             "stage": it.stage, "resource": _RESOURCES.get(it.resource, "?"),
+                             "duration_s": it.duration_s, "label": it.label}
+                            for it in p.issue_order],
+        }
+
+    def plan(self, point: Dict[str, Any]) -> Dict[str, Any]:
+        kw: Dict[str, Any] = {"session_id": self.session_id,
+                              "phase": _PHASES.get(point.get("phase", ""), 0),
+                              "forward_chunk": int(point.get("forward_chunk", 0)),
+                              "backward_chunk": int(point.get("backward_chunk", 0)),
+                              "load_factor": float(point.get("load_factor", 1.0))}
+        for key in ("forward_micro_batch", "backward_micro_batch", "bytes_in_use"):
+            if point.get(key) is not None:
+                kw[key] = int(point[key])
+        return self._plan(self.pb.PlanRequest(**kw))
+
+    def plan_after_gate(self, mb: int, chunk: int, layer: int, load: float) -> Dict[str, Any]:
+        gate = self.pb.GateObservation(micro_batch=mb, chunk=chunk, gate_layer=layer,
+                                       observed_load_factor=float(load))
+        return self._plan(self.pb.PlanRequest(session_id=self.session_id, gate=gate))
+
+    def report(self, mb: int, chunk: int, actual: int) -> None:
+        self.stub.Report(self.pb.ReportRequest(session_id=self.session_id, micro_batch=mb,
+                                               chunk=chunk, actual_bytes=int(actual)),
+                         timeout=self.deadline)
+
+    def reset_iteration(self) -> None:
+        """The daemon follows the schedule itself; nothing to send."""
+
+    def list_sessions(self) -> List[Any]:
+        return list(self.stub.ListSessions(self.pb.ListSessionsRequest(),
+                                           timeout=self.deadline).sessions)
+
+    def unregister(self) -> None:
+        if self.session_id:
+            self.stub.Unregister(self.pb.UnregisterRequest(session_id=self.session_id),
+                                 timeout=self.deadline)
+            self.session_id = ""
+
+    def close(self) -> None:
+        self.channel.close()
