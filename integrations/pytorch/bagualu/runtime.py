@@ -512,6 +512,7 @@ class Runtime:
 
     def close(self) -> None:
         self.remove_hooks()
+        self.tracker.release_all()
         if self.pool is not None:
             self.pool.close()
         if self.governor is not None:

@@ -307,6 +307,17 @@ class Tracker:
         """Drops the checkpoint-input holders of a micro-batch whose backward finished."""
         self.pinned_holders.pop(micro_batch, None)
 
+    def release_all(self) -> None:
+        """Gives every block back to the pool (uninstall, or after a failed iteration whose
+        graphs may still be referenced); records keep their data but are no longer counted."""
+        self.pinned_holders.clear()
+        for recs in list(self.by_mb.values()):
+            for r in list(recs):
+                r._unaccount()
+        self.by_mb.clear()
+        self.live.clear()
+        self.producers.clear()
+
     # -- queries and pressure --------------------------------------------------------------
     def device_bytes(self, micro_batch: Optional[int] = None) -> int:
         if micro_batch is None:

@@ -27,8 +27,8 @@ class MoEConfig:
     heads: int = 4
     experts: int = 16
     top_k: int = 4
-    moe_hidden: int = 64
-    shared_hidden: int = 128
+    moe_hidden: int = 128
+    shared_hidden: int = 64
     vocab: int = 512
     seq_len: int = 64
     micro_batch_size: int = 4

@@ -5,7 +5,7 @@ Single process (default): emulates one pipeline stage's 1F1B memory pattern (ran
 real pipeline parallelism, one stage per rank (gloo on CPU, NCCL on GPU), every rank talking
 to the same governor daemon ($BGL_GOVERNOR).
 
-  python integrations/pytorch/examples/moe_train.py --policy all --capacity 24MiB \
+  python integrations/pytorch/examples/moe_train.py --policy all --capacity 84MiB \
       --spike-size 2.6 --spike-every 16
 """
 from __future__ import annotations
@@ -217,7 +217,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--stages", type=int, default=4, help="pipeline stages emulated (1 process)")
-    p.add_argument("--capacity", default="24MiB", help="activation memory of the device")
+    p.add_argument("--capacity", default="84MiB", help="activation memory of the device")
     p.add_argument("--spike-size", type=float, default=2.6, help="injected load factor")
     p.add_argument("--spike-every", type=int, default=16,
                    help="inject a spike every N micro-batches (0: never)")
