@@ -7,7 +7,8 @@ hostPID (pids must match the training processes'), no service-account token, a l
 container (drop ALL, no privilege escalation, read-only root), exec probes through
 `bglctl health`, and resource requests and limits.
 
-usage: check_daemonset.py [--mutations] DAEMONSET_YAML
+usage: check_daemonset.py [--mutations] [SAMPLE_CONFIG] DAEMONSET_YAML
+  SAMPLE_CONFIG: the ConfigMap may only use the keys deploy/config/governord.yaml documents
   --mutations: check the checker: broken variants of the file must each be rejected
 """
 import copy as copy_module
@@ -116,6 +117,29 @@ def check(docs):
     return c.problems
 
 
+def check_config_map(docs, sample_config):
+    """The ConfigMap's governord.yaml may only use keys the sample config documents."""
+    with open(sample_config, encoding="utf-8") as f:
+        known = set(yaml.safe_load(f))
+    problems = []
+    for doc in docs:
+        if doc.get("kind") != "ConfigMap" or "governord.yaml" not in (doc.get("data") or {}):
+            continue
+        config = yaml.safe_load(doc["data"]["governord.yaml"]) or {}
+        if not isinstance(config, dict):
+            problems.append("ConfigMap governord.yaml must be a mapping")
+            continue
+        for key, value in config.items():
+            if key not in known:
+                problems.append(f"ConfigMap governord.yaml: unknown key {key!r}")
+            if isinstance(value, (dict, list)):
+                problems.append(f"ConfigMap governord.yaml: {key} must be a scalar")
+        if config.get("listen", "unix:///run/bagualu/governor.sock") != \
+                "unix:///run/bagualu/governor.sock":
+            problems.append("ConfigMap governord.yaml: listen must match the hostPath socket")
+    return problems
+
+
 def pod_of(docs):
     return next(d for d in docs if d.get("kind") == "DaemonSet")["spec"]["template"]["spec"]
 
@@ -166,6 +190,8 @@ def main():
             print(f"FAIL: a document without kind/apiVersion: {str(doc)[:80]}")
             return 1
     problems = check(docs)
+    if len(sys.argv) > 2 and not sys.argv[-2].startswith("--"):
+        problems += check_config_map(docs, sys.argv[-2])
     for p in problems:
         print("FAIL:", p)
     if problems:

@@ -28,8 +28,15 @@ std::string Fixed(double value, int decimals) {
   return buf;
 }
 
-std::string Plural(size_t n, const char* word) {
-  return std::to_string(n) + " " + word + (n == 1 ? "" : "s");
+size_t LineWidth(const Line& line) {
+  size_t width = 0;
+  for (const Span& span : line) width += DisplayWidth(span.text);
+  return width;
+}
+
+std::string Plural(size_t n, const std::string& word) {
+  if (n == 1) return "1 " + word;
+  return std::to_string(n) + " " + word + (word.ends_with("s") ? "es" : "s");
 }
 
 void AddTitle(const bagualu::v1::WatchResponse& frame, const LayoutOptions& o, Screen& screen) {
@@ -54,14 +61,24 @@ void AddGpu(const bagualu::v1::GpuState& gpu, const History& history, const Layo
   head.push_back({"  "});
   head.push_back({"budget " + Bytes(gpu.budget_bytes()), Style::kBudget});
   head.push_back({"  capacity " + Bytes(gpu.capacity_bytes())});
-  head.push_back({"  load " + Fixed(gpu.load_factor(), 2),
+  // Load, cache and OOM figures follow on the same line when it fits, else on their own.
+  Line tail;
+  tail.push_back({"  load " + Fixed(gpu.load_factor(), 2),
                   gpu.load_factor() > kSpikeLoadFactor ? Style::kSpike : Style::kNormal});
   const uint64_t lookups = gpu.plan_cache_hits() + gpu.plan_cache_misses();
-  head.push_back({"  cache " + std::to_string(gpu.plan_cache_hits()) + "/" +
+  tail.push_back({"  cache " + std::to_string(gpu.plan_cache_hits()) + "/" +
                   std::to_string(lookups) + "  OOMs avoided " +
                   std::to_string(gpu.ooms_avoided())});
+  if (LineWidth(head) + LineWidth(tail) <= static_cast<size_t>(o.width)) {
+    head.insert(head.end(), tail.begin(), tail.end());
+  } else {
+    Line& second = screen.Add();
+    second.push_back({"    "});
+    second.insert(second.end(), tail.begin(), tail.end());
+  }
 
-  const int bar_width = std::max(10, o.width - 14);
+  // " mem  [" + bar + "] " + a 12-cell suffix.
+  const int bar_width = std::max(10, o.width - 21);
   Line& bar = screen.Add();
   bar.push_back({" mem  ["});
   AppendGpuBar({gpu.capacity_bytes(), gpu.in_use_bytes(), gpu.reserved_bytes(), gpu.budget_bytes()},
@@ -70,7 +87,7 @@ void AddGpu(const bagualu::v1::GpuState& gpu, const History& history, const Layo
                              ? 100.0 * static_cast<double>(gpu.in_use_bytes()) /
                                    static_cast<double>(gpu.capacity_bytes())
                              : 0.0;
-  bar.push_back({"] " + Fixed(percent, 0) + "%"});
+  bar.push_back({"] " + Fixed(percent, 0) + "% used"});
 
   const auto& samples = history.Of(gpu.gpu_uuid());
   Line& spark = screen.Add();
@@ -81,7 +98,7 @@ void AddGpu(const bagualu::v1::GpuState& gpu, const History& history, const Layo
   const int spikes = CountSpikes(samples, bar_width);
   spark.push_back({"] " + Plural(static_cast<size_t>(spikes), "spike"),
                    spikes > 0 ? Style::kSpike : Style::kDim});
-  markers.push_back({"  load > " + Fixed(kSpikeLoadFactor, 1), Style::kDim});
+  markers.push_back({"  " + glyphs.spike + " r > " + Fixed(kSpikeLoadFactor, 1), Style::kDim});
 }
 
 // Column layout of the process table; the last column takes the rest of the width.
@@ -158,10 +175,11 @@ Screen LayoutFrame(const bagualu::v1::WatchResponse& frame, const History& histo
   if (options.show_keys) {
     screen.Add();
     screen.Add().push_back(
-        {"q quit  sort: m memory  e peak  p pid  u user  j job  r rank  o ooms  g gpu  "
-         "R reverse",
+        {"q quit  sort: m memory  e peak  p pid  u user  j job  r rank  "
+         "o ooms  g gpu  R reverse",
          Style::kDim});
   }
+  for (Line& line : screen.lines) line = TruncateLine(line, static_cast<size_t>(options.width));
   return screen;
 }
 

@@ -1,0 +1,262 @@
+// bgl-top and bglctl against the real bgl-governord: the daemon starts on a temporary socket
+// with the shipped sample config, two sessions register through the gRPC stub (tiny-moe, 2 GiB)
+// and report usage, then the tools' outputs are checked. Also: both tools fail clearly (exit 1,
+// naming the address) once the daemon is gone.
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bagualu/v1/governor.grpc.pb.h"
+
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Runs a shell command, returning its exit status and combined output.
+int RunShell(const std::string& command, std::string* output) {
+  output->clear();
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) output->append(buf, n);
+  const int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+int CountLinesWith(const std::string& text, const std::string& needle) {
+  int count = 0;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) count += line.find(needle) != std::string::npos;
+  return count;
+}
+
+// The daemon on a temporary socket, started from deploy/config/governord.yaml with the
+// settings that need root or a fixed port overridden.
+class Daemon {
+ public:
+  Daemon() {
+    char tmpl[] = "/tmp/bgltools.XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    address_ = "unix://" + dir_ + "/governor.sock";
+  }
+  ~Daemon() {
+    Stop();
+    std::string ignored;
+    RunShell("rm -rf '" + dir_ + "'", &ignored);
+  }
+
+  bool Start() {
+    const std::string log = dir_ + "/daemon.log";
+    pid_ = fork();
+    if (pid_ == 0) {
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      unsetenv("NOTIFY_SOCKET");
+      execl(BGL_GOVERNORD, BGL_GOVERNORD, "--config", BGL_SAMPLE_CONFIG, "--listen",
+            address_.c_str(), "--metrics-port", "0", "--socket-group", "", "--admin-group", "",
+            static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    // Wait for the socket file, then for an answer (bounded by attempts, not a timing
+    // assertion). Dialling before the socket exists would put the channel into reconnect
+    // backoff.
+    const std::string path = dir_ + "/governor.sock";
+    for (int attempt = 0; attempt < 600; ++attempt) {
+      struct stat st {};
+      if (stat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) break;
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    auto stub = bagualu::v1::Governor::NewStub(channel());
+    for (int attempt = 0; attempt < 10; ++attempt) {
+      grpc::ClientContext ctx;
+      ctx.set_wait_for_ready(true);
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      bagualu::v1::ListSessionsResponse resp;
+      if (stub->ListSessions(&ctx, {}, &resp).ok()) return true;
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;
+        return false;
+      }
+    }
+    return false;
+  }
+
+  void Stop() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGTERM);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+  std::shared_ptr<grpc::Channel> channel() const {
+    return grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+  }
+  const std::string& address() const { return address_; }
+  std::string log() const { return ReadAll(dir_ + "/daemon.log"); }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::string address_;
+  pid_t pid_ = -1;
+};
+
+class ToolsAgainstDaemon : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(daemon_.Start()) << daemon_.log();
+    stub_ = bagualu::v1::Governor::NewStub(daemon_.channel());
+    const std::string model = ReadAll(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
+    ASSERT_FALSE(model.empty());
+    for (int i = 0; i < 2; ++i) {
+      bagualu::v1::RegisterRequest req;
+      req.set_gpu_uuid("GPU-test-" + std::to_string(i));
+      req.set_gpu_index(i);
+      req.set_pid(getpid());
+      req.set_job_id(i == 0 ? "job-alpha" : "job-beta");
+      req.set_pipeline_rank(i);
+      req.set_capacity_bytes(2 * kGiB);
+      req.set_model_json(model);
+      bagualu::v1::RegisterResponse resp;
+      grpc::ClientContext ctx;
+      const grpc::Status st = stub_->Register(&ctx, req, &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      sessions_.push_back(resp.session_id());
+    }
+    for (int i = 0; i < 2; ++i) {
+      bagualu::v1::PlanRequest plan;
+      plan.set_session_id(sessions_[i]);
+      plan.set_phase(bagualu::v1::PHASE_WARMUP);
+      plan.set_forward_micro_batch(0);
+      plan.set_load_factor(i == 0 ? 1.0 : 2.6);
+      bagualu::v1::PlanResponse plan_resp;
+      grpc::ClientContext plan_ctx;
+      const grpc::Status plan_st = stub_->Plan(&plan_ctx, plan, &plan_resp);
+      ASSERT_TRUE(plan_st.ok()) << plan_st.error_message();
+
+      bagualu::v1::ReportRequest report;
+      report.set_session_id(sessions_[i]);
+      report.set_micro_batch(0);
+      report.set_actual_bytes((i + 1) * 256 * (int64_t{1} << 20));
+      report.mutable_stats()->set_allocated_bytes((i + 1) * 300 * (int64_t{1} << 20));
+      report.mutable_stats()->set_reserved_bytes((i + 1) * 400 * (int64_t{1} << 20));
+      report.mutable_stats()->set_peak_allocated_bytes((i + 1) * 350 * (int64_t{1} << 20));
+      report.mutable_stats()->set_ooms_avoided(i + 1);
+      if (i == 0) report.set_allocator_snapshot_json(R"({"segments": [], "device_traces": []})");
+      bagualu::v1::ReportResponse report_resp;
+      grpc::ClientContext report_ctx;
+      const grpc::Status report_st = stub_->Report(&report_ctx, report, &report_resp);
+      ASSERT_TRUE(report_st.ok()) << report_st.error_message();
+    }
+  }
+
+  std::string Top(const std::string& flags) const {
+    return std::string(BGL_TOP) + " --governor " + daemon_.address() + " " + flags;
+  }
+  std::string Ctl(const std::string& flags) const {
+    return std::string(BGL_CTL) + " --governor " + daemon_.address() + " " + flags;
+  }
+
+  Daemon daemon_;
+  std::unique_ptr<bagualu::v1::Governor::Stub> stub_;
+  std::vector<std::string> sessions_;
+};
+
+TEST_F(ToolsAgainstDaemon, TopOnceShowsTwoGpuBarsAndTwoProcessRows) {
+  std::string out;
+  ASSERT_EQ(RunShell(Top("--once --width 120"), &out), 0) << out;
+  const std::string pid = " " + std::to_string(getpid()) + " ";
+  EXPECT_EQ(CountLinesWith(out, pid), 2) << out;
+  EXPECT_EQ(CountLinesWith(out, "job-alpha"), 1) << out;
+  EXPECT_EQ(CountLinesWith(out, "job-beta"), 1) << out;
+  EXPECT_EQ(CountLinesWith(out, " mem  ["), 2) << out;
+  EXPECT_EQ(CountLinesWith(out, " hist ["), 2) << out;
+  EXPECT_NE(out.find("GPU 0 GPU-test-0"), std::string::npos) << out;
+  EXPECT_NE(out.find("GPU 1 GPU-test-1"), std::string::npos) << out;
+  EXPECT_NE(out.find("capacity 2 GiB"), std::string::npos) << out;
+  EXPECT_NE(out.find("2 GPUs, 2 processes"), std::string::npos) << out;
+  EXPECT_NE(out.find(daemon_.address()), std::string::npos) << out;
+  // Sorted by memory: the second session (more bytes in use) comes first.
+  EXPECT_LT(out.find("job-beta"), out.find("job-alpha")) << out;
+  ASSERT_EQ(RunShell(Top("--once --width 120 --sort job"), &out), 0) << out;
+  EXPECT_LT(out.find("job-alpha"), out.find("job-beta")) << out;
+}
+
+TEST_F(ToolsAgainstDaemon, TopJsonCarriesTheFrame) {
+  std::string out;
+  ASSERT_EQ(RunShell(Top("--json --sort pid"), &out), 0) << out;
+  const auto json = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_FALSE(json.is_discarded()) << out;
+  ASSERT_EQ(json["gpus"].size(), 2u) << out;
+  ASSERT_EQ(json["processes"].size(), 2u) << out;
+  for (const auto& gpu : json["gpus"]) EXPECT_EQ(gpu["capacity_bytes"], 2 * kGiB) << out;
+  for (const auto& p : json["processes"]) {
+    EXPECT_EQ(p["pid"], getpid());
+    EXPECT_GT(p["in_use_bytes"].get<int64_t>(), 0) << out;
+  }
+}
+
+TEST_F(ToolsAgainstDaemon, CtlHealthSessionsSnapshot) {
+  std::string out;
+  EXPECT_EQ(RunShell(Ctl("health"), &out), 0) << out;
+  EXPECT_NE(out.find("SERVING"), std::string::npos) << out;
+  EXPECT_EQ(RunShell(Ctl("health --service bagualu.v1.Governor"), &out), 0) << out;
+  EXPECT_EQ(RunShell(Ctl("health --service no.such.Service"), &out), 1) << out;
+
+  ASSERT_EQ(RunShell(Ctl("sessions"), &out), 0) << out;
+  EXPECT_NE(out.find(sessions_[0]), std::string::npos) << out;
+  EXPECT_NE(out.find(sessions_[1]), std::string::npos) << out;
+  ASSERT_EQ(RunShell(Ctl("sessions --json"), &out), 0) << out;
+  const auto json = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_FALSE(json.is_discarded()) << out;
+  EXPECT_EQ(json["sessions"].size(), 2u) << out;
+
+  const std::string file = daemon_.dir() + "/snap.json";
+  ASSERT_EQ(RunShell(Ctl("snapshot --session " + sessions_[0] + " --out " + file), &out), 0) << out;
+  const auto snap = nlohmann::json::parse(ReadAll(file), nullptr, false);
+  ASSERT_FALSE(snap.is_discarded());
+  EXPECT_TRUE(snap.contains("segments"));
+  ASSERT_EQ(RunShell(Ctl("snapshot"), &out), 0) << out;
+  EXPECT_NE(out.find(sessions_[0]), std::string::npos) << out;
+}
+
+TEST_F(ToolsAgainstDaemon, ToolsFailClearlyWhenTheDaemonIsGone) {
+  // Close our idle connection first: with it open the daemon's drain runs to its deadline.
+  stub_.reset();
+  daemon_.Stop();
+  std::string out;
+  EXPECT_EQ(RunShell(Top("--once --timeout 2"), &out), 1) << out;
+  EXPECT_NE(out.find(daemon_.address()), std::string::npos) << out;
+  EXPECT_EQ(RunShell(Ctl("--timeout 2 health"), &out), 1) << out;
+  EXPECT_NE(out.find(daemon_.address()), std::string::npos) << out;
+  EXPECT_EQ(RunShell(Ctl("--timeout 2 sessions"), &out), 1) << out;
+}
+
+}  // namespace
