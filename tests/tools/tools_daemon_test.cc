@@ -200,7 +200,7 @@ TEST_F(ToolsAgainstDaemon, TopOnceShowsTwoGpuBarsAndTwoProcessRows) {
   EXPECT_EQ(CountLinesWith(out, " hist ["), 2) << out;
   EXPECT_NE(out.find("GPU 0 GPU-test-0"), std::string::npos) << out;
   EXPECT_NE(out.find("GPU 1 GPU-test-1"), std::string::npos) << out;
-  EXPECT_NE(out.find("capacity 2 GiB"), std::string::npos) << out;
+  EXPECT_NE(out.find("capacity 2.00 GiB"), std::string::npos) << out;
   EXPECT_NE(out.find("2 GPUs, 2 processes"), std::string::npos) << out;
   EXPECT_NE(out.find(daemon_.address()), std::string::npos) << out;
   // Sorted by memory: the second session (more bytes in use) comes first.

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "tools/bgl-top/byte_text.h"
 #include "tools/bgl-top/frame_json.h"
 #include "tools/bgl-top/frame_layout.h"
 #include "tools/bgl-top/gpu_bar.h"
@@ -159,7 +160,7 @@ TEST(FrameLayout, PlainTextHasBarsSparklinesAndRows) {
   EXPECT_NE(text.find("2 GPUs, 2 processes"), std::string::npos) << text;
   EXPECT_NE(text.find("GPU 0 GPU-a"), std::string::npos) << text;
   EXPECT_NE(text.find("GPU 1 GPU-b"), std::string::npos) << text;
-  EXPECT_NE(text.find("budget 6 GiB"), std::string::npos) << text;
+  EXPECT_NE(text.find("budget 6.00 GiB"), std::string::npos) << text;
   EXPECT_NE(text.find("keep 10 rc 4"), std::string::npos) << text;
   EXPECT_NE(text.find("OOMs avoided 0"), std::string::npos) << text;  // wrapped, not cut
   // The spike on GPU 1 (load 2.6) is marked under its sparkline.
@@ -192,6 +193,16 @@ TEST(FrameJson, CarriesGpusHistoryAndSortedProcesses) {
   EXPECT_EQ(json["processes"][0]["pid"], 100);
   EXPECT_EQ(json["processes"][1]["strategy_counts"]["recompute"], 4);
   EXPECT_EQ(json["sort"], "pid");
+}
+
+TEST(ShortBytes, ThreeSignificantDigitsAtMostThreeIntegerDigits) {
+  EXPECT_EQ(ShortBytes(0), "0 B");
+  EXPECT_EQ(ShortBytes(999), "999 B");
+  EXPECT_EQ(ShortBytes(1000), "0.98 KiB");
+  EXPECT_EQ(ShortBytes(int64_t{1010} << 20), "0.99 GiB");
+  EXPECT_EQ(ShortBytes(int64_t{399} << 20), "399 MiB");
+  EXPECT_EQ(ShortBytes(int64_t{3} << 29), "1.50 GiB");
+  EXPECT_EQ(ShortBytes(int64_t{20} << 30), "20.0 GiB");
 }
 
 TEST(Screen, FitAndTruncateCountCells) {

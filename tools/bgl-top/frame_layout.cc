@@ -1,17 +1,18 @@
 #include "tools/bgl-top/frame_layout.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 
-#include "governor/planner/units.h"
+#include "tools/bgl-top/byte_text.h"
 #include "tools/bgl-top/gpu_bar.h"
 #include "tools/bgl-top/strategy_text.h"
 
 namespace bgl::top {
 namespace {
 
-std::string Bytes(int64_t bytes) { return FormatBytes(static_cast<double>(bytes)); }
+std::string Bytes(int64_t bytes) { return ShortBytes(bytes); }
 
 std::string Clock(int64_t unix_ms) {
   const std::time_t t = static_cast<std::time_t>(unix_ms / 1000);
@@ -39,43 +40,50 @@ std::string Plural(size_t n, const std::string& word) {
   return std::to_string(n) + " " + word + (word.ends_with("s") ? "es" : "s");
 }
 
+// Appends `groups` separated by two spaces, starting a new (indented) line whenever the next
+// group would pass `width`.
+void PackGroups(const std::vector<Line>& groups, int width, Screen& screen) {
+  Line* line = &screen.Add();
+  for (const Line& group : groups) {
+    if (!line->empty() && LineWidth(*line) + 2 + LineWidth(group) > static_cast<size_t>(width)) {
+      line = &screen.Add();
+      line->push_back({"     "});
+    }
+    if (!line->empty()) line->push_back({"  "});
+    line->insert(line->end(), group.begin(), group.end());
+  }
+}
+
 void AddTitle(const bagualu::v1::WatchResponse& frame, const LayoutOptions& o, Screen& screen) {
   size_t processes = 0;
   for (const auto& gpu : frame.gpus()) processes += static_cast<size_t>(gpu.processes_size());
-  Line& line = screen.Add();
-  line.push_back({"bgl-top", Style::kTitle});
-  line.push_back({"  " + o.address + "  " + Plural(static_cast<size_t>(frame.gpus_size()), "GPU") +
-                  ", " + Plural(processes, "process") + "  " + Clock(frame.unix_ms()) + "  sort: " +
-                  std::string(SortKeyName(o.sort)) + (o.reverse ? " (reversed)" : "")});
+  PackGroups({{{"bgl-top", Style::kTitle}},
+              {{o.address}},
+              {{Plural(static_cast<size_t>(frame.gpus_size()), "GPU") + ", " +
+                Plural(processes, "process")}},
+              {{Clock(frame.unix_ms())}},
+              {{"sort: " + std::string(SortKeyName(o.sort)) + (o.reverse ? " (reversed)" : "")}}},
+             o.width, screen);
 }
 
 void AddGpu(const bagualu::v1::GpuState& gpu, const History& history, const LayoutOptions& o,
             Screen& screen) {
   const Glyphs& glyphs = o.ascii ? AsciiGlyphs() : UnicodeGlyphs();
-  Line& head = screen.Add();
-  head.push_back({"GPU " + std::to_string(gpu.gpu_index()), Style::kHeader});
-  head.push_back({" " + gpu.gpu_uuid() + "  "});
-  head.push_back({"in use " + Bytes(gpu.in_use_bytes()), Style::kInUse});
-  head.push_back({"  "});
-  head.push_back({"reserved " + Bytes(gpu.reserved_bytes()), Style::kReserved});
-  head.push_back({"  "});
-  head.push_back({"budget " + Bytes(gpu.budget_bytes()), Style::kBudget});
-  head.push_back({"  capacity " + Bytes(gpu.capacity_bytes())});
-  // Load, cache and OOM figures follow on the same line when it fits, else on their own.
-  Line tail;
-  tail.push_back({"  load " + Fixed(gpu.load_factor(), 2),
-                  gpu.load_factor() > kSpikeLoadFactor ? Style::kSpike : Style::kNormal});
+  // The figures come in groups, packed onto as few lines as the width allows.
+  std::vector<Line> groups;
+  groups.push_back(
+      {{"GPU " + std::to_string(gpu.gpu_index()), Style::kHeader}, {" " + gpu.gpu_uuid()}});
+  groups.push_back({{"in use " + Bytes(gpu.in_use_bytes()), Style::kInUse}});
+  groups.push_back({{"reserved " + Bytes(gpu.reserved_bytes()), Style::kReserved}});
+  groups.push_back({{"budget " + Bytes(gpu.budget_bytes()), Style::kBudget}});
+  groups.push_back({{"capacity " + Bytes(gpu.capacity_bytes())}});
+  groups.push_back({{"load " + Fixed(gpu.load_factor(), 2),
+                     gpu.load_factor() > kSpikeLoadFactor ? Style::kSpike : Style::kNormal}});
   const uint64_t lookups = gpu.plan_cache_hits() + gpu.plan_cache_misses();
-  tail.push_back({"  cache " + std::to_string(gpu.plan_cache_hits()) + "/" +
-                  std::to_string(lookups) + "  OOMs avoided " +
-                  std::to_string(gpu.ooms_avoided())});
-  if (LineWidth(head) + LineWidth(tail) <= static_cast<size_t>(o.width)) {
-    head.insert(head.end(), tail.begin(), tail.end());
-  } else {
-    Line& second = screen.Add();
-    second.push_back({"    "});
-    second.insert(second.end(), tail.begin(), tail.end());
-  }
+  groups.push_back(
+      {{"cache " + std::to_string(gpu.plan_cache_hits()) + "/" + std::to_string(lookups)}});
+  groups.push_back({{"OOMs avoided " + std::to_string(gpu.ooms_avoided())}});
+  PackGroups(groups, o.width, screen);
 
   // " mem  [" + bar + "] " + a 12-cell suffix.
   const int bar_width = std::max(10, o.width - 21);
