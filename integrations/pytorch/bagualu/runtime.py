@@ -6,6 +6,7 @@ plan out (offload, FP8, recompute regions), reports what each forward retained, 
 log line per iteration."""
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -96,6 +97,7 @@ class Runtime:
         self.accuracy: List[Tuple[float, float, float]] = []  # (load, predicted, captured)
         self.oom_count = 0
         self.forced: Optional[Dict[str, str]] = None
+        self.gc_freeze = True
         self._reset_iteration_stats()
 
     # -- device accounting ------------------------------------------------------------------
@@ -150,6 +152,11 @@ class Runtime:
                 f"{type(model).__name__} has no recognised operators: no bagualu.OpBlock layer "
                 "and no module named like norm/attn/router/expert/shared/dispatch/combine or of "
                 "a known class (nn.Linear, nn.LayerNorm, ...); nothing can be planned")
+        if self.gc_freeze:
+            # Saved-tensor capture allocates a few small Python objects per saved tensor; move
+            # the long-lived ones (model, torch internals) out of the collector's full scans.
+            gc.collect()
+            gc.freeze()
         if not blocks:
             log.warning("bagualu: %s has no OpBlock layers; activations are captured and "
                         "accounted but not planned (keep-all)", type(model).__name__)

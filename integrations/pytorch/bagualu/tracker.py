@@ -44,7 +44,7 @@ class Record:
 
     __slots__ = ("key", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
                  "placement", "storage", "host", "fp8", "block", "block_bytes", "refs",
-                 "pinned", "in_backward", "tracker", "ref", "seq", "__weakref__")
+                 "pinned", "in_backward", "tracker", "ref", "seq", "packs", "__weakref__")
 
     def __init__(self, tracker: "Tracker", storage: torch.UntypedStorage, dtype: torch.dtype,
                  producer: Op, micro_batch: int, seq: int) -> None:
@@ -58,7 +58,7 @@ class Record:
         self.micro_batch = micro_batch
         self.placement = DEVICE
         self.storage: Optional[torch.UntypedStorage] = storage
-        self.ref = weakref.ref(storage)
+        self.ref: Any = None  # weakref to the original storage once the data left it
         self.host: Optional[torch.Tensor] = None
         self.fp8: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
         self.block = 0
@@ -67,6 +67,22 @@ class Record:
         self.pinned = False
         self.in_backward = False
         self.seq = seq
+        self.packs: Optional[List[Any]] = None  # weakrefs to Packed holding the tensor
+
+    def same_storage(self, st: torch.UntypedStorage) -> bool:
+        """Whether ``st`` is this record's storage (the original, even after it moved)."""
+        if self.storage is not None and self.ref is None:
+            return self.storage is st
+        return self.ref is not None and self.ref() is st
+
+    def _leave_device(self) -> None:
+        if self.ref is None and self.storage is not None:
+            self.ref = weakref.ref(self.storage)
+        for w in self.packs or ():
+            p = w()
+            if p is not None:
+                p.detach_tensor()
+        self.packs = None
 
     # -- accounting -------------------------------------------------------------------------
     def _account(self, nbytes: int) -> None:
@@ -88,6 +104,7 @@ class Record:
         if self.placement != DEVICE or self.pinned or self.storage is None:
             return 0
         t = self.tracker
+        self._leave_device()
         src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
         host = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu",
                            pin_memory=t.pin_memory)
@@ -107,6 +124,7 @@ class Record:
                 or not fp8mod.supported(self.dtype)):
             return 0
         t = self.tracker
+        self._leave_device()
         numel = self.nbytes // torch.empty(0, dtype=self.dtype).element_size()
         flat = torch.empty(0, dtype=self.dtype, device=self.device).set_(
             self.storage, 0, (numel,), (1,))
@@ -146,34 +164,54 @@ class Record:
         """Every holder is gone: the storage is no longer an activation."""
         self._unaccount()
         self.storage = self.host = self.fp8 = None
+        self.packs = None
         self.tracker.retire(self)
 
 
 class Packed:
-    """What autograd keeps for one saved tensor: its record and the view to rebuild."""
+    """What autograd keeps for one saved tensor: its record, and either the tensor itself
+    (while the record's data is on the device: the fast path) or the view to rebuild."""
 
-    __slots__ = ("rec", "dtype", "offset", "size", "stride")
+    __slots__ = ("rec", "t", "meta", "__weakref__")
 
     def __init__(self, rec: Record, t: torch.Tensor) -> None:
         self.rec = rec
-        self.dtype = t.dtype
-        self.offset = t.storage_offset()
-        self.size = tuple(t.size())
-        self.stride = tuple(t.stride())
         rec.refs += 1
+        if rec.placement == DEVICE and rec.storage is not None:
+            self.t: Optional[torch.Tensor] = t
+            self.meta: Optional[Tuple[Any, ...]] = None
+            if rec.packs is None:
+                rec.packs = [weakref.ref(self)]
+            else:
+                rec.packs.append(weakref.ref(self))
+        else:
+            self.t = None
+            self.meta = _view_meta(t)
+
+    def detach_tensor(self) -> None:
+        """The record's data leaves the device: keep only how to rebuild the view."""
+        if self.t is not None:
+            self.meta = _view_meta(self.t)
+            self.t = None
 
     def unpack(self) -> torch.Tensor:
         rec = self.rec
         rec.in_backward = True
+        if self.t is not None:
+            return self.t
         storage = rec.materialize()
-        return torch.empty(0, dtype=self.dtype, device=rec.device).set_(
-            storage, self.offset, self.size, self.stride)
+        dtype, offset, size, stride = self.meta
+        return torch.empty(0, dtype=dtype, device=rec.device).set_(storage, offset, size, stride)
 
     def __del__(self) -> None:
         rec = self.rec
         rec.refs -= 1
         if rec.refs == 0:
             rec.release()
+
+
+def _view_meta(t: torch.Tensor) -> Tuple[Any, ...]:
+    return (t.dtype, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
 
 StrategyFn = Callable[[Op, int], str]
@@ -240,11 +278,11 @@ class Tracker:
             return t
         st = t.untyped_storage()
         key = st.data_ptr()
-        if key in self.param_keys or isinstance(t, torch.nn.Parameter):
+        if key in self.param_keys:
             return t
-        op = self.current_op()
+        op = self.scope[-1] if self.scope else OUTSIDE
         rec = self.live.get(key)
-        if rec is None or rec.ref() is not st or rec.micro_batch != self.micro_batch:
+        if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
             rec = self.new_record(st, t.dtype, self._producer(st, op))
         if op not in rec.consumers:
             rec.consumers.append(op)
@@ -283,7 +321,7 @@ class Tracker:
             if st.data_ptr() in self.param_keys:
                 continue
             rec = self.live.get(st.data_ptr())
-            if rec is None or rec.ref() is not st or rec.micro_batch != self.micro_batch:
+            if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
                 rec = self.new_record(st, t.dtype, self._producer(st, op))
             if rec.placement != DEVICE:
                 rec.materialize()
