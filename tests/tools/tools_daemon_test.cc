@@ -247,6 +247,25 @@ TEST_F(ToolsAgainstDaemon, CtlHealthSessionsSnapshot) {
   EXPECT_NE(out.find(sessions_[0]), std::string::npos) << out;
 }
 
+TEST_F(ToolsAgainstDaemon, CtlPlan) {
+  std::string out;
+  // Another process's session: the daemon lets only its owner plan.
+  EXPECT_EQ(RunShell(Ctl("plan --session " + sessions_[0] + " --forward 1"), &out), 1) << out;
+  EXPECT_NE(out.find("PERMISSION_DENIED"), std::string::npos) << out;
+  // A throwaway session of a model file: registered, planned, ended.
+  const std::string model = std::string(BGL_MODELS_DIR) + "/tiny-moe.json";
+  ASSERT_EQ(RunShell(Ctl("plan --model " + model + " --capacity 2GiB --forward 0"), &out), 0)
+      << out;
+  EXPECT_NE(out.find("budget"), std::string::npos) << out;
+  ASSERT_EQ(RunShell(Ctl("plan --model " + model + " --capacity 2GiB --forward 0 --json"), &out), 0)
+      << out;
+  const auto plan = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_FALSE(plan.is_discarded()) << out;
+  EXPECT_TRUE(plan.contains("budget_bytes")) << out;
+  ASSERT_EQ(RunShell(Ctl("sessions --json"), &out), 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(out)["sessions"].size(), 2u) << out;  // the probe is gone
+}
+
 TEST_F(ToolsAgainstDaemon, ToolsFailClearlyWhenTheDaemonIsGone) {
   // Close our idle connection first: with it open the daemon's drain runs to its deadline.
   stub_.reset();

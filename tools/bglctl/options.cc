@@ -18,9 +18,13 @@ const char* const kCtlUsage =
     "  sessions [--json]                list the sessions visible to the caller\n"
     "  snapshot [--session ID] [--out FILE]\n"
     "                                   write the latest allocator snapshots (JSON)\n"
-    "  plan --session ID [--phase warmup|steady|cooldown] [--forward MB] [--chunk N]\n"
-    "       [--backward MB] [--backward-chunk N] [--load R] [--bytes-in-use BYTES] [--json]\n"
-    "                                   ask for one plan (debugging)\n"
+    "  plan (--session ID | --model FILE --capacity BYTES [--gpu N])\n"
+    "       [--phase warmup|steady|cooldown] [--forward MB] [--chunk N] [--backward MB]\n"
+    "       [--backward-chunk N] [--load R] [--bytes-in-use BYTES] [--json]\n"
+    "                                   ask for one plan (debugging). The daemon plans only\n"
+    "                                   for the process that registered a session, so\n"
+    "                                   --model registers a throwaway session of that model\n"
+    "                                   file, plans it and ends it\n"
     "\n"
     "exit status: 0 success (healthy), 1 failure (unreachable, unhealthy, refused), 2 usage\n";
 
@@ -56,7 +60,8 @@ bool Accepts(Command command, const std::string& flag) {
     case Command::kPlan:
       return flag == "--session" || flag == "--phase" || flag == "--forward" || flag == "--chunk" ||
              flag == "--backward" || flag == "--backward-chunk" || flag == "--load" ||
-             flag == "--bytes-in-use" || flag == "--json";
+             flag == "--bytes-in-use" || flag == "--json" || flag == "--model" ||
+             flag == "--capacity" || flag == "--gpu";
     case Command::kHelp:
       return false;
   }
@@ -134,6 +139,12 @@ Result<CtlOptions> ParseCtlOptions(const std::vector<std::string>& args) {
       auto d = ParseDouble(arg, *v);
       if (!d.ok()) return d.status();
       o.load_factor = *d;
+    } else if (arg == "--model") {
+      o.model_path = *v;
+    } else if (arg == "--capacity") {
+      auto b = ParseBytes(*v, "--capacity");
+      if (!b.ok()) return b.status();
+      o.capacity_bytes = *b;
     } else if (arg == "--bytes-in-use") {
       auto b = ParseBytes(*v, "--bytes-in-use");
       if (!b.ok()) return b.status();
@@ -152,8 +163,13 @@ Result<CtlOptions> ParseCtlOptions(const std::vector<std::string>& args) {
     }
   }
   if (!have_command) return InvalidArgument("missing command (health, sessions, snapshot, plan)");
-  if (o.command == Command::kPlan && o.session_id.empty()) {
-    return InvalidArgument("plan: --session is required");
+  if (o.command == Command::kPlan) {
+    if (o.session_id.empty() == o.model_path.empty()) {
+      return InvalidArgument("plan: give either --session ID or --model FILE");
+    }
+    if (!o.model_path.empty() && o.capacity_bytes <= 0) {
+      return InvalidArgument("plan: --model needs --capacity BYTES");
+    }
   }
   return o;
 }

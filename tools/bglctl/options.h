@@ -33,6 +33,10 @@ struct CtlOptions {
   int32_t backward_chunk = 0;
   double load_factor = 0;
   std::optional<int64_t> bytes_in_use;
+  // plan without --session: a throwaway session of this model (registered, planned, ended)
+  std::string model_path;
+  int64_t capacity_bytes = 0;
+  int32_t gpu_index = 0;
 };
 
 // Parses argv without the program name.

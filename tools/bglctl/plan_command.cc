@@ -1,8 +1,11 @@
 // bglctl plan: asks the daemon for one plan of a session, for debugging.
 #include <google/protobuf/util/json_util.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <map>
+#include <sstream>
 
 #include "bagualu/v1/governor.grpc.pb.h"
 #include "governor/planner/units.h"
@@ -47,12 +50,46 @@ void PrintSummary(const bagualu::v1::Plan& plan, std::ostream& out) {
       << "\n";
 }
 
-}  // namespace
+// Registers a throwaway session of `options.model_path`; its id, or "" after printing why not.
+std::string RegisterProbe(const CtlContext& ctx, const CtlOptions& options,
+                          bagualu::v1::Governor::Stub& stub) {
+  std::ifstream file(options.model_path);
+  std::stringstream text;
+  text << file.rdbuf();
+  if (!file.good() && !file.eof()) {
+    *ctx.err << "bglctl: cannot read --model " << options.model_path << "\n";
+    return "";
+  }
+  bagualu::v1::RegisterRequest request;
+  request.set_gpu_uuid("bglctl-" + std::to_string(getpid()));
+  request.set_gpu_index(options.gpu_index);
+  request.set_pid(getpid());
+  request.set_job_id("bglctl-plan");
+  request.set_capacity_bytes(options.capacity_bytes);
+  request.set_model_json(text.str());
+  bagualu::v1::RegisterResponse response;
+  auto call = ctx.NewCall();
+  const grpc::Status status = stub.Register(call.get(), request, &response);
+  if (!status.ok()) {
+    *ctx.err << "bglctl: " << tools::DescribeRpcFailure(ctx.address, status) << "\n";
+    return "";
+  }
+  return response.session_id();
+}
 
-int RunPlan(const CtlContext& ctx, const CtlOptions& options) {
-  auto stub = bagualu::v1::Governor::NewStub(ctx.channel);
+void UnregisterProbe(const CtlContext& ctx, const std::string& session_id,
+                     bagualu::v1::Governor::Stub& stub) {
+  bagualu::v1::UnregisterRequest request;
+  request.set_session_id(session_id);
+  bagualu::v1::UnregisterResponse response;
+  auto call = ctx.NewCall();
+  (void)stub.Unregister(call.get(), request, &response);  // the daemon reaps it otherwise
+}
+
+int PlanSession(const CtlContext& ctx, const CtlOptions& options, const std::string& session_id,
+                bagualu::v1::Governor::Stub& stub) {
   bagualu::v1::PlanRequest request;
-  request.set_session_id(options.session_id);
+  request.set_session_id(session_id);
   request.set_phase(ToPhase(options.phase));
   if (options.forward_micro_batch) request.set_forward_micro_batch(*options.forward_micro_batch);
   request.set_forward_chunk(options.forward_chunk);
@@ -64,7 +101,7 @@ int RunPlan(const CtlContext& ctx, const CtlOptions& options) {
   if (options.bytes_in_use) request.set_bytes_in_use(*options.bytes_in_use);
   bagualu::v1::PlanResponse response;
   auto call = ctx.NewCall();
-  const grpc::Status status = stub->Plan(call.get(), request, &response);
+  const grpc::Status status = stub.Plan(call.get(), request, &response);
   if (!status.ok()) {
     *ctx.err << "bglctl: " << tools::DescribeRpcFailure(ctx.address, status) << "\n";
     return 1;
@@ -80,6 +117,21 @@ int RunPlan(const CtlContext& ctx, const CtlOptions& options) {
     PrintSummary(response.plan(), *ctx.out);
   }
   return 0;
+}
+
+}  // namespace
+
+int RunPlan(const CtlContext& ctx, const CtlOptions& options) {
+  auto stub = bagualu::v1::Governor::NewStub(ctx.channel);
+  std::string session_id = options.session_id;
+  const bool probe = session_id.empty();
+  if (probe) {
+    session_id = RegisterProbe(ctx, options, *stub);
+    if (session_id.empty()) return 1;
+  }
+  const int status = PlanSession(ctx, options, session_id, *stub);
+  if (probe) UnregisterProbe(ctx, session_id, *stub);
+  return status;
 }
 
 }  // namespace bgl::ctl
