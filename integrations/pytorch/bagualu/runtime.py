@@ -299,6 +299,8 @@ class Runtime:
         self._observe_only(layer, load)
         if self.policy != "bagualu" or self.governor is None or mb not in self.mb_plan:
             return False
+        if load <= self.mb_plan[mb].get("load_factor", 0.0) * 1.02:
+            return False  # the plan was made for at least this load: it still fits
         plan = self.governor.plan_after_gate(mb, 0, layer, load)
         if not plan or not plan.get("deferred"):
             return False

@@ -23,14 +23,14 @@ class MoEConfig:
     """Model and data sizes (defaults: the tiny-moe demo, scaled for CPU)."""
 
     layers: int = 8
-    hidden: int = 128
+    hidden: int = 256
     heads: int = 4
     experts: int = 16
     top_k: int = 4
     moe_hidden: int = 128
     shared_hidden: int = 64
     vocab: int = 512
-    seq_len: int = 64
+    seq_len: int = 128
     micro_batch_size: int = 4
     ep: int = 4
     domains: int = 4
