@@ -21,6 +21,8 @@
 #include <vector>
 
 #include "bagualu/v1/governor.grpc.pb.h"
+#include "tools/bgl-top/watch_feed.h"
+#include "tools/bglctl/governor_address.h"
 
 namespace {
 
@@ -276,6 +278,32 @@ TEST_F(ToolsAgainstDaemon, ToolsFailClearlyWhenTheDaemonIsGone) {
   EXPECT_EQ(RunShell(Ctl("--timeout 2 health"), &out), 1) << out;
   EXPECT_NE(out.find(daemon_.address()), std::string::npos) << out;
   EXPECT_EQ(RunShell(Ctl("--timeout 2 sessions"), &out), 1) << out;
+}
+
+// The interactive dashboard's feed survives a daemon restart: it reports the outage, then
+// reconnects on its own and streams again.
+TEST(WatchFeedAgainstDaemon, ReconnectsAfterRestart) {
+  Daemon daemon;
+  ASSERT_TRUE(daemon.Start()) << daemon.log();
+  // Polls `done` every 20 ms, at most `attempts` times (a bound, not a timing assertion).
+  auto eventually = [](auto done, int attempts) {
+    for (int i = 0; i < attempts; ++i) {
+      if (done()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return done();
+  };
+  bgl::top::WatchFeed feed(bgl::tools::OpenGovernorChannel(daemon.address()), daemon.address(), 50);
+  size_t frames = 0;
+  ASSERT_TRUE(eventually([&] { return (frames += feed.Drain().size()) >= 2; }, 500));
+  daemon.Stop();
+  ASSERT_TRUE(eventually([&] { return !feed.Problem().empty(); }, 1000));
+  EXPECT_NE(feed.Problem().find(daemon.address()), std::string::npos) << feed.Problem();
+  (void)feed.Drain();
+  ASSERT_TRUE(daemon.Start()) << daemon.log();
+  frames = 0;
+  EXPECT_TRUE(eventually([&] { return (frames += feed.Drain().size()) >= 2; }, 1500));
+  EXPECT_TRUE(feed.Problem().empty()) << feed.Problem();
 }
 
 }  // namespace

@@ -22,8 +22,9 @@ std::string DefaultGovernorAddress();
 // host:port. The error names the address.
 Status CheckGovernorAddress(std::string_view address);
 
-// An insecure channel: on a unix socket the socket's file mode and the daemon's peer
-// credentials are the access control; TCP is off unless an operator turns it on.
+// An insecure channel (on a unix socket the socket's file mode and the daemon's peer
+// credentials are the access control; TCP is off unless an operator turns it on) that retries
+// a lost connection every few seconds at most.
 std::shared_ptr<grpc::Channel> OpenGovernorChannel(const std::string& address);
 
 // One line for a failed call that names the address, e.g. "cannot reach the governor at
