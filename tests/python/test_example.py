@@ -91,6 +91,7 @@ def test_spike_ooms_static_under_but_not_bagualu(caplog) -> None:
     assert ours["oom"] is None and ours["finished"] == RUN["iterations"]
     assert max(ln["max_load_factor"] for ln in ours["lines"]) > 2.0
     assert ours["stats"]["ooms"] == 0
+    assert sum(ln["deferred"] for ln in ours["lines"]) > 0, "deferred planning after the router"
     assert sum("bagualu: iter" in rec.getMessage() for rec in caplog.records) == RUN["iterations"]
     gc.collect()
     over = _run("static-over", **kw)

@@ -116,3 +116,27 @@ def test_fp8_roundtrip_error_bound() -> None:
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each block's scale range
     blockmax = x.view(-1, 8 * 125).abs().max()
     assert float((y - x).abs().max()) <= float(blockmax) / 16
+
+
+def test_pressure_eviction_offloads_what_is_needed_last() -> None:
+    require_libs()
+    torch.manual_seed(0)
+    m = Tiny()
+    rt = bagualu.install(capacity="1MiB", policy="bagualu", governor="none",
+                         log_iterations=False)
+    bagualu.instrument(m)
+    rt.force_strategies({})  # keep everything: only pressure may move data
+    outs = []
+    for mb in range(2):
+        with bagualu.forward(mb):
+            outs.append(m(torch.randn(32, 16, requires_grad=True)).square().sum())
+    before = rt.tracker.device_bytes()
+    freed = rt.tracker.evict(before // 3)
+    assert freed >= before // 3
+    moved = [r for recs in rt.tracker.by_mb.values() for r in recs if r.placement == "host"]
+    assert moved and all(r.micro_batch == 1 for r in moved)  # the later micro-batch first
+    assert rt.tracker.device_bytes() == before - freed
+    for mb in (1, 0):
+        with bagualu.backward(mb):
+            outs[mb].backward()
+    assert rt.tracker.counters["reloads"] == len(moved)
