@@ -74,11 +74,13 @@ std::string FormatBytes(double bytes) {
     value /= 1024;
     ++unit;
   }
+  // Three significant digits without switching to exponent form (1000-1023 of a unit).
   char buf[32];
-  if (unit == 0)
-    std::snprintf(buf, sizeof buf, "%.0f B", value);
-  else
-    std::snprintf(buf, sizeof buf, "%.3g %s", value, kUnits[unit]);
+  const double magnitude = std::fabs(value);
+  const char* format = unit == 0 || magnitude >= 100 ? "%.0f %s"
+                       : magnitude >= 10             ? "%.1f %s"
+                                                     : "%.2f %s";
+  std::snprintf(buf, sizeof buf, format, value, kUnits[unit]);
   return buf;
 }
 

@@ -27,6 +27,8 @@ TEST(ParseBytes, RejectsBadInputNamingTheValue) {
 TEST(FormatBytes, ReadsWell) {
   EXPECT_EQ(FormatBytes(512), "512 B");
   EXPECT_EQ(FormatBytes(1.25 * (1 << 30)), "1.25 GiB");
+  EXPECT_EQ(FormatBytes(1010.0 * (1 << 20)), "1010 MiB");  // never "1.01e+03 MiB"
+  EXPECT_EQ(FormatBytes(12.5 * (1 << 20)), "12.5 MiB");
   EXPECT_EQ(FormatSeconds(2.5e-3), "2.50 ms");
 }
 
