@@ -24,7 +24,8 @@ std::string Take(char* text) {
 
 TEST(PlannerCApi, PlansAndReports) {
   const std::string model = Slurp(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
-  bgl_planner* p = bgl_planner_create(model.c_str(), R"({"capacity_bytes": 2147483648})");
+  bgl_planner* p = bgl_planner_create(
+      model.c_str(), R"({"capacity_bytes": 2147483648, "budget_step_bytes": 1048576})");
   ASSERT_NE(p, nullptr) << bgl_planner_last_error();
   const auto described = nlohmann::json::parse(Take(bgl_planner_describe(p)));
   EXPECT_EQ(described["micro_batches"], 8);
@@ -49,6 +50,8 @@ TEST(PlannerCApi, BadInputFailsWithAMessage) {
   const std::string model = Slurp(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
   EXPECT_EQ(bgl_planner_create(model.c_str(), R"({"capacity_bytes": "lots"})"), nullptr);
   EXPECT_NE(std::string(bgl_planner_last_error()).find("capacity_bytes"), std::string::npos);
+  EXPECT_EQ(bgl_planner_create(model.c_str(), R"({"budget_step_bytes": 0})"), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("budget_step_bytes"), std::string::npos);
   bgl_planner* p = bgl_planner_create(model.c_str(), nullptr);
   ASSERT_NE(p, nullptr);
   EXPECT_EQ(bgl_planner_plan(p, R"({"forward_micro_batch": 99})"), nullptr);

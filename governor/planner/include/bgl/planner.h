@@ -25,7 +25,9 @@ typedef struct bgl_planner bgl_planner;
  * "layer_graph"). options_json: NULL or an object with optional keys "capacity_bytes",
  * "pipeline_rank", "gpu" (profile name), "calibration" (object), "issue_policy" ("dual-batch" (default),
  * "lockstep" or "serial"; "dual_batch": false is "serial"),
- * "allow_offload", "allow_fp8", "allow_recompute" (bools). NULL on error. */
+ * "allow_offload", "allow_fp8", "allow_recompute" (bools), and the plan-cache steps
+ * "budget_step_bytes" (default 64 MiB; small models want less), "load_bucket" (0.05) and
+ * "schedule_load_class" (0.25). NULL on error. */
 BGL_PLANNER_API bgl_planner* bgl_planner_create(const char* model_json, const char* options_json);
 BGL_PLANNER_API void bgl_planner_destroy(bgl_planner* planner);
 
