@@ -1,18 +1,51 @@
 #!/usr/bin/env bash
-# The demo: installs what is missing, builds the planner, and plans the GLM-423B-A30B stage of the
-# paper's Table II (pipeline rank 0, 64 GB GPU) at balanced load and on a 2.6x MoE spike.
+# The main job: installs what is missing, builds, starts the governor daemon on a private socket,
+# shows the planner's answer for a Table II stage, trains the MoE example under the four
+# policies against the daemon (CPU by default, CUDA when present), and shows a bgl-top frame.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup-python.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build -j "$(nproc)" --target bgl-plan
-plan=build/tools/bgl-plan/bgl-plan
+cmake --build build -j "$(nproc)" --target bgl-plan bgl-governord bgl-top bglctl bgl_planner_c \
+  bgl_alloc
+
+run_dir=$(mktemp -d /tmp/bagualu-demo.XXXXXX)
+socket="unix://${run_dir}/governor.sock"
+build/governor/daemon/bgl-governord --listen "$socket" --metrics-port 0 \
+  >"${run_dir}/governord.log" 2>&1 &
+daemon=$!
+cleanup() {
+  kill -TERM "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null
+  rm -rf "$run_dir"
+}
+trap cleanup EXIT
+for _ in $(seq 50); do build/tools/bglctl/bglctl --governor "$socket" health >/dev/null 2>&1 && break; sleep 0.1; done
+echo "=== bgl-governord (pid $daemon) serving on $socket"
+build/tools/bglctl/bglctl --governor "$socket" health
+
 echo
-echo "=== balanced load (r = 1.0): everything fits, nothing is mitigated"
-"$plan" --model models/glm-423b-a30b.json --capacity 64GB --load 1.0 | head -6
+echo "=== the planner on GLM-423B-A30B (Table II), pipeline rank 0, 64 GB, a 2.6x MoE spike"
+build/tools/bgl-plan/bgl-plan --model models/glm-423b-a30b.json --capacity 64GB --load 2.6 |
+  sed -n '1,8p'
+echo "    ... (bgl-plan --help; the full table lists all 28 operators and the issue order)"
+
+device=cpu
+if .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  device=cuda
+fi
 echo
-echo "=== a 2.6x spike on every micro-batch: the planner offloads, stores FP8 or recomputes"
-"$plan" --model models/glm-423b-a30b.json --capacity 64GB --load 2.6 \
-  --curve-csv build/demo-curve.csv
+echo "=== MoE training example on ${device}: keep-all, static-under, static-over and bagualu,"
+echo "    an injected 2.6x routing spike, every stage planned by the daemon"
+BGL_LIB_DIR=build .venv/bin/python integrations/pytorch/examples/moe_train.py --policy all \
+  --device "$device" --governor "$socket" --quiet >"${run_dir}/example.log" 2>&1 &
+example=$!
+# While the example trains, take one dashboard frame of the daemon's view.
+sleep 10
+echo "=== bgl-top --once, taken while the example trains"
+build/tools/bgl-top/bgl-top --governor "$socket" --once || true
 echo
-echo "activation memory curve of the iteration written to build/demo-curve.csv"
+status=0
+wait "$example" || status=$?
+cat "${run_dir}/example.log"
+exit "$status"

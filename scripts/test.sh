@@ -14,7 +14,7 @@ run_suite() {  # name, build dir, cmake args..., then ctest args after --
   (($#)) && shift
   ctest_args=("$@")
   echo "=== ${name}: configure and build (${dir})"
-  cmake -S . -B "$dir" -G Ninja -DBGL_BUILD_BENCH=OFF "${cmake_args[@]}" >/dev/null
+  cmake -S . -B "$dir" -G Ninja -DBGL_BUILD_TESTS=ON -DBGL_BUILD_BENCH=OFF "${cmake_args[@]}" >/dev/null
   cmake --build "$dir" -j "$jobs"
   echo "=== ${name}: ctest"
   (cd "$dir" && ctest --output-on-failure -j "$jobs" "${ctest_args[@]}")
