@@ -1,4 +1,4 @@
-"""Measures the PyTorch integration on CPU and prints docs/benchmarks-pytorch.md's tables:
+"""Measures the PyTorch integration on CPU and prints docs/benchmarks.md (section "PyTorch integration")'s tables:
 policy comparison under a 2.6x spike, hook overhead with nothing to mitigate, and the
 memory model's accuracy (predicted vs captured activation bytes per micro-batch).
 
