@@ -25,8 +25,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 run configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBGL_BUILD_BENCH=ON
 run build cmake --build "$build" -j "$(nproc)" --target bgl_alloc_gpu_tests bgl_alloc_tests \
-  bgl_alloc_c_api_tests bgl_preload bgl_preload_probe bgl_alloc bgl-replay bgl_alloc_bench \
-  bgl_enforcer_gpu_tests bgl_enforcer_tests bgl_enforcer_c_api_tests bgl_enforcer_gpu_timing
+  bgl_alloc_c_api_tests bgl_alloc_nccl_tests bgl_preload bgl_preload_probe bgl_alloc bgl-replay \
+  bgl_alloc_bench bgl_enforcer_gpu_tests bgl_enforcer_tests bgl_enforcer_c_api_tests \
+  bgl_enforcer_gpu_timing
 run gpu-tests bash -c "cd '$build' && ctest --output-on-failure -L gpu --timeout 120"
 run preload-tests bash -c "cd '$build' && ctest --output-on-failure -R 'alloc_preload|CApi'"
 run bench "$build/bench/allocator/bgl_alloc_bench" --benchmark_min_time=0.2
