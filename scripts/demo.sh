@@ -41,7 +41,7 @@ BGL_LIB_DIR=build .venv/bin/python integrations/pytorch/examples/moe_train.py --
   --device "$device" --governor "$socket" --quiet >"${run_dir}/example.log" 2>&1 &
 example=$!
 # While the example trains, take one dashboard frame of the daemon's view.
-sleep 10
+sleep 25
 echo "=== bgl-top --once, taken while the example trains"
 build/tools/bgl-top/bgl-top --governor "$socket" --once || true
 echo
