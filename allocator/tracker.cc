@@ -18,20 +18,6 @@ const char* placement_name(Placement p) {
   return "?";
 }
 
-const char* strategy_name(Strategy s) {
-  switch (s) {
-    case Strategy::kKeep:
-      return "keep";
-    case Strategy::kRecompute:
-      return "recompute";
-    case Strategy::kOffload:
-      return "offload";
-    case Strategy::kFp8:
-      return "fp8";
-  }
-  return "?";
-}
-
 std::size_t TrackedTensor::num_released() const {
   std::size_t n = 0;
   for (const auto& c : consumers) n += c.released ? 1 : 0;

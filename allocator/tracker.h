@@ -12,18 +12,19 @@
 
 #include "allocator/backend.h"
 #include "allocator/error.h"
+#include "governor/planner/assignment.h"
 
 namespace bgl::alloc {
 
 // Where a tracked tensor's data is (values match bgl_placement).
 enum class Placement : std::uint8_t { kDevice = 0, kHost = 1, kFp8 = 2, kDropped = 3 };
-// Plan strategies (values match bgl_strategy and bgl::plan::Strategy).
-enum class Strategy : std::uint8_t { kKeep = 0, kRecompute = 1, kOffload = 2, kFp8 = 3 };
+// Plan strategies: the planner's own (values match bgl_strategy).
+using Strategy = plan::Strategy;
 // Element types (values match bgl_dtype).
 enum class ElemType : std::uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kBytes = 3 };
 
 const char* placement_name(Placement p);
-const char* strategy_name(Strategy s);
+inline const char* strategy_name(Strategy s) { return plan::StrategyName(s); }
 
 // What the integration tells about a saved activation.
 struct TensorDesc {
