@@ -215,10 +215,10 @@ int Run(int argc, char** argv) {
   auto housekeeper = std::make_unique<Housekeeper>(&core, &reap_interval_ms);
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(true);
-  Log(LogLevel::kInfo, "serving on " + config->listen +
-                           (tcp_port ? " and tcp port " + std::to_string(tcp_port) : "") +
-                           (exposer ? "; metrics on port " + std::to_string(config->metrics_port)
-                                    : ""));
+  Log(LogLevel::kInfo,
+      "serving on " + config->listen +
+          (tcp_port ? " and tcp port " + std::to_string(tcp_port) : "") +
+          (exposer ? "; metrics on port " + std::to_string(config->metrics_port) : ""));
   NotifySystemd("READY=1\nSTATUS=serving");
 
   for (;;) {
@@ -228,13 +228,13 @@ int Run(int argc, char** argv) {
     NotifySystemd("RELOADING=1");
     auto fresh = LoadDaemonConfig(flags->config_file, flags->overrides);
     if (!fresh.ok()) {
-      Log(LogLevel::kError, "reload failed, keeping the old configuration: " +
-                                fresh.status().message());
+      Log(LogLevel::kError,
+          "reload failed, keeping the old configuration: " + fresh.status().message());
     } else {
       const int64_t gid = GroupId(fresh->admin_group);
       if (gid == -2) {
-        Log(LogLevel::kError, "reload failed: admin_group: no such group '" +
-                                  fresh->admin_group + "'");
+        Log(LogLevel::kError,
+            "reload failed: admin_group: no such group '" + fresh->admin_group + "'");
       } else {
         core.SetLimits(fresh->limits);
         service.SetAdminGroup(gid);
@@ -258,8 +258,16 @@ int Run(int argc, char** argv) {
   health->SetServingStatus(false);
   (*listener)->Stop();
   service.BeginShutdown();
+  // gRPC's Shutdown waits until every connection has closed, so one idle client would hold the
+  // drain to its deadline. In-flight unary calls take milliseconds: after a short grace the
+  // remaining connections are shut down from our side.
+  std::thread disconnect([&peers, grace = std::min(config->drain_timeout_ms, 200)] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(grace));
+    peers.DisconnectAll();
+  });
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(config->drain_timeout_ms));
+  disconnect.join();
   housekeeper.reset();
   Log(LogLevel::kInfo, "stopped");
   return 0;

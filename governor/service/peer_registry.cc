@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace bgl::gov {
 
@@ -19,6 +20,18 @@ std::optional<PeerCredentials> PeerRegistry::Lookup(const std::string& peer) con
   auto it = peers_.find(peer);
   if (it == peers_.end()) return std::nullopt;
   return it->second;
+}
+
+void PeerRegistry::DisconnectAll() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [peer, creds] : peers_) {
+    const int fd = std::atoi(peer.c_str() + 3);  // "fd:N"
+    struct ucred cred {};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) continue;
+    if (cred.pid != creds.pid || cred.uid != creds.uid) continue;
+    ::shutdown(fd, SHUT_RDWR);
+  }
 }
 
 std::optional<PeerCredentials> PeerRegistry::Read(int fd) {

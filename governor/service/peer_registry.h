@@ -27,6 +27,9 @@ class PeerRegistry {
  public:
   void Set(int fd, PeerCredentials creds);
   std::optional<PeerCredentials> Lookup(const std::string& peer) const;
+  // Shuts down every recorded connection whose fd still holds the same peer (a closed fd may
+  // have been reused), so a draining server is not held open by idle clients.
+  void DisconnectAll() const;
   // Reads SO_PEERCRED of a connected unix socket and the uid's name and groups.
   static std::optional<PeerCredentials> Read(int fd);
 
