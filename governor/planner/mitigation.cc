@@ -70,12 +70,14 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
       }
     }
   }
-  Assignment trial;
-  auto apply_move = [&](Assignment& a, size_t o, Strategy s) {
+  // Sets `s` on operator o and on those partners that may use it (with `keeping_only`, only
+  // the partners that still keep their tensors).
+  auto move = [&](Assignment a, size_t o, Strategy s, bool keeping_only) {
     a[o] = s;
     for (int other : partners[o]) {
-      if (a[other] == Strategy::kKeep && eval.Allowed(other, s)) a[other] = s;
+      if ((!keeping_only || a[other] == Strategy::kKeep) && eval.Allowed(other, s)) a[other] = s;
     }
+    return a;
   };
 
   while (result.cost.device_bytes > budget) {
@@ -88,19 +90,20 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
     double best_gain = 0, best_overhead = 0;
     bool best_finishes = false;
     AssignmentCost best_cost;
+    Assignment best_assignment;
     for (size_t o = 0; o < n; ++o) {
       const Strategy current = result.assignment[o];
       if (current == Strategy::kRecompute || current == Strategy::kOffload) continue;
       int op_s = -1;
       double op_gain = 0, op_overhead = 0, op_rate = -1;
       AssignmentCost op_cost;
+      Assignment op_assignment;
       for (Strategy s : kMitigations) {
         if (s == current || !Permitted(options, s) || !eval.Allowed(static_cast<int>(o), s)) {
           continue;
         }
         if (dropped[o][static_cast<int>(s)]) continue;
-        trial = result.assignment;
-        apply_move(trial, o, s);
+        Assignment trial = move(result.assignment, o, s, /*keeping_only=*/true);
         const AssignmentCost c = eval.Evaluate(trial, r);
         const double gain = result.cost.device_bytes - c.device_bytes;
         const double overhead = std::max(0.0, c.exposed_s - result.cost.exposed_s);
@@ -111,6 +114,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
           op_overhead = overhead;
           op_rate = rate;
           op_cost = c;
+          op_assignment = std::move(trial);
         }
       }
       if (op_s < 0) continue;
@@ -134,6 +138,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
         best_overhead = op_overhead;
         best_finishes = finishes;
         best_cost = op_cost;
+        best_assignment = std::move(op_assignment);
       }
     }
     if (best_op < 0) break;
@@ -144,7 +149,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
       ++result.rejected_conflicts;
       continue;
     }
-    apply_move(result.assignment, static_cast<size_t>(best_op), best_s);
+    result.assignment = std::move(best_assignment);
     result.cost = best_cost;
   }
 
@@ -159,11 +164,10 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
     // switch that lowers the overhead most while the budget still holds. Undoes choices the
     // budget no longer needs and swaps an exposed strategy for a hidden one.
     for (int pass = 0; pass < 4 * static_cast<int>(n); ++pass) {
-      int best_op = -1;
-      Strategy best_s = Strategy::kKeep;
-      bool best_group = false;
+      bool improved = false;
       double best_saving = 1e-12;
       AssignmentCost best_cost;
+      Assignment best_assignment;
       for (size_t o = 0; o < n; ++o) {
         for (Strategy s : kAll) {
           if (s == result.assignment[o] || !Permitted(options, s) ||
@@ -171,35 +175,23 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
             continue;
           }
           for (bool group : {false, true}) {
-            trial = result.assignment;
-            if (group) {
-              if (partners[o].empty()) continue;
-              trial[o] = s;
-              for (int other : partners[o]) {
-                if (eval.Allowed(other, s)) trial[other] = s;
-              }
-            } else {
-              trial[o] = s;
-            }
+            if (group && partners[o].empty()) continue;
+            Assignment trial = result.assignment;
+            trial[o] = s;
+            if (group) trial = move(std::move(trial), o, s, /*keeping_only=*/false);
             const AssignmentCost c = eval.Evaluate(trial, r);
             const double saving = result.cost.exposed_s - c.exposed_s;
             if (!c.conflict && c.device_bytes <= budget && saving > best_saving) {
-              best_op = static_cast<int>(o);
-              best_s = s;
-              best_group = group;
+              improved = true;
               best_saving = saving;
               best_cost = c;
+              best_assignment = std::move(trial);
             }
           }
         }
       }
-      if (best_op < 0) break;
-      result.assignment[best_op] = best_s;
-      if (best_group) {
-        for (int other : partners[best_op]) {
-          if (eval.Allowed(other, best_s)) result.assignment[other] = best_s;
-        }
-      }
+      if (!improved) break;
+      result.assignment = std::move(best_assignment);
       result.cost = best_cost;
       ++result.refinements;
     }
