@@ -232,15 +232,23 @@ Status Enforcer::set_need_order(std::uint64_t handle, std::int64_t order) {
 
 // ---- enforcement ------------------------------------------------------------------------------
 
+namespace {
+
+// Strategies arrive as integers through the C API; only the planner's four exist.
+bool KnownStrategy(Strategy s) { return static_cast<int>(s) <= static_cast<int>(Strategy::kFp8); }
+
+std::string UnknownStrategy(const char* call, Strategy s) {
+  return std::string(call) + ": strategy " + std::to_string(static_cast<int>(s)) + " unknown";
+}
+
+}  // namespace
+
 Status Enforcer::set_strategy(std::uint64_t handle, Strategy s) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   Status st;
   TrackedTensor* t = get(handle, "set_strategy", &st);
   if (t == nullptr) return st;
-  if (static_cast<int>(s) > static_cast<int>(Strategy::kFp8)) {
-    return fail(Status::kInvalidArgument,
-                "set_strategy: strategy " + std::to_string(static_cast<int>(s)) + " unknown");
-  }
+  if (!KnownStrategy(s)) return fail(Status::kInvalidArgument, UnknownStrategy("set_strategy", s));
   t->planned = s;
   return Status::kOk;
 }
@@ -250,10 +258,7 @@ Status Enforcer::apply(std::uint64_t handle, Strategy s) {
   Status st;
   TrackedTensor* t = get(handle, "apply", &st);
   if (t == nullptr) return st;
-  if (static_cast<int>(s) > static_cast<int>(Strategy::kFp8)) {
-    return fail(Status::kInvalidArgument,
-                "apply: strategy " + std::to_string(static_cast<int>(s)) + " unknown");
-  }
+  if (!KnownStrategy(s)) return fail(Status::kInvalidArgument, UnknownStrategy("apply", s));
   if (t->applied == s) return Status::kOk;  // already moved by this strategy: moved once
   if (t->applied != Strategy::kKeep) {
     return fail(Status::kConflict, "apply: " + tensor_name(handle) + " was already moved by " +
