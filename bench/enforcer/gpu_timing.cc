@@ -1,10 +1,16 @@
 // GPU timing table for tests/gpu/run.sh: enforcer offload/reload bandwidth against
 // cudaMemcpyAsync of pinned memory, FP8 cast/uncast against a device-to-device copy of the same
 // bytes, and the overlap of offload with a compute kernel. Prints a table; exits 0 without a GPU.
+// With --calibration-out FILE it also writes the planner's calibration (docs/planner.md): each
+// roofline's launch floor from a 64 KiB piece and its peak from the 256 MiB one.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
 #include <string>
 
 #include "allocator/allocator.h"
@@ -30,7 +36,47 @@ double time_it(int reps, cudaStream_t s, F&& f) {
   return (now_s() - t0) / reps;
 }
 
-int run() {
+// Mean seconds of an enforcer offload and of the reload that follows, `bytes` each.
+struct MoveTimes {
+  double offload_s = 0, reload_s = 0;
+};
+MoveTimes time_moves(Pool& pool, Enforcer& enf, cudaStream_t compute, std::size_t bytes,
+                     int reps) {
+  MoveTimes t;
+  for (int i = 0; i <= reps; ++i) {
+    void* p = pool.allocate(bytes, compute);
+    cudaMemsetAsync(p, 2, bytes, compute);
+    TensorDesc d{p, bytes, ElemType::kBytes, 0, 0, 0, compute, true};
+    std::uint64_t h = 0;
+    enf.register_tensor(d, &h);
+    cudaDeviceSynchronize();
+    const double t0 = now_s();
+    enf.offload(h);
+    enf.wait_tensor(h);
+    const double t1 = now_s();
+    enf.reload(h);
+    enf.wait_tensor(h);
+    const double t2 = now_s();
+    if (i > 0) {  // the first round warms the pinned pool and the page maps
+      t.offload_s += t1 - t0;
+      t.reload_s += t2 - t1;
+    }
+    enf.release(h, -1, compute);
+  }
+  t.offload_s /= reps;
+  t.reload_s /= reps;
+  return t;
+}
+
+// A roofline from a small and a large piece: time = max(floor, bytes / peak).
+std::string roofline_json(double small_s, double large_s, std::size_t large_bytes) {
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "{\"launch_floor_us\": %.2f, \"peak_GBps\": %.1f}",
+                small_s * 1e6, static_cast<double>(large_bytes) / large_s / 1e9);
+  return buf;
+}
+
+int run(const char* calibration_out) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0 || !kern::cuda_kernels_available()) {
     std::printf("no CUDA device: timing table skipped\n");
@@ -69,29 +115,8 @@ int run() {
       reps, compute, [&] { cudaMemcpyAsync(dev2, dev, bytes, cudaMemcpyDeviceToDevice, compute); });
 
   // Enforcer offload (D2H) and reload (H2D) of the same bytes.
-  double off_s = 0, rel_s = 0;
-  for (int i = 0; i <= reps; ++i) {
-    void* p = pool->allocate(bytes, compute);
-    cudaMemsetAsync(p, 2, bytes, compute);
-    TensorDesc d{p, bytes, ElemType::kBytes, 0, 0, 0, compute, true};
-    std::uint64_t h = 0;
-    enf->register_tensor(d, &h);
-    cudaDeviceSynchronize();
-    double t0 = now_s();
-    enf->offload(h);
-    enf->wait_tensor(h);
-    double t1 = now_s();
-    enf->reload(h);
-    enf->wait_tensor(h);
-    double t2 = now_s();
-    if (i > 0) {
-      off_s += t1 - t0;
-      rel_s += t2 - t1;
-    }
-    enf->release(h, -1, compute);
-  }
-  off_s /= reps;
-  rel_s /= reps;
+  const MoveTimes large = time_moves(*pool, *enf, compute, bytes, reps);
+  const double off_s = large.offload_s, rel_s = large.reload_s;
 
   // FP8 cast/uncast (BF16) against a D2D copy of the same (BF16) bytes.
   const std::size_t elems = bytes / 2;
@@ -135,6 +160,45 @@ int run() {
       "| overlap: kernel %.2f ms, D2H %.2f ms, together %.2f ms | | | %.2f | 1.0 = fully hidden "
       "|\n",
       kernel_s * 1e3, base_d2h * 1e3, both_s * 1e3, overlap);
+  if (calibration_out != nullptr) {
+    const std::size_t small_bytes = std::size_t{64} << 10;
+    const MoveTimes small = time_moves(*pool, *enf, compute, small_bytes, 20);
+    const std::size_t small_elems = small_bytes / 2;
+    const double small_cast_s = std::max(
+        time_it(20, compute, [&] {
+          kern::cast_to_fp8(dev, kern::DType::kBF16, small_elems, static_cast<std::uint8_t*>(q),
+                            static_cast<float*>(sc), 128, compute);
+        }),
+        time_it(20, compute, [&] {
+          kern::cast_from_fp8(static_cast<std::uint8_t*>(q), static_cast<float*>(sc),
+                              small_elems, 128, kern::DType::kBF16, dev2, compute);
+        }));
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, 0);
+    const std::string name = prop.name;
+    const char* gpu = name.find("H200") != std::string::npos   ? "h200"
+                      : name.find("H100") != std::string::npos ? "h100"
+                                                               : nullptr;
+    char date[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+    std::ofstream out(calibration_out);
+    out << "{\n";
+    if (gpu != nullptr) out << "  \"gpu\": \"" << gpu << "\",\n";
+    out << "  \"source\": \"bgl_enforcer_gpu_timing on " << name << ", " << date << "\",\n"
+        << "  \"comment\": \"launch floors from 64 KiB pieces, peaks from 256 MiB; fp8_cast "
+           "counts source bytes, the slower of cast and uncast\",\n"
+        << "  \"rooflines\": {\n"
+        << "    \"offload\": " << roofline_json(small.offload_s, off_s, bytes) << ",\n"
+        << "    \"reload\": " << roofline_json(small.reload_s, rel_s, bytes) << ",\n"
+        << "    \"fp8_cast\": "
+        << roofline_json(small_cast_s, std::max(cast_s, uncast_s), bytes) << "\n  }\n}\n";
+    if (!out) {
+      std::printf("cannot write %s\n", calibration_out);
+      return 1;
+    }
+    std::printf("calibration written to %s\n", calibration_out);
+  }
   cudaFree(dev);
   cudaFree(dev2);
   cudaFree(q);
@@ -147,4 +211,15 @@ int run() {
 }  // namespace
 }  // namespace bgl::alloc
 
-int main() { return bgl::alloc::run(); }
+int main(int argc, char** argv) {
+  const char* calibration_out = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--calibration-out") == 0 && i + 1 < argc) {
+      calibration_out = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--calibration-out FILE]\n", argv[0]);
+      return 2;
+    }
+  }
+  return bgl::alloc::run(calibration_out);
+}

@@ -3,7 +3,12 @@
 # C ABI tests, the allocator benchmarks and bgl-replay of the shipped MoE traces on every
 # backend, plus (when PyTorch is installed) the same traces through PyTorch's native allocator,
 # expandable segments, cudaMallocAsync and BaGuaLu's pluggable allocator. Writes everything to
-# one results file (default out/gpu-results.txt). Budget: under 8 minutes on one H200.
+# one results file (default out/gpu-results.txt), then bagualu on CUDA (tests/gpu/
+# test_bagualu_cuda.py) and the example's policies side by side. Budget: under 8 minutes on one
+# H200.
+#
+# BGL_GPU_PREBUILT=1 skips setup, configure and build and uses the binaries already in
+# $BGL_GPU_BUILD (tests/gpu/device.sh sets it after unpacking tests/gpu/bundle.sh's bundle).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-out/gpu-results.txt}
@@ -19,10 +24,14 @@ run() {  # label, command...
   else log "--- ${label}: FAILED ($((SECONDS - start)) s)"; status=1; fi
 }
 : > "$out"
-bash scripts/setup.sh >/dev/null 2>&1 || echo "setup.sh failed; continuing with what is installed"
+prebuilt=${BGL_GPU_PREBUILT:-0}
+if [[ $prebuilt != 1 ]]; then
+  bash scripts/setup.sh >/dev/null 2>&1 || echo "setup.sh failed; continuing with what is installed"
+fi
 log "bagualu GPU suite, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$out"
 
+if [[ $prebuilt != 1 ]]; then
 run configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBGL_BUILD_BENCH=ON
 wanted=(bgl_alloc_gpu_tests bgl_alloc_tests bgl_alloc_c_api_tests bgl_alloc_nccl_tests bgl_preload
   bgl_preload_probe bgl_alloc bgl-replay bgl_alloc_bench bgl_enforcer_gpu_tests bgl_enforcer_tests
@@ -34,6 +43,9 @@ for t in "${wanted[@]}"; do
   if grep -qx "$t" <<<"$available"; then targets+=("$t"); else log "(target $t not configured here)"; fi
 done
 run build cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
+else
+  log "prebuilt binaries in $build, built at commit ${BGL_GPU_COMMIT:-unknown}"
+fi
 run gpu-tests bash -c "cd '$build' && ctest --output-on-failure -L gpu --timeout 120"
 run preload-tests bash -c "cd '$build' && ctest --output-on-failure -R 'alloc_preload|CApi'"
 run bench "$build/bench/allocator/bgl_alloc_bench" --benchmark_min_time=0.2
@@ -41,7 +53,16 @@ run bench "$build/bench/allocator/bgl_alloc_bench" --benchmark_min_time=0.2
 # FP8 kernels against the host twin, and the timing table (offload/reload vs cudaMemcpyAsync of
 # pinned memory, FP8 cast/uncast vs a D2D copy, overlap of offload with a compute kernel).
 run enforcer-tests bash -c "cd '$build' && ctest --output-on-failure -R 'Enforcer|Fp8|StreamScheduler|EnforceCApi' --timeout 120"
-run enforcer-timing timeout 120 "$build/bench/enforcer/bgl_enforcer_gpu_timing"
+# The timing bench also writes the planner's calibration from the measured rooflines; the
+# planner must accept it.
+calibration="$(dirname "$out")/calibration-h200.json"
+run enforcer-timing timeout 120 "$build/bench/enforcer/bgl_enforcer_gpu_timing" \
+  --calibration-out "$calibration"
+if [[ -s $calibration ]]; then
+  cat "$calibration" | tee -a "$out"
+  run calibration-check "$build/tools/bgl-plan/bgl-plan" --model models/glm-423b-a30b.json \
+    --capacity 141GB --load 2.6 --calibration "$calibration"
+fi
 
 for backend in host cuda-vmm cuda-async; do
   for trace in traces/*.csv; do
@@ -56,6 +77,15 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
       run "torch $mode $(basename "$trace")" timeout 120 python3 tests/gpu/torch_replay.py \
         --trace "$trace" --mode "$mode" --lib "$build/allocator/libbgl_alloc.so"
     done
+  done
+  # bagualu itself on CUDA: the allocator swap, install after CUDA init, enforcement against
+  # keep-all, then the example's policies side by side (iteration wall time).
+  export BGL_LIB_DIR=${BGL_LIB_DIR:-$PWD/$build}
+  run "bagualu cuda tests" timeout 600 python3 -m pytest -q -s -p no:cacheprovider \
+    tests/gpu/test_bagualu_cuda.py
+  for config in default large; do
+    run "bagualu bench $config" timeout 300 python3 tests/gpu/bagualu_cuda.py bench \
+      --config "$config" --iterations 6 --json-out "$(dirname "$out")/bagualu-bench-$config.json"
   done
 else
   log "=== torch comparison skipped: PyTorch with CUDA not importable"

@@ -13,10 +13,21 @@ from .governor import Governor
 from .pool import DevicePool
 
 log = logging.getLogger("bagualu")
+# PyTorch cannot change its allocator back once it has been used, so a second install() in the
+# same process keeps the swapped one instead of failing.
+_swapped = False
+
+
+def cuda_allocator_swapped() -> bool:
+    """Whether libbgl_alloc.so is PyTorch's CUDA allocator in this process."""
+    return _swapped
 
 
 def swap_cuda_allocator() -> None:
     """Makes libbgl_alloc.so PyTorch's CUDA allocator; InstallError if CUDA is initialised."""
+    global _swapped
+    if _swapped:
+        return
     if torch.cuda.is_initialized():
         raise InstallError(
             "bagualu.install() must run before the first CUDA allocation: CUDA is already "
@@ -27,6 +38,7 @@ def swap_cuda_allocator() -> None:
         raise InstallError("libbgl_alloc.so not found (set BGL_LIB_DIR to the build directory)")
     alloc = torch.cuda.memory.CUDAPluggableAllocator(str(path), "bgl_alloc", "bgl_free")
     torch.cuda.memory.change_current_allocator(alloc)
+    _swapped = True
 
 
 def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import graph as graphmod
 from .errors import InstallError, InstrumentError, OutOfMemoryError, PolicyError
+from .pool import DevicePool
 from .ops import OpBlock, Step, classify, layer_of, recompute_closure, regions, run_step
 from .tracker import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op, Tracker
 
@@ -503,6 +504,8 @@ class Runtime:
                                "governor": self.governor.kind if self.governor else None}
         if self.pool is not None:
             out["allocator"] = self.pool.stats()
+        elif self._cuda_pool() is not None:
+            out["allocator"] = self._cuda_pool().stats()
         if self.accuracy:
             errs = [abs(p - c) / c for _, p, c in self.accuracy if c > 0]
             out["memory_model"] = {"samples": len(errs), "mean_error": sum(errs) / len(errs),
@@ -511,13 +514,22 @@ class Runtime:
 
     def dump_snapshot(self, path: str) -> None:
         """Writes the allocator's snapshot as the pickle pytorch.org/memory_viz opens."""
-        if self.device.type == "cuda" and self.pool is None:
+        pool = self.pool if self.pool is not None else self._cuda_pool()
+        if pool is None:  # CUDA with PyTorch's own allocator (install came too late)
             torch.cuda.memory._dump_snapshot(path)
             return
-        snap = self.pool.snapshot() if self.pool is not None else {
-            "segments": [], "device_traces": [[]]}
+        snap = pool.snapshot()
         with open(path, "wb") as f:
             pickle.dump(snap, f)
+
+    def _cuda_pool(self) -> Any:
+        """libbgl_alloc.so's view of this CUDA device when it is PyTorch's allocator."""
+        from . import installer
+        if self.device.type != "cuda" or not installer.cuda_allocator_swapped():
+            return None
+        if getattr(self, "_cuda_pool_view", None) is None:
+            self._cuda_pool_view = DevicePool(0, device=self.device.index or 0, configure=False)
+        return self._cuda_pool_view
 
     def close(self) -> None:
         self.remove_hooks()

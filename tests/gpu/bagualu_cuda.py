@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""bagualu on CUDA, one scenario per process (PyTorch's allocator is fixed at the first CUDA
+allocation, so each scenario needs a fresh process). Prints one line `RESULT <json>`; the pytest
+wrapper (test_bagualu_cuda.py) checks it. Run: python3 tests/gpu/bagualu_cuda.py <scenario>.
+
+Scenarios:
+  swap         install() makes libbgl_alloc.so PyTorch's allocator: CUDA tensors come from the
+               pool, stats() and dump_snapshot() read it.
+  late         install() after CUDA was initialised: InstallError (strict), else a logged error
+               and training goes on with PyTorch's allocator.
+  correctness  keep-all against offload-everything, recompute, static-over (bitwise expected
+               with deterministic algorithms) and FP8 storage (1% on the loss) on the GPU.
+  bench        keep-all, static-over and bagualu side by side on the example's model; median
+               iteration wall time of each (printed, and written to --json-out).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "integrations" / "pytorch"))
+sys.path.insert(0, str(ROOT / "integrations" / "pytorch" / "examples"))
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+
+import bagualu  # noqa: E402
+from moe_model import MoEConfig  # noqa: E402
+from moe_train import train  # noqa: E402
+
+ALL_OPS = ("attn_norm", "qkv_proj", "core_attn", "out_proj", "moe_norm", "router", "shared_fc1",
+           "shared_act", "shared_fc2", "dispatch", "expert_fc1", "expert_act", "expert_fc2",
+           "combine")
+
+
+DEVICE = "cuda"  # --device cpu runs correctness and bench without a GPU (a dry run of this file)
+
+
+def small() -> MoEConfig:
+    return MoEConfig(layers=2, hidden=64, heads=2, experts=16, top_k=4, moe_hidden=64,
+                     shared_hidden=32, vocab=128, seq_len=32, micro_batch_size=2, ep=4)
+
+
+def emit(result: dict) -> None:
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def scenario_swap() -> dict:
+    rt = bagualu.install(capacity="1GiB", policy="bagualu", device="cuda", governor="none",
+                         strict=True)
+    x = torch.randn(1 << 22, device="cuda")  # 16 MiB
+    y = x * 2
+    torch.cuda.synchronize()
+    st = bagualu.stats()
+    alloc = st.get("allocator", {})
+    snap_path = Path(tempfile.mkdtemp()) / "snapshot.pickle"
+    bagualu.dump_snapshot(str(snap_path))
+    with open(snap_path, "rb") as f:
+        snap = pickle.load(f)
+    ok_math = bool(torch.equal(y, x * 2))
+    del x, y
+    return {"allocator": alloc, "swapped": bagualu.installer.cuda_allocator_swapped(),
+            "segments": len(snap.get("segments", [])), "math": ok_math,
+            "device": str(rt.device)}
+
+
+def scenario_late() -> dict:
+    torch.zeros(1, device="cuda")
+    message = ""
+    try:
+        bagualu.install(capacity="1GiB", device="cuda", governor="none", strict=True)
+    except bagualu.InstallError as e:
+        message = str(e)
+    bagualu.uninstall()
+    r = train(small(), "bagualu", iterations=2, micro_batches=4, stages=2, capacity="64MiB",
+              device="cuda", log_iterations=False)
+    return {"strict_message": message, "finished": r["finished"], "oom": r["oom"],
+            "swapped": bagualu.installer.cuda_allocator_swapped()}
+
+
+def _losses(r: dict) -> list:
+    return [float(x) for x in r["losses"]]
+
+
+def _grads_equal(a: dict, b: dict) -> bool:
+    return all(ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
+               for ga, gb in zip(a["grads"], b["grads"]))
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(_losses(a), _losses(b)))
+
+
+def scenario_correctness() -> dict:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    kw = dict(iterations=3, micro_batches=4, stages=2, capacity="64MiB", spike_size=2.6,
+              spike_every=3, device=DEVICE, log_iterations=False, collect_grads=True)
+    cfg = small()
+    runs = {}
+    runs["keep-all"] = train(cfg, "keep-all", **kw)
+    runs["offload"] = train(cfg, "bagualu", force={op: bagualu.OFFLOAD for op in ALL_OPS}, **kw)
+    runs["recompute"] = train(cfg, "bagualu", force={
+        op: bagualu.RECOMPUTE for op in ("expert_fc1", "expert_act", "expert_fc2", "shared_act",
+                                         "core_attn", "attn_norm")}, **kw)
+    runs["static-over"] = train(cfg, "static-over", **kw)
+    runs["fp8"] = train(cfg, "bagualu", force={
+        op: bagualu.FP8 for op in ("qkv_proj", "core_attn", "out_proj", "shared_act",
+                                   "expert_fc1", "expert_act", "expert_fc2")}, **kw)
+    base = runs["keep-all"]
+    out = {"swapped": bagualu.installer.cuda_allocator_swapped()}
+    for name, r in runs.items():
+        out[name] = {"finished": r["finished"], "oom": r["oom"], "losses": _losses(r),
+                     "bitwise": _losses(r) == _losses(base) and _grads_equal(base, r),
+                     "max_rel_loss": _max_rel(base, r),
+                     "tracker": r.get("stats", {}).get("tracker", {})}
+        gc.collect()
+    return out
+
+
+def scenario_bench(config: str, iterations: int, json_out: str) -> dict:
+    if config == "large":
+        cfg = MoEConfig(layers=8, experts=16, top_k=4, seq_len=512, hidden=1024)
+        capacity = "4672MiB"  # the default example's 292 MiB scaled with hidden x seq_len
+    else:
+        cfg = MoEConfig(layers=8, experts=16, top_k=4, seq_len=128, hidden=256)
+        capacity = "292MiB"
+    out = {"config": config, "capacity": capacity, "policies": {}}
+    for pol in ("plain", "keep-all", "static-over", "bagualu"):
+        r = train(cfg, pol, iterations=iterations, micro_batches=8, stages=4, capacity=capacity,
+                  spike_size=2.6, spike_every=16, device=DEVICE, log_iterations=False)
+        times = r["iteration_s"][1:] or r["iteration_s"]
+        out["policies"][pol] = {"finished": r["finished"], "oom": r["oom"],
+                                "median_s": statistics.median(times) if times else None,
+                                "offloads": sum(ln["offloads"] for ln in r["lines"]),
+                                "recomputed_ops": sum(ln["recomputed_ops"] for ln in r["lines"])}
+        gc.collect()
+    p = out["policies"]
+    if p["bagualu"]["median_s"] and p["static-over"]["median_s"]:
+        out["static_over_over_bagualu"] = p["static-over"]["median_s"] / p["bagualu"]["median_s"]
+    if p["plain"]["median_s"] and p["keep-all"]["median_s"]:
+        out["keep_all_over_plain"] = p["keep-all"]["median_s"] / p["plain"]["median_s"]
+    if json_out:
+        Path(json_out).write_text(json.dumps(out, indent=1))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("scenario", choices=["swap", "late", "correctness", "bench"])
+    ap.add_argument("--config", default="default", choices=["default", "large"])
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--json-out", default="")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cpu" and args.scenario in ("swap", "late"):
+        print(f"scenario {args.scenario} needs CUDA", file=sys.stderr)
+        return 2
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available", file=sys.stderr)
+        return 77
+    if args.scenario == "swap":
+        emit(scenario_swap())
+    elif args.scenario == "late":
+        emit(scenario_late())
+    elif args.scenario == "correctness":
+        emit(scenario_correctness())
+    else:
+        emit(scenario_bench(args.config, args.iterations, args.json_out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs the GPU suite on a GPU machine from the bundle that tests/gpu/bundle.sh made elsewhere:
+# unpacks gpu-bundle/build.tar.gz into the build directory it came from, links this checkout to
+# the path it was built at (CTest files hold absolute paths), points the loader at the packed
+# libraries and the machine's own NCCL, and runs tests/gpu/run.sh on the prebuilt binaries.
+#
+#   bash tests/gpu/device.sh [results file]     (default out/gpu-results.txt)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+here=$PWD
+out=${1:-out/gpu-results.txt}
+bundle=gpu-bundle/build.tar.gz
+[[ -f $bundle ]] || { echo "device.sh: $bundle missing: run tests/gpu/bundle.sh first" >&2; exit 1; }
+rm -rf gpu-bundle/unpacked && mkdir -p gpu-bundle/unpacked
+tar -xzf "$bundle" -C gpu-bundle/unpacked
+src=$(cat gpu-bundle/unpacked/SOURCE_ROOT)
+build=$(cat gpu-bundle/unpacked/BUILD_DIR)
+mkdir -p "$build" && cp -a "gpu-bundle/unpacked/$build/." "$build/"
+if [[ "$here" != "$src" && ! -e "$src" ]]; then
+  mkdir -p "$(dirname "$src")" && ln -s "$here" "$src"
+fi
+[[ "$(cd "$src" 2>/dev/null && pwd -P)" == "$(pwd -P)" ]] ||
+  echo "device.sh: warning: $src is not this checkout; ctest may not find its binaries" >&2
+# CTest files call the CMake that configured them (cmake -E env for the LD_PRELOAD test).
+cmake_used=$(grep -rhoE '"/[^"]*/cmake"' "$build" --include=CTestTestfile.cmake | head -1 | tr -d '"')
+if [[ -n $cmake_used && ! -x $cmake_used ]] && command -v cmake >/dev/null; then
+  mkdir -p "$(dirname "$cmake_used")" && ln -sf "$(command -v cmake)" "$cmake_used"
+fi
+nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+export LD_LIBRARY_PATH="$here/gpu-bundle/unpacked/lib${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export BGL_GPU_PREBUILT=1 BGL_GPU_BUILD=$build BGL_LIB_DIR="$here/$build"
+export BGL_GPU_COMMIT=$(cat gpu-bundle/unpacked/COMMIT 2>/dev/null || echo unknown)
+export PYTHONUNBUFFERED=1
+exec bash tests/gpu/run.sh "$out"
