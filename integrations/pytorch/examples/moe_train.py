@@ -3,7 +3,9 @@
 Single process (default): emulates one pipeline stage's 1F1B memory pattern (rank 0 of
 --stages, so up to --stages micro-batches are in flight). Under torchrun (WORLD_SIZE > 1):
 real pipeline parallelism, one stage per rank (gloo on CPU, NCCL on GPU), every rank talking
-to the same governor daemon ($BGL_GOVERNOR).
+to the same governor daemon ($BGL_GOVERNOR); --pipeline torch drives the stages with
+torch.distributed.pipelining's Schedule1F1B (or --torch-schedule gpipe) through
+bagualu.pipelining.wrap_schedule.
 
   python integrations/pytorch/examples/moe_train.py --policy all --capacity 292MiB \
       --spike-size 2.6 --spike-every 16
@@ -45,15 +47,16 @@ def train(cfg: MoEConfig, policy: str, iterations: int = 4, micro_batches: int =
     """One single-process run; returns losses, times, per-iteration lines and stats.
 
     policy 'plain' runs plain PyTorch (no bagualu) for the overhead comparison."""
+    use = policy != "plain"
+    if use:  # before the model reaches the GPU: PyTorch's allocator is fixed at first use
+        bagualu.install(capacity=capacity, policy=policy, device=device, governor=governor,
+                        pipeline_stages=stages, micro_batches=micro_batches,
+                        log_iterations=log_iterations)
     torch.manual_seed(seed)
     model = MoEStage(cfg).to(device)
     corpus = DriftingCorpus(cfg, seed=seed + 1)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    use = policy != "plain"
     if use:
-        bagualu.install(capacity=capacity, policy=policy, device=device, governor=governor,
-                        pipeline_stages=stages, micro_batches=micro_batches,
-                        log_iterations=log_iterations)
         bagualu.instrument(model, cfg.info())
         if force is not None:
             bagualu.current().force_strategies(force)
@@ -152,19 +155,13 @@ def run_distributed(args: argparse.Namespace, cfg: MoEConfig) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if backend == "nccl" \
         else torch.device("cpu")
-    per = cfg.layers // world
-    first, last = rank * per, cfg.layers if rank == world - 1 else (rank + 1) * per
+    if args.pipeline == "torch":
+        return run_torch_pipeline(args, cfg, rank, world, device)
     policy = "bagualu" if args.policy in ("all", "plain") else args.policy
     bagualu.install(capacity=args.capacity, policy=policy, device=device,
                     governor=args.governor, pipeline_rank=rank, pipeline_stages=world,
                     micro_batches=args.micro_batches)
-    torch.manual_seed(args.seed)
-    full = MoEStage(cfg)
-    stage = MoEStage(cfg, first, last, embed=rank == 0, head=rank == world - 1)
-    stage.load_state_dict({k: v for k, v in _slice_state(full, first, last, rank == 0,
-                                                         rank == world - 1).items()})
-    stage.to(device)
-    del full
+    stage = _build_stage(cfg, args.seed, rank, world, device)
     bagualu.instrument(stage, cfg.info())
     corpus = DriftingCorpus(cfg, seed=args.seed + 1)
     opt = torch.optim.SGD(stage.parameters(), lr=0.05)
@@ -202,6 +199,101 @@ def run_distributed(args: argparse.Namespace, cfg: MoEConfig) -> None:
         print(f"governor sessions of job {job}: pipeline ranks {ranks}", flush=True)
     dist.barrier()
     bagualu.uninstall()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _build_stage(cfg: MoEConfig, seed: int, rank: int, world: int, device: torch.device
+                 ) -> MoEStage:
+    """This rank's layers of the full model (the same weights whatever the world size)."""
+    per = cfg.layers // world
+    first, last = rank * per, cfg.layers if rank == world - 1 else (rank + 1) * per
+    torch.manual_seed(seed)
+    full = MoEStage(cfg)
+    stage = MoEStage(cfg, first, last, embed=rank == 0, head=rank == world - 1)
+    stage.load_state_dict(_slice_state(full, first, last, rank == 0, rank == world - 1))
+    return stage.to(device)
+
+
+def run_torch_pipeline(args: argparse.Namespace, cfg: MoEConfig, rank: int, world: int,
+                       device: torch.device) -> None:
+    """One stage per rank driven by a torch.distributed.pipelining schedule (--pipeline torch);
+    bagualu is attached with bagualu.pipelining.wrap_schedule (--policy plain: not at all)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    use = args.policy != "plain"
+    if use:
+        policy = "bagualu" if args.policy == "all" else args.policy
+        bagualu.install(capacity=args.capacity, policy=policy, device=device,
+                        governor=args.governor, pipeline_rank=rank, pipeline_stages=world,
+                        micro_batches=args.micro_batches)
+    stage = _build_stage(cfg, args.seed, rank, world, device)
+    if use:
+        bagualu.instrument(stage, cfg.info())
+    mbs, seq, n_mb = cfg.micro_batch_size, cfg.seq_len, args.micro_batches
+    first, last = rank == 0, rank == world - 1
+    example_in = torch.zeros(mbs, seq, dtype=torch.long) if first \
+        else torch.zeros(mbs, seq, cfg.hidden)
+    example_out = torch.zeros(mbs, seq, cfg.vocab if last else cfg.hidden)
+    pstage = PipelineStage(stage, rank, world, device, input_args=(example_in.to(device),),
+                           output_args=(example_out.to(device),))
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.view(-1, cfg.vocab),
+                                                 target.view(-1)) / n_mb
+
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.torch_schedule]
+    schedule: Any = cls(pstage, n_mb, loss_fn=loss_fn)
+    if use:
+        schedule = bagualu.pipelining.wrap_schedule(schedule)
+    else:
+        bagualu.pipelining.fix_batch_p2p()  # plain torch 2.5.1 hangs on gloo without it
+    # the k-th forward of the stage in an iteration is micro-batch k (both schedules)
+    state = {"gmb": 0, "fwd": 0}
+
+    def pre_forward(module: torch.nn.Module, inputs: Any) -> None:
+        module.set_spike(spike_for(state["gmb"] + state["fwd"], args.spike_every,
+                                   args.spike_size))
+        state["fwd"] += 1
+
+    stage.register_forward_pre_hook(pre_forward)
+    corpus = DriftingCorpus(cfg, seed=args.seed + 1)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.05)
+    phases: Dict[str, int] = {"warmup": 0, "steady": 0, "cooldown": 0}
+    plans = 0
+    for it in range(args.iterations):
+        data = [corpus.batch(it) for _ in range(n_mb)]
+        x = torch.cat([d[0] for d in data]).to(device)
+        y = torch.cat([d[1] for d in data]).to(device)
+        opt.zero_grad(set_to_none=True)
+        state["fwd"] = 0
+        losses: List[torch.Tensor] = []
+        if first:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        opt.step()
+        state["gmb"] += n_mb
+        if use:
+            for phase, _, _ in schedule.points:
+                phases[phase] += 1
+            plans += schedule.plans
+        if last:
+            total = torch.stack([loss.detach() for loss in losses]).sum()
+            print(f"rank {rank} iteration {it} loss {float(total):.4f} "
+                  f"exact {float(total).hex()}", flush=True)
+    if use:
+        st = bagualu.stats()
+        print(f"rank {rank} finished {args.iterations} iterations governor={st['governor']} "
+              f"ooms={st['ooms']} step points {sum(phases.values())} (warmup "
+              f"{phases['warmup']} steady {phases['steady']} cooldown {phases['cooldown']}) "
+              f"plans {plans}", flush=True)
+        dist.barrier()
+        bagualu.uninstall()
+    else:
+        print(f"rank {rank} finished {args.iterations} iterations plain", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -246,6 +338,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json-out", default="", help="write the results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no per-iteration log lines")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--pipeline", choices=("p2p", "torch"), default="p2p",
+                   help="under torchrun: bagualu.schedule.P2PStage (send/recv) or a "
+                   "torch.distributed.pipelining schedule (--policy plain: without bagualu)")
+    p.add_argument("--torch-schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                   help="the torch.distributed.pipelining schedule of --pipeline torch")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
