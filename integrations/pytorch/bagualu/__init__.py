@@ -23,12 +23,13 @@ from .runtime import POLICIES
 from .tracker import FP8, KEEP, OFFLOAD, RECOMPUTE
 from .installer import install, uninstall
 from . import runtime as _runtime
+from . import pipelining, schedule
 
 __all__ = ["install", "uninstall", "instrument", "step_point", "forward", "backward",
            "begin_iteration", "end_iteration", "stats", "dump_snapshot", "OpBlock", "Step",
            "POLICIES", "KEEP", "OFFLOAD", "FP8", "RECOMPUTE", "BagualuError", "InstallError",
            "InstrumentError", "LibraryNotFound", "OutOfMemoryError", "PlannerError",
-           "PolicyError", "current"]
+           "PolicyError", "current", "pipelining", "schedule"]
 
 
 def current() -> "_runtime.Runtime":
