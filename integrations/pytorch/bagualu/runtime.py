@@ -76,7 +76,9 @@ class Runtime:
         self.tracker = Tracker(self._device_alloc, self._device_free, self._strategy_of,
                                pin_memory=device.type == "cuda", fp8_block=fp8_block,
                                copy_stream=torch.cuda.Stream(device) if device.type == "cuda"
-                               else None)
+                               else None,
+                               light_chunk=max(capacity >> 10, 64 << 10) if pool is not None
+                               else 0)
         if pool is not None and policy == "bagualu":
             pool.add_pressure_callback(self._on_pressure)
         self.blocks: List[OpBlock] = []
@@ -174,9 +176,11 @@ class Runtime:
 
     def _post_hook(self, op: Op) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if self.forwarding and self.tracker.scope and self.tracker.scope[-1] is op:
-                self.tracker.scope.pop()
-                self.tracker.note_output(out, op)
+            t = self.tracker
+            if self.forwarding and t.scope and t.scope[-1] is op:
+                t.scope.pop()
+                if t.light is None:  # producers matter only to records
+                    t.note_output(out, op)
         return hook
 
     def remove_hooks(self) -> None:
@@ -197,6 +201,27 @@ class Runtime:
         if self.policy == "static-under":
             return self.static_strategies.get(op.qualname, KEEP)
         return self.mb_strategies.get(mb, {}).get(op.qualname, KEEP)
+
+    def _light(self, mb: int) -> bool:
+        """Whether the forward of ``mb`` can use light capture: every operator keeps its
+        activations and nothing may have to move them later. Forced strategies (tests,
+        debugging) always use records. Under bagualu on the simulated device, pressure eviction
+        needs records, so light capture also needs the plan to leave a quarter of its
+        prediction free."""
+        if self.forced is not None:
+            return False
+        if self.policy == "keep-all":
+            return True
+        if self.policy == "static-over":
+            return False
+        if self.policy == "static-under":
+            return all(s == KEEP for s in self.static_strategies.values())
+        if not all(s == KEEP for s in self.mb_strategies.get(mb, {"": RECOMPUTE}).values()):
+            return False
+        if self.pool is None:
+            return True
+        predicted = self.mb_plan.get(mb, {}).get("predicted_bytes", self.capacity)
+        return self.tracker.device_bytes() + 1.25 * predicted <= self.capacity
 
     def force_strategies(self, strategies: Optional[Dict[str, str]]) -> None:
         """Overrides every plan: operator name ('expert_fc1', every layer) or qualname
@@ -222,9 +247,11 @@ class Runtime:
         ops = self.layer_ops[block.bgl_layer]
         mb = self.tracker.micro_batch
         env: Dict[str, Any] = {block.input_name: x, **block.block_env()}
-        capture = self.tracker.capture
+        t = self.tracker
+        capture = t.capture
         # The block input comes from outside the layer (previous layer or embedding).
-        self.tracker.note_output(x, Op("input", "other", block.bgl_layer - 1), overwrite=False)
+        if t.light is None:
+            t.note_output(x, Op("input", "other", block.bgl_layer - 1), overwrite=False)
         if capture:
             self.record_env(block.bgl_layer, block.input_name, x)
         rec = self._recompute_set(block, mb)
@@ -245,15 +272,17 @@ class Runtime:
                 out = run_step(steps[i], env)
             finally:
                 self.tracker.scope.pop()
-            if self.tracker.capture:
+            if capture:
                 self.op_ms[op.name] = self.op_ms.get(op.name, 0.0) + \
                     (time.perf_counter() - t0) * 1e3 / max(len(self.blocks), 1)
-            self.tracker.note_output(out, op)
+            if t.light is None:
+                t.note_output(out, op)
             if capture:
                 for name in steps[i].outputs:
                     self.record_env(block.bgl_layer, name, env[name])
             if steps[i].gate and "load" in env:
                 if self.observe_gate(block.bgl_layer, float(env["load"])):
+                    t.end_light()  # the rest of the forward may move activations
                     rec = self._recompute_set(block, mb, frozen_before=i)
             i += 1
         return env[block.output_name]
@@ -393,6 +422,8 @@ class Runtime:
         self._env_keys = getattr(self, "_env_keys", {}) if not capture else {}
         if capture:
             self._record_env = True
+        elif self._light(mb):
+            t.begin_light(mb)
         try:
             with torch.autograd.graph.saved_tensors_hooks(t.pack, t.unpack):
                 yield
@@ -405,7 +436,7 @@ class Runtime:
         load = sum(loads) / len(loads)
         self.last_load = load
         self.iter["loads"].append(load)
-        captured = graphmod.in_layer_bytes(t.by_mb.get(mb, ()))
+        captured = graphmod.in_layer_bytes(t.by_mb.get(mb, ())) + t.light_bytes(mb, True)
         if capture:
             self._ensure_planner()
         after = (t.counters["offloads"], t.counters["fp8_casts"], t.counters["evictions"],

@@ -232,8 +232,16 @@ class Tracker:
         "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
         "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0})
 
+    light_chunk: int = 0  # bytes per accounting block of light micro-batches (0: exact)
+
     def __post_init__(self) -> None:
         self.scope: List[Op] = []
+        # Light capture: a micro-batch whose strategies are all keep needs no records. Saved
+        # storages are only counted (storage ptr -> nbytes, negative once a consumer outside
+        # the layers saved it) and accounted in coarse blocks freed when its backward ends.
+        # Pointers are unique within one forward: every saved storage lives until backward.
+        self.light: Optional[Dict[int, int]] = None       # the current forward's, when light
+        self.light_sets: Dict[int, "LightSet"] = {}       # micro-batch -> its light set
         self.micro_batch = -1
         self.live: Dict[int, Record] = {}          # storage ptr -> record (dedupe)
         self.by_mb: Dict[int, Set[Record]] = {}    # micro-batch -> its live records
@@ -274,12 +282,33 @@ class Tracker:
 
     # -- hooks ------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
+        light = self.light
+        if light is not None:  # the fast path: count the storage, keep the tensor
+            if t.is_sparse:
+                return t
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            seen = light.get(key)
+            scope = self.scope
+            in_layer = bool(scope) and scope[-1].layer >= 0
+            if seen is None:
+                if key in self.param_keys or not self.enabled or t.numel() == 0:
+                    return t
+                n = st.nbytes()
+                light[key] = n if in_layer else -n
+                self.light_sets[self.micro_batch].grow(n)
+            elif seen > 0 and not in_layer:
+                light[key] = -seen
+            return t
         if not self.enabled or self.micro_batch < 0 or t.numel() == 0 or t.is_sparse:
             return t
         st = t.untyped_storage()
         key = st.data_ptr()
         if key in self.param_keys:
             return t
+        ls = self.light_sets.get(self.micro_batch)
+        if ls is not None and key in ls.sizes:
+            return t  # counted before the plan changed mid-forward; it stays kept
         op = self.scope[-1] if self.scope else OUTSIDE
         rec = self.live.get(key)
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
@@ -320,6 +349,9 @@ class Tracker:
             st = t.untyped_storage()
             if st.data_ptr() in self.param_keys:
                 continue
+            ls = self.light_sets.get(self.micro_batch)
+            if ls is not None and st.data_ptr() in ls.sizes:
+                continue  # light-counted: kept on the device anyway
             rec = self.live.get(st.data_ptr())
             if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
                 rec = self.new_record(st, t.dtype, self._producer(st, op))
@@ -337,18 +369,46 @@ class Tracker:
         if recs is not None:
             recs.discard(rec)
 
+    def begin_light(self, micro_batch: int) -> None:
+        """Light capture for the forward of ``micro_batch`` (see __post_init__)."""
+        ls = self.light_sets.get(micro_batch)
+        if ls is None:
+            ls = self.light_sets[micro_batch] = LightSet(self, micro_batch)
+        self.light = ls.sizes
+
+    def end_light(self) -> None:
+        """Back to records for the rest of the forward (the plan changed after the router)."""
+        self.light = None
+
     def end_forward(self) -> None:
         """Forgets producers of the finished forward (their pointers may be reused)."""
         self.producers.clear()
+        self.light = None
 
     def end_backward(self, micro_batch: int) -> None:
-        """Drops the checkpoint-input holders of a micro-batch whose backward finished."""
+        """Drops the checkpoint-input holders and the light set of a micro-batch whose
+        backward finished."""
         self.pinned_holders.pop(micro_batch, None)
+        ls = self.light_sets.pop(micro_batch, None)
+        if ls is not None:
+            ls.free()
+
+    def light_bytes(self, micro_batch: int, in_layer_only: bool = False) -> int:
+        ls = self.light_sets.get(micro_batch)
+        if ls is None:
+            return 0
+        if in_layer_only:
+            return sum(n for n in ls.sizes.values() if n > 0)
+        return ls.used
 
     def release_all(self) -> None:
         """Gives every block back to the pool (uninstall, or after a failed iteration whose
         graphs may still be referenced); records keep their data but are no longer counted."""
         self.pinned_holders.clear()
+        self.light = None
+        for ls in self.light_sets.values():
+            ls.free()
+        self.light_sets.clear()
         for recs in list(self.by_mb.values()):
             for r in list(recs):
                 r._unaccount()
@@ -359,14 +419,17 @@ class Tracker:
     # -- queries and pressure --------------------------------------------------------------
     def device_bytes(self, micro_batch: Optional[int] = None) -> int:
         if micro_batch is None:
-            return sum(r.block_bytes for recs in self.by_mb.values() for r in recs)
-        return sum(r.block_bytes for r in self.by_mb.get(micro_batch, ()))
+            return (sum(r.block_bytes for recs in self.by_mb.values() for r in recs)
+                    + sum(ls.reserved for ls in self.light_sets.values()))
+        ls = self.light_sets.get(micro_batch)
+        return (sum(r.block_bytes for r in self.by_mb.get(micro_batch, ()))
+                + (ls.reserved if ls is not None else 0))
 
     def retained_bytes(self, micro_batch: int) -> int:
         """Bytes of the micro-batch's activations on the device (storage sizes)."""
         return sum(r.nbytes if r.placement == DEVICE else
                    (r.block_bytes if r.placement == FP8_PLACE else 0)
-                   for r in self.by_mb.get(micro_batch, ()))
+                   for r in self.by_mb.get(micro_batch, ())) + self.light_bytes(micro_batch)
 
     def evict(self, needed: int) -> int:
         """Offloads device-resident activations needed last until ``needed`` bytes are freed."""
@@ -399,6 +462,35 @@ class Tracker:
 
     def copy_to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
         dst.copy_(host, non_blocking=dst.is_cuda and self.pin_memory)
+
+
+class LightSet:
+    """The storages one light micro-batch saved, accounted in blocks of the tracker's
+    light_chunk bytes (one allocator call per chunk instead of two per storage)."""
+
+    __slots__ = ("tracker", "micro_batch", "sizes", "used", "reserved", "blocks")
+
+    def __init__(self, tracker: Tracker, micro_batch: int) -> None:
+        self.tracker = tracker
+        self.micro_batch = micro_batch
+        self.sizes: Dict[int, int] = {}
+        self.used = 0
+        self.reserved = 0
+        self.blocks: List[Tuple[int, int]] = []
+
+    def grow(self, nbytes: int) -> None:
+        self.used += nbytes
+        if self.used > self.reserved:
+            size = max(self.used - self.reserved, self.tracker.light_chunk)
+            block = self.tracker.device_alloc(size)  # OutOfMemoryError as for a record
+            self.blocks.append((block, size))
+            self.reserved += size
+
+    def free(self) -> None:
+        for block, size in self.blocks:
+            self.tracker.device_free(block, size)
+        self.blocks.clear()
+        self.reserved = 0
 
 
 def now() -> float:
