@@ -284,21 +284,26 @@ class Tracker:
     def pack(self, t: torch.Tensor) -> Any:
         light = self.light
         if light is not None:  # the fast path: count the storage, keep the tensor
-            if t.is_sparse:
+            try:
+                st = t.untyped_storage()
+            except RuntimeError:  # sparse and other storage-less layouts
                 return t
-            st = t.untyped_storage()
             key = st.data_ptr()
             seen = light.get(key)
-            scope = self.scope
-            in_layer = bool(scope) and scope[-1].layer >= 0
             if seen is None:
-                if key in self.param_keys or not self.enabled or t.numel() == 0:
+                if key in self.param_keys:
+                    light[key] = 0  # remembered: the next lookup is the only cost
+                    return t
+                if not self.enabled or t.numel() == 0:
                     return t
                 n = st.nbytes()
-                light[key] = n if in_layer else -n
+                scope = self.scope
+                light[key] = n if scope and scope[-1].layer >= 0 else -n
                 self.light_sets[self.micro_batch].grow(n)
-            elif seen > 0 and not in_layer:
-                light[key] = -seen
+            elif seen > 0:
+                scope = self.scope
+                if not scope or scope[-1].layer < 0:
+                    light[key] = -seen
             return t
         if not self.enabled or self.micro_batch < 0 or t.numel() == 0 or t.is_sparse:
             return t
