@@ -14,6 +14,7 @@ void RegistrationToProto(const Registration& r, bagualu::v1::RegisterRequest* ou
   out->set_model_json(r.model_json);
   *out->mutable_calibration() = r.calibration;
   out->set_disable_dual_batch(r.disable_dual_batch);
+  out->set_budget_step_bytes(r.budget_step_bytes);
 }
 
 SessionInfo SessionInfoFromProto(const bagualu::v1::RegisterResponse& in) {

@@ -26,6 +26,7 @@ struct Registration {
   std::string model_json;       // a model document (docs/planner.md), layer_graph optional
   bagualu::v1::Calibration calibration;  // unset fields keep the profile's
   bool disable_dual_batch = false;
+  int64_t budget_step_bytes = 0;  // plan-cache budget bucket; 0: the planner's 64 MiB
 };
 
 // What registration returns.

@@ -103,6 +103,14 @@ Status ValidateRegisterRequest(const pb::RegisterRequest& req, const RequestLimi
     return InvalidArgument("capacity_bytes: must be in [0, 2^50] (0: the GPU's), got " +
                            std::to_string(req.capacity_bytes()));
   }
+  // Rejected rather than clamped below 4 KiB: such a step makes nearly every budget its own
+  // bucket, so the plan cache would stop working without the caller noticing.
+  if (req.budget_step_bytes() != 0 && (req.budget_step_bytes() < kMinBudgetStepBytes ||
+                                       req.budget_step_bytes() > (int64_t{1} << 50))) {
+    return InvalidArgument("budget_step_bytes: must be 0 (the default, 64 MiB) or in [" +
+                           std::to_string(kMinBudgetStepBytes) + ", 2^50], got " +
+                           std::to_string(req.budget_step_bytes()));
+  }
   if (req.model_json().size() > limits.max_model_json_bytes) {
     return Exhausted("model_json: " + std::to_string(req.model_json().size()) +
                      " bytes exceed the limit of " + std::to_string(limits.max_model_json_bytes));
@@ -163,6 +171,7 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(const pb::R
   plan::PlannerOptions options;
   options.capacity_bytes = req.capacity_bytes();
   options.pipeline_rank = req.pipeline_rank();
+  if (req.budget_step_bytes() != 0) options.budget_step_bytes = req.budget_step_bytes();
   options.issue_policy = req.disable_dual_batch() ? plan::IssuePolicy::kSerial
                                                  : plan::IssuePolicy::kDualBatch;
   try {

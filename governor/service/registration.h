@@ -30,6 +30,9 @@ struct ModelBounds {
   int64_t max_experts = 1 << 16;
 };
 
+// The smallest RegisterRequest.budget_step_bytes the daemon accepts (0 keeps the default).
+inline constexpr int64_t kMinBudgetStepBytes = 4096;
+
 // Checks every field of `req` that does not need the model parsed.
 Status ValidateRegisterRequest(const bagualu::v1::RegisterRequest& req,
                                const RequestLimits& limits);

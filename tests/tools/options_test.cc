@@ -54,6 +54,11 @@ TEST(CtlOptions, Commands) {
   EXPECT_EQ(plan->backward_micro_batch, 1);
   EXPECT_EQ(plan->bytes_in_use, int64_t{1} << 30);
   EXPECT_TRUE(plan->json);
+  EXPECT_EQ(plan->budget_step_bytes, 0);
+  auto probe = ctl::ParseCtlOptions(
+      {"plan", "--model", "m.json", "--capacity", "256MiB", "--budget-step", "4MiB"});
+  ASSERT_TRUE(probe.ok()) << probe.status().message();
+  EXPECT_EQ(probe->budget_step_bytes, int64_t{4} << 20);
 }
 
 TEST(CtlOptions, Errors) {
@@ -64,6 +69,8 @@ TEST(CtlOptions, Errors) {
   EXPECT_FALSE(ctl::ParseCtlOptions({"plan", "--session", "s", "--phase", "x"}).ok());
   EXPECT_FALSE(ctl::ParseCtlOptions({"--timeout", "0", "health"}).ok());
   EXPECT_FALSE(ctl::ParseCtlOptions({"health", "sessions"}).ok());
+  // A session keeps the budget step it registered with.
+  EXPECT_FALSE(ctl::ParseCtlOptions({"plan", "--session", "s", "--budget-step", "1MiB"}).ok());
 }
 
 TEST(GovernorAddress, DefaultFromEnvironment) {

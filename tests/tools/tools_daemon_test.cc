@@ -264,6 +264,11 @@ TEST_F(ToolsAgainstDaemon, CtlPlan) {
   const auto plan = nlohmann::json::parse(out, nullptr, false);
   ASSERT_FALSE(plan.is_discarded()) << out;
   EXPECT_TRUE(plan.contains("budget_bytes")) << out;
+  // The daemon checks the probe's budget step and names the field.
+  const std::string probe = "plan --model " + model + " --capacity 2GiB --forward 0";
+  EXPECT_EQ(RunShell(Ctl(probe + " --budget-step 1KiB"), &out), 1) << out;
+  EXPECT_NE(out.find("budget_step_bytes"), std::string::npos) << out;
+  ASSERT_EQ(RunShell(Ctl(probe + " --budget-step 1MiB"), &out), 0) << out;
   ASSERT_EQ(RunShell(Ctl("sessions --json"), &out), 0) << out;
   EXPECT_EQ(nlohmann::json::parse(out)["sessions"].size(), 2u) << out;  // the probe is gone
 }

@@ -18,13 +18,14 @@ const char* const kCtlUsage =
     "  sessions [--json]                list the sessions visible to the caller\n"
     "  snapshot [--session ID] [--out FILE]\n"
     "                                   write the latest allocator snapshots (JSON)\n"
-    "  plan (--session ID | --model FILE --capacity BYTES [--gpu N])\n"
+    "  plan (--session ID | --model FILE --capacity BYTES [--gpu N] [--budget-step BYTES])\n"
     "       [--phase warmup|steady|cooldown] [--forward MB] [--chunk N] [--backward MB]\n"
     "       [--backward-chunk N] [--load R] [--bytes-in-use BYTES] [--json]\n"
     "                                   ask for one plan (debugging). The daemon plans only\n"
     "                                   for the process that registered a session, so\n"
     "                                   --model registers a throwaway session of that model\n"
-    "                                   file, plans it and ends it\n"
+    "                                   file, plans it and ends it; --budget-step sets its\n"
+    "                                   plan-cache budget bucket (default 64MiB)\n"
     "\n"
     "exit status: 0 success (healthy), 1 failure (unreachable, unhealthy, refused), 2 usage\n";
 
@@ -61,7 +62,7 @@ bool Accepts(Command command, const std::string& flag) {
       return flag == "--session" || flag == "--phase" || flag == "--forward" || flag == "--chunk" ||
              flag == "--backward" || flag == "--backward-chunk" || flag == "--load" ||
              flag == "--bytes-in-use" || flag == "--json" || flag == "--model" ||
-             flag == "--capacity" || flag == "--gpu";
+             flag == "--capacity" || flag == "--gpu" || flag == "--budget-step";
     case Command::kHelp:
       return false;
   }
@@ -145,6 +146,10 @@ Result<CtlOptions> ParseCtlOptions(const std::vector<std::string>& args) {
       auto b = ParseBytes(*v, "--capacity");
       if (!b.ok()) return b.status();
       o.capacity_bytes = *b;
+    } else if (arg == "--budget-step") {
+      auto b = ParseBytes(*v, "--budget-step");
+      if (!b.ok()) return b.status();
+      o.budget_step_bytes = *b;
     } else if (arg == "--bytes-in-use") {
       auto b = ParseBytes(*v, "--bytes-in-use");
       if (!b.ok()) return b.status();
@@ -169,6 +174,10 @@ Result<CtlOptions> ParseCtlOptions(const std::vector<std::string>& args) {
     }
     if (!o.model_path.empty() && o.capacity_bytes <= 0) {
       return InvalidArgument("plan: --model needs --capacity BYTES");
+    }
+    if (o.model_path.empty() && o.budget_step_bytes != 0) {
+      return InvalidArgument(
+          "plan: --budget-step applies only to --model (a session keeps its own)");
     }
   }
   return o;

@@ -37,6 +37,7 @@ struct CtlOptions {
   std::string model_path;
   int64_t capacity_bytes = 0;
   int32_t gpu_index = 0;
+  int64_t budget_step_bytes = 0;  // RegisterRequest.budget_step_bytes; 0: the daemon's default
 };
 
 // Parses argv without the program name.

@@ -66,6 +66,7 @@ std::string RegisterProbe(const CtlContext& ctx, const CtlOptions& options,
   request.set_pid(getpid());
   request.set_job_id("bglctl-plan");
   request.set_capacity_bytes(options.capacity_bytes);
+  request.set_budget_step_bytes(options.budget_step_bytes);  // the daemon checks the range
   request.set_model_json(text.str());
   bagualu::v1::RegisterResponse response;
   auto call = ctx.NewCall();

@@ -147,6 +147,7 @@ TEST(GovernorFuzz, HandlersRejectBadInputAndKeepOtherSessions) {
       if (f.Int(0, 3) == 0) r.set_gpu_index(f.Int32());
       if (f.Int(0, 3) == 0) r.set_pipeline_rank(f.Int32());
       if (f.Int(0, 3) == 0) r.set_capacity_bytes(f.Int64());
+      if (f.Int(0, 5) == 0) r.set_budget_step_bytes(f.Int64());
       if (f.Int(0, 5) == 0) r.set_gpu_uuid(f.Bytes(300));
       if (f.Int(0, 5) == 0) r.mutable_calibration()->set_peak_tflops(f.Double());
       if (f.Int(0, 5) == 0) r.mutable_calibration()->mutable_offload()->set_peak_gbps(f.Double());

@@ -1,0 +1,101 @@
+// RegisterRequest.budget_step_bytes: it reaches the session's planner and sets the width of the
+// plan cache's budget buckets; out-of-range values are INVALID_ARGUMENT naming the field.
+#include "governor/service/registration.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "governor/service/governor_core.h"
+
+namespace bgl::gov {
+namespace {
+
+namespace pb = bagualu::v1;
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+pb::RegisterRequest TinyRegister(int64_t budget_step_bytes) {
+  std::ifstream in(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  pb::RegisterRequest r;
+  r.set_gpu_uuid("host-0");
+  r.set_model_json(ss.str());
+  r.set_capacity_bytes(int64_t{8} << 30);
+  r.set_budget_step_bytes(budget_step_bytes);
+  return r;
+}
+
+// Plans the first forward twice, in two iterations, with `in_use` and then `in_use + delta`
+// retained; returns both plans.
+std::pair<plan::Plan, plan::Plan> PlanTwice(plan::StagePlanner& p, int64_t in_use, int64_t delta) {
+  plan::SchedulePoint point;
+  point.forward_micro_batch = 0;
+  point.bytes_in_use = in_use;
+  auto first = p.PlanPoint(point);
+  EXPECT_TRUE(first.ok()) << first.status().message();
+  p.ResetIteration();
+  point.bytes_in_use = in_use + delta;
+  auto second = p.PlanPoint(point);
+  EXPECT_TRUE(second.ok()) << second.status().message();
+  return {*first, *second};
+}
+
+int64_t Bucket(int64_t budget, int64_t step) { return budget / step; }
+
+TEST(Registration, BudgetStepReachesThePlanner) {
+  auto fine = CreatePlannerFromRequest(TinyRegister(kMiB), RequestLimits{});
+  ASSERT_TRUE(fine.ok()) << fine.status().message();
+  EXPECT_EQ((*fine)->options().budget_step_bytes, kMiB);
+  auto coarse = CreatePlannerFromRequest(TinyRegister(0), RequestLimits{});
+  ASSERT_TRUE(coarse.ok()) << coarse.status().message();
+  EXPECT_EQ((*coarse)->options().budget_step_bytes, plan::PlannerOptions{}.budget_step_bytes);
+}
+
+TEST(Registration, BudgetStepSplitsADefaultBucket) {
+  // Two budgets a few MiB apart inside one 64 MiB bucket: the default planner reuses the first
+  // plan, a planner with 1 MiB buckets plans the second budget afresh.
+  const int64_t in_use = 256 * kMiB, delta = 16 * kMiB;
+  auto coarse = CreatePlannerFromRequest(TinyRegister(0), RequestLimits{});
+  ASSERT_TRUE(coarse.ok()) << coarse.status().message();
+  auto [c1, c2] = PlanTwice(**coarse, in_use, delta);
+  ASSERT_NE(c1.budget_bytes, c2.budget_bytes);
+  ASSERT_EQ(Bucket(c1.budget_bytes, 64 * kMiB), Bucket(c2.budget_bytes, 64 * kMiB))
+      << "pick in_use so that both budgets share a 64 MiB bucket: " << c1.budget_bytes << " "
+      << c2.budget_bytes;
+  EXPECT_FALSE(c1.cache_hit);
+  EXPECT_TRUE(c2.cache_hit);
+
+  auto fine = CreatePlannerFromRequest(TinyRegister(kMiB), RequestLimits{});
+  ASSERT_TRUE(fine.ok()) << fine.status().message();
+  auto [f1, f2] = PlanTwice(**fine, in_use, delta);
+  EXPECT_EQ(f1.budget_bytes, c1.budget_bytes);
+  EXPECT_EQ(f2.budget_bytes, c2.budget_bytes);
+  ASSERT_NE(Bucket(f1.budget_bytes, kMiB), Bucket(f2.budget_bytes, kMiB));
+  EXPECT_FALSE(f1.cache_hit);
+  EXPECT_FALSE(f2.cache_hit);
+  EXPECT_EQ((*fine)->cache_stats().mitigation.misses, 2u);
+}
+
+TEST(Registration, BadBudgetStepIsRejectedNamingTheField) {
+  GovernorCore core;
+  const Caller caller{1000, 111, false, "user"};
+  for (int64_t step :
+       {int64_t{-1}, -kMiB, int64_t{1}, kMinBudgetStepBytes - 1, (int64_t{1} << 50) + 1}) {
+    pb::RegisterResponse resp;
+    const grpc::Status s = core.Register(caller, TinyRegister(step), &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << step;
+    EXPECT_EQ(s.error_message().rfind("budget_step_bytes: ", 0), 0u) << s.error_message();
+    EXPECT_NE(s.error_message().find(std::to_string(step)), std::string::npos) << s.error_message();
+  }
+  EXPECT_EQ(core.session_count(), 0u);
+  pb::RegisterResponse resp;
+  EXPECT_TRUE(core.Register(caller, TinyRegister(kMinBudgetStepBytes), &resp).ok());
+  EXPECT_EQ(core.session_count(), 1u);
+}
+
+}  // namespace
+}  // namespace bgl::gov
