@@ -34,7 +34,6 @@ class Governor:
         self._warned = False
         self._model: Optional[Dict[str, Any]] = None
         self._options: Dict[str, Any] = {}
-        self.scale = 1
 
     @property
     def ready(self) -> bool:
@@ -55,21 +54,17 @@ class Governor:
                  calibration: Optional[Dict[str, Any]] = None) -> None:
         """Describes the stage. The embedded planner is always created (the fallback).
 
-        The planner caches plans by budget in 64 MiB buckets (docs/planner.md), which is coarse
-        for small models; bytes are therefore given to it scaled by a power of two so that a
-        bucket is at most 1/64 of the capacity, and scaled back in every answer (copy
-        bandwidths in the calibration are scaled alike, so times are unchanged)."""
-        self.scale = _byte_scale(capacity_bytes)
-        model = _scaled_model(model, self.scale)
-        capacity_bytes = int(capacity_bytes * self.scale)
+        Both planners get the same plan-cache budget step (budget_step_bytes), sized from the
+        capacity, so that every byte count they see and return is real."""
+        step = budget_step_bytes(capacity_bytes)
         self._model = model
         self._options = {"capacity_bytes": int(capacity_bytes), "pipeline_rank": pipeline_rank,
                          "allow_offload": allow_offload, "allow_fp8": allow_fp8,
-                         "dual_batch": False}
+                         "dual_batch": False, "budget_step_bytes": step}
         if calibration:
-            self._options["calibration"] = _scaled_calibration(calibration, self.scale)
+            self._options["calibration"] = calibration
         self.embedded = plannermod.EmbeddedPlanner(model, self._options)
-        self.description = _unscale_description(self.embedded.description, self.scale)
+        self.description = self.embedded.description
         self.kind = "embedded"
         if self.address and self.address.lower() not in ("none", "embedded", "off"):
             try:
@@ -77,7 +72,7 @@ class Governor:
                 self.remote = RemoteGovernor(self.address, self.deadline_s)
                 self.remote_address = self.address
                 self.remote.register(model, capacity_bytes, pipeline_rank, self.job_id,
-                                     self.gpu_index)
+                                     self.gpu_index, budget_step_bytes=step)
                 self.kind = "remote"
                 log.info("bagualu: registered with the governor at %s (session %s)",
                          self.address, self.remote.session_id)
@@ -107,26 +102,22 @@ class Governor:
         return getattr(self.embedded, what)(*args)
 
     def plan(self, point: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-        point = dict(point)
-        if "bytes_in_use" in point:
-            point["bytes_in_use"] = int(point["bytes_in_use"] * self.scale)
         try:
-            return _unscale_plan(self._call("plan", point), self.scale)
+            return self._call("plan", point)
         except PlannerError as e:
             log.warning("bagualu: planning failed (%s); keeping the previous strategies", e)
             return None
 
     def plan_after_gate(self, mb: int, chunk: int, layer: int, load: float) -> Optional[Dict]:
         try:
-            return _unscale_plan(self._call("plan_after_gate", mb, chunk, layer, load),
-                                 self.scale)
+            return self._call("plan_after_gate", mb, chunk, layer, load)
         except PlannerError as e:
             log.warning("bagualu: deferred planning failed (%s)", e)
             return None
 
     def report(self, mb: int, chunk: int, actual: int) -> None:
         try:
-            self._call("report", mb, chunk, int(actual * self.scale))
+            self._call("report", mb, chunk, int(actual))
         except PlannerError as e:
             log.debug("bagualu: report ignored: %s", e)
 
@@ -151,7 +142,7 @@ class Governor:
             if nxt is not None and not nxt["forward"]:
                 point["backward_micro_batch"] = nxt["micro_batch"]
             plan = p.plan(point)
-            p.report(s["micro_batch"], 0, int(plan["predicted_bytes"]))  # scaled already
+            p.report(s["micro_batch"], 0, int(plan["predicted_bytes"]))
             if best is None or plan["predicted_bytes"] < best["predicted_bytes"]:
                 best = plan
         p.close()
@@ -178,55 +169,19 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {detail}"[:200]
 
 
-_BUCKET = 64 << 20  # the planner's budget bucket (PlannerOptions::budget_step_bytes)
-_BYTE_FIELDS = ("budget_bytes", "free_bytes", "m0_bytes", "keep_all_bytes", "predicted_bytes",
-                "host_bytes")
+_MIN_STEP = 64 << 10
+_MAX_STEP = 64 << 20  # the planner's default (PlannerOptions::budget_step_bytes)
 
 
-def _byte_scale(capacity: int) -> int:
-    scale = 1
-    while _BUCKET / scale > max(capacity, 1) / 64 and scale < (1 << 20):
-        scale *= 2
-    return scale
+def budget_step_bytes(capacity: int) -> int:
+    """The plan cache's budget bucket for a stage of ``capacity`` bytes.
 
-
-def _scaled_model(model: Dict[str, Any], scale: int) -> Dict[str, Any]:
-    if scale == 1 or "layer_graph" not in model:
-        return model
-    out = dict(model)
-    lg = dict(model["layer_graph"])
-    lg["tensors"] = [dict(t, bytes=int(t["bytes"]) * scale) for t in lg["tensors"]]
-    out["layer_graph"] = lg
-    return out
-
-
-def _scaled_calibration(cal: Dict[str, Any], scale: int) -> Dict[str, Any]:
-    out = dict(cal)
-    roof = {k: dict(v) for k, v in cal.get("rooflines", {}).items()}
-    for v in roof.values():
-        if "peak_GBps" in v:
-            v["peak_GBps"] = v["peak_GBps"] * scale
-    if roof:
-        out["rooflines"] = roof
-    return out
-
-
-def _unscale_description(d: Dict[str, Any], scale: int) -> Dict[str, Any]:
-    if scale == 1:
-        return d
-    d = dict(d)
-    for k in ("activation_capacity_bytes", "m0_bytes", "keep_all_bytes"):
-        if k in d:
-            d[k] = d[k] / scale
-    d["tensors"] = [dict(t, bytes=t["bytes"] / scale) for t in d.get("tensors", [])]
-    return d
-
-
-def _unscale_plan(plan: Optional[Dict[str, Any]], scale: int) -> Optional[Dict[str, Any]]:
-    if plan is None or scale == 1:
-        return plan
-    plan = dict(plan)
-    for k in _BYTE_FIELDS:
-        if k in plan:
-            plan[k] = plan[k] / scale
-    return plan
+    capacity/64 rounded down to a power of two: budgets within 1/64 of the capacity share a
+    plan, which is planned for the bucket's lowest budget, so at most ~1.6% of the capacity
+    is left unused by the rounding. At least 64 KiB, because finer steps only split budgets
+    that differ by allocator rounding and measurement noise (and the daemon rejects under
+    4 KiB); at most the planner's 64 MiB default, which large GPUs keep."""
+    step = _MIN_STEP
+    while step * 2 <= min(max(int(capacity), 0) // 64, _MAX_STEP):
+        step *= 2
+    return step

@@ -69,12 +69,13 @@ class RemoteGovernor:
         self.operator_names: List[str] = []
 
     def register(self, model: Dict[str, Any], capacity: int, rank: int, job_id: str,
-                 gpu_index: int) -> None:
+                 gpu_index: int, budget_step_bytes: int = 0) -> None:
+        """budget_step_bytes: the plan cache's budget bucket (0: the daemon's 64 MiB)."""
         import json
         req = self.pb.RegisterRequest(
             gpu_uuid=f"host-{gpu_index}", gpu_index=gpu_index, pid=os.getpid(), job_id=job_id,
             pipeline_rank=rank, capacity_bytes=int(capacity), model_json=json.dumps(model),
-            disable_dual_batch=True)
+            disable_dual_batch=True, budget_step_bytes=int(budget_step_bytes))
         resp = self.stub.Register(req, timeout=max(self.deadline, 2.0))
         self.session_id = resp.session_id
         self.operator_names = list(resp.operator_names)
