@@ -48,6 +48,11 @@ def test_offload_everything_is_bitwise(keep_all) -> None:
     r = _run(force={op: bagualu.OFFLOAD for op in ALL_OPS}, spike_size=2.6, spike_every=3)
     assert r["stats"]["tracker"]["offloads"] > 0
     assert r["stats"]["tracker"]["reloads"] > 0
+    # Through libbgl_alloc's enforcer: its pinned pool and copy streams moved every byte.
+    enf = r["stats"]["enforcer"]
+    assert enf["offloads"] == r["stats"]["tracker"]["offloads"]
+    assert enf["bytes_h2d"] == r["stats"]["tracker"]["bytes_h2d"] > 0
+    assert enf["pinned_peak"] > 0
     _assert_bitwise(keep_all, r)
 
 

@@ -57,8 +57,11 @@ def test_storage_saved_by_several_operators_is_one_record() -> None:
     assert {"qkv_proj", "out_proj", "expert_act"} <= names  # tanh, mm, sin (and the view)
 
 
-def test_offload_moves_bytes_and_frees_the_original() -> None:
+@pytest.mark.parametrize("through", ["enforcer", "torch"])
+def test_offload_moves_bytes_and_frees_the_original(through: str, monkeypatch) -> None:
     require_libs()
+    if through == "torch":
+        monkeypatch.setenv("BGL_ENFORCER", "0")
     torch.manual_seed(0)
     m = Tiny()
     x = torch.randn(32, 16, requires_grad=True)
@@ -67,11 +70,19 @@ def test_offload_moves_bytes_and_frees_the_original() -> None:
     bagualu.instrument(m)
     rt.force_strategies({n: bagualu.OFFLOAD for n in
                          ("attn_norm", "qkv_proj", "out_proj", "expert_act", "combine")})
+    assert (rt.enforcer is not None) == (through == "enforcer")
     with bagualu.forward(0):
         y = m(x).square().sum()
     recs = list(rt.tracker.by_mb[0])
     offloaded = [r for r in recs if r.placement == "host"]
-    assert offloaded and all(r.storage is None and r.host is not None for r in offloaded)
+    assert offloaded and all(r.storage is None for r in offloaded)
+    if through == "enforcer":  # the copy is in the enforcer's pinned pool
+        assert all(r.enf and r.host is None for r in offloaded)
+        st = rt.enforcer.stats()
+        assert st["offloads"] == len(offloaded)
+        assert st["pinned_in_use"] >= sum(r.nbytes for r in offloaded)
+    else:
+        assert all(r.host is not None for r in offloaded)
     assert all(r.block_bytes == 0 for r in offloaded)
     gc.collect()
     inner = [r for r in offloaded if r.producer.layer >= 0]  # x is still held by the caller
@@ -80,6 +91,15 @@ def test_offload_moves_bytes_and_frees_the_original() -> None:
     with bagualu.backward(0):
         y.backward()
     assert rt.tracker.counters["reloads"] == len(offloaded)
+    if through == "enforcer":
+        gc.collect()
+        rt.enforcer.synchronize()
+        st = rt.enforcer.stats()
+        assert st["reloads"] == len(offloaded) and st["bytes_h2d"] == st["bytes_d2h"]
+        # Every reloaded block went back once autograd let go of it; nothing stays tracked.
+        assert st["retired"] == st["registered"]
+        assert st["device_bytes"] == st["host_bytes"] == 0
+        assert rt.enforcer.live_blocks == 0
 
 
 @pytest.mark.parametrize("strategy", [bagualu.OFFLOAD, bagualu.RECOMPUTE])

@@ -62,8 +62,10 @@ class Runtime:
 
     def __init__(self, device: torch.device, capacity: int, policy: str, governor: Any,
                  pipeline_rank: int, pipeline_stages: int, micro_batches: int,
-                 log_iterations: bool, fp8_block: int, pool: Any) -> None:
+                 log_iterations: bool, fp8_block: int, pool: Any,
+                 pinned_capacity: int = 16 << 30) -> None:
         self.device = device
+        self.pinned_capacity = pinned_capacity
         self.capacity = capacity
         self.policy = check_policy(policy)
         self.governor = governor            # governor.Governor (remote or embedded), lazily set up
@@ -79,6 +81,10 @@ class Runtime:
                                else None,
                                light_chunk=max(capacity >> 10, 64 << 10) if pool is not None
                                else 0)
+        self.tracker.pool_backed = pool is not None
+        self.enforcer: Any = None
+        if policy == "bagualu":
+            self._ensure_enforcer()
         if pool is not None and policy == "bagualu":
             pool.add_pressure_callback(self._on_pressure)
         self.blocks: List[OpBlock] = []
@@ -119,6 +125,24 @@ class Runtime:
             self._host_used -= nbytes
             return
         self.pool.free(block, nbytes)
+
+    def _ensure_enforcer(self) -> None:
+        """Offloads go through libbgl_alloc's enforcer (its pinned pool and copy streams);
+        BGL_ENFORCER=0, or an enforcer that cannot start, falls back to PyTorch copies."""
+        if self.enforcer is not None or os.environ.get("BGL_ENFORCER", "1") == "0":
+            return
+        from . import installer
+        from .enforcer import Enforcer
+        try:
+            self.enforcer = Enforcer(
+                self.device, self.pinned_capacity,
+                borrowed_free_is_safe=self.device.type == "cuda"
+                and installer.cuda_allocator_swapped())
+        except Exception as e:  # noqa: BLE001 - any failure leaves the PyTorch path
+            log.warning("bagualu: the enforcer is unavailable (%s); offloads use PyTorch "
+                        "copies", e)
+            return
+        self.tracker.enforcer = self.enforcer
 
     def _on_pressure(self, needed: int) -> int:
         return self.tracker.evict(needed)
@@ -230,6 +254,8 @@ class Runtime:
             if s not in (KEEP, OFFLOAD, FP8, RECOMPUTE):
                 raise PolicyError(f"unknown strategy '{s}' (keep, offload, fp8, recompute)")
         self.forced = dict(strategies) if strategies is not None else None
+        if OFFLOAD in (strategies or {}).values():
+            self._ensure_enforcer()
 
     def _recompute_set(self, block: OpBlock, mb: int, frozen_before: int = -1) -> Set[int]:
         steps = block.op_steps()
@@ -452,6 +478,7 @@ class Runtime:
     @contextmanager
     def backward(self, mb: int) -> Iterator[None]:
         """Runs a micro-batch's backward; afterwards its activations are gone."""
+        self.tracker.begin_backward(mb)
         try:
             yield
         finally:
@@ -537,6 +564,8 @@ class Runtime:
             out["allocator"] = self.pool.stats()
         elif self._cuda_pool() is not None:
             out["allocator"] = self._cuda_pool().stats()
+        if self.enforcer is not None:
+            out["enforcer"] = self.enforcer.stats()
         if self.accuracy:
             errs = [abs(p - c) / c for _, p, c in self.accuracy if c > 0]
             out["memory_model"] = {"samples": len(errs), "mean_error": sum(errs) / len(errs),
@@ -565,6 +594,8 @@ class Runtime:
     def close(self) -> None:
         self.remove_hooks()
         self.tracker.release_all()
+        if self.enforcer is not None:
+            self.enforcer.close()
         if self.pool is not None:
             self.pool.close()
         if self.governor is not None:

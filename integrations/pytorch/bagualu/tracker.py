@@ -8,6 +8,7 @@ hook rebuilds the view (offset, sizes, strides) on whatever storage holds the da
 """
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -16,8 +17,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from . import fp8 as fp8mod
-from .errors import OutOfMemoryError
+from .errors import BagualuError, OutOfMemoryError
 
+log = logging.getLogger("bagualu")
 KEEP, RECOMPUTE, OFFLOAD, FP8 = "keep", "recompute", "offload", "fp8"
 STRATEGIES = (KEEP, RECOMPUTE, OFFLOAD, FP8)
 DEVICE, HOST, FP8_PLACE = "device", "host", "fp8"
@@ -44,7 +46,8 @@ class Record:
 
     __slots__ = ("key", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
                  "placement", "storage", "host", "fp8", "block", "block_bytes", "refs",
-                 "pinned", "in_backward", "tracker", "ref", "seq", "packs", "__weakref__")
+                 "pinned", "in_backward", "tracker", "ref", "seq", "packs", "enf", "enf_block",
+                 "__weakref__")
 
     def __init__(self, tracker: "Tracker", storage: torch.UntypedStorage, dtype: torch.dtype,
                  producer: Op, micro_batch: int, seq: int) -> None:
@@ -68,6 +71,8 @@ class Record:
         self.in_backward = False
         self.seq = seq
         self.packs: Optional[List[Any]] = None  # weakrefs to Packed holding the tensor
+        self.enf = 0             # enforcer handle while the data is in its pinned pool
+        self.enf_block = False   # the device data is an enforcer block (the pool counts it)
 
     def same_storage(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` is this record's storage (the original, even after it moved)."""
@@ -91,6 +96,9 @@ class Record:
         self.block_bytes = nbytes
 
     def _unaccount(self) -> None:
+        if self.enf_block:  # the enforcer frees it when PyTorch lets go of the storage
+            self.block_bytes, self.enf_block = 0, False
+            return
         if self.block:
             self.tracker.device_free(self.block, self.block_bytes)
             self.block, self.block_bytes = 0, 0
@@ -104,12 +112,30 @@ class Record:
         if self.placement != DEVICE or self.pinned or self.storage is None:
             return 0
         t = self.tracker
+        if t.enforcer is not None:
+            return self._offload_through_enforcer()
         self._leave_device()
         src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
         host = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu",
                            pin_memory=t.pin_memory)
         t.copy_to_host(host, src)
         self.host = host
+        self.storage = None
+        self.placement = HOST
+        freed = self.block_bytes
+        self._unaccount()
+        t.counters["offloads"] += 1
+        t.counters["bytes_d2h"] += self.nbytes
+        return freed
+
+    def _offload_through_enforcer(self) -> int:
+        t = self.tracker
+        try:
+            self.enf = t.enforcer.offload(self.storage.data_ptr(), self.nbytes, self.micro_batch)
+        except BagualuError as e:  # e.g. the pinned pool is full: the data stays
+            t.enforcer_failed(e)
+            return 0
+        self._leave_device()
         self.storage = None
         self.placement = HOST
         freed = self.block_bytes
@@ -142,7 +168,18 @@ class Record:
         if self.storage is not None:
             return self.storage
         t = self.tracker
-        if self.placement == HOST:
+        if self.placement == HOST and self.enf:
+            self.storage = t.enforcer.acquire(self.enf, self.nbytes)
+            self.enf = 0
+            t.acquired(self.micro_batch)
+            if t.pool_backed:  # the reload is a block of the pool already
+                self._unaccount()
+                self.block_bytes, self.enf_block = self.nbytes, True
+            else:
+                self._account(self.nbytes)
+            t.counters["reloads"] += 1
+            t.counters["bytes_h2d"] += self.nbytes
+        elif self.placement == HOST:
             self._account(self.nbytes)
             dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             t.copy_to_device(dst, self.host)
@@ -163,6 +200,9 @@ class Record:
     def release(self) -> None:
         """Every holder is gone: the storage is no longer an activation."""
         self._unaccount()
+        if self.enf:  # offloaded and never needed again: free the pinned copy
+            self.tracker.enforcer.release(self.enf)
+            self.enf = 0
         self.storage = self.host = self.fp8 = None
         self.packs = None
         self.tracker.retire(self)
@@ -233,6 +273,9 @@ class Tracker:
         "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0})
 
     light_chunk: int = 0  # bytes per accounting block of light micro-batches (0: exact)
+    enforcer: Any = None  # enforcer.Enforcer: offload/reload through libbgl_alloc's enforcer
+    pool_backed: bool = False  # device_alloc gives pool blocks (CPU), not just a count
+    reload_window: int = 4  # reloads issued ahead of the backward that needs them
 
     def __post_init__(self) -> None:
         self.scope: List[Op] = []
@@ -242,6 +285,9 @@ class Tracker:
         # Pointers are unique within one forward: every saved storage lives until backward.
         self.light: Optional[Dict[int, int]] = None       # the current forward's, when light
         self.light_sets: Dict[int, "LightSet"] = {}       # micro-batch -> its light set
+        self.reload_queue: Dict[int, List[Record]] = {}   # micro-batch -> not yet prefetched
+        self.prefetched: Dict[int, int] = {}              # micro-batch -> reloads in flight
+        self._enforcer_warned = False
         self.micro_batch = -1
         self.live: Dict[int, Record] = {}          # storage ptr -> record (dedupe)
         self.by_mb: Dict[int, Set[Record]] = {}    # micro-batch -> its live records
@@ -390,10 +436,51 @@ class Tracker:
         self.producers.clear()
         self.light = None
 
+    # -- reloads through the enforcer ------------------------------------------------------
+    def begin_backward(self, micro_batch: int) -> None:
+        """Issues the first reloads of the micro-batch's offloaded records, in the order the
+        backward needs them (last produced first); each acquire issues the next."""
+        if self.enforcer is None:
+            return
+        recs = [r for r in self.by_mb.get(micro_batch, ()) if r.enf]
+        recs.sort(key=lambda r: r.seq)  # popped from the end: last produced first
+        self.reload_queue[micro_batch] = recs
+        self.prefetched[micro_batch] = 0
+        self._prefetch(micro_batch)
+
+    def _prefetch(self, micro_batch: int) -> None:
+        queue = self.reload_queue.get(micro_batch)
+        while queue and self.prefetched.get(micro_batch, 0) < self.reload_window:
+            rec = queue.pop()
+            if not rec.enf or rec.placement != HOST:
+                continue
+            try:
+                self.enforcer.prefetch(rec.enf)
+            except BagualuError as e:  # no room yet: the acquire reloads it when needed
+                log.debug("bagualu: prefetch stopped: %s", e)
+                queue.clear()
+                return
+            self.prefetched[micro_batch] = self.prefetched.get(micro_batch, 0) + 1
+
+    def acquired(self, micro_batch: int) -> None:
+        """A reload was consumed: issue the next one."""
+        if micro_batch in self.prefetched:
+            self.prefetched[micro_batch] = max(self.prefetched[micro_batch] - 1, 0)
+            self._prefetch(micro_batch)
+
+    def enforcer_failed(self, error: Exception) -> None:
+        if not self._enforcer_warned:
+            log.warning("bagualu: offload failed, the activation stays on the device: %s",
+                        error)
+            self._enforcer_warned = True
+        self.counters["offload_failures"] = self.counters.get("offload_failures", 0) + 1
+
     def end_backward(self, micro_batch: int) -> None:
         """Drops the checkpoint-input holders and the light set of a micro-batch whose
         backward finished."""
         self.pinned_holders.pop(micro_batch, None)
+        self.reload_queue.pop(micro_batch, None)
+        self.prefetched.pop(micro_batch, None)
         ls = self.light_sets.pop(micro_batch, None)
         if ls is not None:
             ls.free()
