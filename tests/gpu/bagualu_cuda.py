@@ -120,7 +120,10 @@ def scenario_correctness() -> dict:
         out[name] = {"finished": r["finished"], "oom": r["oom"], "losses": _losses(r),
                      "bitwise": _losses(r) == _losses(base) and _grads_equal(base, r),
                      "max_rel_loss": _max_rel(base, r),
-                     "tracker": r.get("stats", {}).get("tracker", {})}
+                     "tracker": r.get("stats", {}).get("tracker", {}),
+                     "enforcer": r.get("stats", {}).get("enforcer", {}),
+                     "allocator_peak": r.get("stats", {}).get("allocator", {}).get(
+                         "allocated_bytes_peak")}
         gc.collect()
     return out
 
@@ -140,7 +143,9 @@ def scenario_bench(config: str, iterations: int, json_out: str) -> dict:
         out["policies"][pol] = {"finished": r["finished"], "oom": r["oom"],
                                 "median_s": statistics.median(times) if times else None,
                                 "offloads": sum(ln["offloads"] for ln in r["lines"]),
-                                "recomputed_ops": sum(ln["recomputed_ops"] for ln in r["lines"])}
+                                "recomputed_ops": sum(ln["recomputed_ops"] for ln in r["lines"]),
+                                "enforcer": r.get("stats", {}).get("enforcer", {}).get(
+                                    "offloads")}
         gc.collect()
     p = out["policies"]
     if p["bagualu"]["median_s"] and p["static-over"]["median_s"]:

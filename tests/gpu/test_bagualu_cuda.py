@@ -63,5 +63,8 @@ def test_enforcement_matches_keep_all_on_the_gpu() -> None:
         # Bitwise when the kernels are deterministic; never further than float noise.
         assert r[name]["max_rel_loss"] <= 1e-5, (name, r[name])
     assert r["offload"]["tracker"]["offloads"] > 0 and r["offload"]["tracker"]["reloads"] > 0
+    # Through the enforcer's pinned pool and copy streams, as on CPU.
+    assert r["offload"]["enforcer"]["offloads"] == r["offload"]["tracker"]["offloads"]
+    assert r["offload"]["enforcer"]["bytes_h2d"] == r["offload"]["tracker"]["bytes_h2d"]
     assert r["fp8"]["tracker"]["fp8_casts"] > 0
     assert r["fp8"]["max_rel_loss"] <= 0.01, r["fp8"]
