@@ -104,6 +104,8 @@ using namespace bgl::alloc;  // NOLINT: C ABI implementation file
 extern "C" {
 
 BGL_ALLOC_API void* bgl_alloc(size_t size, int device, void* stream) {
+  // PyTorch asks for empty tensors' memory too; like its own allocator, answer null quietly.
+  if (size == 0) return nullptr;
   Allocator* a = global_allocator();
   return a == nullptr ? nullptr : a->allocate(size, device, stream);
 }

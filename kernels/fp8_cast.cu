@@ -15,6 +15,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr unsigned kMaxGrid = 8192;
+constexpr int kHeld = 4;  // 16-byte vectors a lane keeps in registers across the two passes
 
 template <DType T>
 constexpr int kElemSize = T == DType::kF32 ? 4 : 2;
@@ -63,10 +64,49 @@ __global__ void cast_to_fp8_kernel(const void* __restrict__ src, std::size_t n,
     const std::size_t end = b0 + block < n ? b0 + block : n;
     const bool full = vec && end - b0 == block;
     float amax = 0.0f;
+    const std::size_t nv = block / kPer;
+    if (full && nv <= static_cast<std::size_t>(g) * kHeld) {
+      // The common case (128-element blocks): each lane's vectors stay in registers between
+      // the amax and the conversion, so the block is read from memory once.
+      const uint4* v =
+          reinterpret_cast<const uint4*>(static_cast<const char*>(src) + b0 * kElemSize<T>);
+      uint4 held[kHeld];
+#pragma unroll
+      for (int r = 0; r < kHeld; ++r) {
+        const std::size_t j = lane + static_cast<std::size_t>(r) * g;
+        if (j < nv) {
+          held[r] = v[j];
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) amax = amax_step(amax, load_elem(&held[r], T, e));
+        }
+      }
+      for (int off = g / 2; off > 0; off /= 2) {
+        amax = amax_combine(amax, __shfl_xor_sync(mask, amax, off, g));
+      }
+      const BlockScale s = block_scale(amax);
+      if (lane == 0) scales[k] = s.scale;
+      using P = typename Packed<kPer>::type;
+      P* out = reinterpret_cast<P*>(dst + b0);
+#pragma unroll
+      for (int r = 0; r < kHeld; ++r) {
+        const std::size_t j = lane + static_cast<std::size_t>(r) * g;
+        if (j < nv) {
+          std::uint8_t bytes[kPer];
+#pragma unroll
+          for (int e = 0; e < kPer; e += 2) {
+            to_e4m3x2(load_elem(&held[r], T, e) * s.inv, load_elem(&held[r], T, e + 1) * s.inv,
+                      bytes + e);
+          }
+          P p;
+          memcpy(&p, bytes, sizeof p);
+          out[j] = p;
+        }
+      }
+      continue;
+    }
     if (full) {
       const uint4* v =
           reinterpret_cast<const uint4*>(static_cast<const char*>(src) + b0 * kElemSize<T>);
-      const std::size_t nv = block / kPer;
       for (std::size_t j = lane; j < nv; j += g) {
         const uint4 x = v[j];
 #pragma unroll
@@ -85,7 +125,6 @@ __global__ void cast_to_fp8_kernel(const void* __restrict__ src, std::size_t n,
           reinterpret_cast<const uint4*>(static_cast<const char*>(src) + b0 * kElemSize<T>);
       using P = typename Packed<kPer>::type;
       P* out = reinterpret_cast<P*>(dst + b0);
-      const std::size_t nv = block / kPer;
       for (std::size_t j = lane; j < nv; j += g) {
         const uint4 x = v[j];
         std::uint8_t bytes[kPer];
@@ -152,9 +191,11 @@ int launch_cast(const void* src, std::size_t n, std::uint8_t* dst, float* scales
                 cudaStream_t stream) {
   constexpr int kPer = 16 / kElemSize<T>;
   const bool vec = block % kPer == 0 && aligned16(src) && aligned16(dst);
-  const std::size_t lanes_wanted = vec ? block / kPer : block;
+  // Lanes per scale block: few enough that each lane keeps kHeld vectors in flight (memory-level
+  // parallelism), enough that a block never needs more than kHeld per lane.
+  const std::size_t lanes_wanted = vec ? (block / kPer + kHeld - 1) / kHeld : block;
   int g = 1;
-  while (g < 32 && static_cast<std::size_t>(g) * 2 <= lanes_wanted) g *= 2;
+  while (g < 32 && static_cast<std::size_t>(g) < lanes_wanted) g *= 2;
   const std::size_t nblocks = fp8_num_blocks(n, block);
   cast_to_fp8_kernel<T>
       <<<grid_for(nblocks * g), kThreads, 0, stream>>>(src, n, dst, scales, block, nblocks, g, vec);

@@ -136,7 +136,9 @@ def scenario_bench(config: str, iterations: int, json_out: str) -> dict:
         cfg = MoEConfig(layers=8, experts=16, top_k=4, seq_len=128, hidden=256)
         capacity = "292MiB"
     out = {"config": config, "capacity": capacity, "policies": {}}
-    for pol in ("plain", "keep-all", "static-over", "bagualu"):
+    # keep-all first: its install swaps the allocator, so every policy, plain PyTorch included,
+    # then runs on libbgl_alloc.so and the comparison measures the hooks and plans alone.
+    for pol in ("keep-all", "plain", "static-over", "bagualu"):
         r = train(cfg, pol, iterations=iterations, micro_batches=8, stages=4, capacity=capacity,
                   spike_size=2.6, spike_every=16, device=DEVICE, log_iterations=False)
         times = r["iteration_s"][1:] or r["iteration_s"]

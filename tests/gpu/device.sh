@@ -28,7 +28,9 @@ if [[ -n $cmake_used && ! -x $cmake_used ]] && command -v cmake >/dev/null; then
   mkdir -p "$(dirname "$cmake_used")" && ln -sf "$(command -v cmake)" "$cmake_used"
 fi
 nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
-export LD_LIBRARY_PATH="$here/gpu-bundle/unpacked/lib${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The build tree's own libraries too: the binaries' RUNPATH names the build machine's paths.
+own=$(find "$here/$build" -name 'lib*.so' -printf '%h\n' | sort -u | paste -sd:)
+export LD_LIBRARY_PATH="$here/gpu-bundle/unpacked/lib${own:+:$own}${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export BGL_GPU_PREBUILT=1 BGL_GPU_BUILD=$build BGL_LIB_DIR="$here/$build"
 export BGL_GPU_COMMIT=$(cat gpu-bundle/unpacked/COMMIT 2>/dev/null || echo unknown)
 export PYTHONUNBUFFERED=1

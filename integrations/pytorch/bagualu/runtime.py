@@ -82,6 +82,7 @@ class Runtime:
                                light_chunk=max(capacity >> 10, 64 << 10) if pool is not None
                                else 0)
         self.tracker.pool_backed = pool is not None
+        self.tracker.device_type = device.type
         self.enforcer: Any = None
         if policy == "bagualu":
             self._ensure_enforcer()

@@ -109,8 +109,9 @@ class Record:
     # -- moves ------------------------------------------------------------------------------
     def offload(self) -> int:
         """Copies the storage to host memory and lets the device copy go; bytes freed."""
-        if self.placement != DEVICE or self.pinned or self.storage is None:
-            return 0
+        if self.placement != DEVICE or self.pinned or self.storage is None \
+                or self.device.type != self.tracker.device_type:
+            return 0  # CPU scalars saved by a CUDA forward are not device memory
         t = self.tracker
         if t.enforcer is not None:
             return self._offload_through_enforcer()
@@ -147,7 +148,8 @@ class Record:
     def store_fp8(self) -> int:
         """Replaces the storage by an e4m3 copy with per-block scales; bytes freed."""
         if (self.placement != DEVICE or self.pinned or self.storage is None
-                or not fp8mod.supported(self.dtype)):
+                or not fp8mod.supported(self.dtype)
+                or self.device.type != self.tracker.device_type):
             return 0
         t = self.tracker
         self._leave_device()
@@ -275,6 +277,7 @@ class Tracker:
     light_chunk: int = 0  # bytes per accounting block of light micro-batches (0: exact)
     enforcer: Any = None  # enforcer.Enforcer: offload/reload through libbgl_alloc's enforcer
     pool_backed: bool = False  # device_alloc gives pool blocks (CPU), not just a count
+    device_type: str = "cpu"  # where activations live; only those are moved
     reload_window: int = 4  # reloads issued ahead of the backward that needs them
 
     def __post_init__(self) -> None:

@@ -28,6 +28,19 @@ TEST(CApiTest, BadConfigurationNamesTheKey) {
   EXPECT_NE(std::string(bgl_alloc_last_error()).find("capacity"), std::string::npos);
 }
 
+// PyTorch's pluggable allocator asks for 0 bytes for empty tensors: null, no error, no count.
+TEST(CApiTest, EmptyAllocationIsNullAndQuiet) {
+  ASSERT_EQ(bgl_alloc_configure("backend:host,capacity:64MiB,log:false"), BGL_OK);
+  bgl_alloc_stats before{};
+  ASSERT_EQ(bgl_alloc_get_stats(0, &before), BGL_OK);
+  EXPECT_EQ(bgl_alloc(0, 0, nullptr), nullptr);
+  bgl_free(nullptr, 0, 0, nullptr);
+  bgl_alloc_stats after{};
+  ASSERT_EQ(bgl_alloc_get_stats(0, &after), BGL_OK);
+  EXPECT_EQ(after.num_invalid_size, before.num_invalid_size);
+  EXPECT_EQ(after.num_allocs, before.num_allocs);
+}
+
 TEST(CApiTest, PluggablePairStatsSnapshotAndCallbacks) {
   ASSERT_EQ(bgl_alloc_configure("backend:host,devices:2,capacity:256MiB,limit:64MiB,history:100,"
                                 "log:false"),
