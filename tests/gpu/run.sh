@@ -71,6 +71,16 @@ for backend in host cuda-vmm cuda-async; do
   done
 done
 
+# Larger mapping pages on cuda-vmm: fewer cuMemCreate/cuMemMap calls while the pool grows, at
+# the price of coarser reserved memory.
+for page in 8MiB 32MiB; do
+  for trace in traces/*.csv; do
+    run "replay cuda-vmm page_size:$page $(basename "$trace")" timeout 120 \
+      "$build/tools/bgl-replay/bgl-replay" --trace "$trace" --backend cuda-vmm \
+      --conf "page_size:$page" --repeat 3 --json
+  done
+done
+
 if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   for mode in native expandable cudaMallocAsync bgl; do
     for trace in traces/*.csv; do

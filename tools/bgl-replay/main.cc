@@ -88,6 +88,8 @@ int main(int argc, char** argv) {
                         {"peak_allocated_bytes", r.peak_allocated},
                         {"reserved_over_live", r.ratio},
                         {"ns_per_op", r.ns_per_op},
+                        {"first_ns_per_op", r.first_ns_per_op},
+                        {"warm_ns_per_op", r.warm_ns_per_op},
                         {"ooms", r.ooms},
                         {"maps", r.maps},
                         {"unmaps", r.unmaps}};
@@ -99,7 +101,8 @@ int main(int argc, char** argv) {
     std::printf("peak live      %.3f GiB\n", r.peak_live / 1073741824.0);
     std::printf("peak reserved  %.3f GiB\n", r.peak_reserved / 1073741824.0);
     std::printf("ratio          %.4f\n", r.ratio);
-    std::printf("ns/op          %.1f\n", r.ns_per_op);
+    std::printf("ns/op          %.1f (first pass %.1f, warm %.1f)\n", r.ns_per_op,
+                r.first_ns_per_op, r.warm_ns_per_op);
     std::printf("ooms           %zu\n", r.ooms);
     std::printf("maps/unmaps    %llu/%llu\n", static_cast<unsigned long long>(r.maps),
                 static_cast<unsigned long long>(r.unmaps));

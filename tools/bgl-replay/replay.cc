@@ -38,9 +38,11 @@ bool run_replay(const Trace& trace, const Config& config, int repeat, ReplayResu
       }
     }
     auto t1 = std::chrono::steady_clock::now();
-    total_ns +=
+    const double ns =
         static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count());
+    total_ns += ns;
     if (r == 0) {
+      out->first_ns_per_op = trace.ops.empty() ? 0 : ns / trace.ops.size();
       out->ooms = ooms;
       Stats st = pool->stats();
       out->peak_reserved = st.reserved_bytes.peak;
@@ -62,6 +64,10 @@ bool run_replay(const Trace& trace, const Config& config, int repeat, ReplayResu
   out->peak_live = peak;
   out->ratio = peak > 0 ? static_cast<double>(out->peak_reserved) / static_cast<double>(peak) : 0;
   out->ns_per_op = trace.ops.empty() ? 0 : total_ns / std::max(1, repeat) / trace.ops.size();
+  out->warm_ns_per_op = repeat > 1 && !trace.ops.empty()
+                            ? (total_ns - out->first_ns_per_op * trace.ops.size()) /
+                                  (repeat - 1) / trace.ops.size()
+                            : out->first_ns_per_op;
   return true;
 }
 
