@@ -16,7 +16,7 @@ std::unique_ptr<Backend> make_backend(const Config& config, int device, std::str
     HostBackendOptions o;
     o.device = device;
     o.capacity = config.capacity;
-    o.page_size = config.page_size;
+    o.page_size = config.page_size != 0 ? config.page_size : kDefaultPageSize;
     o.expandable = config.expandable;
     return std::make_unique<HostBackend>(o);
   }
@@ -26,10 +26,13 @@ std::unique_ptr<Backend> make_backend(const Config& config, int device, std::str
       *error = "backend cuda-vmm needs expandable:true (use cuda-async for segments)";
       return nullptr;
     }
-    return make_cuda_vmm_backend(device, config.page_size, error);
+    return make_cuda_vmm_backend(
+        device, config.page_size != 0 ? config.page_size : kCudaVmmPageSize, error);
   }
-  if (config.backend == "cuda-async")
-    return make_cuda_async_backend(device, config.page_size, error);
+  if (config.backend == "cuda-async") {
+    return make_cuda_async_backend(
+        device, config.page_size != 0 ? config.page_size : kDefaultPageSize, error);
+  }
 #else
   if (config.backend == "cuda-vmm" || config.backend == "cuda-async") {
     *error = "backend " + config.backend + " is not available: built without CUDA";
@@ -60,7 +63,9 @@ std::unique_ptr<Allocator> Allocator::create(const Config& config, std::string* 
     }
     devices = cuda_devices;
   }
-  if (c.backend == "host" && !c.expandable) c.pool.small_segment = c.page_size;
+  if (c.backend == "host" && !c.expandable) {
+    c.pool.small_segment = c.page_size != 0 ? c.page_size : kDefaultPageSize;
+  }
   devices = std::min(devices, kMaxDevices);
   return std::unique_ptr<Allocator>(new Allocator(c, devices));
 }

@@ -100,6 +100,8 @@ class Pool {
   // Waits for pending frees and unmaps every free page; returns bytes released.
   std::size_t empty_cache();
   Stats stats() const;
+  // The backend's mapping page (segment rounding for segment backends).
+  std::size_t page_size() const { return page_; }
   void reset_peak_stats();
   std::vector<SegmentInfo> segments() const;
   std::vector<TraceEntry> history() const;

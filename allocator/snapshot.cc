@@ -106,7 +106,7 @@ nlohmann::json snapshot_to_json(const std::vector<const Pool*>& pools, const Con
                    {"roundup_power2_divisions", config.pool.round_divisions},
                    {"defrag", config.pool.defrag},
                    {"defrag_slack", config.pool.defrag_slack},
-                   {"page_size", config.page_size}};
+                   {"page_size", pools.empty() ? config.page_size : pools[0]->page_size()}};
   return {{"segments", segments},
           {"device_traces", traces},
           {"allocator_settings", settings},
