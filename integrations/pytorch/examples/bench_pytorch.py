@@ -107,9 +107,9 @@ def overhead(cfg: MoEConfig, args: argparse.Namespace) -> List[str]:
     n = len(times[True])
     return ["## Hook overhead with nothing to mitigate", "",
             f"One process, one model: {n} plain PyTorch iterations alternating with {n} "
-            "bagualu keep-all iterations (saved-tensor hooks, capture, accounting of every "
-            "saved storage in libbgl_alloc's host pool), capacity 1 GiB so nothing is "
-            "mitigated. Medians per iteration.", "",
+            "bagualu keep-all iterations (saved-tensor hooks with light capture: every saved "
+            "storage counted once and its bytes accounted in blocks of libbgl_alloc's host "
+            "pool), capacity 1 GiB so nothing is mitigated. Medians per iteration.", "",
             "| run | CPU time (s) | wall time (s) |", "|---|---|---|",
             f"| plain PyTorch | {p:.4f} | {pw:.4f} |",
             f"| bagualu keep-all | {h:.4f} | {hw:.4f} |", "",
