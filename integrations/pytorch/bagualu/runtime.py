@@ -281,7 +281,7 @@ class Runtime:
             t.note_output(x, Op("input", "other", block.bgl_layer - 1), overwrite=False)
         if capture:
             self.record_env(block.bgl_layer, block.input_name, x)
-        rec = self._recompute_set(block, mb)
+        rec = self._recompute_set(block, mb) if t.light is None else set()
         n = len(steps)
         i = 0
         while i < n:
@@ -293,12 +293,12 @@ class Runtime:
                 i = j + 1
                 continue
             op = ops[i]
-            self.tracker.scope.append(op)
-            t0 = time.perf_counter()
+            t.scope.append(op)
+            t0 = time.perf_counter() if capture else 0.0
             try:
                 out = run_step(steps[i], env)
             finally:
-                self.tracker.scope.pop()
+                t.scope.pop()
             if capture:
                 self.op_ms[op.name] = self.op_ms.get(op.name, 0.0) + \
                     (time.perf_counter() - t0) * 1e3 / max(len(self.blocks), 1)
