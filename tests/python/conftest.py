@@ -41,3 +41,21 @@ def require_libs() -> None:
     for name in ("libbgl_planner.so", "libbgl_alloc.so"):
         if _lib.find_file(name) is None:
             pytest.skip(f"{name} is not built (set BGL_LIB_DIR or build the CMake targets)")
+
+
+def small_stage_forward() -> torch.Tensor:
+    """Installs bagualu (16 MiB, embedded planner) on the small MoE stage and runs the forward
+    of micro-batch 0 of an iteration; returns its loss (backward and end_iteration are the
+    caller's)."""
+    from moe_model import MoEStage
+    torch.manual_seed(0)
+    cfg = small_config()
+    model = MoEStage(cfg)
+    bagualu.install(capacity="16MiB", policy="bagualu", governor="none", pipeline_stages=1,
+                    micro_batches=1, log_iterations=False)
+    bagualu.instrument(model, cfg.info())
+    x = torch.randint(0, cfg.vocab, (cfg.micro_batch_size, cfg.seq_len))
+    bagualu.begin_iteration()
+    bagualu.step_point("steady", 0, None)
+    with bagualu.forward(0):
+        return model(x).float().mean()

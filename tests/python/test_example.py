@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import bagualu
-from conftest import require_libs, small_config
+from conftest import require_libs, small_config, small_stage_forward
 from moe_train import main, train
 
 ALL_OPS = ("attn_norm", "qkv_proj", "core_attn", "out_proj", "moe_norm", "router", "shared_fc1",
@@ -113,18 +113,7 @@ def test_memory_model_accuracy() -> None:
 
 def test_stats_snapshot_and_log_line(tmp_path) -> None:
     require_libs()
-    torch.manual_seed(0)
-    from moe_model import MoEStage
-    cfg = small_config()
-    model = MoEStage(cfg)
-    bagualu.install(capacity="16MiB", policy="bagualu", governor="none", pipeline_stages=1,
-                    micro_batches=1, log_iterations=False)
-    bagualu.instrument(model, cfg.info())
-    x = torch.randint(0, cfg.vocab, (cfg.micro_batch_size, cfg.seq_len))
-    bagualu.begin_iteration()
-    bagualu.step_point("steady", 0, None)
-    with bagualu.forward(0):
-        loss = model(x).float().mean()
+    loss = small_stage_forward()
     st = bagualu.stats()
     assert st["activation_bytes"] > 0 and st["allocator"]["allocated_bytes_current"] > 0
     path = tmp_path / "snap.pickle"

@@ -6,11 +6,10 @@ import gc
 from typing import Any, Dict
 
 import pytest
-import torch
 
 import bagualu
 from bagualu.governor import Governor, budget_step_bytes
-from conftest import require_libs, small_config
+from conftest import require_libs, small_stage_forward
 from test_torchrun import daemon  # noqa: F401  (the fixture)
 
 CAPACITY = 8 << 20
@@ -20,18 +19,8 @@ CAPACITY = 8 << 20
 def model_doc() -> Dict[str, Any]:
     """The planner document of the small MoE stage, captured from one real micro-batch."""
     require_libs()
-    from moe_model import MoEStage
-    torch.manual_seed(0)
-    cfg = small_config()
-    model = MoEStage(cfg)
-    rt = bagualu.install(capacity="16MiB", policy="bagualu", governor="none", pipeline_stages=1,
-                         micro_batches=1, log_iterations=False)
-    bagualu.instrument(model, cfg.info())
-    x = torch.randint(0, cfg.vocab, (cfg.micro_batch_size, cfg.seq_len))
-    bagualu.begin_iteration()
-    bagualu.step_point("steady", 0, None)
-    with bagualu.forward(0):
-        loss = model(x).float().mean()
+    loss = small_stage_forward()
+    rt = bagualu.current()
     with bagualu.backward(0):
         loss.backward()
     bagualu.end_iteration()

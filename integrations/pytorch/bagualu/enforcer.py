@@ -76,29 +76,30 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib._bgl_enf_bound = True
 
 
-class _HostBlock:
-    """A reloaded block of the host backend as a NumPy array's owner."""
+class _Block:
+    """A reloaded block of the enforcer as the owner of a tensor's memory (NumPy's array
+    interface on the host backend, ``__cuda_array_interface__`` on CUDA); ``done`` releases it
+    when PyTorch lets go of the memory."""
 
-    __slots__ = ("__array_interface__", "done", "__weakref__")
+    __slots__ = ("interface", "cuda", "done", "__weakref__")
 
-    def __init__(self, ptr: int, nbytes: int, done: Any) -> None:
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                    "data": (ptr, False), "version": 3}
+    def __init__(self, ptr: int, nbytes: int, cuda: bool, done: Any) -> None:
+        self.interface = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                          "version": 2 if cuda else 3}
+        self.cuda = cuda
         self.done = done
 
-    def __del__(self) -> None:
-        self.done()
+    @property
+    def __array_interface__(self) -> Dict[str, Any]:
+        if self.cuda:
+            raise AttributeError("__array_interface__")
+        return self.interface
 
-
-class _CudaBlock:
-    """A reloaded device block as the owner of a CUDA tensor (__cuda_array_interface__)."""
-
-    __slots__ = ("__cuda_array_interface__", "done", "__weakref__")
-
-    def __init__(self, ptr: int, nbytes: int, done: Any) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (ptr, False), "version": 2}
-        self.done = done
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
+        if not self.cuda:
+            raise AttributeError("__cuda_array_interface__")
+        return self.interface
 
     def __del__(self) -> None:
         self.done()
@@ -183,11 +184,12 @@ class Enforcer:
             if not self.closed:
                 self.lib.bgl_enf_release(self.handle, h, -1, self._stream())
 
+        block = _Block(ptr.value, nbytes, self.cuda, done)
         if self.cuda:
-            t = torch.as_tensor(_CudaBlock(ptr.value, nbytes, done), device=self.device)
+            t = torch.as_tensor(block, device=self.device)
         else:
             import numpy as np
-            t = torch.from_numpy(np.asarray(_HostBlock(ptr.value, nbytes, done)))
+            t = torch.from_numpy(np.asarray(block))
         return t.untyped_storage()
 
     def release(self, handle: int) -> None:

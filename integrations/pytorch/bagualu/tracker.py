@@ -121,13 +121,7 @@ class Record:
                            pin_memory=t.pin_memory)
         t.copy_to_host(host, src)
         self.host = host
-        self.storage = None
-        self.placement = HOST
-        freed = self.block_bytes
-        self._unaccount()
-        t.counters["offloads"] += 1
-        t.counters["bytes_d2h"] += self.nbytes
-        return freed
+        return self._left_for_host()
 
     def _offload_through_enforcer(self) -> int:
         t = self.tracker
@@ -137,6 +131,11 @@ class Record:
             t.enforcer_failed(e)
             return 0
         self._leave_device()
+        return self._left_for_host()
+
+    def _left_for_host(self) -> int:
+        """The data is on the host now: drop the device storage; bytes freed."""
+        t = self.tracker
         self.storage = None
         self.placement = HOST
         freed = self.block_bytes
