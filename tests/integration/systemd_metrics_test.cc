@@ -1,0 +1,174 @@
+// bgl-governord as systemd and Prometheus see it: the sd_notify protocol over a fake
+// NOTIFY_SOCKET (READY, STATUS, watchdog pings, STOPPING on SIGTERM) and the metrics endpoint
+// scraped over HTTP.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "governor/client/remote_governor.h"
+#include "tests/integration/daemon_process.h"
+
+namespace bgl::gov {
+namespace {
+
+using testing::DaemonProcess;
+
+// A datagram socket standing in for systemd's notification socket.
+class FakeNotifySocket {
+ public:
+  explicit FakeNotifySocket(const std::string& path) : path_(path) {
+    fd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    path.copy(addr.sun_path, sizeof(addr.sun_path) - 1);
+    unlink(path.c_str());
+    ok_ = fd_ >= 0 && bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~FakeNotifySocket() {
+    if (fd_ >= 0) close(fd_);
+    unlink(path_.c_str());
+  }
+  bool ok() const { return ok_; }
+
+  // Every message received within `ms` until one contains `needle`; empty if none did.
+  std::vector<std::string> ReceiveUntil(const std::string& needle, int ms) {
+    std::vector<std::string> got;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (std::chrono::steady_clock::now() < deadline) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, 50) <= 0) continue;
+      char buf[4096];
+      const ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n <= 0) continue;
+      got.emplace_back(buf, static_cast<std::size_t>(n));
+      if (got.back().find(needle) != std::string::npos) return got;
+    }
+    return {};
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  bool ok_ = false;
+};
+
+// Sets environment variables for the daemon the test starts, and restores them.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+int FreeTcpPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// GET `path` from 127.0.0.1:`port`; the whole response, or "" when nothing answers.
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+      char buf[8192];
+      ssize_t n;
+      while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+  close(fd);
+  return out;
+}
+
+TEST(GovernorSystemd, NotifiesReadyStatusWatchdogAndStopping) {
+#ifndef BGL_HAVE_SYSTEMD
+  GTEST_SKIP() << "bgl-governord was built without libsystemd";
+#endif
+  DaemonProcess daemon;
+  FakeNotifySocket notify(daemon.dir() + "/notify.sock");
+  ASSERT_TRUE(notify.ok());
+  ScopedEnv socket_env("NOTIFY_SOCKET", daemon.dir() + "/notify.sock");
+  ScopedEnv watchdog_env("WATCHDOG_USEC", "200000");  // a ping at least every 100 ms
+  ASSERT_TRUE(daemon.Start());
+  auto ready = notify.ReceiveUntil("READY=1", 5000);
+  ASSERT_FALSE(ready.empty()) << "no READY=1 on NOTIFY_SOCKET";
+  auto pings = notify.ReceiveUntil("WATCHDOG=1", 3000);
+  EXPECT_FALSE(pings.empty()) << "no watchdog ping with WATCHDOG_USEC set";
+  auto status = notify.ReceiveUntil("STATUS=serving", 3000);
+  EXPECT_FALSE(status.empty()) << "no STATUS line";
+  daemon.Signal(SIGTERM);
+  auto stopping = notify.ReceiveUntil("STOPPING=1", 5000);
+  EXPECT_FALSE(stopping.empty()) << "no STOPPING=1 after SIGTERM";
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+TEST(GovernorMetrics, ScrapedOverHttpWithSessionCounts) {
+  const int port = FreeTcpPort();
+  ASSERT_GT(port, 0);
+  DaemonProcess daemon({"--metrics-port", std::to_string(port), "--metrics-address",
+                        "127.0.0.1"});
+  ASSERT_TRUE(daemon.Start());
+  RemoteOptions o;
+  o.address = daemon.address();
+  o.deadline = std::chrono::milliseconds(500);
+  RemoteGovernor gov(o);
+  Registration reg;
+  reg.gpu_uuid = "host-0";
+  reg.job_id = "metrics-test";
+  reg.model_json = testing::TinyModelJson();
+  reg.capacity_bytes = int64_t{8} << 30;
+  auto info = gov.Register(reg);
+  ASSERT_TRUE(info.ok()) << info.status().message();
+  // The housekeeper publishes once a second.
+  std::string body;
+  for (int i = 0; i < 50; ++i) {
+    body = HttpGet(port, "/metrics");
+    if (body.find("bagualu_sessions 1") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_NE(body.find("200 OK"), std::string::npos) << body.substr(0, 300);
+  EXPECT_NE(body.find("bagualu_sessions 1"), std::string::npos) << body.substr(0, 2000);
+  EXPECT_NE(body.find("bagualu_"), std::string::npos);
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+}  // namespace
+}  // namespace bgl::gov
