@@ -26,8 +26,8 @@ __device__ __forceinline__ float amax_combine(float a, float b) { return a > b ?
 // float_to_e4m3 does; a NaN gets the twin's 0x7f whatever its sign.
 __device__ __forceinline__ void to_e4m3x2(float a, float b, std::uint8_t* out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const __nv_fp8x2_storage_t p = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE,
-                                                           __NV_E4M3);
+  const __nv_fp8x2_storage_t p =
+      __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
   out[0] = a != a ? std::uint8_t{0x7f} : static_cast<std::uint8_t>(p & 0xffu);
   out[1] = b != b ? std::uint8_t{0x7f} : static_cast<std::uint8_t>(p >> 8);
 #else

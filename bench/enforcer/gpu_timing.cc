@@ -40,8 +40,7 @@ double time_it(int reps, cudaStream_t s, F&& f) {
 struct MoveTimes {
   double offload_s = 0, reload_s = 0;
 };
-MoveTimes time_moves(Pool& pool, Enforcer& enf, cudaStream_t compute, std::size_t bytes,
-                     int reps) {
+MoveTimes time_moves(Pool& pool, Enforcer& enf, cudaStream_t compute, std::size_t bytes, int reps) {
   MoveTimes t;
   for (int i = 0; i <= reps; ++i) {
     void* p = pool.allocate(bytes, compute);
@@ -71,8 +70,8 @@ MoveTimes time_moves(Pool& pool, Enforcer& enf, cudaStream_t compute, std::size_
 // A roofline from a small and a large piece: time = max(floor, bytes / peak).
 std::string roofline_json(double small_s, double large_s, std::size_t large_bytes) {
   char buf[128];
-  std::snprintf(buf, sizeof buf, "{\"launch_floor_us\": %.2f, \"peak_GBps\": %.1f}",
-                small_s * 1e6, static_cast<double>(large_bytes) / large_s / 1e9);
+  std::snprintf(buf, sizeof buf, "{\"launch_floor_us\": %.2f, \"peak_GBps\": %.1f}", small_s * 1e6,
+                static_cast<double>(large_bytes) / large_s / 1e9);
   return buf;
 }
 
@@ -164,15 +163,17 @@ int run(const char* calibration_out) {
     const std::size_t small_bytes = std::size_t{64} << 10;
     const MoveTimes small = time_moves(*pool, *enf, compute, small_bytes, 20);
     const std::size_t small_elems = small_bytes / 2;
-    const double small_cast_s = std::max(
-        time_it(20, compute, [&] {
-          kern::cast_to_fp8(dev, kern::DType::kBF16, small_elems, static_cast<std::uint8_t*>(q),
-                            static_cast<float*>(sc), 128, compute);
-        }),
-        time_it(20, compute, [&] {
-          kern::cast_from_fp8(static_cast<std::uint8_t*>(q), static_cast<float*>(sc),
-                              small_elems, 128, kern::DType::kBF16, dev2, compute);
-        }));
+    const double small_cast_s =
+        std::max(time_it(20, compute,
+                         [&] {
+                           kern::cast_to_fp8(dev, kern::DType::kBF16, small_elems,
+                                             static_cast<std::uint8_t*>(q), static_cast<float*>(sc),
+                                             128, compute);
+                         }),
+                 time_it(20, compute, [&] {
+                   kern::cast_from_fp8(static_cast<std::uint8_t*>(q), static_cast<float*>(sc),
+                                       small_elems, 128, kern::DType::kBF16, dev2, compute);
+                 }));
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
     const std::string name = prop.name;
@@ -191,8 +192,8 @@ int run(const char* calibration_out) {
         << "  \"rooflines\": {\n"
         << "    \"offload\": " << roofline_json(small.offload_s, off_s, bytes) << ",\n"
         << "    \"reload\": " << roofline_json(small.reload_s, rel_s, bytes) << ",\n"
-        << "    \"fp8_cast\": "
-        << roofline_json(small_cast_s, std::max(cast_s, uncast_s), bytes) << "\n  }\n}\n";
+        << "    \"fp8_cast\": " << roofline_json(small_cast_s, std::max(cast_s, uncast_s), bytes)
+        << "\n  }\n}\n";
     if (!out) {
       std::printf("cannot write %s\n", calibration_out);
       return 1;

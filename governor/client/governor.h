@@ -22,8 +22,8 @@ struct Registration {
   int gpu_index = 0;
   std::string job_id;
   int pipeline_rank = 0;
-  int64_t capacity_bytes = 0;   // 0: the GPU profile's memory
-  std::string model_json;       // a model document (docs/planner.md), layer_graph optional
+  int64_t capacity_bytes = 0;            // 0: the GPU profile's memory
+  std::string model_json;                // a model document (docs/planner.md), layer_graph optional
   bagualu::v1::Calibration calibration;  // unset fields keep the profile's
   bool disable_dual_batch = false;
   int64_t budget_step_bytes = 0;  // plan-cache budget bucket; 0: the planner's 64 MiB

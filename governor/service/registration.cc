@@ -43,12 +43,20 @@ Status CheckModelBounds(const plan::ModelConfig& c, const ModelBounds& b) {
     }
     return OkStatus();
   };
-  for (auto [v, field] : {std::pair{c.hidden, "hidden"}, {c.moe_hidden, "moe_hidden"},
-                          {c.seq_len, "seq_len"}, {c.heads, "heads"}, {c.head_dim, "head_dim"},
+  for (auto [v, field] : {std::pair{c.hidden, "hidden"},
+                          {c.moe_hidden, "moe_hidden"},
+                          {c.seq_len, "seq_len"},
+                          {c.heads, "heads"},
+                          {c.head_dim, "head_dim"},
                           {c.micro_batch_size, "micro_batch_size"},
                           {c.shared_expert_hidden, "shared_expert_hidden"},
-                          {c.shared_experts, "shared_experts"}, {c.gpus, "gpus"}, {c.dp, "dp"},
-                          {c.tp, "tp"}, {c.ep, "ep"}, {c.pp, "pp"}, {c.vp_layers, "vp"}}) {
+                          {c.shared_experts, "shared_experts"},
+                          {c.gpus, "gpus"},
+                          {c.dp, "dp"},
+                          {c.tp, "tp"},
+                          {c.ep, "ep"},
+                          {c.pp, "pp"},
+                          {c.vp_layers, "vp"}}) {
     BGL_RETURN_IF_ERROR(check(v, b.max_dimension, field));
   }
   BGL_RETURN_IF_ERROR(check(c.experts, b.max_experts, "experts"));
@@ -172,8 +180,8 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(const pb::R
   options.capacity_bytes = req.capacity_bytes();
   options.pipeline_rank = req.pipeline_rank();
   if (req.budget_step_bytes() != 0) options.budget_step_bytes = req.budget_step_bytes();
-  options.issue_policy = req.disable_dual_batch() ? plan::IssuePolicy::kSerial
-                                                 : plan::IssuePolicy::kDualBatch;
+  options.issue_policy =
+      req.disable_dual_batch() ? plan::IssuePolicy::kSerial : plan::IssuePolicy::kDualBatch;
   try {
     auto planner = plan::StagePlanner::Create(*config, profile, options);
     if (!planner.ok()) {

@@ -143,8 +143,7 @@ TEST(GovernorSystemd, NotifiesReadyStatusWatchdogAndStopping) {
 TEST(GovernorMetrics, ScrapedOverHttpWithSessionCounts) {
   const int port = FreeTcpPort();
   ASSERT_GT(port, 0);
-  DaemonProcess daemon({"--metrics-port", std::to_string(port), "--metrics-address",
-                        "127.0.0.1"});
+  DaemonProcess daemon({"--metrics-port", std::to_string(port), "--metrics-address", "127.0.0.1"});
   ASSERT_TRUE(daemon.Start());
   RemoteOptions o;
   o.address = daemon.address();

@@ -64,10 +64,10 @@ bool run_replay(const Trace& trace, const Config& config, int repeat, ReplayResu
   out->peak_live = peak;
   out->ratio = peak > 0 ? static_cast<double>(out->peak_reserved) / static_cast<double>(peak) : 0;
   out->ns_per_op = trace.ops.empty() ? 0 : total_ns / std::max(1, repeat) / trace.ops.size();
-  out->warm_ns_per_op = repeat > 1 && !trace.ops.empty()
-                            ? (total_ns - out->first_ns_per_op * trace.ops.size()) /
-                                  (repeat - 1) / trace.ops.size()
-                            : out->first_ns_per_op;
+  out->warm_ns_per_op =
+      repeat > 1 && !trace.ops.empty()
+          ? (total_ns - out->first_ns_per_op * trace.ops.size()) / (repeat - 1) / trace.ops.size()
+          : out->first_ns_per_op;
   return true;
 }
 

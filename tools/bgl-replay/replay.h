@@ -16,8 +16,8 @@ struct ReplayResult {
   std::int64_t peak_live = 0;      // peak of the bytes the trace had live (requested sizes)
   std::int64_t peak_reserved = 0;  // pool's peak reserved bytes
   std::int64_t peak_allocated = 0;
-  double ratio = 0;  // peak_reserved / peak_live
-  double ns_per_op = 0;       // mean over all repeats
+  double ratio = 0;            // peak_reserved / peak_live
+  double ns_per_op = 0;        // mean over all repeats
   double first_ns_per_op = 0;  // the first repeat: the pool grows (maps pages) as it goes
   double warm_ns_per_op = 0;   // later repeats: the pool reuses what it holds (as in training)
   std::uint64_t maps = 0, unmaps = 0;

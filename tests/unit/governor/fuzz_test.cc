@@ -37,18 +37,38 @@ class Fuzzer {
   explicit Fuzzer(uint64_t seed) : rng_(seed) {}
   int Int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
   int64_t Int64() {
-    static const int64_t kEdges[] = {0, -1, 1, std::numeric_limits<int64_t>::min(),
-                                     std::numeric_limits<int64_t>::max(), int64_t{1} << 50,
-                                     (int64_t{1} << 50) + 1, 7, 100};
+    static const int64_t kEdges[] = {0,
+                                     -1,
+                                     1,
+                                     std::numeric_limits<int64_t>::min(),
+                                     std::numeric_limits<int64_t>::max(),
+                                     int64_t{1} << 50,
+                                     (int64_t{1} << 50) + 1,
+                                     7,
+                                     100};
     return Int(0, 3) == 0 ? static_cast<int64_t>(rng_()) : kEdges[Int(0, 8)];
   }
   int32_t Int32() {
-    static const int32_t kEdges[] = {0, -1, 1, 3, 7, 8, 9, std::numeric_limits<int32_t>::min(),
+    static const int32_t kEdges[] = {0,
+                                     -1,
+                                     1,
+                                     3,
+                                     7,
+                                     8,
+                                     9,
+                                     std::numeric_limits<int32_t>::min(),
                                      std::numeric_limits<int32_t>::max()};
     return Int(0, 3) == 0 ? static_cast<int32_t>(rng_()) : kEdges[Int(0, 8)];
   }
   double Double() {
-    static const double kEdges[] = {0, -1, 1, 1.5, 64, 65, 1e300, -1e-300,
+    static const double kEdges[] = {0,
+                                    -1,
+                                    1,
+                                    1.5,
+                                    64,
+                                    65,
+                                    1e300,
+                                    -1e-300,
                                     std::numeric_limits<double>::quiet_NaN(),
                                     std::numeric_limits<double>::infinity()};
     return kEdges[Int(0, 9)];
@@ -86,14 +106,14 @@ class Fuzzer {
       case 1:
         return std::string((size_t{4} << 20) + 1, '{');
       case 2: {
-        static const char* kFields[] = {"layers", "hidden", "pp", "micro_batches", "experts",
-                                        "top_k", "seq_len", "vp", "gpus"};
+        static const char* kFields[] = {"layers", "hidden",  "pp", "micro_batches", "experts",
+                                        "top_k",  "seq_len", "vp", "gpus"};
         const std::string field = kFields[Int(0, 8)];
         const size_t at = m.find("\"" + field + "\"");
         if (at == std::string::npos) return m;
         const size_t colon = m.find(':', at), end = m.find_first_of(",}", colon);
-        static const char* kValues[] = {"-1", "0", "1e30", "\"x\"", "null", "99999999999",
-                                        "4096", "3"};
+        static const char* kValues[] = {"-1",   "0",           "1e30", "\"x\"",
+                                        "null", "99999999999", "4096", "3"};
         return m.substr(0, colon + 1) + kValues[Int(0, 7)] + m.substr(end);
       }
       case 3:
@@ -189,7 +209,8 @@ TEST(GovernorFuzz, HandlersRejectBadInputAndKeepOtherSessions) {
       if (f.Int(0, 1)) r.mutable_stats()->set_allocated_bytes(f.Int64());
       if (f.Int(0, 2) == 0) r.mutable_stats()->set_fragmentation(f.Double());
       if (f.Int(0, 4) == 0) r.set_allocator_snapshot_json(f.Bytes(50));
-      if (f.Int(0, 30) == 0) r.set_allocator_snapshot_json(std::string((size_t{16} << 20) + 1, ' '));
+      if (f.Int(0, 30) == 0)
+        r.set_allocator_snapshot_json(std::string((size_t{16} << 20) + 1, ' '));
       if (f.Int(0, 4) == 0) f.Corrupt(r);
       pb::ReportResponse resp;
       s = core.Report(attacker, r, &resp);
@@ -208,8 +229,7 @@ TEST(GovernorFuzz, HandlersRejectBadInputAndKeepOtherSessions) {
     const auto code = s.error_code();
     EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::INVALID_ARGUMENT ||
                 code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
-                code == grpc::StatusCode::NOT_FOUND ||
-                code == grpc::StatusCode::PERMISSION_DENIED)
+                code == grpc::StatusCode::NOT_FOUND || code == grpc::StatusCode::PERMISSION_DENIED)
         << "iteration " << i << ": code " << code << " " << s.error_message();
     if (!s.ok()) {
       EXPECT_TRUE(NamesField(s)) << "iteration " << i << ": " << s.error_message();
