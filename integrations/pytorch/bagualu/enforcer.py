@@ -121,7 +121,7 @@ class Enforcer:
         self.borrowed_free_is_safe = borrowed_free_is_safe
         opts = _Options()
         self.lib.bgl_enf_default_options(ctypes.byref(opts))
-        opts.device = device.index or 0 if self.cuda else 0
+        opts.device = (device.index or 0) if self.cuda else 0
         opts.pinned_capacity = int(pinned_capacity)
         opts.pressure_eviction = 0  # the runtime's pressure callback decides what moves
         handle = _c_void()

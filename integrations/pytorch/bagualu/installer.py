@@ -78,7 +78,7 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
     else:
         pool = DevicePool(cap)
     gov = Governor(governor, deadline_s=deadline_s,
-                   gpu_index=dev.index or 0 if dev.type == "cuda" else pipeline_rank)
+                   gpu_index=(dev.index or 0) if dev.type == "cuda" else pipeline_rank)
     rt = runtime.Runtime(dev, cap, policy, gov, pipeline_rank, pipeline_stages, micro_batches,
                          log_iterations, fp8_block, pool,
                          runtime.parse_size(pinned_capacity))
