@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# GPU suite (allocator part): builds with CUDA, runs the CUDA-backend tests, the LD_PRELOAD and
-# C ABI tests, the allocator benchmarks and bgl-replay of the shipped MoE traces on every
-# backend, plus (when PyTorch is installed) the same traces through PyTorch's native allocator,
-# expandable segments, cudaMallocAsync and BaGuaLu's pluggable allocator. Writes everything to
-# one results file (default out/gpu-results.txt), then bagualu on CUDA (tests/gpu/
-# test_bagualu_cuda.py) and the example's policies side by side. Budget: under 8 minutes on one
-# H200.
+# GPU suite: builds with CUDA, runs the CUDA-backend tests, the LD_PRELOAD and C ABI tests, the
+# allocator benchmarks and bgl-replay of the shipped MoE traces on every backend (and cuda-vmm
+# with larger pages), the enforcer tests and timing table (which also writes the planner's
+# calibration), plus, when PyTorch with CUDA is installed, the same traces through PyTorch's
+# native allocator, expandable segments, cudaMallocAsync and BaGuaLu's pluggable allocator,
+# bagualu on CUDA (tests/gpu/test_bagualu_cuda.py) and the example's policies side by side.
+# Writes everything to one results file (default out/gpu-results.txt). It took 215 s on one
+# H200 from a prebuilt bundle (session 2).
 #
 # BGL_GPU_PREBUILT=1 skips setup, configure and build and uses the binaries already in
 # $BGL_GPU_BUILD (tests/gpu/device.sh sets it after unpacking tests/gpu/bundle.sh's bundle).
