@@ -160,3 +160,77 @@ def test_pressure_eviction_offloads_what_is_needed_last() -> None:
         with bagualu.backward(mb):
             outs[mb].backward()
     assert rt.tracker.counters["reloads"] == len(moved)
+
+
+def test_uninstall_keeps_offloaded_activations_reloadable() -> None:
+    """A graph built before uninstall() still reloads its offloaded activations; the enforcer
+    goes away once nothing needs it, and a new install works."""
+    require_libs()
+    torch.manual_seed(0)
+    m = Tiny()
+    x = torch.randn(32, 16, requires_grad=True)
+    rt = bagualu.install(capacity="1MiB", policy="keep-all", governor="none",
+                         log_iterations=False)
+    bagualu.instrument(m)
+    rt.force_strategies({n: bagualu.OFFLOAD for n in ("attn_norm", "qkv_proj", "out_proj")})
+    with bagualu.forward(0):
+        y = m(x).square().sum()
+    enf = rt.enforcer
+    assert enf.pending > 0
+    bagualu.uninstall()
+    assert not enf.destroyed, "offloaded activations of a live graph still need the enforcer"
+    y.backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    del y
+    gc.collect()
+    assert enf.destroyed and enf.pending == 0 and enf.live_blocks == 0
+    bagualu.install(capacity="1MiB", policy="keep-all", governor="none", log_iterations=False)
+
+
+def test_failed_forward_frees_its_light_accounting() -> None:
+    """An out-of-memory error in the middle of a light forward leaves nothing accounted, and
+    the micro-batch can be run again."""
+    require_libs()
+    torch.manual_seed(0)
+    m = Tiny()
+    rt = bagualu.install(capacity="1MiB", policy="keep-all", governor="none",
+                         log_iterations=False)
+    bagualu.instrument(m)
+
+    def forward(rows: int) -> torch.Tensor:
+        x = torch.randn(rows, 16, requires_grad=True)
+        with bagualu.forward(0):
+            return m(x).square().sum()
+
+    with bagualu.backward(0):
+        forward(32).backward()  # the capture micro-batch (records)
+    with pytest.raises(bagualu.OutOfMemoryError):
+        forward(8192)  # light (keep-all) and too large for 1 MiB
+    gc.collect()
+    assert rt.pool.stats()["allocated_bytes_current"] == 0
+    assert 0 not in rt.tracker.light_sets
+    y = forward(32)
+    assert 0 < rt.tracker.light_bytes(0) < 64 << 10
+    with bagualu.backward(0):
+        y.backward()
+    assert rt.pool.stats()["allocated_bytes_current"] == 0
+
+
+def test_light_capture_tells_a_reused_pointer_from_the_dead_storage() -> None:
+    from bagualu.tracker import Op, Tracker
+    tr = Tracker(lambda n: 1, lambda b, n: None, lambda op, mb: bagualu.KEEP)
+    tr.micro_batch = 0
+    tr.scope.append(Op("qkv_proj", "linear", 0))
+    tr.begin_light(0)
+    a = torch.empty(48 << 10, dtype=torch.uint8)
+    key = a.untyped_storage().data_ptr()
+    tr.pack(a)
+    del a  # a graph piece dropped during the forward
+    b = torch.empty(48 << 10, dtype=torch.uint8)
+    if b.untyped_storage().data_ptr() != key:
+        pytest.skip("the CPU allocator did not reuse the pointer this time")
+    tr.pack(b)
+    assert tr.light_bytes(0) == 48 << 10  # b only: a died
+    assert tr.light_sets[0].holds(key, b.untyped_storage())
+    tr.pack(b)
+    assert tr.light_bytes(0) == 48 << 10

@@ -128,7 +128,9 @@ class Enforcer:
         self._check(self.lib.bgl_enf_create(ctypes.byref(opts), ctypes.byref(handle)), "create")
         self.handle = handle.value
         self.live_blocks = 0  # reloaded blocks PyTorch still holds
-        self.closed = False
+        self.pending = 0      # offloaded tensors not yet acquired or released
+        self.closing = False  # close() was called: destroy once nothing is outstanding
+        self.destroyed = False
 
     # -- helpers ----------------------------------------------------------------------------
     def _error(self) -> str:
@@ -165,6 +167,7 @@ class Enforcer:
             msg = self._error()
             self.lib.bgl_enf_unregister(self.handle, h)
             raise BagualuError(f"enforcer offload: {msg}")
+        self.pending += 1
         return h.value
 
     def prefetch(self, handle: int) -> None:
@@ -174,15 +177,18 @@ class Enforcer:
     def acquire(self, handle: int, nbytes: int) -> torch.UntypedStorage:
         """The reloaded data as a storage on the device; the current stream waits for it. The
         handle is released when the storage dies."""
+        if self.destroyed:
+            raise BagualuError("enforcer acquire: the enforcer was destroyed")
         ptr = _c_void()
         self._check(self.lib.bgl_enf_acquire(self.handle, handle, -1, self._stream(),
                                              ctypes.byref(ptr)), "acquire")
+        self.pending -= 1
         self.live_blocks += 1
 
         def done(h: int = handle) -> None:
             self.live_blocks -= 1
-            if not self.closed:
-                self.lib.bgl_enf_release(self.handle, h, -1, self._stream())
+            self.lib.bgl_enf_release(self.handle, h, -1, self._stream())
+            self._destroy_if_done()
 
         block = _Block(ptr.value, nbytes, self.cuda, done)
         if self.cuda:
@@ -194,26 +200,33 @@ class Enforcer:
 
     def release(self, handle: int) -> None:
         """Forgets a tensor that was offloaded and never acquired (frees its pinned copy)."""
-        if not self.closed:
-            self.lib.bgl_enf_release(self.handle, handle, -1, self._stream())
+        if self.destroyed:
+            return
+        self.lib.bgl_enf_release(self.handle, handle, -1, self._stream())
+        self.pending -= 1
+        self._destroy_if_done()
 
     def synchronize(self) -> None:
         """Waits for every queued copy (and so for the pinned memory they free)."""
+        if self.destroyed:
+            return
         self._check(self.lib.bgl_enf_synchronize(self.handle), "synchronize")
 
     def stats(self) -> Dict[str, int]:
+        if self.destroyed:
+            return {}
         s = _Stats()
         self._check(self.lib.bgl_enf_get_stats(self.handle, ctypes.byref(s)), "stats")
         return {name: int(getattr(s, name)) for name in _STAT_FIELDS}
 
     def close(self) -> None:
-        """Destroys the enforcer unless PyTorch still holds reloaded blocks (then it stays, so
-        those tensors remain valid)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.live_blocks > 0:
-            log.debug("bagualu: %d reloaded blocks still alive; the enforcer is kept",
-                      self.live_blocks)
-            return
-        self.lib.bgl_enf_destroy(self.handle)
+        """Destroys the enforcer once nothing it holds is still needed: graphs built before
+        uninstall may still reload their offloaded activations, and reloaded blocks stay valid
+        while PyTorch holds them."""
+        self.closing = True
+        self._destroy_if_done()
+
+    def _destroy_if_done(self) -> None:
+        if self.closing and not self.destroyed and self.live_blocks == 0 and self.pending == 0:
+            self.destroyed = True
+            self.lib.bgl_enf_destroy(self.handle)

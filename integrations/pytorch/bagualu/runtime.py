@@ -454,6 +454,9 @@ class Runtime:
         try:
             with torch.autograd.graph.saved_tensors_hooks(t.pack, t.unpack):
                 yield
+        except BaseException:
+            t.drop_light(mb)  # no backward will come for this forward
+            raise
         finally:
             self.forwarding = False
             t.scope.clear()

@@ -170,9 +170,10 @@ class Record:
             return self.storage
         t = self.tracker
         if self.placement == HOST and self.enf:
-            self.storage = t.enforcer.acquire(self.enf, self.nbytes)
+            handle = self.enf
+            self.storage = t.enforcer.acquire(handle, self.nbytes)
             self.enf = 0
-            t.acquired(self.micro_batch)
+            t.acquired(self.micro_batch, handle)
             if t.pool_backed:  # the reload is a block of the pool already
                 self._unaccount()
                 self.block_bytes, self.enf_block = self.nbytes, True
@@ -282,13 +283,14 @@ class Tracker:
     def __post_init__(self) -> None:
         self.scope: List[Op] = []
         # Light capture: a micro-batch whose strategies are all keep needs no records. Saved
-        # storages are only counted (storage ptr -> nbytes, negative once a consumer outside
-        # the layers saved it) and accounted in coarse blocks freed when its backward ends.
-        # Pointers are unique within one forward: every saved storage lives until backward.
-        self.light: Optional[Dict[int, int]] = None       # the current forward's, when light
+        # storages are only counted (storage ptr -> (weakref, nbytes), nbytes negative once a
+        # consumer outside the layers saved it) and accounted in coarse blocks freed when its
+        # backward ends. The weakref tells a storage from a dead one whose pointer was reused
+        # (a graph piece dropped during the forward).
+        self.light: Optional[Dict[int, Tuple[Any, int]]] = None  # the current forward's
         self.light_sets: Dict[int, "LightSet"] = {}       # micro-batch -> its light set
         self.reload_queue: Dict[int, List[Record]] = {}   # micro-batch -> not yet prefetched
-        self.prefetched: Dict[int, int] = {}              # micro-batch -> reloads in flight
+        self.prefetched: Dict[int, Set[int]] = {}         # micro-batch -> handles in flight
         self._enforcer_warned = False
         self.micro_batch = -1
         self.live: Dict[int, Record] = {}          # storage ptr -> record (dedupe)
@@ -338,20 +340,24 @@ class Tracker:
                 return t
             key = st.data_ptr()
             seen = light.get(key)
+            if seen is not None and seen[0]() is not st:  # that storage died; a new one
+                self.light_sets[self.micro_batch].forget(abs(seen[1]))
+                del light[key]
+                seen = None
             if seen is None:
                 if key in self.param_keys:
-                    light[key] = 0  # remembered: the next lookup is the only cost
+                    light[key] = (weakref.ref(st), 0)  # the next lookup is the only cost
                     return t
                 if not self.enabled or t.numel() == 0:
                     return t
                 n = st.nbytes()
-                scope = self.scope
-                light[key] = n if scope and scope[-1].layer >= 0 else -n
                 self.light_sets[self.micro_batch].grow(n)
-            elif seen > 0:
+                scope = self.scope
+                light[key] = (weakref.ref(st), n if scope and scope[-1].layer >= 0 else -n)
+            elif seen[1] > 0:
                 scope = self.scope
                 if not scope or scope[-1].layer < 0:
-                    light[key] = -seen
+                    light[key] = (seen[0], -seen[1])
             return t
         if not self.enabled or self.micro_batch < 0 or t.numel() == 0 or t.is_sparse:
             return t
@@ -360,7 +366,7 @@ class Tracker:
         if key in self.param_keys:
             return t
         ls = self.light_sets.get(self.micro_batch)
-        if ls is not None and key in ls.sizes:
+        if ls is not None and ls.holds(key, st):
             return t  # counted before the plan changed mid-forward; it stays kept
         op = self.scope[-1] if self.scope else OUTSIDE
         rec = self.live.get(key)
@@ -403,7 +409,7 @@ class Tracker:
             if st.data_ptr() in self.param_keys:
                 continue
             ls = self.light_sets.get(self.micro_batch)
-            if ls is not None and st.data_ptr() in ls.sizes:
+            if ls is not None and ls.holds(st.data_ptr(), st):
                 continue  # light-counted: kept on the device anyway
             rec = self.live.get(st.data_ptr())
             if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
@@ -423,11 +429,18 @@ class Tracker:
             recs.discard(rec)
 
     def begin_light(self, micro_batch: int) -> None:
-        """Light capture for the forward of ``micro_batch`` (see __post_init__)."""
-        ls = self.light_sets.get(micro_batch)
-        if ls is None:
-            ls = self.light_sets[micro_batch] = LightSet(self, micro_batch)
+        """Light capture for the forward of ``micro_batch`` (see __post_init__). A set left by
+        an earlier forward of the same id whose backward never ran is dropped first."""
+        self.drop_light(micro_batch)
+        ls = self.light_sets[micro_batch] = LightSet(self, micro_batch)
         self.light = ls.sizes
+
+    def drop_light(self, micro_batch: int) -> None:
+        """Frees the light accounting of ``micro_batch`` (its backward ended, or its forward
+        failed and no backward will come)."""
+        ls = self.light_sets.pop(micro_batch, None)
+        if ls is not None:
+            ls.free()
 
     def end_light(self) -> None:
         """Back to records for the rest of the forward (the plan changed after the router)."""
@@ -447,12 +460,13 @@ class Tracker:
         recs = [r for r in self.by_mb.get(micro_batch, ()) if r.enf]
         recs.sort(key=lambda r: r.seq)  # popped from the end: last produced first
         self.reload_queue[micro_batch] = recs
-        self.prefetched[micro_batch] = 0
+        self.prefetched[micro_batch] = set()
         self._prefetch(micro_batch)
 
     def _prefetch(self, micro_batch: int) -> None:
         queue = self.reload_queue.get(micro_batch)
-        while queue and self.prefetched.get(micro_batch, 0) < self.reload_window:
+        issued = self.prefetched.get(micro_batch)
+        while queue and issued is not None and len(issued) < self.reload_window:
             rec = queue.pop()
             if not rec.enf or rec.placement != HOST:
                 continue
@@ -462,12 +476,13 @@ class Tracker:
                 log.debug("bagualu: prefetch stopped: %s", e)
                 queue.clear()
                 return
-            self.prefetched[micro_batch] = self.prefetched.get(micro_batch, 0) + 1
+            issued.add(rec.enf)
 
-    def acquired(self, micro_batch: int) -> None:
-        """A reload was consumed: issue the next one."""
-        if micro_batch in self.prefetched:
-            self.prefetched[micro_batch] = max(self.prefetched[micro_batch] - 1, 0)
+    def acquired(self, micro_batch: int, handle: int) -> None:
+        """The reload of ``handle`` was consumed: issue the next one."""
+        issued = self.prefetched.get(micro_batch)
+        if issued is not None and handle in issued:
+            issued.discard(handle)
             self._prefetch(micro_batch)
 
     def enforcer_failed(self, error: Exception) -> None:
@@ -483,16 +498,14 @@ class Tracker:
         self.pinned_holders.pop(micro_batch, None)
         self.reload_queue.pop(micro_batch, None)
         self.prefetched.pop(micro_batch, None)
-        ls = self.light_sets.pop(micro_batch, None)
-        if ls is not None:
-            ls.free()
+        self.drop_light(micro_batch)
 
     def light_bytes(self, micro_batch: int, in_layer_only: bool = False) -> int:
         ls = self.light_sets.get(micro_batch)
         if ls is None:
             return 0
         if in_layer_only:
-            return sum(n for n in ls.sizes.values() if n > 0)
+            return sum(n for _, n in ls.sizes.values() if n > 0)
         return ls.used
 
     def release_all(self) -> None:
@@ -567,18 +580,29 @@ class LightSet:
     def __init__(self, tracker: Tracker, micro_batch: int) -> None:
         self.tracker = tracker
         self.micro_batch = micro_batch
-        self.sizes: Dict[int, int] = {}
+        self.sizes: Dict[int, Tuple[Any, int]] = {}  # see Tracker.__post_init__
         self.used = 0
         self.reserved = 0
         self.blocks: List[Tuple[int, int]] = []
 
+    def holds(self, key: int, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` (at pointer ``key``) was counted here."""
+        seen = self.sizes.get(key)
+        return seen is not None and seen[0]() is storage
+
     def grow(self, nbytes: int) -> None:
-        self.used += nbytes
-        if self.used > self.reserved:
-            size = max(self.used - self.reserved, self.tracker.light_chunk)
-            block = self.tracker.device_alloc(size)  # OutOfMemoryError as for a record
+        """Counts ``nbytes`` more; OutOfMemoryError (nothing counted) as for a record."""
+        used = self.used + nbytes
+        if used > self.reserved:
+            size = max(used - self.reserved, self.tracker.light_chunk)
+            block = self.tracker.device_alloc(size)
             self.blocks.append((block, size))
             self.reserved += size
+        self.used = used
+
+    def forget(self, nbytes: int) -> None:
+        """A counted storage died before backward (its blocks stay until the set is freed)."""
+        self.used -= nbytes
 
     def free(self) -> None:
         for block, size in self.blocks:
