@@ -31,13 +31,19 @@ class Tiny(bagualu.OpBlock):
                   ("out",))]
 
 
-def run(strategies=None, capacity="1MiB"):
+def install_tiny(capacity="1MiB"):
+    """A seeded Tiny block under keep-all (embedded planner) and an input: (runtime, m, x)."""
     torch.manual_seed(0)
     m = Tiny()
     x = torch.randn(32, 16, requires_grad=True)
     rt = bagualu.install(capacity=capacity, policy="keep-all", governor="none",
                          log_iterations=False)
     bagualu.instrument(m)
+    return rt, m, x
+
+
+def run(strategies=None, capacity="1MiB"):
+    rt, m, x = install_tiny(capacity)
     rt.force_strategies(strategies)
     with bagualu.forward(0):
         y = m(x).square().sum()
@@ -62,12 +68,7 @@ def test_offload_moves_bytes_and_frees_the_original(through: str, monkeypatch) -
     require_libs()
     if through == "torch":
         monkeypatch.setenv("BGL_ENFORCER", "0")
-    torch.manual_seed(0)
-    m = Tiny()
-    x = torch.randn(32, 16, requires_grad=True)
-    rt = bagualu.install(capacity="1MiB", policy="keep-all", governor="none",
-                         log_iterations=False)
-    bagualu.instrument(m)
+    rt, m, x = install_tiny()
     rt.force_strategies({n: bagualu.OFFLOAD for n in
                          ("attn_norm", "qkv_proj", "out_proj", "expert_act", "combine")})
     assert (rt.enforcer is not None) == (through == "enforcer")
@@ -166,12 +167,7 @@ def test_uninstall_keeps_offloaded_activations_reloadable() -> None:
     """A graph built before uninstall() still reloads its offloaded activations; the enforcer
     goes away once nothing needs it, and a new install works."""
     require_libs()
-    torch.manual_seed(0)
-    m = Tiny()
-    x = torch.randn(32, 16, requires_grad=True)
-    rt = bagualu.install(capacity="1MiB", policy="keep-all", governor="none",
-                         log_iterations=False)
-    bagualu.instrument(m)
+    rt, m, x = install_tiny()
     rt.force_strategies({n: bagualu.OFFLOAD for n in ("attn_norm", "qkv_proj", "out_proj")})
     with bagualu.forward(0):
         y = m(x).square().sum()
@@ -191,11 +187,7 @@ def test_failed_forward_frees_its_light_accounting() -> None:
     """An out-of-memory error in the middle of a light forward leaves nothing accounted, and
     the micro-batch can be run again."""
     require_libs()
-    torch.manual_seed(0)
-    m = Tiny()
-    rt = bagualu.install(capacity="1MiB", policy="keep-all", governor="none",
-                         log_iterations=False)
-    bagualu.instrument(m)
+    rt, m, _ = install_tiny()
 
     def forward(rows: int) -> torch.Tensor:
         x = torch.randn(rows, 16, requires_grad=True)
