@@ -133,7 +133,7 @@ def _torchrun(tmp_path: Any, *extra: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(ROOT / "integrations" / "pytorch" / "examples" / "moe_train.py"), *ARGS,
            *extra]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     return text
