@@ -6,11 +6,12 @@
 
 #include "allocator/allocator.h"
 #include "allocator/cuda_async_backend.h"
+#include "tests/unit/allocator/test_util.h"
 
 namespace bgl::alloc {
 namespace {
 
-constexpr std::size_t kMiB = std::size_t{1} << 20;
+using testing::kMiB;
 
 class CudaBackendTest : public ::testing::TestWithParam<const char*> {
  protected:
@@ -18,16 +19,7 @@ class CudaBackendTest : public ::testing::TestWithParam<const char*> {
     if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   }
   std::unique_ptr<Pool> make(std::size_t limit = 0) {
-    Config c;
-    c.backend = GetParam();
-    c.expandable = c.backend == "cuda-vmm";
-    c.pool.limit_bytes = limit;
-    c.pool.log = false;
-    std::string err;
-    auto backend = make_backend(c, 0, &err);
-    EXPECT_NE(backend, nullptr) << err;
-    if (backend == nullptr) return nullptr;
-    return std::make_unique<Pool>(std::move(backend), c.pool);
+    return testing::make_backend_pool(GetParam(), limit);
   }
 };
 

@@ -13,6 +13,7 @@
 
 #include "allocator/allocator.h"
 #include "allocator/pool.h"
+#include "tests/unit/allocator/test_util.h"
 
 namespace bgl::alloc {
 namespace {
@@ -119,17 +120,7 @@ class NcclHooksTest : public ::testing::TestWithParam<const char*> {
     }
   }
 
-  std::unique_ptr<Pool> MakePool() {
-    Config c;
-    c.backend = GetParam();
-    c.expandable = c.backend == "cuda-vmm";
-    c.pool.log = false;
-    std::string err;
-    auto backend = make_backend(c, 0, &err);
-    EXPECT_NE(backend, nullptr) << err;
-    if (backend == nullptr) return nullptr;
-    return std::make_unique<Pool>(std::move(backend), c.pool);
-  }
+  std::unique_ptr<Pool> MakePool() { return testing::make_backend_pool(GetParam()); }
 
   ncclComm_t comm_ = nullptr;
 };

@@ -11,18 +11,14 @@
 #include <vector>
 
 #include "governor/service/governor_core.h"
+#include "tests/unit/governor/tiny_model.h"
 
 namespace bgl::gov {
 namespace {
 
 namespace pb = bagualu::v1;
 
-std::string TinyModel() {
-  std::ifstream in(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using testing::TinyModel;
 
 TEST(GovernorCoreConcurrency, CallersDashboardsAndReaperAtOnce) {
   GovernorCore core;

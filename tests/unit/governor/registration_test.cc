@@ -5,10 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include "governor/service/governor_core.h"
+#include "tests/unit/governor/tiny_model.h"
 
 namespace bgl::gov {
 namespace {
@@ -18,12 +17,9 @@ namespace pb = bagualu::v1;
 constexpr int64_t kMiB = int64_t{1} << 20;
 
 pb::RegisterRequest TinyRegister(int64_t budget_step_bytes) {
-  std::ifstream in(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
-  std::stringstream ss;
-  ss << in.rdbuf();
   pb::RegisterRequest r;
   r.set_gpu_uuid("host-0");
-  r.set_model_json(ss.str());
+  r.set_model_json(testing::TinyModel());
   r.set_capacity_bytes(int64_t{8} << 30);
   r.set_budget_step_bytes(budget_step_bytes);
   return r;
