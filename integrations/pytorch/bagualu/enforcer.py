@@ -20,7 +20,6 @@ from .errors import BagualuError, OutOfMemoryError
 log = logging.getLogger("bagualu")
 
 _c_void, _c_size, _c_int, _c_u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64
-_OFFLOAD = 2
 _BYTES = 3
 _ERR_OUT_OF_MEMORY = 2
 
@@ -63,7 +62,6 @@ def _bind(lib: ctypes.CDLL) -> None:
         "bgl_enf_acquire": ([_c_void, _c_u64, _c_int, _c_void, handle_p], _c_int),
         "bgl_enf_release": ([_c_void, _c_u64, _c_int, _c_void], _c_int),
         "bgl_enf_unregister": ([_c_void, _c_u64], _c_int),
-        "bgl_enf_set_strategy": ([_c_void, _c_u64, _c_int], _c_int),
         "bgl_enf_wait_tensor": ([_c_void, _c_u64], _c_int),
         "bgl_enf_synchronize": ([_c_void], _c_int),
         "bgl_enf_get_stats": ([_c_void, ctypes.POINTER(_Stats)], _c_int),
@@ -158,9 +156,7 @@ class Enforcer:
         h = _c_u64(0)
         self._check(self.lib.bgl_enf_register(self.handle, ctypes.byref(desc), ctypes.byref(h)),
                     "register")
-        rc = self.lib.bgl_enf_set_strategy(self.handle, h, _OFFLOAD)
-        if rc == 0:
-            rc = self.lib.bgl_enf_offload(self.handle, h)
+        rc = self.lib.bgl_enf_offload(self.handle, h)
         if rc == 0 and not self.borrowed_free_is_safe:
             rc = self.lib.bgl_enf_wait_tensor(self.handle, h)
         if rc != 0:

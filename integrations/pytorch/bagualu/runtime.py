@@ -76,13 +76,12 @@ class Runtime:
         self.pool = pool
         self._host_used = 0
         self.tracker = Tracker(self._device_alloc, self._device_free, self._strategy_of,
-                               pin_memory=device.type == "cuda", fp8_block=fp8_block,
+                               fp8_block=fp8_block,
                                copy_stream=torch.cuda.Stream(device) if device.type == "cuda"
                                else None,
                                light_chunk=max(capacity >> 10, 64 << 10) if pool is not None
-                               else 0)
-        self.tracker.pool_backed = pool is not None
-        self.tracker.device_type = device.type
+                               else 0,
+                               pool_backed=pool is not None, device_type=device.type)
         self.enforcer: Any = None
         if policy == "bagualu":
             self._ensure_enforcer()

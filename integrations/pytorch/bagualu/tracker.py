@@ -266,19 +266,22 @@ class Tracker:
     device_alloc: Callable[[int], int]
     device_free: Callable[[int, int], None]
     strategy_of: StrategyFn
-    pin_memory: bool = False
     fp8_block: int = 128
     copy_stream: Any = None
     param_keys: Set[int] = field(default_factory=set)
     counters: Dict[str, int] = field(default_factory=lambda: {
         "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
         "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0})
-
     light_chunk: int = 0  # bytes per accounting block of light micro-batches (0: exact)
     enforcer: Any = None  # enforcer.Enforcer: offload/reload through libbgl_alloc's enforcer
     pool_backed: bool = False  # device_alloc gives pool blocks (CPU), not just a count
     device_type: str = "cpu"  # where activations live; only those are moved
     reload_window: int = 4  # reloads issued ahead of the backward that needs them
+
+    @property
+    def pin_memory(self) -> bool:
+        """Host copies are page-locked when the activations are on a GPU."""
+        return self.device_type == "cuda"
 
     def __post_init__(self) -> None:
         self.scope: List[Op] = []
