@@ -82,7 +82,6 @@ class Runtime:
                                light_chunk=max(capacity >> 10, 64 << 10) if pool is not None
                                else 0,
                                pool_backed=pool is not None, device_type=device.type)
-        self.enforcer: Any = None
         if policy == "bagualu":
             self._ensure_enforcer()
         if pool is not None and policy == "bagualu":
@@ -126,6 +125,11 @@ class Runtime:
             return
         self.pool.free(block, nbytes)
 
+    @property
+    def enforcer(self) -> Any:
+        """The enforcer offloads go through (None: PyTorch copies)."""
+        return self.tracker.enforcer
+
     def _ensure_enforcer(self) -> None:
         """Offloads go through libbgl_alloc's enforcer (its pinned pool and copy streams);
         BGL_ENFORCER=0, or an enforcer that cannot start, falls back to PyTorch copies."""
@@ -134,15 +138,13 @@ class Runtime:
         from . import installer
         from .enforcer import Enforcer
         try:
-            self.enforcer = Enforcer(
+            self.tracker.enforcer = Enforcer(
                 self.device, self.pinned_capacity,
                 borrowed_free_is_safe=self.device.type == "cuda"
                 and installer.cuda_allocator_swapped())
         except Exception as e:  # noqa: BLE001 - any failure leaves the PyTorch path
             log.warning("bagualu: the enforcer is unavailable (%s); offloads use PyTorch "
                         "copies", e)
-            return
-        self.tracker.enforcer = self.enforcer
 
     def _on_pressure(self, needed: int) -> int:
         return self.tracker.evict(needed)
