@@ -1,5 +1,9 @@
 """Pipeline schedules as bagualu scheduling points, and a 1F1B adapter for stages that talk to
-their neighbours with torch.distributed point-to-point calls."""
+their neighbours with torch.distributed point-to-point calls.
+
+A point is ``(phase, forward_mb, backward_mb)`` (``one_f_one_b``: one model chunk per rank) or
+``(phase, forward_mb, backward_mb, forward_chunk, backward_chunk)`` (``interleaved_one_f_one_b``:
+several chunks per rank; a chunk is ``None`` where its micro-batch is ``None``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 Point = Tuple[str, Optional[int], Optional[int]]
+ChunkPoint = Tuple[str, Optional[int], Optional[int], Optional[int], Optional[int]]
 
 
 def one_f_one_b(micro_batches: int, stages: int, rank: int) -> List[Point]:
@@ -26,6 +31,59 @@ def one_f_one_b(micro_batches: int, stages: int, rank: int) -> List[Point]:
             points.append(("steady", warm + i, i))
     for b in range(micro_batches - warm, micro_batches):
         points.append(("cooldown", None, b))
+    return points
+
+
+def _interleaved_unit(k: int, forward: bool, stages: int, chunks: int) -> Tuple[int, int]:
+    """(micro-batch, chunk) of the k-th forward or backward of a rank in Megatron's
+    interleaved order: groups of ``stages`` micro-batches walk the chunks in turn (backwards
+    from the last chunk)."""
+    group = stages * chunks
+    in_group = k % group
+    chunk = in_group // stages
+    return (k // group) * stages + in_group % stages, chunk if forward else chunks - 1 - chunk
+
+
+def interleaved_one_f_one_b(micro_batches: int, stages: int, rank: int,
+                            chunks: int) -> List[ChunkPoint]:
+    """The scheduling points (phase, forward mb, backward mb, forward chunk, backward chunk)
+    of pipeline rank ``rank`` of ``stages`` holding ``chunks`` model chunks (the stages
+    ``rank``, ``rank + stages``, ... of the model: chunk c is local stage c) in interleaved 1F1B,
+    the planner's step order (governor/planner/pipeline_schedule.cc, Megatron's schedule):
+    ``(stages - rank - 1) * 2 + (chunks - 1) * stages`` warm-up forwards, steady
+    forward+backward pairs, cool-down backwards. A steady pair whose forward and backward are
+    the same micro-batch of the same chunk (the last rank's last chunk) is two points, as on
+    the last stage of ``one_f_one_b``. ``chunks=1`` gives the points of ``one_f_one_b`` with
+    chunk 0. Interleaving (chunks > 1) needs ``micro_batches`` divisible by ``stages``."""
+    if not 0 <= rank < stages:
+        raise ValueError(f"rank {rank} outside 0..{stages - 1}")
+    if chunks < 1:
+        raise ValueError(f"chunks must be positive, got {chunks}")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be positive, got {micro_batches}")
+    if chunks == 1:
+        return [(ph, f, b, None if f is None else 0, None if b is None else 0)
+                for ph, f, b in one_f_one_b(micro_batches, stages, rank)]
+    if micro_batches % stages:
+        raise ValueError(f"interleaved 1F1B needs micro_batches ({micro_batches}) divisible "
+                         f"by the pipeline stages ({stages})")
+    total = micro_batches * chunks
+    warm = min((stages - rank - 1) * 2 + (chunks - 1) * stages, total)
+    points: List[ChunkPoint] = []
+    for k in range(warm):
+        f, fc = _interleaved_unit(k, True, stages, chunks)
+        points.append(("warmup", f, None, fc, None))
+    for k in range(warm, total):
+        f, fc = _interleaved_unit(k, True, stages, chunks)
+        b, bc = _interleaved_unit(k - warm, False, stages, chunks)
+        if (f, fc) == (b, bc):
+            points.append(("steady", f, None, fc, None))
+            points.append(("steady", None, b, None, bc))
+        else:
+            points.append(("steady", f, b, fc, bc))
+    for k in range(total - warm, total):
+        b, bc = _interleaved_unit(k, False, stages, chunks)
+        points.append(("cooldown", None, b, None, bc))
     return points
 
 
