@@ -4,8 +4,8 @@ Single process (default): emulates one pipeline stage's 1F1B memory pattern (ran
 --stages, so up to --stages micro-batches are in flight). Under torchrun (WORLD_SIZE > 1):
 real pipeline parallelism, one stage per rank (gloo on CPU, NCCL on GPU), every rank talking
 to the same governor daemon ($BGL_GOVERNOR); --pipeline torch drives the stages with
-torch.distributed.pipelining's Schedule1F1B (or --torch-schedule gpipe) through
-bagualu.pipelining.wrap_schedule.
+torch.distributed.pipelining's Schedule1F1B (or --torch-schedule gpipe; or interleaved:
+ScheduleInterleaved1F1B, two stages per rank) through bagualu.pipelining.wrap_schedule.
 
   python integrations/pytorch/examples/moe_train.py --policy all --capacity 292MiB \
       --spike-size 2.6 --spike-every 16
@@ -217,46 +217,64 @@ def _build_stage(cfg: MoEConfig, seed: int, rank: int, world: int, device: torch
 
 def run_torch_pipeline(args: argparse.Namespace, cfg: MoEConfig, rank: int, world: int,
                        device: torch.device) -> None:
-    """One stage per rank driven by a torch.distributed.pipelining schedule (--pipeline torch);
-    bagualu is attached with bagualu.pipelining.wrap_schedule (--policy plain: not at all)."""
+    """A torch.distributed.pipelining schedule (--pipeline torch): one stage per rank
+    (--torch-schedule 1f1b, gpipe) or two (interleaved: stages rank and rank + world of
+    ScheduleInterleaved1F1B); bagualu is attached with bagualu.pipelining.wrap_schedule
+    (--policy plain: not at all)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
     use = args.policy != "plain"
+    chunks = 2 if args.torch_schedule == "interleaved" else 1
+    n_stages = world * chunks
     if use:
         policy = "bagualu" if args.policy == "all" else args.policy
+        extra = {"chunks": chunks} if chunks > 1 else {}
         bagualu.install(capacity=args.capacity, policy=policy, device=device,
                         governor=args.governor, pipeline_rank=rank, pipeline_stages=world,
-                        micro_batches=args.micro_batches)
-    stage = _build_stage(cfg, args.seed, rank, world, device)
+                        micro_batches=args.micro_batches, **extra)
+    indices = [rank + c * world for c in range(chunks)]  # this rank's stages, chunk order
+    modules = [_build_stage(cfg, args.seed, i, n_stages, device) for i in indices]
+    stage = modules[0] if chunks == 1 else torch.nn.ModuleList(modules)
     if use:
         bagualu.instrument(stage, cfg.info())
     mbs, seq, n_mb = cfg.micro_batch_size, cfg.seq_len, args.micro_batches
-    first, last = rank == 0, rank == world - 1
-    example_in = torch.zeros(mbs, seq, dtype=torch.long) if first \
-        else torch.zeros(mbs, seq, cfg.hidden)
-    example_out = torch.zeros(mbs, seq, cfg.vocab if last else cfg.hidden)
-    pstage = PipelineStage(stage, rank, world, device, input_args=(example_in.to(device),),
-                           output_args=(example_out.to(device),))
+    first, last = rank == 0, rank == world - 1  # this rank feeds x / computes the losses
+    pstages = []
+    for i, module in zip(indices, modules):
+        # torch >= 2.6 takes requires_grad from the examples: a received activation and a
+        # sent output need it, or no gradient flows between the stages
+        example_in = torch.zeros(mbs, seq, dtype=torch.long) if i == 0 \
+            else torch.zeros(mbs, seq, cfg.hidden, requires_grad=True)
+        example_out = torch.zeros(mbs, seq, cfg.vocab) if i == n_stages - 1 \
+            else torch.zeros(mbs, seq, cfg.hidden, requires_grad=True)
+        pstages.append(PipelineStage(module, i, n_stages, device,
+                                     input_args=(example_in.to(device),),
+                                     output_args=(example_out.to(device),)))
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.view(-1, cfg.vocab),
                                                  target.view(-1)) / n_mb
 
-    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.torch_schedule]
-    schedule: Any = cls(pstage, n_mb, loss_fn=loss_fn)
+    if chunks > 1:
+        schedule: Any = ScheduleInterleaved1F1B(pstages, n_mb, loss_fn=loss_fn)
+    else:
+        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.torch_schedule]
+        schedule = cls(pstages[0], n_mb, loss_fn=loss_fn)
     if use:
         schedule = bagualu.pipelining.wrap_schedule(schedule)
     else:
         bagualu.pipelining.fix_batch_p2p()  # plain torch 2.5.1 hangs on gloo without it
-    # the k-th forward of the stage in an iteration is micro-batch k (both schedules)
-    state = {"gmb": 0, "fwd": 0}
+    # the k-th forward of a stage in an iteration is micro-batch k (every schedule)
+    state: Dict[Any, int] = {"gmb": 0}
 
     def pre_forward(module: torch.nn.Module, inputs: Any) -> None:
-        module.set_spike(spike_for(state["gmb"] + state["fwd"], args.spike_every,
-                                   args.spike_size))
-        state["fwd"] += 1
+        k = state.get(module, 0)
+        module.set_spike(spike_for(state["gmb"] + k, args.spike_every, args.spike_size))
+        state[module] = k + 1
 
-    stage.register_forward_pre_hook(pre_forward)
+    for module in modules:
+        module.register_forward_pre_hook(pre_forward)
     corpus = DriftingCorpus(cfg, seed=args.seed + 1)
     opt = torch.optim.SGD(stage.parameters(), lr=0.05)
     phases: Dict[str, int] = {"warmup": 0, "steady": 0, "cooldown": 0}
@@ -266,7 +284,8 @@ def run_torch_pipeline(args: argparse.Namespace, cfg: MoEConfig, rank: int, worl
         x = torch.cat([d[0] for d in data]).to(device)
         y = torch.cat([d[1] for d in data]).to(device)
         opt.zero_grad(set_to_none=True)
-        state["fwd"] = 0
+        for module in modules:
+            state[module] = 0
         losses: List[torch.Tensor] = []
         if first:
             schedule.step(x)
@@ -277,8 +296,8 @@ def run_torch_pipeline(args: argparse.Namespace, cfg: MoEConfig, rank: int, worl
         opt.step()
         state["gmb"] += n_mb
         if use:
-            for phase, _, _ in schedule.points:
-                phases[phase] += 1
+            for point in schedule.points:
+                phases[point[0]] += 1
             plans += schedule.plans
         if last:
             total = torch.stack([loss.detach() for loss in losses]).sum()
@@ -341,8 +360,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--pipeline", choices=("p2p", "torch"), default="p2p",
                    help="under torchrun: bagualu.schedule.P2PStage (send/recv) or a "
                    "torch.distributed.pipelining schedule (--policy plain: without bagualu)")
-    p.add_argument("--torch-schedule", choices=("1f1b", "gpipe"), default="1f1b",
-                   help="the torch.distributed.pipelining schedule of --pipeline torch")
+    p.add_argument("--torch-schedule", choices=("1f1b", "gpipe", "interleaved"),
+                   default="1f1b", help="the torch.distributed.pipelining schedule of "
+                   "--pipeline torch (interleaved: ScheduleInterleaved1F1B, 2 stages per rank)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
