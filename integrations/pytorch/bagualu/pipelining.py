@@ -43,7 +43,7 @@ from contextlib import ExitStack
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import BagualuError
-from .schedule import Point, one_f_one_b
+from .schedule import Point, interleaved_one_f_one_b, one_f_one_b
 
 __all__ = ["wrap_schedule", "PipelinedSchedule", "schedule_points", "points_from_actions",
            "gpipe", "fix_batch_p2p"]
@@ -66,13 +66,20 @@ def points_from_actions(actions: Sequence[Action]) -> List[AnyPoint]:
     """Scheduling points (phase, f, b, forward_chunk, backward_chunk) of one rank's sequence of
     compute operations ``(kind, micro_batch, chunk)``, kind "F" or "B", in the order they run.
 
-    A forward immediately followed by a backward is one point (the 1F1B pair), unless both
-    are the same micro-batch of the same chunk (then two points, as on the last stage of
-    ``one_f_one_b``). Forwards before the first such pair or backward are ``warmup``,
-    backwards after the last forward ``cooldown``, everything else ``steady``: for the
-    operations of interleaved 1F1B this gives the planner's points
-    (``interleaved_one_f_one_b``)."""
+    Every forward before every backward (fill-drain, as GPipe): the forwards are ``warmup``,
+    the backwards ``cooldown``. Otherwise a forward immediately followed by a backward is one
+    point (the 1F1B pair), unless both are the same micro-batch of the same chunk (then two
+    points, as on the last stage of ``one_f_one_b``); forwards before the first such pair or
+    backward are ``warmup``, backwards after the last forward ``cooldown``, everything else
+    ``steady``. For the operations of interleaved 1F1B this gives the planner's points
+    (``interleaved_one_f_one_b``) except where the planner's warm-up holds every forward
+    (``schedule_points`` then takes the planner's grouping of the same operations)."""
     last_forward = max((i for i, a in enumerate(actions) if a[0] == "F"), default=-1)
+    first_backward = min((i for i, a in enumerate(actions) if a[0] == "B"),
+                         default=len(actions))
+    if last_forward < first_backward:  # fill-drain
+        return [("warmup", mb, None, c, None) if kind == "F" else ("cooldown", None, mb, None, c)
+                for kind, mb, c in actions]
     points: List[AnyPoint] = []
     started = False  # a backward has run: later lone forwards are steady, not warm-up
     i = 0
@@ -127,13 +134,21 @@ def _check_backward(schedule: Any) -> None:
                            "(bagualu plans activations kept for a backward)")
 
 
-def _rank_actions(schedule: Any, stages: List[Any]) -> List[Action]:
-    """The forwards and full backwards this rank runs in one step of a multi-stage schedule,
-    as (kind, micro-batch, chunk)."""
+def _rank_actions(schedule: Any, stages: List[Any], rank: Optional[int] = None
+                  ) -> List[Action]:
+    """The forwards and full backwards pipeline rank ``rank`` (default: this one) runs in one
+    step of a multi-stage schedule, as (kind, micro-batch, chunk); the chunks of a rank are
+    its stages in stage-index order."""
     name = type(schedule).__name__
-    rank = getattr(schedule, "rank", None)
-    if rank is None:
-        rank = stages[0].group_rank
+    own = getattr(schedule, "rank", None)
+    if own is None:
+        own = stages[0].group_rank
+    rank = own if rank is None else rank
+    if rank == own:
+        local = [s.stage_index for s in stages]
+    else:
+        mapping = getattr(schedule, "stage_index_to_group_rank", None) or {}
+        local = sorted(s for s, r in mapping.items() if r == rank)
     order = None
     for attr in ("pipeline_order_with_comms", "pipeline_order"):  # what runs, else the plan
         table = getattr(schedule, attr, None)
@@ -147,7 +162,7 @@ def _rank_actions(schedule: Any, stages: List[Any]) -> List[Action]:
     if any(getattr(t, "value", t) in ("F", "B") for t in custom):
         raise BagualuError(f"{name} runs forwards or backwards through custom functions "
                            "(register_custom_function): bagualu cannot see them")
-    chunk_of = {s.stage_index: c for c, s in enumerate(stages)}
+    chunk_of = {s: c for c, s in enumerate(local)}
     actions: List[Action] = []
 
     def visit(action: Any) -> None:
@@ -176,15 +191,53 @@ def _rank_actions(schedule: Any, stages: List[Any]) -> List[Action]:
     return actions
 
 
-def schedule_points(schedule: Any) -> List[AnyPoint]:
+def _operations(points: Sequence[AnyPoint]) -> List[Action]:
+    """The (kind, micro-batch, chunk) operations of points, in order."""
+    ops: List[Action] = []
+    for point in points:
+        f, b = point[1], point[2]
+        fc, bc = (point[3], point[4]) if len(point) == 5 else (0, 0)
+        if f is not None:
+            ops.append(("F", f, fc or 0))
+        if b is not None:
+            ops.append(("B", b, bc or 0))
+    return ops
+
+
+def _planner_points(schedule: Any, rank: Optional[int]) -> Optional[List[AnyPoint]]:
+    """The planner's interleaved 1F1B points of the rank of a ScheduleInterleaved1F1B, or None
+    (another schedule, or a configuration the planner does not model)."""
+    S = _schedules()
+    if not isinstance(schedule, getattr(S, "ScheduleInterleaved1F1B", ())):
+        return None
+    stages = schedule._stages
+    ranks = getattr(schedule, "pp_group_size", None) or stages[0].group_size
+    own = getattr(schedule, "rank", None)
+    rank = (stages[0].group_rank if own is None else own) if rank is None else rank
+    try:
+        return list(interleaved_one_f_one_b(schedule._n_microbatches, ranks, rank,
+                                            len(stages)))
+    except ValueError:  # e.g. micro-batches not divisible by the ranks
+        return None
+
+
+def schedule_points(schedule: Any, rank: Optional[int] = None) -> List[AnyPoint]:
     """The bagualu scheduling points of one ``step()`` of a torch pipelining schedule:
     (phase, f, b) for one stage per rank, (phase, f, b, forward_chunk, backward_chunk) for a
-    multi-stage schedule."""
+    multi-stage schedule; ``rank``: those of another pipeline rank of a multi-stage schedule
+    (from torch's table of every rank)."""
     S = _schedules()
     stages, multi = _local_stages(schedule)
     _check_backward(schedule)
     if multi:
-        return points_from_actions(_rank_actions(schedule, stages))
+        actions = _rank_actions(schedule, stages, rank)
+        planned = _planner_points(schedule, rank)
+        if planned is not None and _operations(planned) == actions:
+            return planned  # the same operations: grouped as the planner groups them
+        return points_from_actions(actions)
+    if rank is not None and rank != stages[0].group_rank:
+        raise BagualuError(f"{type(schedule).__name__}: the points of another rank are "
+                           "known for multi-stage schedules only")
     stage, n = stages[0], schedule._n_microbatches
     # Not torch's pipeline_order here: the single-stage schedules run their own loops (and
     # the 1F1B table of torch 2.15 numbers the last rank's forwards from 1).
