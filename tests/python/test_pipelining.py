@@ -1,27 +1,38 @@
-"""bagualu.pipelining: torch.distributed.pipelining schedules calling bagualu.
+"""bagualu.pipelining and bagualu.accumulate: torch.distributed.pipelining schedules and plain
+gradient accumulation calling bagualu.
 
-In process (a gloo group of one rank): the wrapped Schedule1F1B reproduces the plain schedule's
-losses and gradients bitwise and calls the 1F1B points; a schedule whose order differs from the
-points, and an unsupported schedule, are refused. Under torchrun (2 ranks, gloo, a real
-bgl-governord): the example's --pipeline torch mode against a plain run of the same schedule."""
+In process (a gloo group of one rank): the wrapped Schedule1F1B and ScheduleInterleaved1F1B
+(two local stages) reproduce the plain schedule's losses and gradients bitwise and call the
+planner's points (1F1B; interleaved 1F1B with chunks); the adapter's calls (step points,
+forward/backward contexts with their chunk, the loss inside the last stage's forward) are
+checked against a recording stand-in for bagualu; the interleaved points derived from torch's
+per-rank operation order equal ``interleaved_one_f_one_b`` for every rank (a fake process
+group stands for the ranks); a schedule whose order differs from the points, unsupported
+schedules, schedules without loss_fn and split-backward (zero-bubble) schedules are refused.
+Gradient accumulation through ``bagualu.accumulate`` gives plain PyTorch's gradients bitwise
+at the single-stage points. Under torchrun (2 ranks, gloo, a real bgl-governord): the example's
+--pipeline torch mode (1F1B, GPipe, interleaved with 2 stages per rank) against plain runs."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
 
 import bagualu
-from bagualu import pipelining
-from bagualu.schedule import one_f_one_b
+from bagualu import accumulate, pipelining
+from bagualu.schedule import interleaved_one_f_one_b, one_f_one_b
 from conftest import ROOT, require_libs, small_config
 from moe_model import DriftingCorpus, MoEStage
+from moe_train import _build_stage
 from test_torchrun import daemon, daemon_binary  # noqa: F401  (the daemon fixture)
 
 MB = 4
@@ -115,11 +126,276 @@ def test_points_that_differ_from_the_schedule_are_refused(world_of_one) -> None:
 def test_gpipe_points_and_unsupported_schedules(world_of_one) -> None:
     schedule, _ = _schedule(ScheduleGPipe)
     assert pipelining.schedule_points(schedule) == pipelining.gpipe(MB)
-    with pytest.raises(bagualu.BagualuError, match="one stage per rank"):
+    with pytest.raises(bagualu.BagualuError, match="object is not a torch.distributed"):
         pipelining.wrap_schedule(object())
     no_loss = Schedule1F1B(schedule._stage, MB)
-    with pytest.raises(bagualu.BagualuError, match="no loss_fn"):
+    with pytest.raises(bagualu.BagualuError, match="Schedule1F1B has no loss_fn"):
         pipelining.schedule_points(no_loss)
+    with pytest.raises(bagualu.BagualuError, match="Schedule1F1B has no loss_fn"):
+        pipelining.wrap_schedule(no_loss)
+
+
+# -- several stages per rank --------------------------------------------------------------------
+def _interleaved(cls: Any = ScheduleInterleaved1F1B, loss: bool = True
+                 ) -> Tuple[Any, torch.nn.ModuleList]:
+    """The small model as 2 stages (embedding + layer 0, layer 1 + head), both on this rank."""
+    cfg = small_config()
+    mbs, seq = cfg.micro_batch_size, cfg.seq_len
+    modules = [_build_stage(cfg, 0, i, 2, torch.device("cpu")) for i in range(2)]
+    # torch >= 2.6 takes requires_grad from the examples: the activation between the stages
+    # needs it on both sides, or no gradient reaches stage 0
+    ins = [torch.zeros(mbs, seq, dtype=torch.long),
+           torch.zeros(mbs, seq, cfg.hidden, requires_grad=True)]
+    outs = [torch.zeros(mbs, seq, cfg.hidden, requires_grad=True),
+            torch.zeros(mbs, seq, cfg.vocab)]
+    stages = [PipelineStage(m, i, 2, torch.device("cpu"), input_args=(ins[i],),
+                            output_args=(outs[i],)) for i, m in enumerate(modules)]
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.view(-1, cfg.vocab),
+                                                 target.view(-1)) / MB
+
+    return cls(stages, MB, loss_fn=loss_fn if loss else None), torch.nn.ModuleList(modules)
+
+
+class _Recorder:
+    """Stands for bagualu's runtime calls: records step points and forward/backward contexts
+    (with their chunk) in order; ``open`` is the context running now."""
+
+    def __init__(self) -> None:
+        self.calls: List[Tuple[Any, ...]] = []
+        self.open: List[Tuple[str, int, int]] = []
+
+    def step_point(self, phase: str, f: Any, b: Any, forward_chunk: int = 0,
+                   backward_chunk: int = 0) -> None:
+        self.calls.append(("P", phase, f, b, forward_chunk, backward_chunk))
+
+    def context(self, kind: str) -> Any:
+        @contextlib.contextmanager
+        def ctx(mb: int, chunk: int = 0) -> Iterator[None]:
+            self.calls.append((kind, mb, chunk))
+            self.open.append((kind, mb, chunk))
+            try:
+                yield
+            finally:
+                self.open.pop()
+        return ctx
+
+
+def test_interleaved_calls_follow_the_schedule(world_of_one, monkeypatch) -> None:
+    """The adapter's calls on ScheduleInterleaved1F1B (2 local stages), with a recording
+    stand-in for the runtime: the planner's interleaved points, each forward and backward in
+    its context with its chunk, the loss inside the last stage's forward; the losses and
+    gradients of the plain schedule, bitwise."""
+    ref_losses, ref_grads = _train(*_interleaved())
+    rec = _Recorder()
+    for name, value in (("step_point", rec.step_point), ("forward", rec.context("F")),
+                        ("backward", rec.context("B")), ("current", lambda: None),
+                        ("begin_iteration", lambda: None), ("end_iteration", lambda: {})):
+        monkeypatch.setattr(bagualu, name, value)
+    schedule, model = _interleaved()
+    in_loss: List[Tuple[str, int, int]] = []
+    loss_fn = schedule._loss_fn
+
+    def spying_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        in_loss.append(rec.open[-1])
+        return loss_fn(logits, target)
+
+    schedule._loss_fn = spying_loss
+    pipe = pipelining.wrap_schedule(schedule)
+    assert pipe.chunks == 2
+    losses, grads = _train(pipe, model, steps=1)
+    assert torch.equal(losses[0], ref_losses[0])
+    for name in ref_grads[0]:
+        assert torch.equal(ref_grads[0][name], grads[0][name]), name
+    points = interleaved_one_f_one_b(MB, 1, 0, 2)
+    assert pipe.points == points
+    want: List[Tuple[Any, ...]] = []
+    for phase, f, b, fc, bc in points:
+        want.append(("P", phase, f, b, fc or 0, bc or 0))
+        if f is not None:
+            want.append(("F", f, fc))
+        if b is not None:
+            want.append(("B", b, bc))
+    assert rec.calls == want
+    assert in_loss == [("F", mb, 1) for mb in range(MB)]  # the last stage is chunk 1
+    assert rec.open == [] and pipe.micro_batch is None and pipe.chunk is None
+    pipe.unwrap()
+    assert all("forward_one_chunk" not in st.__dict__ for st in schedule._stages)
+
+
+def test_wrapped_interleaved_matches_plain_schedule_bitwise(world_of_one) -> None:
+    """ScheduleInterleaved1F1B with 2 stages on this rank under bagualu (chunks=2, 512 KiB:
+    offloads and recomputes happen): the plain schedule's losses and gradients bitwise, the
+    planner's interleaved points. Needs the runtime's chunk= support."""
+    require_libs()
+    ref_losses, ref_grads = _train(*_interleaved())
+    bagualu.install(capacity="512KiB", policy="bagualu", governor="none", pipeline_rank=0,
+                    pipeline_stages=1, micro_batches=MB, chunks=2, log_iterations=False)
+    schedule, model = _interleaved()
+    bagualu.instrument(model, small_config().info())
+    pipe = pipelining.wrap_schedule(schedule)
+    losses, grads = _train(pipe, model)
+    for a, b in zip(ref_losses, losses):
+        assert torch.equal(a, b)
+    for ga, gb in zip(ref_grads, grads):
+        assert ga.keys() == gb.keys()
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), name
+    points = interleaved_one_f_one_b(MB, 1, 0, 2)
+    assert pipe.points == points
+    assert pipe.plans == sum(1 for p in points if p[1] is not None)  # every forward planned
+    assert pipe.line is not None and pipe.line["iteration"] == 1
+    mitigated = sum(ln["offloads"] + ln["recomputed_ops"] for ln in bagualu.current().history)
+    assert mitigated > 0
+
+
+def test_interleaved_points_from_torch_order_for_every_rank() -> None:
+    """torch's ScheduleInterleaved1F1B tables (every rank, built under a fake process group
+    of 2 and 4 ranks) run the operations of the planner's interleaved 1F1B in its order."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    for ranks, chunks in ((2, 2), (4, 2), (2, 3)):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+        try:
+            stages = [PipelineStage(torch.nn.Linear(4, 4), c * ranks, ranks * chunks,
+                                    torch.device("cpu"), input_args=(torch.zeros(1, 4),),
+                                    output_args=(torch.zeros(1, 4),)) for c in range(chunks)]
+            for n in (ranks, 2 * ranks, 3 * ranks):
+                schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=lambda o, t: o.sum())
+                for rank in range(ranks):
+                    want = interleaved_one_f_one_b(n, ranks, rank, chunks)
+                    assert pipelining.schedule_points(schedule, rank) == want, (ranks, n, rank)
+                    ops = pipelining._rank_actions(schedule, stages, rank)
+                    assert ops == pipelining._operations(want)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_points_from_actions() -> None:
+    # 1F1B stage 0 of 2 as torch runs it (its extra warm-up forward is a steady forward)
+    ops = [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("F", 2, 0), ("B", 1, 0), ("F", 3, 0),
+           ("B", 2, 0), ("B", 3, 0)]
+    assert [p[:3] for p in pipelining.points_from_actions(ops)] == one_f_one_b(4, 2, 0)
+    # the last stage: F_x B_x are two points
+    last = [(k, mb, 0) for mb in range(3) for k in "FB"]
+    assert [p[:3] for p in pipelining.points_from_actions(last)] == one_f_one_b(3, 1, 0)
+    # fill-drain (GPipe, looped BFS): warm-up forwards, cool-down backwards
+    fill = [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]
+    assert [p[:3] for p in pipelining.points_from_actions(fill)] == pipelining.gpipe(2)
+    assert interleaved_one_f_one_b(4, 2, 1, 1) == [
+        (ph, f, b, None if f is None else 0, None if b is None else 0)
+        for ph, f, b in one_f_one_b(4, 2, 1)]
+    with pytest.raises(ValueError, match="divisible"):
+        interleaved_one_f_one_b(3, 2, 0, 2)
+
+
+def test_split_backward_and_lossless_multi_stage_schedules_are_refused(world_of_one) -> None:
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    zb, _ = _interleaved(ScheduleInterleavedZeroBubble)
+    with pytest.raises(bagualu.BagualuError, match=r"ScheduleInterleavedZeroBubble splits the "
+                       r"backward into input \(I\) and weight \(W\) parts"):
+        pipelining.wrap_schedule(zb)
+    no_loss, _ = _interleaved(loss=False)
+    with pytest.raises(bagualu.BagualuError, match="ScheduleInterleaved1F1B has no loss_fn"):
+        pipelining.wrap_schedule(no_loss)
+
+
+# -- gradient accumulation without pipeline parallelism ----------------------------------------
+def _accumulation_data() -> Tuple[torch.Tensor, torch.Tensor]:
+    corpus = DriftingCorpus(small_config(), seed=1)
+    data = [corpus.batch(0) for _ in range(MB)]
+    return torch.stack([d[0] for d in data]), torch.stack([d[1] for d in data])
+
+
+def _model() -> MoEStage:
+    torch.manual_seed(0)
+    return MoEStage(small_config())
+
+
+def _loss(model: MoEStage, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    vocab = small_config().vocab
+    return torch.nn.functional.cross_entropy(model(x).view(-1, vocab), y.view(-1)) / MB
+
+
+def test_accumulate_gradients_matches_plain_pytorch_bitwise(monkeypatch) -> None:
+    require_libs()
+    x, y = _accumulation_data()
+    ref = _model()
+    ref_losses = []
+    for mb in range(MB):
+        loss = _loss(ref, x[mb], y[mb])
+        loss.backward()
+        ref_losses.append(loss.detach())
+    bagualu.install(capacity="512KiB", policy="bagualu", governor="none", pipeline_rank=0,
+                    pipeline_stages=1, micro_batches=MB, log_iterations=False)
+    model = _model()
+    bagualu.instrument(model, small_config().info())
+    seen: List[Tuple[Any, ...]] = []
+    real = bagualu.step_point
+    monkeypatch.setattr(bagualu, "step_point", lambda *a: seen.append(a) or real(*a))
+    losses = accumulate.accumulate_gradients(lambda mb: _loss(model, x[mb], y[mb]), MB)
+    assert seen == one_f_one_b(MB, 1, 0)  # ("steady", mb, None), ("steady", None, mb)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or
+                                                         torch.equal(p.grad, q.grad)), name
+    history = bagualu.current().history
+    assert len(history) == 1 and history[0]["offloads"] + history[0]["recomputed_ops"] > 0
+
+    # the loop form: the same gradients again (accumulated on top), its line and plans
+    seen.clear()
+    loop = accumulate.micro_batches(MB)
+    for mb in loop:
+        assert isinstance(mb, int) and 0 <= mb < MB
+        with mb.forward():
+            loss = _loss(model, x[mb], y[mb])
+        with mb.backward():
+            loss.backward()
+    assert seen == one_f_one_b(MB, 1, 0)
+    assert loop.line is not None and loop.line["iteration"] == 1  # the second (from 0)
+    assert loop.plans == MB
+
+
+def test_accumulate_misuse_is_refused() -> None:
+    require_libs()
+    with pytest.raises(bagualu.BagualuError, match="not installed"):
+        list(accumulate.micro_batches(2))
+    with pytest.raises(bagualu.BagualuError, match="positive number of micro-batches"):
+        accumulate.micro_batches(0)
+    bagualu.install(capacity="64MiB", policy="keep-all", governor="none", pipeline_stages=1,
+                    micro_batches=2, log_iterations=False)
+    model = _model()
+    bagualu.instrument(model, small_config().info())
+    x, y = _accumulation_data()
+    loop = iter(accumulate.micro_batches(2))
+    mb = next(loop)
+    with pytest.raises(bagualu.BagualuError, match=r"micro-batch 0: backward\(\) where "
+                       r"nothing yet"):
+        with mb.backward():
+            pass
+    with mb.forward():
+        loss = _loss(model, x[mb], y[mb])
+    with pytest.raises(bagualu.BagualuError, match=r"micro-batch 0: the loop moved on "
+                       r"without its backward\(\)"):
+        next(loop)
+    with bagualu.backward(0):
+        loss.backward()  # the runtime's own bookkeeping of micro-batch 0 closes
+    bagualu.end_iteration()
+
+    two = accumulate.micro_batches(2, iterations=False)
+    bagualu.begin_iteration()
+    first = next(iter(two))
+    with first.forward():
+        loss = _loss(model, x[0], y[0])
+    with pytest.raises(bagualu.BagualuError, match=r"micro-batch 1: forward\(\) before the "
+                       r"backward\(\) of micro-batch 0"):
+        with accumulate.MicroBatch(1, two).forward():
+            pass
+    with first.backward():
+        loss.backward()
+    with pytest.raises(bagualu.BagualuError, match="runs once"):
+        iter(two).__next__()
+    bagualu.end_iteration()
 
 
 # -- two ranks under torchrun -------------------------------------------------------------------
