@@ -444,3 +444,34 @@ def test_torch_schedules_on_two_ranks_against_the_daemon(daemon, tmp_path) -> No
         assert re.search(rf"rank {rank} finished 2 iterations governor=remote ooms=0 step "
                          r"points 16 \(warmup 8 steady 0 cooldown 8\) plans [1-9]", text), \
             text[-4000:]
+
+
+def _phase_counts(points: List[Tuple[Any, ...]], iterations: int) -> str:
+    count = {ph: sum(1 for p in points if p[0] == ph) * iterations
+             for ph in ("warmup", "steady", "cooldown")}
+    return (f"{sum(count.values())} (warmup {count['warmup']} steady {count['steady']} "
+            f"cooldown {count['cooldown']})")
+
+
+def test_interleaved_on_two_ranks_against_the_daemon(daemon, tmp_path) -> None:
+    """ScheduleInterleaved1F1B, 2 ranks x 2 stages (4 layers, one per stage), gloo: the plain
+    schedule gives plain Schedule1F1B's losses bit for bit (the same model cut in 4 stages
+    instead of 2), and under bagualu (chunks=2, every rank on the daemon, a tight capacity)
+    the same losses again at the planner's interleaved points. The bagualu run needs the
+    runtime's chunk= support."""
+    require_libs()
+    four = ("--layers", "4")
+    ref = _exact_losses(_torchrun(tmp_path, *four, "--policy", "plain"))
+    assert len(ref) == 2
+    plain = _torchrun(tmp_path, *four, "--policy", "plain", "--torch-schedule", "interleaved")
+    assert "rank 0 finished 2 iterations plain" in plain, plain[-4000:]
+    assert _exact_losses(plain) == ref, plain[-4000:]
+
+    text = _torchrun(tmp_path, *four, "--governor", daemon, "--capacity", "2MiB",
+                     "--torch-schedule", "interleaved")
+    assert _exact_losses(text) == ref, text[-4000:]
+    for rank in (0, 1):
+        points = _phase_counts(interleaved_one_f_one_b(4, 2, rank, 2), 2)
+        m = re.search(rf"rank {rank} finished 2 iterations governor=remote ooms=0 "
+                      rf"step points {re.escape(points)} plans (\d+)", text)
+        assert m is not None and int(m.group(1)) > 0, text[-4000:]

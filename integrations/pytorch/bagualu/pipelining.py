@@ -134,6 +134,13 @@ def _check_backward(schedule: Any) -> None:
                            "(bagualu plans activations kept for a backward)")
 
 
+def _kind(computation_type: Any) -> str:
+    """"F", "B", "I", "W", "SEND_F", ... of a torch action type (a str enum on current torch,
+    an int enum whose str() is the letter on torch 2.5)."""
+    value = getattr(computation_type, "value", computation_type)
+    return value if isinstance(value, str) else str(computation_type)
+
+
 def _rank_actions(schedule: Any, stages: List[Any], rank: Optional[int] = None
                   ) -> List[Action]:
     """The forwards and full backwards pipeline rank ``rank`` (default: this one) runs in one
@@ -159,10 +166,11 @@ def _rank_actions(schedule: Any, stages: List[Any], rank: Optional[int] = None
         raise BagualuError(f"{name} has no operation order for rank {rank} "
                            "(pipeline_order); pass points=")
     custom = getattr(schedule, "_comp_type_to_function_map", None) or {}
-    if any(getattr(t, "value", t) in ("F", "B") for t in custom):
+    if any(_kind(t) in ("F", "B") for t in custom):
         raise BagualuError(f"{name} runs forwards or backwards through custom functions "
                            "(register_custom_function): bagualu cannot see them")
     chunk_of = {s: c for c, s in enumerate(local)}
+    split = getattr(schedule, "use_full_backward", True) is False  # torch 2.5's B + W
     actions: List[Action] = []
 
     def visit(action: Any) -> None:
@@ -173,8 +181,8 @@ def _rank_actions(schedule: Any, stages: List[Any], rank: Optional[int] = None
             for a in sub:
                 visit(a)
             return
-        kind = getattr(action.computation_type, "value", str(action.computation_type))
-        if kind in ("I", "W"):
+        kind = _kind(action.computation_type)
+        if kind in ("I", "W") or (kind == "B" and split):
             raise BagualuError(
                 f"{name} splits the backward into input (I) and weight (W) parts (zero-bubble "
                 "schedules); bagualu plans forwards and full backwards only: use "
