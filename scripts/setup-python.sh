@@ -3,9 +3,17 @@
 # package in editable mode. Idempotent: a venv whose stamp matches this script is left as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=.venv
-torch_version=${BGL_TORCH_VERSION:-2.5.1}
-stamp="torch=${torch_version};numpy;pytest;grpcio;grpcio-tools;bagualu-editable-v1"
+torch_version=${BGL_TORCH_VERSION:-2.15.0}
+# transformers 5.x needs torch >= 2.6; an older torch gets the last 4.x release.
+if [[ -n ${BGL_TRANSFORMERS_VERSION:-} ]]; then
+  transformers_version=$BGL_TRANSFORMERS_VERSION
+elif python3 -c 'import sys; v=tuple(int(x) for x in sys.argv[1].split(".")[:2]); sys.exit(0 if v >= (2, 6) else 1)' "$torch_version"; then
+  transformers_version=5.24.0
+else
+  transformers_version=4.57.6
+fi
+venv=${BGL_VENV:-.venv}
+stamp="torch=${torch_version};transformers=${transformers_version};numpy;pytest;grpcio;grpcio-tools;bagualu-editable-v1"
 
 find_python() {
   local root candidates=()
@@ -22,7 +30,7 @@ find_python() {
 }
 
 if [[ -f $venv/.bgl-stamp && $(cat $venv/.bgl-stamp) == "$stamp" ]] &&
-   $venv/bin/python -c 'import torch, numpy, pytest, grpc, grpc_tools, bagualu' 2>/dev/null; then
+   $venv/bin/python -c 'import torch, transformers, numpy, pytest, grpc, grpc_tools, bagualu' 2>/dev/null; then
   echo "setup-python: $venv is up to date"
   exit 0
 fi
@@ -35,7 +43,7 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --upgrade pip setuptools wheel
 # The PyPI wheel of torch depends on the nvidia-* CUDA runtime wheels; it does not import on
 # CPU-only machines without them, so it is installed with its dependencies.
-"${pip[@]}" "torch==${torch_version}" numpy pytest grpcio grpcio-tools
+"${pip[@]}" "torch==${torch_version}" "transformers==${transformers_version}" numpy pytest grpcio grpcio-tools
 "${pip[@]}" -e integrations/pytorch
 echo "$stamp" > $venv/.bgl-stamp
 echo "setup-python: done in $(( $(date +%s) - start )) s"

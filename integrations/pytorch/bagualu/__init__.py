@@ -2,7 +2,8 @@
 
     import bagualu
     bagualu.install(capacity="256MiB", policy="bagualu")   # before the first CUDA allocation
-    bagualu.instrument(model)
+    bagualu.instrument(model)          # any nn.Module: a Hugging Face model as it is
+    print(bagualu.describe(model))     # the layers and operators found
     for it in range(steps):
         bagualu.begin_iteration()
         for phase, f, b in schedule:                          # e.g. bagualu.schedule.one_f_one_b
@@ -14,18 +15,18 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 from .errors import (BagualuError, InstallError, InstrumentError, LibraryNotFound,
                      OutOfMemoryError, PlannerError, PolicyError)
 from .ops import OpBlock, Step
 from .runtime import POLICIES
-from .tracker import FP8, KEEP, OFFLOAD, RECOMPUTE
+from .strategy import FP8, KEEP, OFFLOAD, RECOMPUTE
 from .installer import install, uninstall
 from . import runtime as _runtime
 from . import pipelining, schedule
 
-__all__ = ["install", "uninstall", "instrument", "step_point", "forward", "backward",
+__all__ = ["install", "uninstall", "instrument", "describe", "step_point", "forward", "backward",
            "begin_iteration", "end_iteration", "stats", "dump_snapshot", "OpBlock", "Step",
            "POLICIES", "KEEP", "OFFLOAD", "FP8", "RECOMPUTE", "BagualuError", "InstallError",
            "InstrumentError", "LibraryNotFound", "OutOfMemoryError", "PlannerError",
@@ -40,10 +41,31 @@ def current() -> "_runtime.Runtime":
     return rt
 
 
-def instrument(model: Any, info: Optional[Dict[str, Any]] = None) -> Any:
-    """Maps the model's modules to the planner's operators and returns the model."""
-    current().instrument(model, info)
+def instrument(model: Any, info: Optional[Dict[str, Any]] = None, *,
+               layers: Optional[str] = None, ops: Optional[Dict[str, str]] = None,
+               expert_parallel: Optional[int] = None, ep_rank: int = 0,
+               local_experts: Optional[Sequence[int]] = None) -> Any:
+    """Maps the model's layers and operators to the planner's and returns the model.
+
+    Any ``nn.Module`` works as it is (docs/pytorch.md, "Unmodified models"): ``layers`` names
+    the block list where the guess fails ('model.layers'), ``ops`` overrides the classifier
+    ({'path.pattern': 'kind'}, kind 'none' for not an operator); ``expert_parallel=N`` (with
+    ``ep_rank``) makes this process compute only one EP rank's experts, ``local_experts`` names
+    the experts the model itself computes here. Models built from ``bagualu.OpBlock`` layers use
+    their steps. Raises InstrumentError naming what is wrong; nothing stays installed then."""
+    current().instrument(model, info, layers=layers, ops=ops,
+                         expert_parallel=expert_parallel, ep_rank=ep_rank,
+                         local_experts=list(local_experts) if local_experts is not None
+                         else None)
     return model
+
+
+def describe(model: Any, layers: Optional[str] = None,
+             ops: Optional[Dict[str, str]] = None) -> str:
+    """The layers and operators bagualu finds in ``model`` (what ``instrument`` would plan),
+    as text; needs no install(). Raises InstrumentError as ``instrument`` would."""
+    from . import discover
+    return discover.find(model, layers, ops).describe()
 
 
 def step_point(phase: str, forward_mb: Optional[int], backward_mb: Optional[int]) -> Any:

@@ -8,8 +8,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .ops import SCALING_KINDS
-from .tracker import Op, Record
+from .strategy import SCALING_KINDS, Op
+from .tracker import Record
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -80,6 +80,69 @@ def build_layer_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
             o["fp8_allowed"] = False
         operators.append(o)
     return {"operators": operators, "tensors": tensors}
+
+
+def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
+                         op_ms: Dict[str, float], readers: Dict[int, Any],
+                         block_ms: float) -> Dict[str, Any]:
+    """The layer_graph of an unmodified model's layer ``ops[0].layer`` (strategies follow the
+    producer, recompute.py): every storage the layer's operators made is one graph tensor per
+    (producer, dtype), saved by its producer, read by the operators whose calls took it as
+    input; the layer's input is the block input. Bytes of producers that scale with the load
+    are stated at r = 1. ``block_ms``: forward time of the whole layer (rerunning the block's
+    own code reruns the layer)."""
+    layer = ops[0].layer
+    kinds = {op.name: op.kind for op in ops}
+    order = {op.name: i for i, op in enumerate(ops)}
+    groups: "OrderedDict[Tuple[Any, ...], Dict[str, Any]]" = OrderedDict()
+    x = {"name": "x", "bytes": 0.0, "dtype": "fp32", "block_input": True,
+         "consumers": [ops[0].name]}
+    for r in sorted(records, key=lambda r: r.seq):
+        p = r.producer
+        if p.layer != layer or (p.name != "input" and p.name not in kinds):
+            continue
+        if p.name == "input":
+            x["bytes"] += r.nbytes
+            x["dtype"] = _DTYPES.get(r.dtype, "fp32")
+            continue
+        # Integer and boolean storages (indices, masks) are never cast: the planner's "fp8"
+        # dtype says so (an FP8 plan leaves them at their size, plus the scales' 3%).
+        dt = _DTYPES.get(r.dtype) or ("fp32" if r.dtype.is_floating_point else "fp8")
+        key = (p.name, dt)
+        g = groups.get(key)
+        scales = kinds[p.name] in SCALING_KINDS
+        if g is None:
+            g = {"name": f"t{len(groups)}.{p.name}", "bytes": 0.0, "dtype": dt,
+                 "producer": p.name, "consumers": [p.name], "readers": set()}
+            if scales:
+                g["scales_with_load"] = True
+            groups[key] = g
+        g["bytes"] += r.nbytes / (load if scales and load > 0 else 1.0)
+        g["readers"].update(n for n in readers.get(r.key, ()) if n in kinds and n != p.name
+                            and order[n] > order[p.name])
+    x["bytes"] = int(round(x["bytes"]))
+    tensors = [x]
+    for g in groups.values():
+        g["bytes"] = int(round(g["bytes"]))
+        g["readers"] = sorted(g["readers"], key=order.get)
+        if not g["readers"]:
+            del g["readers"]
+        tensors.append(g)
+    operators = []
+    for op in ops:
+        fwd = block_ms if op.name == ops[0].name else op_ms.get(op.name, 0.01)
+        fwd = max(fwd, 0.001)
+        o: Dict[str, Any] = {"name": op.name, "kind": op.kind, "forward_ms": round(fwd, 4),
+                             "backward_ms": round(2 * fwd, 4),
+                             "scales_with_load": op.kind in SCALING_KINDS}
+        operators.append(o)
+    return {"operators": operators, "tensors": tensors}
+
+
+def produced_in_layers(records: Iterable[Record]) -> int:
+    """Captured bytes of storages produced inside the planned layers (what the graph models
+    under producer strategies)."""
+    return sum(r.nbytes for r in records if r.consumers and r.producer.layer >= 0)
 
 
 def _tensor_name(key: Tuple[Any, ...], index: int) -> str:

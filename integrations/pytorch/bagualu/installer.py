@@ -7,26 +7,23 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import _lib, runtime
+from . import _active, _lib, runtime
 from .errors import InstallError
 from .governor import Governor
 from .pool import DevicePool
 
 log = logging.getLogger("bagualu")
-# PyTorch cannot change its allocator back once it has been used, so a second install() in the
-# same process keeps the swapped one instead of failing.
-_swapped = False
 
 
 def cuda_allocator_swapped() -> bool:
-    """Whether libbgl_alloc.so is PyTorch's CUDA allocator in this process."""
-    return _swapped
+    """Whether libbgl_alloc.so is PyTorch's CUDA allocator in this process (a second
+    install() keeps it: PyTorch cannot change its allocator back once it has been used)."""
+    return _active.cuda_allocator_swapped
 
 
 def swap_cuda_allocator() -> None:
     """Makes libbgl_alloc.so PyTorch's CUDA allocator; InstallError if CUDA is initialised."""
-    global _swapped
-    if _swapped:
+    if _active.cuda_allocator_swapped:
         return
     if torch.cuda.is_initialized():
         raise InstallError(
@@ -38,7 +35,7 @@ def swap_cuda_allocator() -> None:
         raise InstallError("libbgl_alloc.so not found (set BGL_LIB_DIR to the build directory)")
     alloc = torch.cuda.memory.CUDAPluggableAllocator(str(path), "bgl_alloc", "bgl_free")
     torch.cuda.memory.change_current_allocator(alloc)
-    _swapped = True
+    _active.cuda_allocator_swapped = True
 
 
 def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
@@ -83,7 +80,7 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
                          log_iterations, fp8_block, pool,
                          runtime.parse_size(pinned_capacity))
     rt.gc_freeze = gc_freeze
-    runtime._RT = rt
+    _active.runtime = rt
     return rt
 
 
@@ -93,4 +90,4 @@ def uninstall() -> None:
     rt = runtime.active()
     if rt is not None:
         rt.close()
-        runtime._RT = None
+        _active.runtime = None

@@ -10,9 +10,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
-KINDS = ("norm", "linear", "attention", "router", "dispatch", "combine", "expert_linear",
-         "expert_activation", "shared_linear", "shared_activation", "comm", "other")
-SCALING_KINDS = frozenset({"dispatch", "combine", "expert_linear", "expert_activation"})
+from .strategy import KINDS, SCALING_KINDS  # noqa: F401
+
 
 # (pattern on the module's attribute path, on its class name) -> kind, first match wins.
 _RULES: List[Tuple[str, str]] = [
@@ -100,8 +99,8 @@ class OpBlock(nn.Module):
         return self._steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from . import runtime
-        rt = runtime.active()
+        from . import _active
+        rt = _active.runtime
         if rt is not None and rt.instrumented(self):
             return rt.run_block(self, x)
         env: Dict[str, Any] = {self.input_name: x, **self.block_env()}

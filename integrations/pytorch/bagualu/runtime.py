@@ -19,20 +19,23 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import _active
+from . import discover
 from . import graph as graphmod
 from .errors import InstallError, InstrumentError, OutOfMemoryError, PolicyError
+from .modules import AutoLayers, ExpertParallel
 from .pool import DevicePool
 from .ops import OpBlock, Step, classify, layer_of, recompute_closure, regions, run_step
-from .tracker import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op, Tracker
+from .strategy import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op
+from .tracker import Tracker
 
 log = logging.getLogger("bagualu")
 POLICIES = ("keep-all", "static-under", "static-over", "bagualu")
-_RT: Optional["Runtime"] = None
 
 
 def active() -> Optional["Runtime"]:
     """The installed runtime, or None."""
-    return _RT
+    return _active.runtime
 
 
 def parse_size(value: Any) -> int:
@@ -87,6 +90,8 @@ class Runtime:
         if pool is not None and policy == "bagualu":
             pool.add_pressure_callback(self._on_pressure)
         self.blocks: List[OpBlock] = []
+        self.auto: Optional[AutoLayers] = None  # hooks of an unmodified model
+        self.layer_count = 0                    # planned layers (either path)
         self.layer_ops: Dict[int, List[Op]] = {}
         self.module_ops: Dict[nn.Module, Op] = {}
         self._handles: List[Any] = []
@@ -135,13 +140,12 @@ class Runtime:
         BGL_ENFORCER=0, or an enforcer that cannot start, falls back to PyTorch copies."""
         if self.enforcer is not None or os.environ.get("BGL_ENFORCER", "1") == "0":
             return
-        from . import installer
         from .enforcer import Enforcer
         try:
             self.tracker.enforcer = Enforcer(
                 self.device, self.pinned_capacity,
                 borrowed_free_is_safe=self.device.type == "cuda"
-                and installer.cuda_allocator_swapped())
+                and _active.cuda_allocator_swapped)
         except Exception as e:  # noqa: BLE001 - any failure leaves the PyTorch path
             log.warning("bagualu: the enforcer is unavailable (%s); offloads use PyTorch "
                         "copies", e)
@@ -150,13 +154,48 @@ class Runtime:
         return self.tracker.evict(needed)
 
     # -- instrumentation --------------------------------------------------------------------
-    def instrument(self, model: nn.Module, info: Optional[Dict[str, Any]] = None) -> int:
-        """Maps the model's modules to operators; returns the number of operators."""
-        self.model_info = dict(info or {})
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-        self.tracker.param_keys = params
+    @property
+    def capturing(self) -> bool:
+        """Whether the running forward is the capture (the first micro-batch)."""
+        return self.tracker.capture
+
+    def op_time(self, name: str, ms: float) -> None:
+        """Adds ``ms`` to the measured forward time of operator ``name`` (capture)."""
+        self.op_ms[name] = self.op_ms.get(name, 0.0) + ms
+
+    def instrument(self, model: nn.Module, info: Optional[Dict[str, Any]] = None,
+                   layers: Optional[str] = None, ops: Optional[Dict[str, str]] = None,
+                   expert_parallel: Optional[int] = None, ep_rank: int = 0,
+                   local_experts: Optional[List[int]] = None) -> int:
+        """Maps the model's modules to operators; returns the number of operators per layer
+        (unmodified models) or in all (OpBlock layers)."""
+        if self.blocks or self.auto is not None:
+            raise InstrumentError("a model is instrumented already in this runtime; call "
+                                  "bagualu.install() again for another model")
         blocks = [m for m in model.modules() if isinstance(m, OpBlock)]
+        if blocks and layers is None and ops is None:
+            if expert_parallel is not None or local_experts is not None:
+                raise InstrumentError("expert_parallel/local_experts apply to unmodified "
+                                      "models; OpBlock layers route in their own steps")
+            return self._instrument_blocks(model, blocks, info)
+        # Unmodified model: discover everything first, so an error leaves nothing installed.
+        ep = ExpertParallel(expert_parallel, ep_rank, local_experts)
+        found = discover.find(model, layers, ops)
+        self.auto = AutoLayers(self, model, found, ep)
+        self.model_info = dict(info or {})
+        self.tracker.param_keys = _param_keys(model)
+        self.tracker.by_producer = True
+        self.layer_count = len(found.planned)
+        for li in range(self.layer_count):
+            self.layer_ops[li] = [Op(n, found.kinds[n], li) for n in found.op_names]
+        self.discovery = found
+        self._freeze_gc()
+        return len(found.op_names)
+
+    def _instrument_blocks(self, model: nn.Module, blocks: List[OpBlock],
+                           info: Optional[Dict[str, Any]]) -> int:
+        self.model_info = dict(info or {})
+        self.tracker.param_keys = _param_keys(model)
         count = 0
         inside: Set[nn.Module] = set()
         for i, b in enumerate(blocks):
@@ -165,6 +204,7 @@ class Runtime:
             count += len(self.layer_ops[i])
             inside.update(b.modules())
         self.blocks = blocks
+        self.layer_count = len(blocks)
         for path, m in model.named_modules():
             if m in inside or m is model:
                 continue
@@ -181,15 +221,15 @@ class Runtime:
                 f"{type(model).__name__} has no recognised operators: no bagualu.OpBlock layer "
                 "and no module named like norm/attn/router/expert/shared/dispatch/combine or of "
                 "a known class (nn.Linear, nn.LayerNorm, ...); nothing can be planned")
+        self._freeze_gc()
+        return count
+
+    def _freeze_gc(self) -> None:
         if self.gc_freeze:
             # Saved-tensor capture allocates a few small Python objects per saved tensor; move
             # the long-lived ones (model, torch internals) out of the collector's full scans.
             gc.collect()
             gc.freeze()
-        if not blocks:
-            log.warning("bagualu: %s has no OpBlock layers; activations are captured and "
-                        "accounted but not planned (keep-all)", type(model).__name__)
-        return count
 
     def instrumented(self, block: OpBlock) -> bool:
         return block.bgl_layer >= 0 and self.forwarding
@@ -213,10 +253,21 @@ class Runtime:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.auto is not None:
+            self.auto.remove()
         for b in self.blocks:
             b.bgl_layer = -1
 
     # -- strategies -------------------------------------------------------------------------
+    @property
+    def may_defer(self) -> bool:
+        """Whether a router may switch later operators of the forward to recompute."""
+        return self.policy == "bagualu" and self.forced is None
+
+    def strategy_of(self, op: Op, mb: int) -> str:
+        """The strategy of ``op`` in the forward of micro-batch ``mb``."""
+        return self._strategy_of(op, mb)
+
     def _strategy_of(self, op: Op, mb: int) -> str:
         if op.layer >= 0 and self.forced is not None:
             return self.forced.get(op.name, self.forced.get(op.qualname, KEEP))
@@ -371,18 +422,29 @@ class Runtime:
 
     def _ensure_planner(self) -> None:
         """After the capture micro-batch: describe the model to the governor."""
-        if self.governor is None or self.governor.ready or not self.blocks:
+        if self.governor is None or self.governor.ready or not self.layer_count:
             return
         recs = self.tracker.captured
         loads = self.mb_loads.get(self._capture_mb, [])
         load0 = loads[0] if loads else 1.0
-        lg = graphmod.build_layer_graph(recs, self.layer_ops[0], load0, self.op_ms)
-        # The graph is stated at r=1 for layer 0; learn which steps save each named tensor.
-        self._learn_savers(recs)
-        doc = graphmod.model_document(lg, len(self.blocks), self.pipeline_stages,
+        if self.auto is not None:
+            names = self.auto.op_order(self.discovery.op_names)
+            if discover.BLOCK_OP in names:  # the block's own code first: it starts the layer
+                names.remove(discover.BLOCK_OP)
+                names.insert(0, discover.BLOCK_OP)
+            ops = [Op(n, self.discovery.kinds[n], 0) for n in names]
+            lg = graphmod.build_produced_graph(recs, ops, load0, self.op_ms,
+                                               self.auto.readers,
+                                               self.op_ms.get(discover.BLOCK_OP, 0.01))
+            outside = sum(r.nbytes for r in recs if r.consumers and r.producer.layer < 0)
+        else:
+            lg = graphmod.build_layer_graph(recs, self.layer_ops[0], load0, self.op_ms)
+            # The graph is stated at r=1 for layer 0; learn which steps save each named tensor.
+            self._learn_savers(recs)
+            outside = sum(r.nbytes for r in recs if not r.consumers or
+                          any(c.layer < 0 for c in r.consumers))
+        doc = graphmod.model_document(lg, self.layer_count, self.pipeline_stages,
                                       self.micro_batches, self.model_info)
-        outside = sum(r.nbytes for r in recs if not r.consumers or
-                      any(c.layer < 0 for c in r.consumers))
         in_flight = max(self.pipeline_stages - self.pipeline_rank, 1)
         plan_capacity = int(self.capacity * 0.95) - outside * in_flight
         self.model_doc = doc
@@ -438,7 +500,7 @@ class Runtime:
     @contextmanager
     def forward(self, mb: int) -> Iterator[None]:
         """Runs a micro-batch's forward under the saved-tensor hooks."""
-        capture = self.governor is not None and not self.governor.ready and bool(self.blocks)
+        capture = self.governor is not None and not self.governor.ready and self.layer_count > 0
         t = self.tracker
         t.micro_batch = mb
         t.capture = capture
@@ -467,7 +529,9 @@ class Runtime:
         load = sum(loads) / len(loads)
         self.last_load = load
         self.iter["loads"].append(load)
-        captured = graphmod.in_layer_bytes(t.by_mb.get(mb, ())) + t.light_bytes(mb, True)
+        in_layers = (graphmod.produced_in_layers if self.auto is not None
+                     else graphmod.in_layer_bytes)
+        captured = in_layers(t.by_mb.get(mb, ())) + t.light_bytes(mb, True)
         if capture:
             self._ensure_planner()
         after = (t.counters["offloads"], t.counters["fp8_casts"], t.counters["evictions"],
@@ -589,8 +653,7 @@ class Runtime:
 
     def _cuda_pool(self) -> Any:
         """libbgl_alloc.so's view of this CUDA device when it is PyTorch's allocator."""
-        from . import installer
-        if self.device.type != "cuda" or not installer.cuda_allocator_swapped():
+        if self.device.type != "cuda" or not _active.cuda_allocator_swapped:
             return None
         if getattr(self, "_cuda_pool_view", None) is None:
             self._cuda_pool_view = DevicePool(0, device=self.device.index or 0, configure=False)
@@ -605,6 +668,12 @@ class Runtime:
             self.pool.close()
         if self.governor is not None:
             self.governor.close()
+
+
+def _param_keys(model: nn.Module) -> Set[int]:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    return params
 
 
 def _consumers(steps: List[Step]) -> Dict[str, Set[int]]:

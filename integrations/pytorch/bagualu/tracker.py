@@ -18,27 +18,10 @@ import torch
 
 from . import fp8 as fp8mod
 from .errors import BagualuError, OutOfMemoryError
+from .strategy import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, STRATEGIES, Op  # noqa: F401
 
 log = logging.getLogger("bagualu")
-KEEP, RECOMPUTE, OFFLOAD, FP8 = "keep", "recompute", "offload", "fp8"
-STRATEGIES = (KEEP, RECOMPUTE, OFFLOAD, FP8)
-DEVICE, HOST, FP8_PLACE = "device", "host", "fp8"
-
-
-@dataclass(frozen=True)
-class Op:
-    """A planner operator: name within its layer, kind (docs/planner.md), layer (-1: outside)."""
-
-    name: str
-    kind: str
-    layer: int = -1
-
-    @property
-    def qualname(self) -> str:
-        return f"L{self.layer}.{self.name}" if self.layer >= 0 else self.name
-
-
-OUTSIDE = Op("outside", "other", -1)
+DEVICE, HOST, FP8_PLACE, DROPPED = "device", "host", "fp8", "dropped"
 
 
 class Record:
@@ -47,7 +30,7 @@ class Record:
     __slots__ = ("key", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
                  "placement", "storage", "host", "fp8", "block", "block_bytes", "refs",
                  "pinned", "in_backward", "tracker", "ref", "seq", "packs", "enf", "enf_block",
-                 "__weakref__")
+                 "regen", "__weakref__")
 
     def __init__(self, tracker: "Tracker", storage: torch.UntypedStorage, dtype: torch.dtype,
                  producer: Op, micro_batch: int, seq: int) -> None:
@@ -73,6 +56,7 @@ class Record:
         self.packs: Optional[List[Any]] = None  # weakrefs to Packed holding the tensor
         self.enf = 0             # enforcer handle while the data is in its pinned pool
         self.enf_block = False   # the device data is an enforcer block (the pool counts it)
+        self.regen: Any = None   # (recompute.Call, key) while dropped for recompute
 
     def same_storage(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` is this record's storage (the original, even after it moved)."""
@@ -144,6 +128,20 @@ class Record:
         t.counters["bytes_d2h"] += self.nbytes
         return freed
 
+    def drop(self, call: Any, key: Any) -> int:
+        """Lets the data go; ``call`` regenerates it at ``key`` when it is needed; bytes freed."""
+        if self.placement != DEVICE or self.pinned or self.storage is None:
+            return 0
+        self._leave_device()
+        self.storage = None
+        self.placement = DROPPED
+        self.regen = (call, key)
+        call.add(key, self)
+        freed = self.block_bytes
+        self._unaccount()
+        self.tracker.counters["drops"] += 1
+        return freed
+
     def store_fp8(self) -> int:
         """Replaces the storage by an e4m3 copy with per-block scales; bytes freed."""
         if (self.placement != DEVICE or self.pinned or self.storage is None
@@ -189,6 +187,23 @@ class Record:
             self.host = None
             t.counters["reloads"] += 1
             t.counters["bytes_h2d"] += self.nbytes
+        elif self.placement == DROPPED:
+            call, _ = self.regen
+            storages = call.rerun(self.device)
+            t.counters["recomputes"] += 1
+            for key, ref in call.pending:
+                rec = ref()
+                if rec is None or rec.placement != DROPPED:
+                    continue
+                st = storages[key]
+                if st.nbytes() != rec.nbytes:
+                    raise BagualuError(
+                        f"recompute of {call.op.qualname}: the rerun made {st.nbytes()} bytes "
+                        f"where the forward saved {rec.nbytes}; keep this operator")
+                rec._account(rec.nbytes)
+                rec.storage, rec.regen, rec.placement = st, None, DEVICE
+            call.pending = []
+            return self.storage
         elif self.placement == FP8_PLACE:
             data, scales, numel = self.fp8
             flat = fp8mod.dequantize(data, scales, numel, self.dtype, t.fp8_block)
@@ -205,9 +220,22 @@ class Record:
         if self.enf:  # offloaded and never needed again: free the pinned copy
             self.tracker.enforcer.release(self.enf)
             self.enf = 0
-        self.storage = self.host = self.fp8 = None
+        self.storage = self.host = self.fp8 = self.regen = None
         self.packs = None
         self.tracker.retire(self)
+
+
+class _Plain:
+    """A tensor a recompute call holds that is not an activation (a parameter, an empty
+    tensor)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def unpack(self) -> torch.Tensor:
+        return self.t
 
 
 class Packed:
@@ -271,12 +299,16 @@ class Tracker:
     param_keys: Set[int] = field(default_factory=set)
     counters: Dict[str, int] = field(default_factory=lambda: {
         "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
-        "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0})
+        "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0, "drops": 0,
+        "recomputes": 0})
     light_chunk: int = 0  # bytes per accounting block of light micro-batches (0: exact)
     enforcer: Any = None  # enforcer.Enforcer: offload/reload through libbgl_alloc's enforcer
     pool_backed: bool = False  # device_alloc gives pool blocks (CPU), not just a count
     device_type: str = "cpu"  # where activations live; only those are moved
     reload_window: int = 4  # reloads issued ahead of the backward that needs them
+    # Strategies follow the operator that produced a storage (unmodified models, recompute
+    # callbacks) instead of the operator that saved it (OpBlock layers, checkpoint regions).
+    by_producer: bool = False
 
     @property
     def pin_memory(self) -> bool:
@@ -300,6 +332,11 @@ class Tracker:
         self.by_mb: Dict[int, Set[Record]] = {}    # micro-batch -> its live records
         self.producers: Dict[int, Tuple[Any, Op]] = {}  # storage ptr -> (weakref, producer)
         self.pinned_holders: Dict[int, List[Packed]] = {}
+        self.packs_seen = 0                        # pack calls outside light capture
+        self.calls: List[Any] = []                 # recompute.Call objects open now
+        # storage ptr -> weakref: tensors that enter a layer from outside it (rotary tables,
+        # masks); light capture counts them outside the layers, as records do.
+        self.external: Dict[int, Any] = {}
         self.captured: List[Record] = []           # filled while capture is on
         self.capture = False
         self._seq = 0
@@ -309,9 +346,9 @@ class Tracker:
     def current_op(self) -> Op:
         return self.scope[-1] if self.scope else OUTSIDE
 
-    def note_output(self, out: Any, op: Op, overwrite: bool = True) -> None:
-        """Records ``op`` as the producer of every tensor in ``out`` (unless one is known and
-        ``overwrite`` is False)."""
+    def note_output(self, out: Any, op: Op, overwrite: bool = True, call: Any = None) -> None:
+        """Records ``op`` (and its recompute call, if any) as the producer of every tensor in
+        ``out`` (unless one is known and ``overwrite`` is False)."""
         if isinstance(out, torch.Tensor):
             if out.numel() > 0:
                 st = out.untyped_storage()
@@ -319,19 +356,34 @@ class Tracker:
                     hit = self.producers.get(st.data_ptr())
                     if hit is not None and hit[0]() is st:
                         return
-                self.producers[st.data_ptr()] = (weakref.ref(st), op)
+                self.producers[st.data_ptr()] = (weakref.ref(st), op, call)
         elif isinstance(out, (tuple, list)):
             for o in out:
-                self.note_output(o, op, overwrite)
+                self.note_output(o, op, overwrite, call)
         elif isinstance(out, dict):
             for o in out.values():
-                self.note_output(o, op, overwrite)
+                self.note_output(o, op, overwrite, call)
+
+    def note_external(self, t: torch.Tensor) -> None:
+        """``t`` enters a layer from outside (light capture counts it outside the layers)."""
+        if t.numel() > 0:
+            st = t.untyped_storage()
+            self.external[st.data_ptr()] = weakref.ref(st)
 
     def _producer(self, st: torch.UntypedStorage, default: Op) -> Op:
         hit = self.producers.get(st.data_ptr())
         if hit is not None and hit[0]() is st:
             return hit[1]
         return default
+
+    def _producer_call(self, st: torch.UntypedStorage, op: Op) -> Tuple[Op, Any]:
+        """The producer of ``st`` and its recompute call: a noted producer, else the
+        innermost operator running now (the storage was made inside it)."""
+        hit = self.producers.get(st.data_ptr())
+        if hit is not None and hit[0]() is st:
+            return hit[1], hit[2]
+        calls = self.calls
+        return op, (calls[-1] if calls and calls[-1].op is op else None)
 
     # -- hooks ------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -356,12 +408,17 @@ class Tracker:
                 n = st.nbytes()
                 self.light_sets[self.micro_batch].grow(n)
                 scope = self.scope
-                light[key] = (weakref.ref(st), n if scope and scope[-1].layer >= 0 else -n)
+                inside = bool(scope) and scope[-1].layer >= 0
+                if inside and key in self.external:
+                    ref = self.external[key]
+                    inside = ref() is not st
+                light[key] = (weakref.ref(st), n if inside else -n)
             elif seen[1] > 0:
                 scope = self.scope
                 if not scope or scope[-1].layer < 0:
                     light[key] = (seen[0], -seen[1])
             return t
+        self.packs_seen += 1  # recompute calls find their saved tensors by this count
         if not self.enabled or self.micro_batch < 0 or t.numel() == 0 or t.is_sparse:
             return t
         st = t.untyped_storage()
@@ -373,11 +430,54 @@ class Tracker:
             return t  # counted before the plan changed mid-forward; it stays kept
         op = self.scope[-1] if self.scope else OUTSIDE
         rec = self.live.get(key)
+        if self.by_producer:
+            if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
+                producer, call = self._producer_call(st, op)
+                rec = self.new_record(st, t.dtype, producer)
+                self._apply_produced(rec, call, key)
+            if op not in rec.consumers:
+                rec.consumers.append(op)
+            return Packed(rec, t)
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
             rec = self.new_record(st, t.dtype, self._producer(st, op))
         if op not in rec.consumers:
             rec.consumers.append(op)
         self._apply(rec, self.strategy_of(op, self.micro_batch))
+        return Packed(rec, t)
+
+    def _apply_produced(self, rec: Record, call: Any, key: int) -> None:
+        """A new record under producer strategies: its producer's strategy applies once."""
+        s = self.strategy_of(rec.producer, self.micro_batch)
+        if s == RECOMPUTE:
+            k = call.key_for(key, self.packs_seen - 1) if call is not None else None
+            if k is not None:
+                rec.drop(call, k)
+        else:
+            self._apply(rec, s)
+
+    def hold(self, t: torch.Tensor) -> Any:
+        """A handle that keeps ``t`` for a recompute call: through its record (which follows
+        its producer's strategy) when it is an activation, else the tensor itself."""
+        if t.numel() == 0 or t.is_sparse or self.micro_batch < 0 or not self.enabled:
+            return _Plain(t)
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.param_keys:
+            return _Plain(t)
+        rec = self.live.get(key)
+        if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
+            op = self.scope[-1] if self.scope else OUTSIDE
+            producer, call = self._producer_call(st, op)
+            rec = self.new_record(st, t.dtype, producer)
+            s = self.strategy_of(producer, self.micro_batch)
+            if s != RECOMPUTE:
+                self._apply(rec, s)
+            elif call is not None and not call.open:
+                k = call.key_for(key, -1)
+                if k is not None:
+                    rec.drop(call, k)
+            # else: made inside a call still running (nested operators); no pack of it has
+            # happened, so the rerun cannot find it: it stays on the device.
         return Packed(rec, t)
 
     @staticmethod
@@ -452,6 +552,8 @@ class Tracker:
     def end_forward(self) -> None:
         """Forgets producers of the finished forward (their pointers may be reused)."""
         self.producers.clear()
+        self.external.clear()
+        self.calls.clear()
         self.light = None
 
     # -- reloads through the enforcer ------------------------------------------------------
@@ -525,6 +627,8 @@ class Tracker:
         self.by_mb.clear()
         self.live.clear()
         self.producers.clear()
+        self.external.clear()
+        self.calls.clear()
 
     # -- queries and pressure --------------------------------------------------------------
     def device_bytes(self, micro_batch: Optional[int] = None) -> int:

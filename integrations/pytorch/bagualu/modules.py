@@ -1,0 +1,346 @@
+"""Hooks that make an unmodified model's operators visible to the tracker.
+
+For every operator module found by discover.py: a forward pre-hook enters the operator's scope
+(its saved tensors and the storages its own code makes belong to it), notes which tensors it
+receives from the enclosing operator, and opens a recompute call (recompute.py) when the
+micro-batch's plan recomputes it; a forward hook leaves the scope, names the operator the
+producer of its outputs and closes the call. Each planned block marks its input (the layer's
+input, always kept) and the tensors it receives from outside (rotary tables, masks: counted
+outside the layers). Routers report the micro-batch's load factor for this process's experts
+(deferred planning), and under ``expert_parallel`` this process computes only its own experts,
+as one rank of expert parallelism would.
+
+The runtime passed in is duck-typed (``forwarding``, ``tracker``, ``strategy_of``,
+``capturing``, ``op_time``, ``observe_gate``, ``device``, ``may_defer``) so that this module
+does not import runtime.py. Not thread-safe; hooks run on the training thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import types
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .discover import Discovery, expert_count, top_k_of
+from .errors import InstrumentError
+from .recompute import Call
+from .strategy import OUTSIDE, RECOMPUTE, Op
+
+log = logging.getLogger("bagualu")
+DEFERRABLE = frozenset({"dispatch", "combine", "expert_linear", "expert_activation",
+                        "shared_linear", "shared_activation"})
+
+
+def _tensors(x: Any) -> List[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(x) if isinstance(v, torch.Tensor)]
+
+
+class ExpertParallel:
+    """Which experts this process computes, and the load factor a router's output implies.
+
+    ``expert_parallel=N`` (rank ``ep_rank``): this process stands for one rank of N-way expert
+    parallelism and bagualu skips the other ranks' experts (their tokens leave, as they would
+    for another GPU). ``local_experts=[...]``: the model itself computes only these experts;
+    bagualu only measures the load. Neither: every expert is local (load 1.0 always)."""
+
+    def __init__(self, expert_parallel: Optional[int], ep_rank: int,
+                 local_experts: Optional[Sequence[int]]) -> None:
+        if expert_parallel is not None and local_experts is not None:
+            raise InstrumentError("give expert_parallel= or local_experts=, not both")
+        if expert_parallel is not None and (not isinstance(expert_parallel, int)
+                                            or expert_parallel < 1):
+            raise InstrumentError(f"expert_parallel must be a positive integer, got "
+                                  f"{expert_parallel!r}")
+        if expert_parallel is not None and not 0 <= ep_rank < expert_parallel:
+            raise InstrumentError(f"ep_rank {ep_rank} outside 0..{expert_parallel - 1}")
+        self.ep = expert_parallel
+        self.rank = ep_rank
+        self.local = None if local_experts is None else sorted(set(int(e) for e in local_experts))
+        if self.local is not None and not self.local:
+            raise InstrumentError("local_experts is empty")
+        self.simulate = expert_parallel is not None and expert_parallel > 1
+
+    def local_set(self, experts: int) -> List[int]:
+        if self.local is not None:
+            bad = [e for e in self.local if e >= experts or e < 0]
+            if bad:
+                raise InstrumentError(f"local_experts {bad} outside 0..{experts - 1}")
+            return self.local
+        if self.ep is None:
+            return list(range(experts))
+        if experts % self.ep:
+            raise InstrumentError(f"expert_parallel={self.ep} does not divide the "
+                                  f"{experts} experts")
+        n = experts // self.ep
+        return list(range(self.rank * n, (self.rank + 1) * n))
+
+
+class _Router:
+    """A router operator: its output gives the micro-batch's routing."""
+
+    def __init__(self, module: nn.Module, parent: Optional[nn.Module], experts: int,
+                 top_k: int, local: List[int], ep: ExpertParallel) -> None:
+        self.module = module
+        self.experts = experts
+        self.top_k = top_k
+        self.local = torch.tensor(local, dtype=torch.long)
+        self.fraction = len(local) / experts
+        self.ep = ep
+
+    def indices(self, out: Any) -> Tuple[Optional[torch.Tensor], int]:
+        """The (tokens, k) expert indices in the router's output, and where (leaf index; -1
+        when computed here from the logits)."""
+        leaves = pytree.tree_leaves(out)
+        for i, v in enumerate(leaves):
+            if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() == 2 \
+                    and v.shape[-1] == self.top_k:
+                return v, i
+        for v in leaves:
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and \
+                    v.shape[-1] == self.experts:
+                logits = v.detach().reshape(-1, self.experts)
+                return logits.topk(self.top_k, dim=-1).indices, -1
+        return None, -1
+
+    def load(self, idx: torch.Tensor) -> float:
+        local = torch.isin(idx, self.local.to(idx.device))
+        balanced = idx.shape[0] * self.top_k * self.fraction
+        return float(local.sum()) / balanced if balanced > 0 else 1.0
+
+    def restrict(self, out: Any) -> Any:
+        """Expert parallelism on one process: routes of other ranks' experts become the
+        experts' 'no expert' index (the experts count), which HF experts skip."""
+        idx, where = self.indices(out)
+        if idx is None or where < 0:
+            return None
+        keep = torch.isin(idx, self.local.to(idx.device))
+        new = idx.masked_fill(~keep, self.experts)
+        leaves, spec = pytree.tree_flatten(out)
+        leaves[where] = new
+        return pytree.tree_unflatten(leaves, spec)
+
+
+class AutoLayers:
+    """The hooks of one instrumented unmodified model (see the module docstring)."""
+
+    def __init__(self, rt: Any, model: nn.Module, found: Discovery,
+                 ep: ExpertParallel) -> None:
+        self.rt = rt
+        self.found = found
+        self.ep = ep
+        self.handles: List[Any] = []
+        self.patched: List[Tuple[nn.Module, Any]] = []
+        self.stack: List[Tuple[Op, Optional[Call], float]] = []
+        self.order: Dict[str, int] = {}   # operator name -> first call (capture)
+        self.readers: Dict[int, Set[str]] = {}  # storage ptr -> operators reading it (capture)
+        self.routers: Dict[nn.Module, _Router] = {}
+        self.warned: Set[str] = set()
+        self.layers = len(found.planned)
+        try:
+            self._install(model)
+        except BaseException:
+            self.remove()
+            raise
+
+    # -- installation -----------------------------------------------------------------------
+    def _install(self, model: nn.Module) -> None:
+        found = self.found
+        for li, sites in enumerate(found.sites):
+            block = found.blocks[found.planned[li]]
+            descendants_of: Dict[nn.Module, Set[nn.Module]] = {
+                s.module: set(s.module.modules()) for s in sites}
+            router_mods = [s.module for s in sites if s.kind == "router"]
+            for s in sites:
+                op = Op(s.name, s.kind, li)
+                defer = s.kind in DEFERRABLE and any(
+                    r in descendants_of[s.module] for r in router_mods)
+                if s.path == "":
+                    pre = self._block_pre(op, li)
+                    post = self._block_post(op, li == self.layers - 1)
+                else:
+                    pre = self._pre(op, s.module, defer)
+                    post = self._post(op)
+                self.handles.append(s.module.register_forward_pre_hook(pre, with_kwargs=True))
+                self.handles.append(s.module.register_forward_hook(post))
+                if s.kind == "router":
+                    self._add_router(block, s.path, s.module)
+        if self.ep.simulate:
+            self._patch_expert_lists()
+
+    def _add_router(self, block: nn.Module, path: str, module: nn.Module) -> None:
+        parent = block
+        parts = path.split(".")
+        for p in parts[:-1]:
+            parent = getattr(parent, p) if not p.isdigit() else parent[int(p)]
+        experts = expert_count(module) or expert_count(parent)
+        k = top_k_of(module) or top_k_of(parent)
+        if experts is None or k is None:
+            raise InstrumentError(
+                f"router '{path}' ({type(module).__name__}): cannot tell the number of experts "
+                "or top-k (looked for num_experts/n_routed_experts/num_local_experts and "
+                "top_k/num_experts_per_tok on it and its parent); name it otherwise with "
+                f"ops={{'{path}': 'linear'}}")
+        r = _Router(module, parent, experts, k, self.ep.local_set(experts), self.ep)
+        self.routers[module] = r
+        if self.ep.simulate:
+            self.handles.append(module.register_forward_hook(self._restrict(r)))
+
+    def _patch_expert_lists(self) -> None:
+        """Under simulated expert parallelism, experts held as an nn.ModuleList (transformers
+        4.x) of other ranks return zeros: their tokens are another GPU's work."""
+        for li, sites in enumerate(self.found.sites):
+            block = self.found.blocks[self.found.planned[li]]
+            for path, m in block.named_modules():
+                last = path.rsplit(".", 1)[-1].lower()
+                if not isinstance(m, nn.ModuleList) or "expert" not in last or "shared" in last:
+                    continue
+                local = set(self.ep.local_set(len(m)))
+                for i, expert in enumerate(m):
+                    if i in local:
+                        continue
+                    old = expert.__dict__.get("forward")
+                    expert.forward = types.MethodType(_zeros_forward, expert)
+                    self.patched.append((expert, old))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for m, old in self.patched:
+            if old is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = old
+        self.patched.clear()
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _enter(self, op: Op, module: nn.Module, args: Any, kwargs: Any, defer: bool) -> None:
+        rt = self.rt
+        t = rt.tracker
+        call = None
+        if t.light is None:
+            if rt.capturing:
+                self.order.setdefault(op.name, len(self.order))
+                if op.layer == 0:
+                    for v in _tensors((args, kwargs)):
+                        if v.numel() > 0:
+                            self.readers.setdefault(v.untyped_storage().data_ptr(),
+                                                    set()).add(op.name)
+            if ((defer and rt.may_defer) or rt.strategy_of(op, t.micro_batch) == RECOMPUTE) \
+                    and self._replayable(op, args, kwargs):
+                call = Call(op, module, args, kwargs, t.hold, t.packs_seen, rt.device)
+                t.calls.append(call)
+        t.scope.append(op)
+        self.stack.append((op, call, time.perf_counter() if rt.capturing else 0.0))
+
+    def _replayable(self, op: Op, args: Any, kwargs: Any) -> bool:
+        """A call that receives a KV cache changes it: rerunning it would not reproduce the
+        forward (train with use_cache=False). Such calls keep their activations."""
+        for v in pytree.tree_leaves((args, kwargs)):
+            if v is not None and not isinstance(v, (torch.Tensor, int, float, bool, str)) \
+                    and "cache" in type(v).__name__.lower():
+                if op.name not in self.warned:
+                    self.warned.add(op.name)
+                    log.warning("bagualu: %s receives a %s; its activations are kept instead "
+                                "of recomputed (train with use_cache=False)", op.qualname,
+                                type(v).__name__)
+                return False
+        return True
+
+    def _pre(self, op: Op, module: nn.Module, defer: bool) -> Any:
+        def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
+            rt = self.rt
+            if not rt.forwarding:
+                return None
+            t = rt.tracker
+            if t.light is None and t.scope:
+                # Tensors the enclosing operator's own code made are its products.
+                enclosing = t.scope[-1]
+                call = t.calls[-1] if t.calls and t.calls[-1].op is enclosing else None
+                t.note_output((args, kwargs), enclosing, overwrite=False, call=call)
+            self._enter(op, m, args, kwargs, defer)
+            return None
+        return hook
+
+    def _block_pre(self, op: Op, layer: int) -> Any:
+        inp = Op("input", "other", layer)
+
+        def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
+            rt = self.rt
+            if not rt.forwarding:
+                return None
+            t = rt.tracker
+            tensors = _tensors((args, kwargs))
+            if tensors:
+                first = tensors[0]
+                if t.light is None:
+                    t.note_output(first, inp)  # the layer's input: always kept
+                for v in tensors[1:]:
+                    if v.numel() > 0 and v.untyped_storage().data_ptr() != \
+                            first.untyped_storage().data_ptr():
+                        t.note_external(v)
+                        if t.light is None:
+                            t.note_output(v, OUTSIDE, overwrite=False)
+            self._enter(op, m, args, kwargs, False)
+            return None
+        return hook
+
+    def _leave(self, op: Op, out: Any) -> bool:
+        rt = self.rt
+        t = rt.tracker
+        if not self.stack or self.stack[-1][0] is not op:
+            return False
+        _, call, t0 = self.stack.pop()
+        if t.scope and t.scope[-1] is op:
+            t.scope.pop()
+        if call is not None:
+            call.close(out)
+            if t.calls and t.calls[-1] is call:
+                t.calls.pop()
+        if t.light is None:
+            t.note_output(out, op, call=call)
+        if rt.capturing:
+            rt.op_time(op.name, (time.perf_counter() - t0) * 1e3 / max(self.layers, 1))
+        return True
+
+    def _post(self, op: Op) -> Any:
+        def hook(m: nn.Module, args: Any, out: Any) -> None:
+            rt = self.rt
+            if not rt.forwarding or not self._leave(op, out):
+                return None
+            r = self.routers.get(m)
+            if r is not None:
+                idx, _ = r.indices(out)
+                if idx is not None and rt.observe_gate(op.layer, r.load(idx)):
+                    rt.tracker.end_light()
+            return None
+        return hook
+
+    def _block_post(self, op: Op, last: bool) -> Any:
+        def hook(m: nn.Module, args: Any, out: Any) -> None:
+            rt = self.rt
+            if not rt.forwarding or not self._leave(op, out):
+                return None
+            if last and rt.tracker.light is None:
+                rt.tracker.note_output(out, OUTSIDE)  # leaves the planned layers
+            return None
+        return hook
+
+    def _restrict(self, r: _Router) -> Any:
+        def hook(m: nn.Module, args: Any, out: Any) -> Any:
+            return r.restrict(out)
+        return hook
+
+    # -- after the capture ------------------------------------------------------------------
+    def op_order(self, names: Sequence[str]) -> List[str]:
+        """Operator names in the order of their first call in the capture (never-called
+        operators are left out)."""
+        return sorted((n for n in names if n in self.order), key=self.order.__getitem__)
+
+
+def _zeros_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.zeros_like(x)

@@ -1,0 +1,288 @@
+"""Unmodified MoE models for bagualu's tests and benchmarks, and a training loop that runs one of
+them as stage 0 of a pipeline (in one process: the points of ``one_f_one_b(n, stages, 0)`` over
+the whole model) with or without bagualu.
+
+Models, built from small configs with random weights (no download):
+- ``mixtral``, ``qwen3_moe``, ``deepseek_v3``: Hugging Face transformers' own classes, as they
+  are (stacked expert weights in transformers 5, an nn.ModuleList of experts in 4.x);
+- ``fused``: a plain nn.Module MoE written here in another style than the example's OpBlock
+  model: fused QKV and grouped expert weights in one parameter, attention as functional calls
+  in the block's own forward, dropout, its own top-k routing, and expert parallelism of its
+  own (it computes only the experts of its EP rank, like a real EP layer).
+
+    python unmodified.py --model mixtral --policy all    # keep-all vs bagualu at half the peak
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODELS = ("mixtral", "qwen3_moe", "deepseek_v3", "fused")
+
+
+# -- a plain nn.Module MoE (not written for bagualu) ------------------------------------------
+class FusedRMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.scale, 1e-6)
+
+
+class GroupedExperts(nn.Module):
+    """The experts of one EP rank as two stacked weights; tokens for other ranks' experts are
+    not computed here (another GPU's work)."""
+
+    def __init__(self, experts: int, dim: int, hidden: int, ep_size: int, ep_rank: int) -> None:
+        super().__init__()
+        self.n_experts = experts
+        self.local = range(ep_rank * experts // ep_size, (ep_rank + 1) * experts // ep_size)
+        n = len(self.local)
+        self.w_in = nn.Parameter(torch.randn(n, dim, 2 * hidden) / math.sqrt(dim))
+        self.w_out = nn.Parameter(torch.randn(n, hidden, dim) / math.sqrt(hidden))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        k = idx.shape[-1]
+        for j, e in enumerate(self.local):
+            token, slot = torch.nonzero(idx == e, as_tuple=True)
+            if token.numel() == 0:
+                continue
+            h = x.index_select(0, token) @ self.w_in[j]
+            a, b = h.chunk(2, dim=-1)
+            y = (F.gelu(a) * b) @ self.w_out[j]
+            out = out.index_add(0, token, y * weights[token, slot].unsqueeze(-1))
+        del k
+        return out
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, experts: int, top_k: int, hidden: int,
+                 ep_size: int, ep_rank: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.top_k, self.dropout = heads, top_k, dropout
+        self.ln1 = FusedRMSNorm(dim)
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.ln2 = FusedRMSNorm(dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = GroupedExperts(experts, dim, hidden, ep_size, ep_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.wqkv(self.ln1(x)).view(b, s, 3, self.heads, -1).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        att = F.dropout(att, self.dropout, self.training)
+        x = x + self.wo(att.transpose(1, 2).reshape(b, s, d))
+        h = self.ln2(x).reshape(b * s, d)
+        probs = torch.softmax(self.router(h), dim=-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        return x + self.experts(h, weights / weights.sum(-1, keepdim=True), idx).view(b, s, d)
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, vocab: int = 128, dim: int = 64, layers: int = 3, heads: int = 4,
+                 experts: int = 16, top_k: int = 4, hidden: int = 64, ep_size: int = 4,
+                 ep_rank: int = 0, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(FusedBlock(dim, heads, experts, top_k, hidden, ep_size,
+                                               ep_rank, dropout) for _ in range(layers))
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Any:
+        x = self.emb(tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.out(x)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+# -- Hugging Face models from small configs ---------------------------------------------------
+def build(name: str, seed: int = 0, layers: int = 3) -> nn.Module:
+    """A small model, random weights; the same seed gives the same weights."""
+    torch.manual_seed(seed)
+    if name == "fused":
+        return FusedMoE(layers=layers)
+    import transformers as tf
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, num_hidden_layers=layers,
+                  attn_implementation="sdpa")
+    # transformers 5 runs experts through grouped_mm by default, which computes every routed
+    # slot (another EP rank's slots with weight zero); the eager loop skips them, so the
+    # memory of simulated expert parallelism is that of one EP rank.
+    if int(tf.__version__.split(".")[0]) >= 5:
+        common["experts_implementation"] = "eager"
+    if name == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=16, num_experts_per_tok=4)
+        model = tf.MixtralForCausalLM(cfg)
+    elif name == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, num_experts=16, num_experts_per_tok=4,
+                                moe_intermediate_size=64, decoder_sparse_step=1, head_dim=16)
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif name == "deepseek_v3":
+        common.update(num_key_value_heads=4, num_hidden_layers=layers + 1)
+        cfg = tf.DeepseekV3Config(**common, moe_intermediate_size=48, n_routed_experts=16,
+                                  num_experts_per_tok=4, n_shared_experts=1,
+                                  first_k_dense_replace=1, n_group=4, topk_group=2,
+                                  q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=8, v_head_dim=16)
+        model = tf.DeepseekV3ForCausalLM(cfg)
+    else:
+        raise ValueError(f"unknown model '{name}' (known: {', '.join(MODELS)})")
+    model.train()
+    return model
+
+
+def instrument_kwargs(name: str) -> Dict[str, Any]:
+    """How this process stands for EP rank 0 of 4 in each model."""
+    if name == "fused":
+        return {"local_experts": list(range(4))}  # the model computes only these
+    return {"expert_parallel": 4}                # bagualu skips the other ranks' experts
+
+
+def batches(n: int, seed: int = 1, batch: int = 2, seq: int = 32, vocab: int = 128,
+            spike_every: int = 0) -> List[torch.Tensor]:
+    """Token batches; every ``spike_every``-th repeats few tokens, so routing skews (a spike
+    at some EP rank) and the load factor moves away from the capture's."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        if spike_every and i % spike_every == spike_every - 1:
+            t = torch.randint(0, 4, (batch, seq), generator=g)
+        else:
+            t = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append(t)
+    return out
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, FusedMoE):
+        return model(x, x)
+    return model(input_ids=x, labels=x, use_cache=False).loss
+
+
+def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: int = 2,
+          micro_batches: int = 8, stages: int = 4, forced: Optional[Dict[str, str]] = None,
+          governor: str = "none", spike_every: int = 4, seed: int = 0,
+          checkpoint_layers: bool = False, save_on_cpu: bool = False) -> Dict[str, Any]:
+    """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
+    process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
+    PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
+    ``save_on_cpu``: torch.autograd.graph.save_on_cpu). Returns losses, gradients, bagualu's
+    iteration lines and stats, and whether it ran out of memory."""
+    import bagualu
+    from bagualu.schedule import one_f_one_b
+    model = build(name, seed)
+    xs = batches(micro_batches * iterations, spike_every=spike_every)
+    out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "times_ms": []}
+    if policy is not None:
+        bagualu.install(capacity=capacity, policy=policy, governor=governor,
+                        pipeline_stages=stages, micro_batches=micro_batches,
+                        log_iterations=False)
+        bagualu.instrument(model, **instrument_kwargs(name))
+        if forced is not None:
+            bagualu.current().force_strategies(forced)
+    elif checkpoint_layers:
+        _checkpoint_blocks(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # gradients only: weights stay
+    try:
+        for it in range(iterations):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=False) if it else None
+            model.zero_grad(set_to_none=True)
+            losses: Dict[int, torch.Tensor] = {}
+            if policy is not None:
+                bagualu.begin_iteration()
+            for phase, f, b in one_f_one_b(micro_batches, stages, 0):
+                if policy is not None:
+                    bagualu.step_point(phase, f, b)
+                if f is not None:
+                    x = xs[it * micro_batches + f]
+                    if policy is not None:
+                        with bagualu.forward(f):
+                            losses[f] = loss_of(model, x)
+                    elif save_on_cpu:
+                        with torch.autograd.graph.save_on_cpu():
+                            losses[f] = loss_of(model, x)
+                    else:
+                        losses[f] = loss_of(model, x)
+                if b is not None:
+                    if policy is not None:
+                        with bagualu.backward(b):
+                            losses[b].backward()
+                    else:
+                        losses[b].backward()
+                    out["losses"].append(float(losses.pop(b)))
+            if policy is not None:
+                out["lines"].append(bagualu.end_iteration())
+            out["times_ms"].append((time.perf_counter() - t0) * 1e3)
+    except bagualu.OutOfMemoryError as e:
+        out["oom"] = str(e)
+    out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()
+                    if p.grad is not None}
+    if policy is not None:
+        out["stats"] = bagualu.stats()
+        out["description"] = bagualu.current().description
+        bagualu.uninstall()
+    return out
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    """What users do today: torch.utils.checkpoint around every block."""
+    from torch.utils.checkpoint import checkpoint
+    from bagualu.discover import find_blocks
+    _, blocks = find_blocks(model)
+    for blk in blocks:
+        fwd = blk.forward
+
+        def wrapped(*a: Any, _fwd: Callable = fwd, **k: Any) -> Any:
+            return checkpoint(_fwd, *a, use_reentrant=False, **k)
+        blk.forward = wrapped
+
+
+def keep_all_peak(name: str, **kw: Any) -> int:
+    """The keep-all activation peak of the training run (a large capacity, nothing planned;
+    every storage its own block, so the peak is exact)."""
+    r = train(name, "keep-all", capacity="4GiB", forced={}, **kw)
+    return max(int(line["peak_bytes"]) for line in r["lines"])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, default="mixtral")
+    ap.add_argument("--policy", default="all",
+                    help="keep-all, bagualu, static-over, plain, checkpoint, save_on_cpu, all")
+    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--governor", default="none")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    peak = keep_all_peak(args.model, micro_batches=args.micro_batches)
+    cap = peak // 2
+    print(f"{args.model}: keep-all peak {peak / 2**20:.2f} MiB, capacity {cap / 2**20:.2f} MiB")
+    policies = (["keep-all", "bagualu", "static-over"] if args.policy == "all"
+                else [args.policy])
+    for p in policies:
+        gc.collect()
+        r = train(args.model, p, capacity=cap, iterations=args.iterations,
+                  micro_batches=args.micro_batches, governor=args.governor)
+        done = "OOM: " + r["oom"].splitlines()[0] if r["oom"] else "finished"
+        strat = r["lines"][-1]["strategies"] if r["lines"] else {}
+        print(f"  {p:<12} {done}; strategies {strat}; ms/iter "
+              f"{[round(t) for t in r['times_ms']]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
