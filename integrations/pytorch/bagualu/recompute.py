@@ -93,9 +93,12 @@ class Call:
         a, kw = pytree.tree_unflatten(args, self.spec)
         saved: List[torch.Tensor] = []
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.append(t)
-            return t
+        def pack(t: torch.Tensor) -> None:
+            # Only the data is wanted (this graph never runs backward). Keeping the tensor
+            # itself in the graph would make a node -> output -> node cycle through autograd's
+            # C++ objects, which the collector cannot see, and leak everything it holds.
+            saved.append(t.detach())
+            return None
 
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=True):
@@ -103,7 +106,7 @@ class Call:
             if self.cuda_rng is not None:
                 torch.cuda.set_rng_state(self.cuda_rng, device)
             with torch.enable_grad(), _autocast(device, self.autocast), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
                 out = self.module(*a, **kw)
         leaves = pytree.tree_leaves(out)
         result: Dict[Key, torch.UntypedStorage] = {}
@@ -117,9 +120,15 @@ class Call:
                     "outputs): its forward is not deterministic in structure; keep this "
                     "operator with ops= or force_strategies")
             result[key] = src[i].untyped_storage()
+        saved.clear()
+        del out, leaves
         self.done = True
         self.leaves = []  # the inputs are no longer needed
         return result
+
+
+def _never_unpacked(_: Any) -> Any:
+    raise BagualuError("a recompute rerun's graph was used for backward")
 
 
 def _autocast_state(device: torch.device) -> Optional[Tuple[bool, Any]]:

@@ -424,7 +424,11 @@ class Runtime:
         """After the capture micro-batch: describe the model to the governor."""
         if self.governor is None or self.governor.ready or not self.layer_count:
             return
-        recs = self.tracker.captured
+        # What the backward will need: records released during the forward (graph pieces
+        # that lead nowhere, e.g. a router's selection arithmetic) held memory only briefly.
+        live = self.tracker.by_mb.get(self._capture_mb, set())
+        recs = [r for r in self.tracker.captured if r in live]
+        self.tracker.captured = []
         loads = self.mb_loads.get(self._capture_mb, [])
         load0 = loads[0] if loads else 1.0
         if self.auto is not None:

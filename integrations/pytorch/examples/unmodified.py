@@ -109,11 +109,12 @@ class FusedMoE(nn.Module):
 
 
 # -- Hugging Face models from small configs ---------------------------------------------------
-def build(name: str, seed: int = 0, layers: int = 3) -> nn.Module:
-    """A small model, random weights; the same seed gives the same weights."""
+def build(name: str, seed: int = 0, layers: int = 3, ep_size: int = 4) -> nn.Module:
+    """A small model, random weights; the same seed gives the same weights (``ep_size``: the
+    plain model's own expert parallelism)."""
     torch.manual_seed(seed)
     if name == "fused":
-        return FusedMoE(layers=layers)
+        return FusedMoE(layers=layers, ep_size=ep_size)
     import transformers as tf
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, num_hidden_layers=layers,
@@ -175,22 +176,24 @@ def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: int = 2,
           micro_batches: int = 8, stages: int = 4, forced: Optional[Dict[str, str]] = None,
           governor: str = "none", spike_every: int = 4, seed: int = 0,
-          checkpoint_layers: bool = False, save_on_cpu: bool = False) -> Dict[str, Any]:
+          checkpoint_layers: bool = False, save_on_cpu: bool = False,
+          ep: bool = True) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
     ``save_on_cpu``: torch.autograd.graph.save_on_cpu). Returns losses, gradients, bagualu's
-    iteration lines and stats, and whether it ran out of memory."""
+    iteration lines and stats, and whether it ran out of memory. ``ep`` False: every expert
+    is computed here (the model exactly as plain PyTorch runs it)."""
     import bagualu
     from bagualu.schedule import one_f_one_b
-    model = build(name, seed)
+    model = build(name, seed, ep_size=4 if ep else 1)
     xs = batches(micro_batches * iterations, spike_every=spike_every)
     out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "times_ms": []}
     if policy is not None:
         bagualu.install(capacity=capacity, policy=policy, governor=governor,
                         pipeline_stages=stages, micro_batches=micro_batches,
                         log_iterations=False)
-        bagualu.instrument(model, **instrument_kwargs(name))
+        bagualu.instrument(model, **(instrument_kwargs(name) if ep else {}))
         if forced is not None:
             bagualu.current().force_strategies(forced)
     elif checkpoint_layers:
@@ -223,7 +226,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
                             losses[b].backward()
                     else:
                         losses[b].backward()
-                    out["losses"].append(float(losses.pop(b)))
+                    out["losses"].append(float(losses.pop(b).detach()))
             if policy is not None:
                 out["lines"].append(bagualu.end_iteration())
             out["times_ms"].append((time.perf_counter() - t0) * 1e3)
@@ -234,6 +237,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     if policy is not None:
         out["stats"] = bagualu.stats()
         out["description"] = bagualu.current().description
+        out["accuracy"] = list(bagualu.current().accuracy)  # (load, predicted, captured)
         bagualu.uninstall()
     return out
 

@@ -1,0 +1,124 @@
+"""bagualu on models nobody here wrote: transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 built
+from small configs (no weights, no network), and a plain nn.Module MoE in another style than the
+example (examples/unmodified.py). Each runs as stage 0 of a 4-stage 1F1B pipeline in one
+process (four forwards in flight)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bagualu
+from conftest import require_libs
+from bagualu import discover
+
+unmodified = pytest.importorskip("unmodified")
+transformers = pytest.importorskip("transformers")
+
+MODELS = ["mixtral", "qwen3_moe", "deepseek_v3", "fused"]
+
+
+def kinds_of(name: str) -> dict:
+    return discover.find(unmodified.build(name)).kinds
+
+
+def mixed(name: str, with_fp8: bool) -> dict:
+    """All four strategies in one layer: attention and norms recomputed, projections and the
+    experts offloaded, the expert activation in FP8 (or recomputed)."""
+    out = {}
+    kinds = kinds_of(name)
+    fp8_kind = "expert_activation" if "expert_activation" in kinds.values() else "expert_linear"
+    for op, kind in kinds.items():
+        if with_fp8 and kind == fp8_kind:
+            out[op] = "fp8"
+            continue
+        if kind in ("attention", "norm", "shared_activation"):
+            out[op] = "recompute"
+        elif kind in ("linear", "expert_linear", "shared_linear"):
+            out[op] = "offload"
+        elif kind == "expert_activation":
+            out[op] = "fp8" if with_fp8 else "recompute"
+        elif op == discover.BLOCK_OP and name == "fused":
+            out[op] = "recompute"  # the block's own code has the dropout
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_half_of_the_keep_all_peak(name: str) -> None:
+    require_libs()
+    full = unmodified.train(name, "keep-all", capacity="4GiB", forced={})
+    peak = max(line["peak_bytes"] for line in full["lines"])
+    # The planner's bytes against what PyTorch saved, per micro-batch, at the loads the
+    # simulated EP rank saw (other than the capture's).
+    mm = full["stats"]["memory_model"]
+    assert mm["samples"] >= 8 and mm["mean_error"] < 0.015, mm
+    loads = {round(a[0], 3) for a in bagualu_accuracy(full)}
+    assert len(loads) >= 4, loads
+    cap = peak // 2
+    keep = unmodified.train(name, "keep-all", capacity=cap)
+    assert keep["oom"] is not None, "keep-all must run out of memory at half its peak"
+    r = unmodified.train(name, "bagualu", capacity=cap)
+    assert r["oom"] is None, r["oom"]
+    assert len(r["lines"]) == 2 and all(line["ooms"] == 0 for line in r["lines"])
+    moved = sum(line["offloads"] + line["fp8_casts"] + line["recomputed_ops"]
+                for line in r["lines"]) + r["stats"]["tracker"]["drops"]
+    assert moved > 0, "the plan must mitigate something"
+    assert all(line["peak_bytes"] <= cap * 1.02 for line in r["lines"])
+
+
+def bagualu_accuracy(result: dict) -> list:
+    return result["accuracy"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_offload_and_recompute_mixed_in_a_layer_are_bitwise(name: str) -> None:
+    require_libs()
+    plain = unmodified.train(name, None, ep=False)
+    r = unmodified.train(name, "keep-all", forced=mixed(name, with_fp8=False), ep=False)
+    assert r["oom"] is None
+    t = r["stats"]["tracker"]
+    assert t["drops"] > 0 and t["recomputes"] > 0 and t["offloads"] > 0
+    assert r["losses"] == plain["losses"]
+    assert plain["grads"].keys() == r["grads"].keys()
+    for k, g in plain["grads"].items():
+        assert torch.equal(g, r["grads"][k]), k
+
+
+@pytest.mark.parametrize("name", ["mixtral", "fused"])
+def test_fp8_with_the_others_within_one_percent(name: str) -> None:
+    require_libs()
+    plain = unmodified.train(name, None, ep=False, iterations=1)
+    r = unmodified.train(name, "keep-all", forced=mixed(name, with_fp8=True), ep=False,
+                         iterations=1)
+    assert r["stats"]["tracker"]["fp8_casts"] > 0
+    for a, b in zip(plain["losses"], r["losses"]):
+        assert abs(a - b) <= 0.01 * abs(a)
+
+
+def test_describe_lists_layers_and_operators() -> None:
+    text = bagualu.describe(unmodified.build("deepseek_v3"))
+    assert "layers: model.layers (4 x DeepseekV3DecoderLayer)" in text
+    assert "block 0 not planned" in text  # the dense first layer
+    for op, kind in [("mlp.gate", "router"), ("mlp.experts", "expert_linear"),
+                     ("mlp.shared_experts.down_proj", "shared_linear"),
+                     ("self_attn", "attention"), ("input_layernorm", "norm")]:
+        assert any(line.split()[:2] == [op, kind] for line in text.splitlines()), op
+
+
+def test_overrides_and_bad_input_leave_nothing_installed() -> None:
+    require_libs()
+    model = unmodified.build("fused")
+    bagualu.install(capacity="64MiB", governor="none", log_iterations=False)
+    with pytest.raises(bagualu.InstrumentError, match="'nope.*' matches no module"):
+        bagualu.instrument(model, ops={"nope.*": "norm"})
+    with pytest.raises(bagualu.InstrumentError, match="unknown kind 'mlp'"):
+        bagualu.instrument(model, ops={"ln1": "mlp"})
+    with pytest.raises(bagualu.InstrumentError, match="layers='blocks.x'"):
+        bagualu.instrument(model, layers="blocks.x")
+    with pytest.raises(bagualu.InstrumentError, match="no layers found.*layers="):
+        bagualu.instrument(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    bagualu.instrument(model, ops={"experts": "expert_linear", "wo": "none"},
+                       local_experts=[0, 1, 2, 3])
+    kinds = bagualu.current().discovery.kinds
+    assert "wo" not in kinds and kinds["experts"] == "expert_linear"
+    assert kinds["router"] == "router"
