@@ -140,7 +140,7 @@ def test_model_without_operators_is_a_clear_error() -> None:
     require_libs()
     bagualu.install(capacity="1MiB", governor="none")
     model = nn.Sequential(nn.ReLU(), nn.Tanh())
-    with pytest.raises(bagualu.InstrumentError, match="no recognised operators"):
+    with pytest.raises(bagualu.InstrumentError, match="no layers found.*layers="):
         bagualu.instrument(model)
 
 

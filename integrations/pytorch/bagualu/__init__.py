@@ -25,12 +25,14 @@ from .strategy import FP8, KEEP, OFFLOAD, RECOMPUTE
 from .installer import install, uninstall
 from . import runtime as _runtime
 from . import pipelining, schedule
+from .accumulate import accumulate_gradients, micro_batches
 
 __all__ = ["install", "uninstall", "instrument", "describe", "step_point", "forward", "backward",
            "begin_iteration", "end_iteration", "stats", "dump_snapshot", "OpBlock", "Step",
            "POLICIES", "KEEP", "OFFLOAD", "FP8", "RECOMPUTE", "BagualuError", "InstallError",
            "InstrumentError", "LibraryNotFound", "OutOfMemoryError", "PlannerError",
-           "PolicyError", "current", "pipelining", "schedule"]
+           "PolicyError", "current", "pipelining", "schedule", "micro_batches",
+           "accumulate_gradients"]
 
 
 def current() -> "_runtime.Runtime":
@@ -68,22 +70,24 @@ def describe(model: Any, layers: Optional[str] = None,
     return discover.find(model, layers, ops).describe()
 
 
-def step_point(phase: str, forward_mb: Optional[int], backward_mb: Optional[int]) -> Any:
-    """A pipeline scheduling point: plans the forward of ``forward_mb``; returns the plan."""
-    return current().step_point(phase, forward_mb, backward_mb)
+def step_point(phase: str, forward_mb: Optional[int], backward_mb: Optional[int],
+               forward_chunk: int = 0, backward_chunk: int = 0) -> Any:
+    """A pipeline scheduling point: plans the forward of ``forward_mb`` (of local stage
+    ``forward_chunk`` under an interleaved schedule); returns the plan."""
+    return current().step_point(phase, forward_mb, backward_mb, forward_chunk, backward_chunk)
 
 
 @contextmanager
-def forward(mb: int) -> Iterator[None]:
+def forward(mb: int, chunk: int = 0) -> Iterator[None]:
     """Context of a micro-batch's forward (saved-tensor capture and enforcement)."""
-    with current().forward(mb):
+    with current().forward(mb, chunk):
         yield
 
 
 @contextmanager
-def backward(mb: int) -> Iterator[None]:
+def backward(mb: int, chunk: int = 0) -> Iterator[None]:
     """Context of a micro-batch's backward."""
-    with current().backward(mb):
+    with current().backward(mb, chunk):
         yield
 
 

@@ -163,7 +163,8 @@ def keep_all_bytes(description: Dict[str, Any], load: float) -> float:
 
 
 def model_document(layer_graph: Dict[str, Any], layers: int, pipeline_stages: int,
-                   micro_batches: int, info: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                   micro_batches: int, info: Optional[Dict[str, Any]] = None,
+                   vp: int = 0) -> Dict[str, Any]:
     """A planner model document for one stage of ``layers`` layers with an explicit graph.
 
     Static memory (parameters, optimizer, workspace) is zero: the capacity given to the
@@ -173,7 +174,7 @@ def model_document(layer_graph: Dict[str, Any], layers: int, pipeline_stages: in
         "name": info.pop("name", "pytorch-model"),
         "layers": layers * pipeline_stages,
         "hidden": 64, "moe_hidden": 64, "experts": 1, "top_k": 1, "head_dim": 64,
-        "gpus": pipeline_stages, "dp": 1, "tp": 1, "ep": 1, "pp": pipeline_stages, "vp": 0,
+        "gpus": pipeline_stages, "dp": 1, "tp": 1, "ep": 1, "pp": pipeline_stages, "vp": vp,
         "micro_batches": micro_batches, "dtype": "fp32", "param_bytes": 0, "grad_bytes": 0,
         "optimizer_bytes": 0, "workspace": 0, "safety_margin": 0.0,
         "sequence_parallel": False,

@@ -43,7 +43,7 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
             pipeline_rank: int = 0, pipeline_stages: int = 1, micro_batches: int = 8,
             log_iterations: bool = True, fp8_block: int = 128, strict: bool = False,
             deadline_s: float = 0.5, gc_freeze: bool = True,
-            pinned_capacity: Union[int, str] = "16GiB") -> "runtime.Runtime":
+            pinned_capacity: Union[int, str] = "16GiB", chunks: int = 1) -> "runtime.Runtime":
     """Installs bagualu in this process and returns its runtime.
 
     capacity: activation memory of the (simulated) device, bytes or '256MiB'. On CPU the host
@@ -55,6 +55,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
     strict: raise instead of warning when the CUDA allocator cannot be swapped.
     gc_freeze: instrument() calls gc.freeze() so that the objects alive then (the model,
       torch internals) are not rescanned by every full collection the capture triggers.
+    chunks: local pipeline stages of this rank (interleaved schedules); forward/backward and
+      step_point then name the chunk.
     pinned_capacity: page-locked host memory the enforcer may hold for offloaded activations
       (BGL_ENFORCER=0 offloads with PyTorch copies instead).
     """
@@ -78,7 +80,7 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
                    gpu_index=(dev.index or 0) if dev.type == "cuda" else pipeline_rank)
     rt = runtime.Runtime(dev, cap, policy, gov, pipeline_rank, pipeline_stages, micro_batches,
                          log_iterations, fp8_block, pool,
-                         runtime.parse_size(pinned_capacity))
+                         runtime.parse_size(pinned_capacity), chunks=chunks)
     rt.gc_freeze = gc_freeze
     _active.runtime = rt
     return rt

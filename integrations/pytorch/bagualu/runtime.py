@@ -31,6 +31,7 @@ from .tracker import Tracker
 
 log = logging.getLogger("bagualu")
 POLICIES = ("keep-all", "static-under", "static-over", "bagualu")
+CHUNK_STRIDE = 1 << 20  # tracker id = micro-batch + chunk * CHUNK_STRIDE
 
 
 def active() -> Optional["Runtime"]:
@@ -66,7 +67,10 @@ class Runtime:
     def __init__(self, device: torch.device, capacity: int, policy: str, governor: Any,
                  pipeline_rank: int, pipeline_stages: int, micro_batches: int,
                  log_iterations: bool, fp8_block: int, pool: Any,
-                 pinned_capacity: int = 16 << 30) -> None:
+                 pinned_capacity: int = 16 << 30, chunks: int = 1) -> None:
+        if chunks < 1:
+            raise ValueError(f"chunks must be at least 1, got {chunks}")
+        self.chunks = chunks
         self.device = device
         self.pinned_capacity = pinned_capacity
         self.capacity = capacity
@@ -410,7 +414,9 @@ class Runtime:
             return False
         if load <= self.mb_plan[mb].get("load_factor", 0.0) * 1.02:
             return False  # the plan was made for at least this load: it still fits
-        plan = self.governor.plan_after_gate(mb, 0, layer, load)
+        plan = self.governor.plan_after_gate(mb % CHUNK_STRIDE, mb // CHUNK_STRIDE,
+                                             layer % max(self.layer_count // self.chunks, 1),
+                                             load)
         if not plan or not plan.get("deferred"):
             return False
         new = {o["name"]: o["strategy"] for o in plan["operators"]}
@@ -448,7 +454,9 @@ class Runtime:
             outside = sum(r.nbytes for r in recs if not r.consumers or
                           any(c.layer < 0 for c in r.consumers))
         doc = graphmod.model_document(lg, self.layer_count, self.pipeline_stages,
-                                      self.micro_batches, self.model_info)
+                                      self.micro_batches, self.model_info,
+                                      vp=self.layer_count // self.chunks
+                                      if self.chunks > 1 else 0)
         in_flight = max(self.pipeline_stages - self.pipeline_rank, 1)
         plan_capacity = int(self.capacity * 0.95) - outside * in_flight
         self.model_doc = doc
@@ -479,9 +487,28 @@ class Runtime:
                                                       if c in index)
             b.bgl_savers = savers if by_key else _consumers(steps)
 
+    def _global_name(self, name: str, chunk: int) -> str:
+        """A plan names layers within its chunk ('L0.x' of chunk 1); this rank numbers them
+        over all its chunks."""
+        if self.chunks == 1 or not name.startswith("L"):
+            return name
+        layer, _, rest = name[1:].partition(".")
+        if not layer.isdigit():
+            return name
+        return f"L{int(layer) + chunk * (self.layer_count // self.chunks)}.{rest}"
+
+    def key(self, mb: int, chunk: int = 0) -> int:
+        """The tracker's id of micro-batch ``mb`` of local stage ``chunk`` (interleaved
+        schedules run each micro-batch once per chunk)."""
+        if not 0 <= chunk < self.chunks:
+            raise ValueError(f"chunk {chunk} outside 0..{self.chunks - 1} (install(chunks=...))")
+        return mb + chunk * CHUNK_STRIDE
+
     def step_point(self, phase: str, forward_mb: Optional[int],
-                   backward_mb: Optional[int]) -> Optional[Dict[str, Any]]:
-        """A pipeline scheduling point: plans the forward of ``forward_mb`` (if any)."""
+                   backward_mb: Optional[int], forward_chunk: int = 0,
+                   backward_chunk: int = 0) -> Optional[Dict[str, Any]]:
+        """A pipeline scheduling point: plans the forward of ``forward_mb`` of local stage
+        ``forward_chunk`` (if any)."""
         if phase not in ("warmup", "steady", "cooldown"):
             raise ValueError(f"unknown phase '{phase}' (warmup, steady, cooldown)")
         if forward_mb is None or self.policy != "bagualu" or self.governor is None \
@@ -492,18 +519,26 @@ class Runtime:
                                  "bytes_in_use": int(self.tracker.device_bytes())}
         if backward_mb is not None:
             point["backward_micro_batch"] = int(backward_mb)
+        if self.chunks > 1:
+            point["forward_chunk"] = int(forward_chunk)
+            point["backward_chunk"] = int(backward_chunk)
         plan = self.governor.plan(point)
         if plan is None:
             return None
-        self.mb_plan[forward_mb] = plan
-        self.mb_strategies[forward_mb] = {o["name"]: o["strategy"] for o in plan["operators"]}
+        key = self.key(forward_mb, forward_chunk)
+        self.mb_plan[key] = plan
+        self.mb_strategies[key] = {self._global_name(o["name"], forward_chunk): o["strategy"]
+                                   for o in plan["operators"]}
         self.iter["budget"] = min(self.iter["budget"], plan["budget_bytes"])
         return plan
 
     # -- micro-batch contexts ---------------------------------------------------------------
     @contextmanager
-    def forward(self, mb: int) -> Iterator[None]:
-        """Runs a micro-batch's forward under the saved-tensor hooks."""
+    def forward(self, mb: int, chunk: int = 0) -> Iterator[None]:
+        """Runs a micro-batch's forward (of local stage ``chunk``) under the saved-tensor
+        hooks."""
+        chunk_of = chunk
+        mb = self.key(mb, chunk)
         capture = self.governor is not None and not self.governor.ready and self.layer_count > 0
         t = self.tracker
         t.micro_batch = mb
@@ -540,17 +575,20 @@ class Runtime:
             self._ensure_planner()
         after = (t.counters["offloads"], t.counters["fp8_casts"], t.counters["evictions"],
                  self.iter["recompute_ops"])
-        if self.description is not None and captured > 0 and after == before:
+        if self.description is not None and captured > 0 and after == before \
+                and self.chunks == 1:
             # Nothing was mitigated: the planner's keep-all bytes at the observed load.
             self.accuracy.append((load, graphmod.keep_all_bytes(self.description, load),
                                   float(captured)))
         if self.governor is not None and self.governor.ready and mb in self.mb_plan:
-            self.governor.report(mb, 0, t.retained_bytes(mb))
+            self.governor.report(mb % CHUNK_STRIDE, chunk_of, t.retained_bytes(mb))
         self._note_peak()
 
     @contextmanager
-    def backward(self, mb: int) -> Iterator[None]:
-        """Runs a micro-batch's backward; afterwards its activations are gone."""
+    def backward(self, mb: int, chunk: int = 0) -> Iterator[None]:
+        """Runs a micro-batch's backward (of local stage ``chunk``); afterwards its
+        activations are gone."""
+        mb = self.key(mb, chunk)
         self.tracker.begin_backward(mb)
         try:
             yield
