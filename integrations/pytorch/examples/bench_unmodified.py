@@ -1,0 +1,56 @@
+"""Iteration time of unmodified models under bagualu (at half of keep-all's peak) against what
+users do today: torch.utils.checkpoint around every block, and
+torch.autograd.graph.save_on_cpu; plus plain PyTorch. Alternating runs, median and spread.
+
+    python bench_unmodified.py --models mixtral,qwen3_moe,deepseek_v3,fused --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+from typing import Dict, List
+
+import torch
+
+import unmodified as u
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(u.MODELS))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--iterations", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print("| model | capacity | plain | bagualu | checkpoint every block | save_on_cpu | "
+          "bagualu strategies (last iteration) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.models.split(","):
+        peak = u.keep_all_peak(name, ep=False)
+        cap = peak // 2
+        runs: Dict[str, List[float]] = {k: [] for k in ("plain", "bagualu", "ckpt", "cpu")}
+        strat = {}
+        for _ in range(args.repeats):
+            for k in runs:
+                gc.collect()
+                r = u.train(name, "bagualu" if k == "bagualu" else None, capacity=cap,
+                            iterations=args.iterations, checkpoint_layers=k == "ckpt",
+                            save_on_cpu=k == "cpu", ep=False)
+                assert r["oom"] is None, r["oom"]
+                runs[k].append(statistics.median(r["times_ms"][1:]))  # first: warm-up
+                if k == "bagualu":
+                    strat = {s: n for s, n in r["lines"][-1]["strategies"].items() if n}
+
+        def cell(k: str) -> str:
+            v = runs[k]
+            return (f"{statistics.median(v):.1f} ms ({min(v):.1f}-{max(v):.1f}), "
+                    f"{statistics.median(v) / statistics.median(runs['plain']):.2f}x")
+        print(f"| {name} | {cap / 2**20:.2f} MiB | {cell('plain')} | {cell('bagualu')} | "
+              f"{cell('ckpt')} | {cell('cpu')} | {strat} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
