@@ -6,6 +6,7 @@
 #include <string>
 
 #include "bgl/planner.h"
+#include "governor/planner/pipeline_schedule.h"
 #include "governor/planner/plan_format.h"
 #include "governor/planner/planner.h"
 
@@ -44,6 +45,17 @@ bool ParseObject(const char* text, const char* what, json& out) {
     return false;
   }
   return true;
+}
+
+json StepsJson(const std::vector<bgl::plan::Step>& steps) {
+  json out = json::array();
+  for (const auto& s : steps) {
+    out.push_back({{"forward", s.forward},
+                   {"micro_batch", s.micro_batch},
+                   {"chunk", s.chunk},
+                   {"phase", bgl::plan::PhaseName(s.phase)}});
+  }
+  return out;
 }
 
 // Reads an optional field of a type, failing with its name when the type is wrong.
@@ -153,17 +165,18 @@ char* bgl_planner_describe(bgl_planner* handle) {
                          {"scales_with_load", t.scales_with_load},
                          {"block_input", t.block_input}});
     }
-    auto& steps = j["steps"] = json::array();
-    for (const auto& s : p.steps()) {
-      steps.push_back({{"forward", s.forward},
-                       {"micro_batch", s.micro_batch},
-                       {"chunk", s.chunk},
-                       {"phase", bgl::plan::PhaseName(s.phase)}});
-    }
+    j["steps"] = StepsJson(p.steps());
     return Dup(j.dump());
   } catch (const std::exception& e) {
     return Fail(std::string("internal error: ") + e.what());
   }
+}
+
+char* bgl_planner_schedule(int pipeline_stages, int pipeline_rank, int micro_batches,
+                           int chunks) {
+  auto steps = bgl::plan::BuildSchedule(pipeline_stages, pipeline_rank, micro_batches, chunks);
+  if (!steps.ok()) return Fail(steps.status().message());
+  return Dup(StepsJson(*steps).dump());
 }
 
 char* bgl_planner_plan(bgl_planner* handle, const char* point_json) {

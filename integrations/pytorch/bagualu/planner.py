@@ -26,6 +26,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     for fn in ("bgl_planner_describe",):
         getattr(lib, fn).argtypes = [c_void]
         getattr(lib, fn).restype = c_void
+    lib.bgl_planner_schedule.argtypes = [ctypes.c_int] * 4
+    lib.bgl_planner_schedule.restype = c_void
     lib.bgl_planner_plan.argtypes = [c_void, c_str]
     lib.bgl_planner_plan.restype = c_void
     lib.bgl_planner_plan_after_gate.argtypes = [c_void, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -40,6 +42,21 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.bgl_planner_free_string.argtypes = [c_void]
     lib.bgl_planner_free_string.restype = None
     lib._bgl_bound = True
+
+
+def schedule_steps(stages: int, rank: int, micro_batches: int, chunks: int = 1) -> list:
+    """The planner's step order of pipeline rank ``rank`` (no model needed): a list of
+    {"forward", "micro_batch", "chunk", "phase"}; ValueError naming a bad argument."""
+    lib = _lib.load("libbgl_planner.so")
+    _bind(lib)
+    ptr = lib.bgl_planner_schedule(int(stages), int(rank), int(micro_batches), int(chunks))
+    if not ptr:
+        msg = lib.bgl_planner_last_error()
+        raise ValueError(msg.decode() if msg else "invalid schedule")
+    try:
+        return json.loads(ctypes.string_at(ptr).decode())
+    finally:
+        lib.bgl_planner_free_string(ctypes.c_void_p(ptr))
 
 
 class EmbeddedPlanner:

@@ -17,73 +17,37 @@ ChunkPoint = Tuple[str, Optional[int], Optional[int], Optional[int], Optional[in
 
 def one_f_one_b(micro_batches: int, stages: int, rank: int) -> List[Point]:
     """The scheduling points (phase, forward mb, backward mb) of stage ``rank`` in 1F1B:
-    warm-up forwards, steady forward+backward pairs, cool-down backwards (the planner's
-    step order for the same stage)."""
-    if not 0 <= rank < stages:
-        raise ValueError(f"rank {rank} outside 0..{stages - 1}")
-    warm = min(stages - rank - 1, micro_batches)
-    points: List[Point] = [("warmup", f, None) for f in range(warm)]
-    for i in range(micro_batches - warm):
-        if warm + i == i:  # the last stage: F_x and B_x are two points
-            points.append(("steady", i, None))
-            points.append(("steady", None, i))
-        else:
-            points.append(("steady", warm + i, i))
-    for b in range(micro_batches - warm, micro_batches):
-        points.append(("cooldown", None, b))
-    return points
-
-
-def _interleaved_unit(k: int, forward: bool, stages: int, chunks: int) -> Tuple[int, int]:
-    """(micro-batch, chunk) of the k-th forward or backward of a rank in Megatron's
-    interleaved order: groups of ``stages`` micro-batches walk the chunks in turn (backwards
-    from the last chunk)."""
-    group = stages * chunks
-    in_group = k % group
-    chunk = in_group // stages
-    return (k // group) * stages + in_group % stages, chunk if forward else chunks - 1 - chunk
+    warm-up forwards, steady forward+backward pairs, cool-down backwards. On the last stage
+    F_x and B_x are two points."""
+    return [p[:3] for p in interleaved_one_f_one_b(micro_batches, stages, rank, 1)]
 
 
 def interleaved_one_f_one_b(micro_batches: int, stages: int, rank: int,
                             chunks: int) -> List[ChunkPoint]:
     """The scheduling points (phase, forward mb, backward mb, forward chunk, backward chunk)
-    of pipeline rank ``rank`` of ``stages`` holding ``chunks`` model chunks (the stages
-    ``rank``, ``rank + stages``, ... of the model: chunk c is local stage c) in interleaved 1F1B,
-    the planner's step order (governor/planner/pipeline_schedule.cc, Megatron's schedule):
-    ``(stages - rank - 1) * 2 + (chunks - 1) * stages`` warm-up forwards, steady
-    forward+backward pairs, cool-down backwards. A steady pair whose forward and backward are
-    the same micro-batch of the same chunk (the last rank's last chunk) is two points, as on
-    the last stage of ``one_f_one_b``. ``chunks=1`` gives the points of ``one_f_one_b`` with
-    chunk 0. Interleaving (chunks > 1) needs ``micro_batches`` divisible by ``stages``."""
-    if not 0 <= rank < stages:
-        raise ValueError(f"rank {rank} outside 0..{stages - 1}")
-    if chunks < 1:
-        raise ValueError(f"chunks must be positive, got {chunks}")
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches must be positive, got {micro_batches}")
-    if chunks == 1:
-        return [(ph, f, b, None if f is None else 0, None if b is None else 0)
-                for ph, f, b in one_f_one_b(micro_batches, stages, rank)]
-    if micro_batches % stages:
-        raise ValueError(f"interleaved 1F1B needs micro_batches ({micro_batches}) divisible "
-                         f"by the pipeline stages ({stages})")
-    total = micro_batches * chunks
-    warm = min((stages - rank - 1) * 2 + (chunks - 1) * stages, total)
+    of pipeline rank ``rank`` of ``stages`` holding ``chunks`` model chunks (chunk c is local
+    stage c: the stages ``rank + c * stages`` of the model) in interleaved 1F1B. The order is
+    the planner's own (``bgl_planner_schedule``, Megatron's schedule: ``(stages - rank - 1) * 2
+    + (chunks - 1) * stages`` warm-up forwards); a steady forward and the backward after it are
+    one point, except the same micro-batch of the same chunk (the last rank's last chunk),
+    which is two. Interleaving needs ``micro_batches`` divisible by ``stages``; bad arguments
+    raise ValueError."""
+    from .planner import schedule_steps
+    steps = schedule_steps(stages, rank, micro_batches, chunks)
     points: List[ChunkPoint] = []
-    for k in range(warm):
-        f, fc = _interleaved_unit(k, True, stages, chunks)
-        points.append(("warmup", f, None, fc, None))
-    for k in range(warm, total):
-        f, fc = _interleaved_unit(k, True, stages, chunks)
-        b, bc = _interleaved_unit(k - warm, False, stages, chunks)
-        if (f, fc) == (b, bc):
-            points.append(("steady", f, None, fc, None))
-            points.append(("steady", None, b, None, bc))
-        else:
-            points.append(("steady", f, b, fc, bc))
-    for k in range(total - warm, total):
-        b, bc = _interleaved_unit(k, False, stages, chunks)
-        points.append(("cooldown", None, b, None, bc))
+    i = 0
+    while i < len(steps):
+        s = steps[i]
+        n = steps[i + 1] if i + 1 < len(steps) else None
+        f, fc = s["micro_batch"], s["chunk"]
+        if s["forward"] and s["phase"] == "steady" and n is not None and not n["forward"] \
+                and n["phase"] == "steady" and (n["micro_batch"], n["chunk"]) != (f, fc):
+            points.append(("steady", f, n["micro_batch"], fc, n["chunk"]))
+            i += 2
+            continue
+        points.append((s["phase"], f, None, fc, None) if s["forward"]
+                      else (s["phase"], None, f, None, fc))
+        i += 1
     return points
 
 

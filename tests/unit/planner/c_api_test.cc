@@ -42,6 +42,21 @@ TEST(PlannerCApi, PlansAndReports) {
   bgl_planner_destroy(p);
 }
 
+TEST(PlannerCApi, ScheduleWithoutAModel) {
+  // Rank 0 of 2, 4 micro-batches, 2 chunks: Megatron's warm-up of (2-0-1)*2 + (2-1)*2 = 4.
+  const auto steps = nlohmann::json::parse(Take(bgl_planner_schedule(2, 0, 4, 2)));
+  ASSERT_EQ(steps.size(), 16u);
+  int warmup = 0;
+  for (const auto& s : steps) warmup += s["phase"] == "warmup";
+  EXPECT_EQ(warmup, 4);
+  EXPECT_EQ(steps[2]["chunk"], 1);
+  EXPECT_EQ(steps[2]["micro_batch"], 0);
+  EXPECT_EQ(bgl_planner_schedule(2, 0, 3, 2), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("divisible"), std::string::npos);
+  EXPECT_EQ(bgl_planner_schedule(2, 2, 4, 1), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("pipeline_rank"), std::string::npos);
+}
+
 TEST(PlannerCApi, BadInputFailsWithAMessage) {
   EXPECT_EQ(bgl_planner_create("{", nullptr), nullptr);
   EXPECT_NE(std::string(bgl_planner_last_error()).find("model_json"), std::string::npos);

@@ -35,6 +35,13 @@ BGL_PLANNER_API void bgl_planner_destroy(bgl_planner* planner);
  * capacity, M0, micro-batches, chunks, the step schedule. Free with bgl_planner_free_string. */
 BGL_PLANNER_API char* bgl_planner_describe(bgl_planner* planner);
 
+/* The step order of one pipeline rank, without a model: a JSON array of {"forward": bool,
+ * "micro_batch", "chunk", "phase"} (1F1B for chunks = 1, Megatron's interleaved 1F1B above).
+ * NULL when the arguments are invalid (the message names which). Free with
+ * bgl_planner_free_string. */
+BGL_PLANNER_API char* bgl_planner_schedule(int pipeline_stages, int pipeline_rank,
+                                           int micro_batches, int chunks);
+
 /* Plans a scheduling point: {"phase": "warmup"|"steady"|"cooldown" (optional),
  * "forward_micro_batch": int (optional), "forward_chunk": int, "backward_micro_batch": int
  * (optional), "backward_chunk": int, "load_factor": number, "bytes_in_use": int (optional)}.
