@@ -172,8 +172,7 @@ char* bgl_planner_describe(bgl_planner* handle) {
   }
 }
 
-char* bgl_planner_schedule(int pipeline_stages, int pipeline_rank, int micro_batches,
-                           int chunks) {
+char* bgl_planner_schedule(int pipeline_stages, int pipeline_rank, int micro_batches, int chunks) {
   auto steps = bgl::plan::BuildSchedule(pipeline_stages, pipeline_rank, micro_batches, chunks);
   if (!steps.ok()) return Fail(steps.status().message());
   return Dup(StepsJson(*steps).dump());
