@@ -199,16 +199,27 @@ def _rank_actions(schedule: Any, stages: List[Any], rank: Optional[int] = None
     return actions
 
 
-def _operations(points: Sequence[AnyPoint]) -> List[Action]:
-    """The (kind, micro-batch, chunk) operations of points, in order."""
-    ops: List[Action] = []
-    for point in points:
+def _chunks(point: AnyPoint) -> Tuple[int, int]:
+    """(forward chunk, backward chunk) of a point; 0 for a 3-tuple or a None chunk."""
+    if len(point) == 5:
+        return point[3] or 0, point[4] or 0
+    if len(point) == 3:
+        return 0, 0
+    raise BagualuError(f"point {point!r}: expected (phase, forward_mb, backward_mb) or (phase, "
+                       "forward_mb, backward_mb, forward_chunk, backward_chunk)")
+
+
+def _operations(points: Sequence[AnyPoint]) -> List[Op]:
+    """The operations of points, in order: (kind, micro-batch, chunk, point index, whether it
+    is the first operation of its point)."""
+    ops: List[Op] = []
+    for i, point in enumerate(points):
         f, b = point[1], point[2]
-        fc, bc = (point[3], point[4]) if len(point) == 5 else (0, 0)
+        fc, bc = _chunks(point)
         if f is not None:
-            ops.append(("F", f, fc or 0))
+            ops.append(("F", f, fc, i, True))
         if b is not None:
-            ops.append(("B", b, bc or 0))
+            ops.append(("B", b, bc, i, f is None))
     return ops
 
 
@@ -240,7 +251,7 @@ def schedule_points(schedule: Any, rank: Optional[int] = None) -> List[AnyPoint]
     if multi:
         actions = _rank_actions(schedule, stages, rank)
         planned = _planner_points(schedule, rank)
-        if planned is not None and _operations(planned) == actions:
+        if planned is not None and [op[:3] for op in _operations(planned)] == actions:
             return planned  # the same operations: grouped as the planner groups them
         return points_from_actions(actions)
     if rank is not None and rank != stages[0].group_rank:
@@ -325,18 +336,7 @@ class PipelinedSchedule:
         self.chunks = len(stages)            # local stages: bagualu's chunks on this rank
         self.expected: List[AnyPoint] = list(points) if points is not None \
             else schedule_points(schedule)
-        self.ops: List[Op] = []
-        for i, point in enumerate(self.expected):
-            if len(point) not in (3, 5):
-                raise BagualuError(f"point {i} {point!r}: expected (phase, forward_mb, "
-                                   "backward_mb) or (phase, forward_mb, backward_mb, "
-                                   "forward_chunk, backward_chunk)")
-            _, f, b = point[:3]
-            fc, bc = (point[3], point[4]) if len(point) == 5 else (0, 0)
-            if f is not None:
-                self.ops.append(("F", f, fc or 0, i, True))
-            if b is not None:
-                self.ops.append(("B", b, bc or 0, i, f is None))
+        self.ops: List[Op] = _operations(self.expected)
         self.iterations = iterations
         self.points: List[AnyPoint] = []     # the points called in the current/last step
         self.plans = 0                       # how many of them returned a plan
@@ -370,21 +370,11 @@ class PipelinedSchedule:
         self._cursor += 1
         if first:
             point = self.expected[index]
-            phase, f, b = point[:3]
-            if self.chunks == 1:
-                plan = bagualu.step_point(phase, f, b)
-            else:
-                fc, bc = (point[3], point[4]) if len(point) == 5 else (0, 0)
-                plan = bagualu.step_point(phase, f, b, forward_chunk=fc or 0,
-                                          backward_chunk=bc or 0)
+            fc, bc = _chunks(point)
+            plan = bagualu.step_point(*point[:3], forward_chunk=fc, backward_chunk=bc)
             if plan is not None:
                 self.plans += 1
             self.points.append(point)
-
-    def _context(self, which: str, mb: int, chunk: int) -> Any:
-        import bagualu
-        fn = bagualu.forward if which == "forward" else bagualu.backward
-        return fn(mb) if self.chunks == 1 else fn(mb, chunk=chunk)
 
     def _close_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -397,13 +387,14 @@ class PipelinedSchedule:
     # -- the patched methods ----------------------------------------------------------------
     def _forward_patch(self, chunk: int) -> Any:
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            import bagualu
             orig = self._orig[chunk][0]
             if not self._active:  # outside step() (eval(), shape inference): plain torch
                 return orig(fwd_chunk_id, *args, **kwargs)
             self._close_pending()
             self._advance("F", fwd_chunk_id, chunk)
             stack = ExitStack()
-            stack.enter_context(self._context("forward", fwd_chunk_id, chunk))
+            stack.enter_context(bagualu.forward(fwd_chunk_id, chunk=chunk))
             self.micro_batch, self.chunk = fwd_chunk_id, chunk
             try:
                 out = orig(fwd_chunk_id, *args, **kwargs)
@@ -427,6 +418,7 @@ class PipelinedSchedule:
 
     def _backward_patch(self, chunk: int) -> Any:
         def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            import bagualu
             orig = self._orig[chunk][1]
             if not self._active:
                 return orig(bwd_chunk_id, *args, **kwargs)
@@ -439,7 +431,7 @@ class PipelinedSchedule:
             self._advance("B", bwd_chunk_id, chunk)
             self.micro_batch, self.chunk = bwd_chunk_id, chunk
             try:
-                with self._context("backward", bwd_chunk_id, chunk):
+                with bagualu.backward(bwd_chunk_id, chunk=chunk):
                     return orig(bwd_chunk_id, *args, **kwargs)
             finally:
                 self.micro_batch = self.chunk = None
