@@ -477,3 +477,72 @@ def test_interleaved_on_two_ranks_against_the_daemon(daemon, tmp_path) -> None:
         m = re.search(rf"rank {rank} finished 2 iterations governor=remote ooms=0 "
                       rf"step points {re.escape(points)} plans (\d+)", text)
         assert m is not None and int(m.group(1)) > 0, text[-4000:]
+
+
+class _CausalLM(torch.nn.Module):
+    """How a Hugging Face model is handed to PipelineStage (tensor in, logits out); the model
+    itself is unmodified."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("cls", [Schedule1F1B, ScheduleGPipe])
+def test_unmodified_hf_model_under_torch_schedules(world_of_one, cls) -> None:
+    """transformers' Qwen3-MoE, unchanged, as the one stage of torch's own 1F1B / GPipe under
+    bagualu: the plain schedule's losses and gradients bitwise. GPipe holds every forward, so
+    at half of its keep-all peak activations are offloaded or recomputed on the way; a single
+    1F1B stage holds one forward, which the capture (the first micro-batch, kept whole) needs
+    in full: it runs at its peak (and still offloads some: plans leave 5% free)."""
+    require_libs()
+    unmodified = pytest.importorskip("unmodified")
+    pytest.importorskip("transformers")
+    mb = 4
+    xs = unmodified.batches(2 * mb)
+
+    def build() -> Tuple[Any, torch.nn.Module]:
+        lm = _CausalLM(unmodified.build("qwen3_moe"))
+        stage = PipelineStage(lm, 0, 1, torch.device("cpu"), input_args=(xs[0],),
+                              output_args=(torch.zeros(*xs[0].shape, 128),))
+        return cls(stage, mb, loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), y.flatten()) / mb), lm
+
+    def run(schedule: Any, lm: torch.nn.Module) -> Tuple[list, list]:
+        out_losses, out_grads = [], []
+        for it in range(2):
+            x = torch.cat(xs[it * mb:(it + 1) * mb])
+            lm.zero_grad(set_to_none=True)
+            losses: List[torch.Tensor] = []
+            schedule.step(x, target=x, losses=losses)
+            out_losses.append(torch.stack([loss.detach() for loss in losses]))
+            out_grads.append({n: p.grad.clone() for n, p in lm.named_parameters()
+                              if p.grad is not None})
+        return out_losses, out_grads
+
+    ref_losses, ref_grads = run(*build())
+    # keep-all's peak under this very schedule (every storage its own block: exact)
+    bagualu.install(capacity="64MiB", policy="keep-all", governor="none", pipeline_stages=1,
+                    micro_batches=mb, log_iterations=False)
+    schedule, lm = build()
+    bagualu.instrument(lm)
+    bagualu.current().force_strategies({})
+    run(bagualu.pipelining.wrap_schedule(schedule), lm)
+    peak = max(line["peak_bytes"] for line in bagualu.current().history)
+    bagualu.uninstall()
+    del schedule, lm
+    mitigate = cls is ScheduleGPipe
+    bagualu.install(capacity=peak // 2 if mitigate else peak, policy="bagualu",
+                    governor="none", pipeline_stages=1, micro_batches=mb, log_iterations=False)
+    schedule, lm = build()
+    bagualu.instrument(lm)
+    pipe = bagualu.pipelining.wrap_schedule(schedule)
+    losses, grads = run(pipe, lm)
+    assert_bitwise(ref_losses, ref_grads, losses, grads)
+    assert pipe.plans > 0
+    t = bagualu.stats()["tracker"]
+    if mitigate:
+        assert t["offloads"] + t["drops"] + t["fp8_casts"] > 0

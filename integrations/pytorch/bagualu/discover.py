@@ -20,6 +20,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from .errors import InstrumentError
@@ -264,29 +265,27 @@ def find(model: nn.Module, layers: Optional[str] = None,
     return Discovery(path, blocks, planned, sites, names, kinds, skipped)
 
 
-def expert_count(module: nn.Module) -> Optional[int]:
-    """The number of experts a router/MoE block routes to, from common attribute names."""
-    for attr in ("num_experts", "n_routed_experts", "num_local_experts", "experts_count"):
-        v = getattr(module, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    cfg = getattr(module, "config", None)
-    for attr in ("num_experts", "n_routed_experts", "num_local_experts"):
-        v = getattr(cfg, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    w = getattr(module, "weight", None)
-    if w is not None and getattr(w, "dim", lambda: 0)() == 2:
-        return int(w.shape[0])
+def _positive_int(objs: Sequence[Any], attrs: Sequence[str]) -> Optional[int]:
+    for obj in objs:
+        for attr in attrs:
+            v = getattr(obj, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
     return None
 
 
-def top_k_of(module: nn.Module) -> Optional[int]:
-    for attr in ("top_k", "num_experts_per_tok", "topk", "k"):
-        v = getattr(module, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    cfg = getattr(module, "config", None)
-    v = getattr(cfg, "num_experts_per_tok", None)
-    return v if isinstance(v, int) and v > 0 else None
+def expert_count(module: nn.Module) -> Optional[int]:
+    """The number of experts a router/MoE block routes to: common attribute names on it or its
+    config, else the rows of its (router) weight."""
+    n = _positive_int((module, getattr(module, "config", None)),
+                      ("num_experts", "n_routed_experts", "num_local_experts"))
+    if n is not None:
+        return n
+    w = getattr(module, "weight", None)
+    return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
 
+
+def top_k_of(module: nn.Module) -> Optional[int]:
+    """Experts per token of a router/MoE block, from common attribute names."""
+    return _positive_int((module, getattr(module, "config", None)),
+                         ("top_k", "num_experts_per_tok", "topk"))

@@ -83,14 +83,13 @@ def build_layer_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
 
 
 def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
-                         op_ms: Dict[str, float], readers: Dict[int, Any],
-                         block_ms: float) -> Dict[str, Any]:
+                         op_ms: Dict[str, float], readers: Dict[int, Any]) -> Dict[str, Any]:
     """The layer_graph of an unmodified model's layer ``ops[0].layer`` (strategies follow the
     producer, recompute.py): every storage the layer's operators made is one graph tensor per
     (producer, dtype), saved by its producer, read by the operators whose calls took it as
     input; the layer's input is the block input. Bytes of producers that scale with the load
-    are stated at r = 1. ``block_ms``: forward time of the whole layer (rerunning the block's
-    own code reruns the layer)."""
+    are stated at r = 1. Operator times are inclusive (rerunning the block's own code reruns
+    the whole layer)."""
     layer = ops[0].layer
     kinds = {op.name: op.kind for op in ops}
     order = {op.name: i for i, op in enumerate(ops)}
@@ -130,8 +129,7 @@ def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: flo
         tensors.append(g)
     operators = []
     for op in ops:
-        fwd = block_ms if op.name == ops[0].name else op_ms.get(op.name, 0.01)
-        fwd = max(fwd, 0.001)
+        fwd = max(op_ms.get(op.name, 0.01), 0.001)
         o: Dict[str, Any] = {"name": op.name, "kind": op.kind, "forward_ms": round(fwd, 4),
                              "backward_ms": round(2 * fwd, 4),
                              "scales_with_load": op.kind in SCALING_KINDS}

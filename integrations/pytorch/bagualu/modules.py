@@ -82,14 +82,11 @@ class ExpertParallel:
 class _Router:
     """A router operator: its output gives the micro-batch's routing."""
 
-    def __init__(self, module: nn.Module, parent: Optional[nn.Module], experts: int,
-                 top_k: int, local: List[int], ep: ExpertParallel) -> None:
-        self.module = module
+    def __init__(self, experts: int, top_k: int, local: List[int]) -> None:
         self.experts = experts
         self.top_k = top_k
         self.local = torch.tensor(local, dtype=torch.long)
         self.fraction = len(local) / experts
-        self.ep = ep
 
     def indices(self, out: Any) -> Tuple[Optional[torch.Tensor], int]:
         """The (tokens, k) expert indices in the router's output, and where (leaf index; -1
@@ -134,6 +131,7 @@ class AutoLayers:
         self.ep = ep
         self.handles: List[Any] = []
         self.patched: List[Tuple[nn.Module, Any]] = []
+        self.restore_experts: Optional[Tuple[nn.Module, str]] = None
         self.stack: List[Tuple[Op, Optional[Call], float]] = []
         self.order: Dict[str, int] = {}   # operator name -> first call (capture)
         self.readers: Dict[int, Set[str]] = {}  # storage ptr -> operators reading it (capture)
@@ -170,6 +168,7 @@ class AutoLayers:
                     self._add_router(block, s.path, s.module)
         if self.ep.simulate:
             self._patch_expert_lists()
+            self.restore_experts = _eager_experts(model)
 
     def _add_router(self, block: nn.Module, path: str, module: nn.Module) -> None:
         parent = block
@@ -184,7 +183,7 @@ class AutoLayers:
                 "or top-k (looked for num_experts/n_routed_experts/num_local_experts and "
                 "top_k/num_experts_per_tok on it and its parent); name it otherwise with "
                 f"ops={{'{path}': 'linear'}}")
-        r = _Router(module, parent, experts, k, self.ep.local_set(experts), self.ep)
+        r = _Router(experts, k, self.ep.local_set(experts))
         self.routers[module] = r
         if self.ep.simulate:
             self.handles.append(module.register_forward_hook(self._restrict(r)))
@@ -216,6 +215,10 @@ class AutoLayers:
             else:
                 m.forward = old
         self.patched.clear()
+        if self.restore_experts is not None:
+            model, impl = self.restore_experts
+            model.set_experts_implementation(impl)
+            self.restore_experts = None
 
     # -- hooks ------------------------------------------------------------------------------
     def _enter(self, op: Op, module: nn.Module, args: Any, kwargs: Any, defer: bool) -> None:
@@ -298,7 +301,7 @@ class AutoLayers:
         if t.scope and t.scope[-1] is op:
             t.scope.pop()
         if call is not None:
-            call.close(out)
+            call.close(out, t.packs_seen)
             if t.calls and t.calls[-1] is call:
                 t.calls.pop()
         if t.light is None:
@@ -340,6 +343,22 @@ class AutoLayers:
         """Operator names in the order of their first call in the capture (never-called
         operators are left out)."""
         return sorted((n for n in names if n in self.order), key=self.order.__getitem__)
+
+
+def _eager_experts(model: nn.Module) -> Optional[Tuple[nn.Module, str]]:
+    """transformers 5 runs stacked experts through grouped_mm by default, which computes every
+    routed slot (other EP ranks' slots with weight zero), so skipping them would save no
+    memory; its eager loop skips them. Simulated expert parallelism switches to it; returns
+    what to restore at uninstall."""
+    config = getattr(model, "config", None)
+    current = getattr(config, "_experts_implementation", None)
+    setter = getattr(model, "set_experts_implementation", None)
+    if current in (None, "eager") or setter is None:
+        return None
+    setter("eager")
+    log.info("bagualu: expert_parallel: %s's experts run transformers' eager loop (was %s), "
+             "which skips the other ranks' experts", type(model).__name__, current)
+    return model, current
 
 
 def _zeros_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .errors import BagualuError
 from .strategy import Op
@@ -35,8 +36,8 @@ Key = Tuple[str, int]  # ("pack", index within the call) or ("out", index of the
 class Call:
     """One forward call of an operator module whose activations are recomputed on demand."""
 
-    __slots__ = ("op", "module", "spec", "leaves", "rng", "cuda_rng", "autocast", "start",
-                 "open", "outputs", "pending", "done", "__weakref__")
+    __slots__ = ("op", "module", "spec", "leaves", "rng", "devices", "device_rng", "autocast",
+                 "start", "packs", "open", "outputs", "pending", "done", "__weakref__")
 
     def __init__(self, op: Op, module: torch.nn.Module, args: Tuple[Any, ...],
                  kwargs: Dict[str, Any], hold: Callable[[torch.Tensor], Any], start: int,
@@ -49,34 +50,49 @@ class Call:
         self.leaves: List[Any] = [
             ("t", hold(v), v.requires_grad) if isinstance(v, torch.Tensor) else ("v", v, False)
             for v in leaves]
+        # The RNG states torch.utils.checkpoint saves: the CPU's and those of the inputs'
+        # devices; the autocast state of the call.
         self.rng = torch.get_rng_state()
-        self.cuda_rng = (torch.cuda.get_rng_state(device)
-                         if device.type == "cuda" and torch.cuda.is_initialized() else None)
-        self.autocast = _autocast_state(device)
+        self.devices, self.device_rng = get_device_states(*leaves)
+        self.autocast = (device.type, torch.is_autocast_enabled(device.type),
+                         torch.get_autocast_dtype(device.type))
         self.start = start            # the tracker's pack count when the call began
+        self.packs = 0                # tensors saved during the call (counted at close)
         self.open = True              # the forward is still inside the call
         self.outputs: Dict[int, int] = {}  # storage pointer -> index of the output leaf
         self.pending: List[Tuple[Key, Any]] = []  # (key, weakref to a dropped record)
         self.done = False
 
-    def close(self, out: Any) -> None:
-        """The call returned ``out``: remember where its output storages are."""
+    def close(self, out: Any, packs_seen: int) -> None:
+        """The call returned ``out`` (the tracker had seen ``packs_seen`` packs): remember
+        where its output storages are."""
         self.open = False
+        self.packs = packs_seen - self.start
         for i, v in enumerate(pytree.tree_leaves(out)):
             if isinstance(v, torch.Tensor) and v.numel() > 0:
                 self.outputs.setdefault(v.untyped_storage().data_ptr(), i)
 
-    def key_for(self, storage_ptr: int, pack_index: int) -> Optional[Key]:
-        """Where the rerun produces the storage being packed now, or None if it cannot."""
+    def key_for(self, storage_ptr: int, pack_index: Optional[int]) -> Optional[Key]:
+        """Where the rerun produces a storage this call made: the pack being made now
+        (``pack_index``, while the call runs), else an output; None if it cannot."""
         if self.open:
-            return ("pack", pack_index - self.start)
+            return None if pack_index is None else ("pack", pack_index - self.start)
         i = self.outputs.get(storage_ptr)
         return ("out", i) if i is not None else None
 
     def add(self, key: Key, record: Any) -> None:
         self.pending.append((key, weakref.ref(record)))
 
-    def rerun(self, device: torch.device) -> Dict[Key, torch.UntypedStorage]:
+    def regenerate(self) -> None:
+        """Reruns the call once and hands every record it dropped (still alive) its data."""
+        storages = self._rerun()
+        pending, self.pending = self.pending, []
+        for key, ref in pending:
+            rec = ref()
+            if rec is not None and rec.regen is self:  # not released meanwhile
+                rec.regenerated(storages[key])
+
+    def _rerun(self) -> Dict[Key, torch.UntypedStorage]:
         """Runs the call again and returns the storages of its pending keys."""
         if self.done:
             raise BagualuError(f"recompute of {self.op.qualname}: the call was rerun already "
@@ -100,15 +116,20 @@ class Call:
             saved.append(t.detach())
             return None
 
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=True):
+        device_type, autocast, dtype = self.autocast
+        with torch.random.fork_rng(devices=self.devices, device_type=device_type):
             torch.set_rng_state(self.rng)
-            if self.cuda_rng is not None:
-                torch.cuda.set_rng_state(self.cuda_rng, device)
-            with torch.enable_grad(), _autocast(device, self.autocast), \
+            set_device_states(self.devices, self.device_rng, device_type=device_type)
+            with torch.enable_grad(), torch.autocast(device_type, dtype, enabled=autocast), \
                     torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
                 out = self.module(*a, **kw)
         leaves = pytree.tree_leaves(out)
+        if len(saved) != self.packs:
+            raise BagualuError(
+                f"recompute of {self.op.qualname} ({type(self.module).__name__}): the rerun "
+                f"saved {len(saved)} tensors where the forward saved {self.packs}: the call does "
+                "not repeat itself (state it changes, such as a KV cache?); keep this operator "
+                "with ops= or train with use_cache=False")
         result: Dict[Key, torch.UntypedStorage] = {}
         for key, _ in self.pending:
             kind, i = key
@@ -129,27 +150,3 @@ class Call:
 
 def _never_unpacked(_: Any) -> Any:
     raise BagualuError("a recompute rerun's graph was used for backward")
-
-
-def _autocast_state(device: torch.device) -> Optional[Tuple[bool, Any]]:
-    try:
-        dt = device.type
-        return (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
-    except (AttributeError, TypeError, RuntimeError):  # torch without per-device autocast API
-        return None
-
-
-class _autocast:
-    """Re-enters the autocast state of the original call (nothing when it was off)."""
-
-    def __init__(self, device: torch.device, state: Optional[Tuple[bool, Any]]) -> None:
-        self.ctx = (torch.autocast(device.type, dtype=state[1])
-                    if state is not None and state[0] else None)
-
-    def __enter__(self) -> None:
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)

@@ -82,7 +82,7 @@ class Runtime:
         self.log_iterations = log_iterations
         self.pool = pool
         self._host_used = 0
-        self.tracker = Tracker(self._device_alloc, self._device_free, self._strategy_of,
+        self.tracker = Tracker(self._device_alloc, self._device_free, self.strategy_of,
                                fp8_block=fp8_block,
                                copy_stream=torch.cuda.Stream(device) if device.type == "cuda"
                                else None,
@@ -95,6 +95,7 @@ class Runtime:
             pool.add_pressure_callback(self._on_pressure)
         self.blocks: List[OpBlock] = []
         self.auto: Optional[AutoLayers] = None  # hooks of an unmodified model
+        self.discovery: Optional[discover.Discovery] = None  # its layers and operators
         self.layer_count = 0                    # planned layers (either path)
         self.layer_ops: Dict[int, List[Op]] = {}
         self.module_ops: Dict[nn.Module, Op] = {}
@@ -270,9 +271,6 @@ class Runtime:
 
     def strategy_of(self, op: Op, mb: int) -> str:
         """The strategy of ``op`` in the forward of micro-batch ``mb``."""
-        return self._strategy_of(op, mb)
-
-    def _strategy_of(self, op: Op, mb: int) -> str:
         if op.layer >= 0 and self.forced is not None:
             return self.forced.get(op.name, self.forced.get(op.qualname, KEEP))
         if op.layer < 0 or self.policy == "keep-all":
@@ -317,7 +315,7 @@ class Runtime:
     def _recompute_set(self, block: OpBlock, mb: int, frozen_before: int = -1) -> Set[int]:
         steps = block.op_steps()
         ops = self.layer_ops[block.bgl_layer]
-        chosen = {i for i, op in enumerate(ops) if self._strategy_of(op, mb) == RECOMPUTE
+        chosen = {i for i, op in enumerate(ops) if self.strategy_of(op, mb) == RECOMPUTE
                   and i > frozen_before}
         if not chosen:
             return chosen
@@ -438,14 +436,10 @@ class Runtime:
         loads = self.mb_loads.get(self._capture_mb, [])
         load0 = loads[0] if loads else 1.0
         if self.auto is not None:
-            names = self.auto.op_order(self.discovery.op_names)
-            if discover.BLOCK_OP in names:  # the block's own code first: it starts the layer
-                names.remove(discover.BLOCK_OP)
-                names.insert(0, discover.BLOCK_OP)
-            ops = [Op(n, self.discovery.kinds[n], 0) for n in names]
-            lg = graphmod.build_produced_graph(recs, ops, load0, self.op_ms,
-                                               self.auto.readers,
-                                               self.op_ms.get(discover.BLOCK_OP, 0.01))
+            # Operators in the order of their first call (the block's own code first).
+            ops = [Op(n, self.discovery.kinds[n], 0)
+                   for n in self.auto.op_order(self.discovery.op_names)]
+            lg = graphmod.build_produced_graph(recs, ops, load0, self.op_ms, self.auto.readers)
             outside = sum(r.nbytes for r in recs if r.consumers and r.producer.layer < 0)
         else:
             lg = graphmod.build_layer_graph(recs, self.layer_ops[0], load0, self.op_ms)
@@ -660,7 +654,7 @@ class Runtime:
         for layer, ops in self.layer_ops.items():
             for mb in (self.mb_strategies or {-1: {}}):
                 for op in ops:
-                    s = self._strategy_of(op, mb)
+                    s = self.strategy_of(op, mb)
                     counts[s] = counts.get(s, 0) + 1
         return counts
 

@@ -56,7 +56,7 @@ class Record:
         self.packs: Optional[List[Any]] = None  # weakrefs to Packed holding the tensor
         self.enf = 0             # enforcer handle while the data is in its pinned pool
         self.enf_block = False   # the device data is an enforcer block (the pool counts it)
-        self.regen: Any = None   # (recompute.Call, key) while dropped for recompute
+        self.regen: Any = None   # the recompute.Call that regenerates it while dropped
 
     def same_storage(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` is this record's storage (the original, even after it moved)."""
@@ -135,7 +135,7 @@ class Record:
         self._leave_device()
         self.storage = None
         self.placement = DROPPED
-        self.regen = (call, key)
+        self.regen = call
         call.add(key, self)
         freed = self.block_bytes
         self._unaccount()
@@ -188,21 +188,8 @@ class Record:
             t.counters["reloads"] += 1
             t.counters["bytes_h2d"] += self.nbytes
         elif self.placement == DROPPED:
-            call, _ = self.regen
-            storages = call.rerun(self.device)
+            self.regen.regenerate()  # fills this record and the call's other dropped ones
             t.counters["recomputes"] += 1
-            for key, ref in call.pending:
-                rec = ref()
-                if rec is None or rec.placement != DROPPED:
-                    continue
-                st = storages[key]
-                if st.nbytes() != rec.nbytes:
-                    raise BagualuError(
-                        f"recompute of {call.op.qualname}: the rerun made {st.nbytes()} bytes "
-                        f"where the forward saved {rec.nbytes}; keep this operator")
-                rec._account(rec.nbytes)
-                rec.storage, rec.regen, rec.placement = st, None, DEVICE
-            call.pending = []
             return self.storage
         elif self.placement == FP8_PLACE:
             data, scales, numel = self.fp8
@@ -213,6 +200,15 @@ class Record:
             t.counters["fp8_uncasts"] += 1
         self.placement = DEVICE
         return self.storage
+
+    def regenerated(self, st: torch.UntypedStorage) -> None:
+        """The rerun of the producing call made the data again (``st``)."""
+        if st.nbytes() != self.nbytes:
+            raise BagualuError(
+                f"recompute of {self.regen.op.qualname}: the rerun made {st.nbytes()} bytes "
+                f"where the forward saved {self.nbytes}; keep this operator")
+        self._account(self.nbytes)
+        self.storage, self.regen, self.placement = st, None, DEVICE
 
     def release(self) -> None:
         """Every holder is gone: the storage is no longer an activation."""
@@ -372,9 +368,7 @@ class Tracker:
 
     def _producer(self, st: torch.UntypedStorage, default: Op) -> Op:
         hit = self.producers.get(st.data_ptr())
-        if hit is not None and hit[0]() is st:
-            return hit[1]
-        return default
+        return hit[1] if hit is not None and hit[0]() is st else default
 
     def _producer_call(self, st: torch.UntypedStorage, op: Op) -> Tuple[Op, Any]:
         """The producer of ``st`` and its recompute call: a noted producer, else the
@@ -432,52 +426,44 @@ class Tracker:
         rec = self.live.get(key)
         if self.by_producer:
             if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
-                producer, call = self._producer_call(st, op)
-                rec = self.new_record(st, t.dtype, producer)
-                self._apply_produced(rec, call, key)
-            if op not in rec.consumers:
-                rec.consumers.append(op)
-            return Packed(rec, t)
-        if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
+                rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1)
+        elif rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
             rec = self.new_record(st, t.dtype, self._producer(st, op))
         if op not in rec.consumers:
             rec.consumers.append(op)
-        self._apply(rec, self.strategy_of(op, self.micro_batch))
+        if not self.by_producer:
+            self._apply(rec, self.strategy_of(op, self.micro_batch))
         return Packed(rec, t)
 
-    def _apply_produced(self, rec: Record, call: Any, key: int) -> None:
-        """A new record under producer strategies: its producer's strategy applies once."""
-        s = self.strategy_of(rec.producer, self.micro_batch)
-        if s == RECOMPUTE:
-            k = call.key_for(key, self.packs_seen - 1) if call is not None else None
+    def _produced_record(self, st: torch.UntypedStorage, dtype: torch.dtype, op: Op,
+                         pack_index: Optional[int]) -> Record:
+        """A new record under producer strategies: its producer's strategy applies once. A
+        recompute producer's call drops it if its rerun can find it again: by ``pack_index``
+        (the pack being made now) while the call runs, by its outputs after."""
+        producer, call = self._producer_call(st, op)
+        rec = self.new_record(st, dtype, producer)
+        s = self.strategy_of(producer, self.micro_batch)
+        if s != RECOMPUTE:
+            self._apply(rec, s)
+        elif call is not None:
+            k = call.key_for(rec.key, pack_index)
             if k is not None:
                 rec.drop(call, k)
-        else:
-            self._apply(rec, s)
+        return rec
 
     def hold(self, t: torch.Tensor) -> Any:
         """A handle that keeps ``t`` for a recompute call: through its record (which follows
-        its producer's strategy) when it is an activation, else the tensor itself."""
+        its producer's strategy) when it is an activation, else the tensor itself. A storage
+        made inside a call still running is not being packed, so that call's rerun cannot
+        find it: it stays on the device."""
         if t.numel() == 0 or t.is_sparse or self.micro_batch < 0 or not self.enabled:
             return _Plain(t)
         st = t.untyped_storage()
-        key = st.data_ptr()
-        if key in self.param_keys:
+        if st.data_ptr() in self.param_keys:
             return _Plain(t)
-        rec = self.live.get(key)
+        rec = self.live.get(st.data_ptr())
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
-            op = self.scope[-1] if self.scope else OUTSIDE
-            producer, call = self._producer_call(st, op)
-            rec = self.new_record(st, t.dtype, producer)
-            s = self.strategy_of(producer, self.micro_batch)
-            if s != RECOMPUTE:
-                self._apply(rec, s)
-            elif call is not None and not call.open:
-                k = call.key_for(key, -1)
-                if k is not None:
-                    rec.drop(call, k)
-            # else: made inside a call still running (nested operators); no pack of it has
-            # happened, so the rerun cannot find it: it stays on the device.
+            rec = self._produced_record(st, t.dtype, self.current_op(), None)
         return Packed(rec, t)
 
     @staticmethod

@@ -52,7 +52,6 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        k = idx.shape[-1]
         for j, e in enumerate(self.local):
             token, slot = torch.nonzero(idx == e, as_tuple=True)
             if token.numel() == 0:
@@ -61,7 +60,6 @@ class GroupedExperts(nn.Module):
             a, b = h.chunk(2, dim=-1)
             y = (F.gelu(a) * b) @ self.w_out[j]
             out = out.index_add(0, token, y * weights[token, slot].unsqueeze(-1))
-        del k
         return out
 
 
@@ -119,11 +117,6 @@ def build(name: str, seed: int = 0, layers: int = 3, ep_size: int = 4) -> nn.Mod
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, num_hidden_layers=layers,
                   attn_implementation="sdpa")
-    # transformers 5 runs experts through grouped_mm by default, which computes every routed
-    # slot (another EP rank's slots with weight zero); the eager loop skips them, so the
-    # memory of simulated expert parallelism is that of one EP rank.
-    if int(tf.__version__.split(".")[0]) >= 5:
-        common["experts_implementation"] = "eager"
     if name == "mixtral":
         cfg = tf.MixtralConfig(**common, num_local_experts=16, num_experts_per_tok=4)
         model = tf.MixtralForCausalLM(cfg)
@@ -198,12 +191,10 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
             bagualu.current().force_strategies(forced)
     elif checkpoint_layers:
         _checkpoint_blocks(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # gradients only: weights stay
     try:
         for it in range(iterations):
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=False) if it else None
-            model.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)  # gradients only: the weights stay
             losses: Dict[int, torch.Tensor] = {}
             if policy is not None:
                 bagualu.begin_iteration()
@@ -258,23 +249,30 @@ def _checkpoint_blocks(model: nn.Module) -> None:
 def keep_all_peak(name: str, **kw: Any) -> int:
     """The keep-all activation peak of the training run (a large capacity, nothing planned;
     every storage its own block, so the peak is exact)."""
-    r = train(name, "keep-all", capacity="4GiB", forced={}, **kw)
+    r = train(name, "keep-all", capacity="4GiB", forced={}, **kw)  # main() prints its model
     return max(int(line["peak_bytes"]) for line in r["lines"])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=MODELS, default="mixtral")
-    ap.add_argument("--policy", default="all",
-                    help="keep-all, bagualu, static-over, plain, checkpoint, save_on_cpu, all")
+    ap.add_argument("--policy", default="all", choices=("keep-all", "bagualu", "static-over",
+                                                        "all"))
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--governor", default="none")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    peak = keep_all_peak(args.model, micro_batches=args.micro_batches)
+    full = train(args.model, "keep-all", capacity="4GiB", forced={},
+                 micro_batches=args.micro_batches)
+    peak = max(int(line["peak_bytes"]) for line in full["lines"])
     cap = peak // 2
-    print(f"{args.model}: keep-all peak {peak / 2**20:.2f} MiB, capacity {cap / 2**20:.2f} MiB")
+    mm = full["stats"]["memory_model"]
+    loads = [a[0] for a in full["accuracy"]]
+    print(f"{args.model}: keep-all peak {peak / 2**20:.2f} MiB, capacity {cap / 2**20:.2f} MiB; "
+          f"planner vs saved bytes: mean error {100 * mm['mean_error']:.3f}% (worst "
+          f"{100 * mm['worst_error']:.3f}%) over {mm['samples']} micro-batches at loads "
+          f"{min(loads):.2f}-{max(loads):.2f}")
     policies = (["keep-all", "bagualu", "static-over"] if args.policy == "all"
                 else [args.policy])
     for p in policies:
