@@ -229,10 +229,9 @@ def run_torch_pipeline(args: argparse.Namespace, cfg: MoEConfig, rank: int, worl
     n_stages = world * chunks
     if use:
         policy = "bagualu" if args.policy == "all" else args.policy
-        extra = {"chunks": chunks} if chunks > 1 else {}
         bagualu.install(capacity=args.capacity, policy=policy, device=device,
                         governor=args.governor, pipeline_rank=rank, pipeline_stages=world,
-                        micro_batches=args.micro_batches, **extra)
+                        micro_batches=args.micro_batches, chunks=chunks)
     indices = [rank + c * world for c in range(chunks)]  # this rank's stages, chunk order
     modules = [_build_stage(cfg, args.seed, i, n_stages, device) for i in indices]
     stage = modules[0] if chunks == 1 else torch.nn.ModuleList(modules)
