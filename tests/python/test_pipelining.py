@@ -71,13 +71,20 @@ def _train(schedule: Any, model: MoEStage, steps: int = 2
         data = [corpus.batch(it) for _ in range(MB)]
         x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
         opt.zero_grad(set_to_none=True)
-        losses: List[torch.Tensor] = []
-        schedule.step(x, target=y, losses=losses)
-        losses_out.append(torch.stack([loss.detach() for loss in losses]))
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
+        loss, grad = _step(schedule, model, x, y)
+        losses_out.append(loss)
+        grads.append(grad)
         opt.step()
     return losses_out, grads
+
+
+def _step(schedule: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+          ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """One schedule step: its micro-batch losses and the model's gradients."""
+    losses: List[torch.Tensor] = []
+    schedule.step(x, target=y, losses=losses)
+    return (torch.stack([loss.detach() for loss in losses]),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
 def test_fix_batch_p2p_is_idempotent() -> None:
@@ -516,11 +523,9 @@ def test_unmodified_hf_model_under_torch_schedules(world_of_one, cls) -> None:
         for it in range(2):
             x = torch.cat(xs[it * mb:(it + 1) * mb])
             lm.zero_grad(set_to_none=True)
-            losses: List[torch.Tensor] = []
-            schedule.step(x, target=x, losses=losses)
-            out_losses.append(torch.stack([loss.detach() for loss in losses]))
-            out_grads.append({n: p.grad.clone() for n, p in lm.named_parameters()
-                              if p.grad is not None})
+            loss, grad = _step(schedule, lm, x, x)
+            out_losses.append(loss)
+            out_grads.append(grad)
         return out_losses, out_grads
 
     ref_losses, ref_grads = run(*build())

@@ -70,16 +70,7 @@ def build_layer_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
     for g in groups.values():
         g["bytes"] = int(round(g["bytes"]))
         tensors.append(g)
-    operators = []
-    for op in ops:
-        fwd = max(op_ms.get(op.name, 0.01), 0.001)
-        o: Dict[str, Any] = {"name": op.name, "kind": op.kind, "forward_ms": round(fwd, 4),
-                             "backward_ms": round(2 * fwd, 4),
-                             "scales_with_load": op.kind in SCALING_KINDS}
-        if op.name in fp8_blocked:
-            o["fp8_allowed"] = False
-        operators.append(o)
-    return {"operators": operators, "tensors": tensors}
+    return {"operators": _operators(ops, op_ms, fp8_blocked), "tensors": tensors}
 
 
 def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
@@ -127,14 +118,22 @@ def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: flo
         if not g["readers"]:
             del g["readers"]
         tensors.append(g)
-    operators = []
+    return {"operators": _operators(ops, op_ms), "tensors": tensors}
+
+
+def _operators(ops: Sequence[Op], op_ms: Dict[str, float],
+               fp8_blocked: Iterable[str] = ()) -> List[Dict[str, Any]]:
+    """The graph's operators with their measured forward times (backward: twice that)."""
+    out = []
     for op in ops:
         fwd = max(op_ms.get(op.name, 0.01), 0.001)
         o: Dict[str, Any] = {"name": op.name, "kind": op.kind, "forward_ms": round(fwd, 4),
                              "backward_ms": round(2 * fwd, 4),
                              "scales_with_load": op.kind in SCALING_KINDS}
-        operators.append(o)
-    return {"operators": operators, "tensors": tensors}
+        if op.name in fp8_blocked:
+            o["fp8_allowed"] = False
+        out.append(o)
+    return out
 
 
 def produced_in_layers(records: Iterable[Record]) -> int:
