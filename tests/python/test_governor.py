@@ -3,14 +3,20 @@ the captured tensor sizes, with a plan-cache budget step sized from the capacity
 from __future__ import annotations
 
 import gc
-from typing import Any, Dict
+import json
+import logging
+import subprocess
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 
 import bagualu
-from bagualu.governor import Governor, budget_step_bytes
-from conftest import require_libs, small_stage_forward
-from test_torchrun import daemon  # noqa: F401  (the fixture)
+from bagualu.governor import Backoff, Governor, budget_step_bytes
+from bagualu.planner import EmbeddedPlanner
+from bagualu.remote import RemoteGovernor
+from conftest import require_libs, small_config, small_stage_forward
+from test_torchrun import daemon, daemon_binary  # noqa: F401  (daemon: the fixture)
 
 CAPACITY = 8 << 20
 
@@ -87,3 +93,257 @@ def test_daemon_session_has_the_real_capacity(model_doc, daemon, tmp_path,  # no
         assert remote["budget_bytes"] <= CAPACITY
     finally:
         gov.close()
+
+
+# -- the daemon goes away and comes back --------------------------------------------------------
+
+class Daemon:
+    """bgl-governord on one socket, which a test kills and starts again (a restarted daemon
+    knows no session)."""
+
+    def __init__(self, tmp_path) -> None:
+        self.binary = daemon_binary()
+        self.sock = tmp_path / "governor.sock"
+        self.log = tmp_path / "daemon.log"
+        self.address = f"unix://{self.sock}"
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen([str(self.binary), "--listen", self.address,
+                                          "--metrics-port", "0"],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        probe = RemoteGovernor(self.address)
+        try:
+            for _ in range(200):  # up to ~10 s on a loaded machine
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    probe.probe(0.2)
+                    return
+                except Exception:
+                    time.sleep(0.05)
+        finally:
+            probe.close()
+        pytest.fail(f"bgl-governord did not start: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def sessions(self) -> List[Any]:
+        remote = RemoteGovernor(self.address, deadline_s=2.0)
+        try:
+            return remote.list_sessions()
+        finally:
+            remote.close()
+
+
+@pytest.fixture
+def restartable(tmp_path, monkeypatch):
+    pytest.importorskip("grpc_tools")
+    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))
+    d = Daemon(tmp_path)
+    d.start()
+    yield d
+    d.stop()
+
+
+class StepClock:
+    """A clock the test moves: one second per plan point, whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _messages(caplog, text: str) -> List[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def _strategies(plan: Dict[str, Any]) -> List[str]:
+    return [o["strategy"] for o in plan["operators"]]
+
+
+def test_backoff_doubles_up_to_its_cap_with_jitter() -> None:
+    b = Backoff(rand=lambda: 0.0)  # no jitter drawn: the nominal delays
+    assert [round(b.next_delay(), 6) for _ in range(7)] == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    b.reset()
+    assert b.next_delay() == pytest.approx(0.1)
+    shortest = Backoff(rand=lambda: 1.0)  # the most jitter takes 20% off
+    assert [round(shortest.next_delay(), 6) for _ in range(3)] == [0.08, 0.16, 0.32]
+    with pytest.raises(ValueError, match="initial <= maximum"):
+        Backoff(initial=3.0, maximum=2.0)
+
+
+def test_absent_daemon_is_retried_only_at_plan_points_after_the_delay(
+        model_doc, tmp_path, monkeypatch, caplog) -> None:
+    """Nothing listens: plan points before the backoff deadline do not touch the socket; each
+    retry after it is one fail-fast probe; the outage is logged once."""
+    pytest.importorskip("grpc_tools")
+    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))
+    probes: List[float] = []
+    real_probe = RemoteGovernor.probe
+
+    def counting_probe(self, timeout_s):
+        probes.append(clock.now)
+        return real_probe(self, timeout_s)
+
+    monkeypatch.setattr(RemoteGovernor, "probe", counting_probe)
+    clock = StepClock()
+    gov = Governor(f"unix://{tmp_path / 'nobody.sock'}", deadline_s=0.05,
+                   backoff=Backoff(rand=lambda: 0.0), clock=clock)
+    point = {"phase": "steady", "forward_micro_batch": 0, "load_factor": 1.0, "bytes_in_use": 0}
+    with caplog.at_level(logging.DEBUG, logger="bagualu"):
+        gov.register(model_doc, CAPACITY, 0)
+        try:
+            assert gov.kind == "embedded"
+            for _ in range(50):  # the clock stands still: no probe at all
+                assert gov.plan(point) is not None
+            assert probes == []
+            for _ in range(40):  # 0.25 s per plan point
+                clock.now += 0.25
+                assert gov.plan(point) is not None
+        finally:
+            gov.close()
+    # Retries 0.1, 0.2, 0.4, ... 2.0 s after the previous one, at the next plan point.
+    assert probes[:5] == [0.25, 0.5, 1.0, 2.0, 3.75]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert max(gaps) == 2.0 and gaps[-1] == 2.0, probes
+    assert gov.kind == "embedded" and gov.registrations == 0
+    assert len(_messages(caplog, "governor unreachable")) == 1
+    assert "planning in-process" in _messages(caplog, "governor unreachable")[0]
+    assert _messages(caplog, "governor back") == []
+
+
+class Trainer:
+    """The small MoE stage under bagualu (one stage, two micro-batches, 1F1B) against the
+    daemon at ``address``; ``run(n)`` goes through n scheduling points (whole iterations) and
+    keeps (governor kind, plan) of every planned forward, and the embedded planner's plan for
+    the same call (it is asked every time, so that it is in step for a switch)."""
+
+    def __init__(self, address: str, monkeypatch) -> None:
+        import torch
+        from moe_model import MoEStage
+        torch.manual_seed(0)
+        cfg = small_config()
+        self.model = MoEStage(cfg)
+        self.x = torch.randint(0, cfg.vocab, (cfg.micro_batch_size, cfg.seq_len))
+        bagualu.install(capacity="16MiB", policy="bagualu", governor=address,
+                        pipeline_stages=1, micro_batches=2, log_iterations=False)
+        bagualu.instrument(self.model, cfg.info())
+        self.gov: Governor = bagualu.current().governor
+        self.plans: List[Tuple[str, Dict[str, Any], Dict[str, Any]]] = []
+        self.points = 0
+        self.embedded_plans: List[Dict[str, Any]] = []
+        real_plan = EmbeddedPlanner.plan
+
+        def recording_plan(planner, point):
+            self.embedded_plans.append(real_plan(planner, point))
+            return self.embedded_plans[-1]
+
+        monkeypatch.setattr(EmbeddedPlanner, "plan", recording_plan)
+
+    def run(self, points: int, on_point: Optional[Callable[[int], None]] = None) -> None:
+        end = self.points + points
+        while self.points < end:
+            bagualu.begin_iteration()
+            losses: Dict[int, Any] = {}
+            for phase, f, b in bagualu.schedule.one_f_one_b(2, 1, 0):
+                if on_point is not None:
+                    on_point(self.points)
+                plan = bagualu.step_point(phase, f, b)
+                if plan is not None:
+                    self.plans.append((self.gov.kind, plan, self.embedded_plans[-1]))
+                if f is not None:
+                    with bagualu.forward(f):
+                        losses[f] = self.model(self.x).float().mean()
+                if b is not None:
+                    with bagualu.backward(b):
+                        losses.pop(b).backward()
+                self.points += 1
+            bagualu.end_iteration()
+
+
+def _record_registrations(monkeypatch) -> List[Tuple[str, int, int, int, str]]:
+    """(model document as JSON, capacity, pipeline rank, budget step, session id) of every
+    successful Register."""
+    out: List[Tuple[str, int, int, int, str]] = []
+    real_register = RemoteGovernor.register
+
+    def recording_register(self, model, capacity, rank, job_id, gpu_index,
+                           budget_step_bytes=0):
+        real_register(self, model, capacity, rank, job_id, gpu_index, budget_step_bytes)
+        out.append((json.dumps(model, sort_keys=True), capacity, rank, budget_step_bytes,
+                    self.session_id))
+
+    monkeypatch.setattr(RemoteGovernor, "register", recording_register)
+    return out
+
+
+def test_daemon_killed_mid_training_comes_back_with_the_same_model(
+        restartable, monkeypatch, caplog) -> None:
+    """SIGKILL mid-iteration: the next calls plan in-process; the daemon restarted on the same
+    socket gets the same model registered again within a few plan points (the clock moves one
+    second per scheduling point, the default backoff); one log line each way."""
+    require_libs()
+    registered = _record_registrations(monkeypatch)
+    clock = StepClock()
+    with caplog.at_level(logging.INFO, logger="bagualu"):
+        t = Trainer(restartable.address, monkeypatch)
+        t.gov.clock = clock
+        t.run(8)  # capture, registration, one iteration with the daemon
+        assert t.gov.kind == "remote" and len(registered) == 1
+        first = t.gov.remote.session_id
+        down_at, up_at = t.points + 1, t.points + 9  # after F0 (planned remotely), before B0
+        restarted_after: List[int] = []  # plans made before the restart
+
+        def on_point(i: int) -> None:
+            clock.now += 1.0
+            if i == down_at:
+                restartable.kill()
+            elif i == up_at:
+                restartable.start()
+                restarted_after.append(len(t.plans))
+
+        t.run(8, on_point)  # 2 iterations: the kill, the outage
+        assert t.gov.kind == "embedded" and len(registered) == 1
+        t.run(12, on_point)  # the restart at the first point, then 3 iterations
+    kinds = [k for k, _, _ in t.plans]
+    # Planned by the daemon, in-process during the outage, by the daemon again.
+    switch_back = kinds.index("remote", kinds.index("embedded"))
+    assert "embedded" not in kinds[switch_back:], kinds
+    assert kinds.count("embedded") >= 3, kinds
+    # Back at the first plan point after the restart, or a few later if a probe of the new
+    # daemon timed out on a loaded machine (each retry is at most 2 s = 1 forward later).
+    assert restarted_after[0] <= switch_back <= restarted_after[0] + 4, kinds
+    # The same registration as the first, with a new session, which the new daemon has.
+    assert len(registered) == 2, registered
+    assert registered[1][:4] == registered[0][:4]
+    second = t.gov.remote.session_id
+    assert registered[1][4] == second != first
+    assert [(s.session_id, s.capacity_bytes) for s in restartable.sessions()] == [
+        (second, registered[0][1])]
+    assert bagualu.stats()["governor"] == "remote"
+    # One line each way.
+    down = _messages(caplog, "governor unreachable")
+    assert len(down) == 1 and restartable.address in down[0] and "in-process" in down[0], down
+    assert _messages(caplog, "governor back") == [f"bagualu: governor back: session {second}"]
+    # Plans are those of the embedded planner, which saw every call: the daemon's before and
+    # after the switch, and its own during the outage.
+    for kind, plan, embedded in t.plans:
+        assert plan["budget_bytes"] == embedded["budget_bytes"], (kind, plan, embedded)
+        assert _strategies(plan) == _strategies(embedded), kind
+        assert plan["predicted_bytes"] == embedded["predicted_bytes"], kind

@@ -1,14 +1,21 @@
 """The governor as seen from a training process: the daemon over gRPC (unix socket) with short
 deadlines, or the embedded planner (libbgl_planner.so) when no daemon answers in time. Either
-way the same calls: register, plan, plan_after_gate, report, reset_iteration, close."""
+way the same calls: register, plan, plan_after_gate, report, reset_iteration, close.
+
+While the daemon is unreachable, plan points retry it with exponential backoff (Backoff) and,
+once it answers, register the same model again; nothing waits on the daemon in between."""
 from __future__ import annotations
 
 import logging
+import math
 import os
-from typing import Any, Dict, List, Optional
+import random
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 from . import planner as plannermod
 from .errors import PlannerError
+from .remote import RemoteGovernor, classify
 
 log = logging.getLogger("bagualu")
 DEFAULT_ADDRESS = "unix:///run/bagualu/governor.sock"
@@ -16,12 +23,42 @@ _STRATEGY_NAMES = {0: "keep", 1: "recompute", 2: "offload", 3: "fp8"}
 _PHASES = {"warmup": 1, "steady": 2, "cooldown": 3}
 _PHASE_NAMES = {0: "unspecified", 1: "warmup", 2: "steady", 3: "cooldown"}
 
+RETRY_INITIAL_S = 0.1   # first retry after the daemon failed
+RETRY_MAX_S = 2.0       # the delay doubles up to this
+RETRY_JITTER = 0.2      # each delay is drawn from [1 - jitter, 1] x the nominal one
+PROBE_TIMEOUT_S = 0.05  # a retry's first, cheap call (the registration after it has 2 s)
+
+
+class Backoff:
+    """Exponential backoff: ``next_delay()`` gives initial, 2x, 4x, ... up to ``maximum``
+    seconds, each shortened by up to ``jitter`` (a fraction) so that processes that lost the
+    same daemon do not all come back at once; ``reset()`` starts again at ``initial``."""
+
+    def __init__(self, initial: float = RETRY_INITIAL_S, maximum: float = RETRY_MAX_S,
+                 jitter: float = RETRY_JITTER,
+                 rand: Callable[[], float] = random.random) -> None:
+        if not 0 < initial <= maximum:
+            raise ValueError(f"backoff: need 0 < initial <= maximum, got {initial}, {maximum}")
+        if not 0 <= jitter < 1:
+            raise ValueError(f"backoff: jitter must be in [0, 1), got {jitter}")
+        self.initial, self.maximum, self.jitter, self._rand = initial, maximum, jitter, rand
+        self._nominal = initial
+
+    def next_delay(self) -> float:
+        nominal = self._nominal
+        self._nominal = min(nominal * 2, self.maximum)
+        return nominal * (1 - self.jitter * self._rand())
+
+    def reset(self) -> None:
+        self._nominal = self.initial
+
 
 class Governor:
     """Plans for one stage: remote when a daemon answers, else embedded."""
 
     def __init__(self, address: Optional[str] = None, deadline_s: float = 0.5,
-                 job_id: str = "", gpu_index: int = 0) -> None:
+                 job_id: str = "", gpu_index: int = 0, backoff: Optional[Backoff] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.address = address if address is not None else os.environ.get(
             "BGL_GOVERNOR", DEFAULT_ADDRESS)
         self.deadline_s = deadline_s
@@ -31,7 +68,10 @@ class Governor:
         self.remote: Any = None
         self.description: Optional[Dict[str, Any]] = None
         self.kind: Optional[str] = None
-        self._warned = False
+        self.backoff = backoff or Backoff()
+        self.clock = clock
+        self._retry_at = math.inf  # when a plan point may next try the daemon
+        self.registrations = 0     # successful registrations with a daemon (first and again)
         self._model: Optional[Dict[str, Any]] = None
         self._options: Dict[str, Any] = {}
 
@@ -39,15 +79,72 @@ class Governor:
     def ready(self) -> bool:
         return self.kind is not None
 
-    def _fallback(self, why: str) -> None:
-        if not self._warned:
-            log.warning("bagualu: governor at %s unavailable (%s); using the embedded planner",
+    @property
+    def uses_daemon(self) -> bool:
+        return bool(self.address) and self.address.lower() not in ("none", "embedded", "off")
+
+    def _to_embedded(self, why: str, retry: bool = True) -> None:
+        """Plans in-process from now on; plan points retry the daemon after a backoff (or
+        never, when ``retry`` is false: the daemon refused the model itself)."""
+        if retry:
+            log.warning("bagualu: governor unreachable: %s is unavailable (%s); planning "
+                        "in-process (the embedded planner), retrying with backoff",
                         self.address, why)
-            self._warned = True
+        else:
+            log.warning("bagualu: governor at %s refused the model (%s); planning in-process "
+                        "(the embedded planner) for good", self.address, why)
+        self._drop_remote()
+        self.kind = "embedded"
+        self._retry_at = self.clock() + self.backoff.next_delay() if retry else math.inf
+
+    def _drop_remote(self) -> None:
         if self.remote is not None:
             self.remote.close()
             self.remote = None
-        self.kind = "embedded"
+
+    def _connect(self, wait_s: Optional[float]) -> None:
+        """Registers the model with the daemon on a new channel: after waiting up to
+        ``wait_s`` for the channel (at start), or after one fail-fast probe (a retry). On
+        success the daemon plans from now on; any failure propagates."""
+        remote = RemoteGovernor(self.address, self.deadline_s)
+        try:
+            if wait_s is not None:
+                remote.wait_ready(wait_s)
+            else:
+                remote.probe(PROBE_TIMEOUT_S)
+            remote.register(self._model, self._options["capacity_bytes"],
+                            self._options["pipeline_rank"], self.job_id, self.gpu_index,
+                            budget_step_bytes=self._options["budget_step_bytes"])
+        except BaseException:
+            remote.close()
+            raise
+        self._drop_remote()
+        self.remote = remote
+        self.kind = "remote"
+        self.registrations += 1
+        self.backoff.reset()
+        self._retry_at = math.inf
+
+    def _registration_failed(self, error: Exception, first: bool) -> None:
+        kind, text = classify(error)
+        if kind == "refused":  # the model or the options: a new daemon would refuse them too
+            self._to_embedded(text[:300], retry=False)
+        elif first:
+            self._to_embedded(_short(error))
+        else:  # still away: quietly wait longer
+            log.debug("bagualu: governor still unreachable (%s)", _short(error))
+            self._retry_at = self.clock() + self.backoff.next_delay()
+
+    def _maybe_reconnect(self) -> None:
+        """At a plan point: once the backoff delay has passed, one attempt to register again."""
+        if self.remote is not None or self.clock() < self._retry_at:
+            return
+        try:
+            self._connect(wait_s=None)
+        except Exception as e:
+            self._registration_failed(e, first=False)
+            return
+        log.warning("bagualu: governor back: session %s", self.remote.session_id)
 
     def register(self, model: Dict[str, Any], capacity_bytes: int, pipeline_rank: int,
                  allow_offload: bool = True, allow_fp8: bool = True,
@@ -55,7 +152,8 @@ class Governor:
         """Describes the stage. The embedded planner is always created (the fallback).
 
         Both planners get the same plan-cache budget step (budget_step_bytes), sized from the
-        capacity, so that every byte count they see and return is real."""
+        capacity, so that every byte count they see and return is real. The model and the
+        options are kept: a retry registers exactly the same with a restarted daemon."""
         step = budget_step_bytes(capacity_bytes)
         self._model = model
         self._options = {"capacity_bytes": int(capacity_bytes), "pipeline_rank": pipeline_rank,
@@ -66,42 +164,43 @@ class Governor:
         self.embedded = plannermod.EmbeddedPlanner(model, self._options)
         self.description = self.embedded.description
         self.kind = "embedded"
-        if self.address and self.address.lower() not in ("none", "embedded", "off"):
-            try:
-                from .remote import RemoteGovernor
-                self.remote = RemoteGovernor(self.address, self.deadline_s)
-                self.remote_address = self.address
-                self.remote.register(model, capacity_bytes, pipeline_rank, self.job_id,
-                                     self.gpu_index, budget_step_bytes=step)
-                self.kind = "remote"
-                log.info("bagualu: registered with the governor at %s (session %s)",
-                         self.address, self.remote.session_id)
-            except Exception as e:  # daemon absent, late, or grpc missing
-                self._fallback(_short(e))
+        if not self.uses_daemon:
+            return
+        try:
+            self._connect(wait_s=max(self.deadline_s, 0.2) * 4)
+        except Exception as e:  # daemon absent, late, refusing, or grpc missing
+            self._registration_failed(e, first=True)
+            return
+        log.info("bagualu: registered with the governor at %s (session %s)",
+                 self.address, self.remote.session_id)
 
     def _call(self, what: str, *args: Any) -> Any:
-        """Calls the remote governor, falling back to the embedded planner on any failure."""
+        """Calls the remote governor, falling back to the embedded planner on any failure.
+        The embedded planner gets every call either way, so it is in step when needed."""
         if self.remote is not None:
             try:
                 out = getattr(self.remote, what)(*args)
-                if what in ("plan", "plan_after_gate"):
-                    getattr(self.embedded, what)(*args)  # keep the fallback's state in step
-                elif what == "report":
-                    self.embedded.report(*args)
-                return out
-            except PlannerError:
-                raise
             except Exception as e:
-                code = getattr(e, "code", None)
-                name = getattr(code(), "name", "") if callable(code) else ""
-                if name in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"):
+                kind, text = classify(e)
+                if kind == "refused":
                     # The daemon understood and refused: a planning error, not an outage.
-                    details = e.details() if hasattr(e, "details") else str(e)
-                    raise PlannerError(f"governor: {details}") from e
-                self._fallback(_short(e))
+                    raise PlannerError(f"governor: {text}") from e
+                if kind == "lost_session":
+                    self._to_embedded(f"session {self.remote.session_id} is unknown to the "
+                                      f"daemon (restarted?)")
+                    self._retry_at = self.clock()  # it answers: register at the next point
+                elif kind == "outage":
+                    self._to_embedded(_short(e))
+                # "not_planned": planned in-process before the switch back; the embedded
+                # planner, which saw every call, answers.
+            else:
+                getattr(self.embedded, what)(*args)  # keep the fallback's state in step
+                return out
         return getattr(self.embedded, what)(*args)
 
     def plan(self, point: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """Plans a scheduling point; first, after the backoff delay, retries a lost daemon."""
+        self._maybe_reconnect()
         try:
             return self._call("plan", point)
         except PlannerError as e:
@@ -149,6 +248,7 @@ class Governor:
         return {o["name"]: o["strategy"] for o in (best or {}).get("operators", [])}
 
     def close(self) -> None:
+        self._retry_at = math.inf
         if self.remote is not None:
             try:
                 self.remote.unregister()
@@ -161,6 +261,9 @@ class Governor:
 
 
 def _short(e: BaseException) -> str:
+    code = getattr(e, "code", None)
+    if callable(code) and callable(getattr(e, "details", None)):  # a gRPC error
+        return f"{getattr(code(), 'name', code())}: {e.details()}"[:300]
     text = str(e).strip().splitlines()
     detail = text[0] if text else ""
     for line in text:

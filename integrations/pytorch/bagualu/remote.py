@@ -55,7 +55,8 @@ def load_stubs() -> Tuple[Any, Any]:
 
 
 class RemoteGovernor:
-    """One session with bgl-governord."""
+    """One session with bgl-governord. Creating it connects nothing: call wait_ready() (blocks
+    until the channel connects) or probe() (one fail-fast call) first."""
 
     def __init__(self, address: str, deadline_s: float = 0.5) -> None:
         import grpc
@@ -63,10 +64,22 @@ class RemoteGovernor:
         self.address = address
         self.deadline = deadline_s
         self.channel = grpc.insecure_channel(address)
-        grpc.channel_ready_future(self.channel).result(timeout=max(deadline_s, 0.2) * 4)
         self.stub = pb_grpc.GovernorStub(self.channel)
         self.session_id = ""
         self.operator_names: List[str] = []
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` for the channel to connect; TimeoutError if it does not."""
+        import grpc
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise TimeoutError(f"no connection within {timeout_s:g} s") from None
+
+    def probe(self, timeout_s: float) -> None:
+        """One cheap call that fails at once when nothing listens on the socket (no wait for
+        the channel), and after ``timeout_s`` when something listens but does not answer."""
+        self.stub.ListSessions(self.pb.ListSessionsRequest(), timeout=timeout_s)
 
     def register(self, model: Dict[str, Any], capacity: int, rank: int, job_id: str,
                  gpu_index: int, budget_step_bytes: int = 0) -> None:
@@ -136,3 +149,25 @@ class RemoteGovernor:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def classify(error: BaseException) -> Tuple[str, str]:
+    """What a failed call means, and the daemon's message (or the error's text):
+
+    - "refused": the daemon understood and refused the request (INVALID_ARGUMENT,
+      FAILED_PRECONDITION, OUT_OF_RANGE): a planning error, which the embedded planner would
+      repeat;
+    - "lost_session": NOT_FOUND on the session id: the daemon does not know the session (it
+      restarted, or reaped it); register again;
+    - "not_planned": another NOT_FOUND (a micro-batch the session never planned, e.g. one the
+      embedded planner planned before the switch back to the daemon);
+    - "outage": anything else (UNAVAILABLE, DEADLINE_EXCEEDED, grpc missing, ...)."""
+    code = getattr(error, "code", None)
+    name = getattr(code(), "name", "") if callable(code) else ""
+    details = error.details() if callable(getattr(error, "details", None)) else None
+    text = details if details else str(error)
+    if name in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"):
+        return "refused", text
+    if name == "NOT_FOUND":
+        return ("lost_session" if text.startswith("session_id") else "not_planned"), text
+    return "outage", text
