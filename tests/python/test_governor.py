@@ -347,3 +347,97 @@ def test_daemon_killed_mid_training_comes_back_with_the_same_model(
         assert plan["budget_bytes"] == embedded["budget_bytes"], (kind, plan, embedded)
         assert _strategies(plan) == _strategies(embedded), kind
         assert plan["predicted_bytes"] == embedded["predicted_bytes"], kind
+
+
+F0 = {"phase": "steady", "forward_micro_batch": 0, "load_factor": 1.0, "bytes_in_use": 0}
+F1 = {"phase": "steady", "forward_micro_batch": 1, "load_factor": 1.0, "bytes_in_use": 1 << 20}
+B0 = {"phase": "cooldown", "backward_micro_batch": 0, "load_factor": 1.0, "bytes_in_use": 0}
+
+
+def test_restarted_daemon_that_forgot_the_session_gets_it_again(model_doc, restartable,
+                                                                 caplog) -> None:
+    """The daemon restarts between two calls, so the client's next call reaches the new one,
+    which does not know the session (NOT_FOUND): that call is planned in-process, the next
+    plan point registers again (no backoff: the daemon answers)."""
+    gov = Governor(restartable.address)
+    with caplog.at_level(logging.INFO, logger="bagualu"):
+        gov.register(model_doc, CAPACITY, 0)
+        try:
+            assert gov.kind == "remote"
+            first = gov.remote.session_id
+            plan = gov.plan(F0)
+            gov.report(0, 0, plan["predicted_bytes"])
+            gov.plan(B0)
+            gov.reset_iteration()
+            restartable.kill()
+            restartable.start()
+            assert restartable.sessions() == []
+            assert gov.plan(F0) is not None and gov.kind == "embedded"
+            assert gov.plan(B0) is not None and gov.kind == "remote"
+            second = gov.remote.session_id
+            assert second != first and gov.registrations == 2
+            assert [s.session_id for s in restartable.sessions()] == [second]
+            gov.reset_iteration()
+            plan = gov.plan(F0)
+            assert gov.kind == "remote" and plan["budget_bytes"] <= CAPACITY
+        finally:
+            gov.close()
+    down = _messages(caplog, "governor unreachable")
+    assert len(down) == 1 and f"does not know session {first}" in down[0], down
+    assert _messages(caplog, "governor back") == [f"bagualu: governor back: session {second}"]
+
+
+def test_calls_about_micro_batches_planned_in_process_stay_with_the_daemon(
+        model_doc, restartable, monkeypatch) -> None:
+    """After the switch back, the new session has not planned the forwards planned in-process:
+    the daemon's NOT_FOUND on their report or gate revision is no outage (the client stays
+    with the daemon) and the embedded planner, which planned them, answers."""
+    doc = dict(model_doc, micro_batches=2)
+    gov = Governor(restartable.address)
+    gov.register(doc, CAPACITY, 0)
+    try:
+        assert gov.kind == "remote"
+        restartable.kill()
+        restartable.start()
+        in_process = gov.plan(F0)  # the daemon lost the session: planned in-process
+        assert gov.kind == "embedded"
+        gov.plan(F1)  # registered again; the daemon plans F1
+        assert gov.kind == "remote" and gov.registrations == 2
+        gov.report(0, 0, in_process["predicted_bytes"])  # NOT_FOUND from the daemon: ignored
+        assert gov.kind == "remote"
+        revised = gov.plan_after_gate(0, 0, 0, 1.5)  # the embedded planner's revision
+        assert revised is not None and revised["deferred"] and revised["load_factor"] == 1.5
+        assert gov.kind == "remote"
+        assert gov.plan(B0) is not None and gov.kind == "remote"
+    finally:
+        gov.close()
+
+
+def test_refused_registration_is_not_retried(model_doc, restartable, monkeypatch,
+                                             caplog) -> None:
+    """A daemon that refuses the model (INVALID_ARGUMENT) would refuse it again: planning stays
+    in-process without retries, and the log says it was refused, not unreachable."""
+    attempts: List[int] = []
+    real_register = RemoteGovernor.register
+
+    def refused(self, model, *args, **kw):
+        attempts.append(1)
+        return real_register(self, dict(model, layers=-1), *args, **kw)
+
+    monkeypatch.setattr(RemoteGovernor, "register", refused)
+    clock = StepClock()
+    gov = Governor(restartable.address, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="bagualu"):
+        gov.register(model_doc, CAPACITY, 0)
+        try:
+            for _ in range(10):
+                clock.now += 5.0
+                assert gov.plan(F0) is not None
+                gov.plan(B0)
+                gov.reset_iteration()
+        finally:
+            gov.close()
+    assert gov.kind == "embedded" and attempts == [1]
+    assert _messages(caplog, "governor unreachable") == []
+    refusals = _messages(caplog, "refused the model")
+    assert len(refusals) == 1 and "for good" in refusals[0], caplog.text

@@ -83,16 +83,16 @@ class Governor:
     def uses_daemon(self) -> bool:
         return bool(self.address) and self.address.lower() not in ("none", "embedded", "off")
 
-    def _to_embedded(self, why: str, retry: bool = True) -> None:
+    def _to_embedded(self, what: str, retry: bool = True) -> None:
         """Plans in-process from now on; plan points retry the daemon after a backoff (or
-        never, when ``retry`` is false: the daemon refused the model itself)."""
+        never, when ``retry`` is false: the daemon refused the model itself). ``what``: the
+        address and why, e.g. "unix:///x.sock is unavailable (UNAVAILABLE: ...)"."""
         if retry:
-            log.warning("bagualu: governor unreachable: %s is unavailable (%s); planning "
-                        "in-process (the embedded planner), retrying with backoff",
-                        self.address, why)
+            log.warning("bagualu: governor unreachable: %s; planning in-process (the embedded "
+                        "planner), retrying with backoff", what)
         else:
-            log.warning("bagualu: governor at %s refused the model (%s); planning in-process "
-                        "(the embedded planner) for good", self.address, why)
+            log.warning("bagualu: governor at %s; planning in-process (the embedded planner) "
+                        "for good", what)
         self._drop_remote()
         self.kind = "embedded"
         self._retry_at = self.clock() + self.backoff.next_delay() if retry else math.inf
@@ -128,9 +128,9 @@ class Governor:
     def _registration_failed(self, error: Exception, first: bool) -> None:
         kind, text = classify(error)
         if kind == "refused":  # the model or the options: a new daemon would refuse them too
-            self._to_embedded(text[:300], retry=False)
+            self._to_embedded(f"{self.address} refused the model ({text[:300]})", retry=False)
         elif first:
-            self._to_embedded(_short(error))
+            self._to_embedded(f"{self.address} is unavailable ({_short(error)})")
         else:  # still away: quietly wait longer
             log.debug("bagualu: governor still unreachable (%s)", _short(error))
             self._retry_at = self.clock() + self.backoff.next_delay()
@@ -186,11 +186,11 @@ class Governor:
                     # The daemon understood and refused: a planning error, not an outage.
                     raise PlannerError(f"governor: {text}") from e
                 if kind == "lost_session":
-                    self._to_embedded(f"session {self.remote.session_id} is unknown to the "
-                                      f"daemon (restarted?)")
+                    self._to_embedded(f"{self.address} does not know session "
+                                      f"{self.remote.session_id} (restarted?)")
                     self._retry_at = self.clock()  # it answers: register at the next point
                 elif kind == "outage":
-                    self._to_embedded(_short(e))
+                    self._to_embedded(f"{self.address} is unavailable ({_short(e)})")
                 # "not_planned": planned in-process before the switch back; the embedded
                 # planner, which saw every call, answers.
             else:
