@@ -441,3 +441,90 @@ def test_refused_registration_is_not_retried(model_doc, restartable, monkeypatch
     assert _messages(caplog, "governor unreachable") == []
     refusals = _messages(caplog, "refused the model")
     assert len(refusals) == 1 and "for good" in refusals[0], caplog.text
+
+
+class FakeRpcError(Exception):
+    """What grpc raises: code() and details()."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self._code = getattr(pytest.importorskip("grpc").StatusCode, code)
+        self._details = details
+
+    def code(self) -> Any:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_failed_calls_are_classified() -> None:
+    from bagualu.remote import classify
+    cases = {("UNAVAILABLE", "failed to connect"): "outage",
+             ("DEADLINE_EXCEEDED", "Deadline Exceeded"): "outage",
+             ("INVALID_ARGUMENT", "load_factor: must be in (0, 64]"): "refused",
+             ("NOT_FOUND", "session_id: unknown session"): "lost_session",
+             ("NOT_FOUND", "micro_batch: (0, chunk 0) was not planned"): "not_planned",
+             ("RESOURCE_EXHAUSTED", "sessions: uid 1000 already has 64 sessions"): "quota",
+             ("RESOURCE_EXHAUSTED", "model_json: 5000000 bytes exceed the limit"): "exhausted"}
+    for (code, details), kind in cases.items():
+        assert classify(FakeRpcError(code, details)) == (kind, details)
+    assert classify(TimeoutError("no connection within 2 s"))[0] == "outage"
+    assert classify(ImportError("No module named 'grpc'"))[0] == "outage"
+
+
+@pytest.mark.parametrize("details, retried", [
+    ("model_json: 5000000 bytes exceed the limit of 4194304", False),  # would be refused again
+    ("sessions: uid 1000 already has 64 sessions (limit 64)", True),  # frees up later
+])
+def test_registration_over_a_limit(model_doc, monkeypatch, caplog, details, retried) -> None:
+    pytest.importorskip("grpc_tools")
+    attempts: List[int] = []
+
+    def exhausted(self, *args, **kw):
+        attempts.append(1)
+        raise FakeRpcError("RESOURCE_EXHAUSTED", details)
+
+    monkeypatch.setattr(RemoteGovernor, "wait_ready", lambda self, timeout_s: None)
+    monkeypatch.setattr(RemoteGovernor, "probe", lambda self, timeout_s: None)
+    monkeypatch.setattr(RemoteGovernor, "register", exhausted)
+    clock = StepClock()
+    gov = Governor("unix:///nowhere.sock", clock=clock)
+    with caplog.at_level(logging.WARNING, logger="bagualu"):
+        gov.register(model_doc, CAPACITY, 0)
+        try:
+            for _ in range(4):
+                clock.now += 5.0
+                assert gov.plan(F0) is not None and gov.kind == "embedded"
+                gov.plan(B0)
+                gov.reset_iteration()
+        finally:
+            gov.close()
+    assert len(attempts) == (5 if retried else 1)  # the first, then one per 5 s
+    assert len(caplog.records) == 1 and details in caplog.records[0].getMessage()
+    assert ("for good" in caplog.text) != retried
+
+
+def test_a_plan_over_a_daemon_limit_is_planned_in_process(model_doc, monkeypatch) -> None:
+    """RESOURCE_EXHAUSTED on one Plan (e.g. its plan time): the embedded planner answers that
+    call, the session stays with the daemon."""
+    gov = Governor("none")
+    gov.register(model_doc, CAPACITY, 0)
+
+    class Remote:
+        session_id = "s-1"
+
+        def plan(self, point):
+            raise FakeRpcError("RESOURCE_EXHAUSTED", "plan: took longer than 200 ms")
+
+        def close(self):
+            pass
+
+    try:
+        gov.remote, gov.kind = Remote(), "remote"
+        plan = gov.plan(F0)
+        assert plan is not None and plan["predicted_bytes"] > 0
+        assert gov.kind == "remote" and isinstance(gov.remote, Remote)
+    finally:
+        gov.remote = None
+        gov.close()

@@ -127,7 +127,7 @@ class Governor:
 
     def _registration_failed(self, error: Exception, first: bool) -> None:
         kind, text = classify(error)
-        if kind == "refused":  # the model or the options: a new daemon would refuse them too
+        if kind in ("refused", "exhausted"):  # the model or the options: refused again
             self._to_embedded(f"{self.address} refused the model ({text[:300]})", retry=False)
         elif first:
             self._to_embedded(f"{self.address} is unavailable ({_short(error)})")
@@ -189,10 +189,13 @@ class Governor:
                     self._to_embedded(f"{self.address} does not know session "
                                       f"{self.remote.session_id} (restarted?)")
                     self._retry_at = self.clock()  # it answers: register at the next point
-                elif kind == "outage":
+                elif kind in ("outage", "quota"):
                     self._to_embedded(f"{self.address} is unavailable ({_short(e)})")
-                # "not_planned": planned in-process before the switch back; the embedded
-                # planner, which saw every call, answers.
+                else:
+                    # "not_planned": planned in-process before the switch back; "exhausted":
+                    # over one of the daemon's limits. The daemon is fine: the embedded
+                    # planner, which saw every call, answers this one.
+                    log.debug("bagualu: the embedded planner answers %s (%s)", what, text)
             else:
                 getattr(self.embedded, what)(*args)  # keep the fallback's state in step
                 return out

@@ -161,6 +161,10 @@ def classify(error: BaseException) -> Tuple[str, str]:
       restarted, or reaped it); register again;
     - "not_planned": another NOT_FOUND (a micro-batch the session never planned, e.g. one the
       embedded planner planned before the switch back to the daemon);
+    - "quota": RESOURCE_EXHAUSTED on the daemon's session quota ("sessions: ..."), which
+      frees up when other sessions end;
+    - "exhausted": another RESOURCE_EXHAUSTED: the request exceeds one of the daemon's limits
+      (a size, a plan time), and would again;
     - "outage": anything else (UNAVAILABLE, DEADLINE_EXCEEDED, grpc missing, ...)."""
     code = getattr(error, "code", None)
     name = getattr(code(), "name", "") if callable(code) else ""
@@ -170,4 +174,6 @@ def classify(error: BaseException) -> Tuple[str, str]:
         return "refused", text
     if name == "NOT_FOUND":
         return ("lost_session" if text.startswith("session_id") else "not_planned"), text
+    if name == "RESOURCE_EXHAUSTED":
+        return ("quota" if text.startswith("sessions") else "exhausted"), text
     return "outage", text
