@@ -83,11 +83,11 @@ class Governor:
     def uses_daemon(self) -> bool:
         return bool(self.address) and self.address.lower() not in ("none", "embedded", "off")
 
-    def _to_embedded(self, what: str, retry: bool = True) -> None:
-        """Plans in-process from now on; plan points retry the daemon after a backoff (or
-        never, when ``retry`` is false: the daemon refused the model itself). ``what``: the
-        address and why, e.g. "unix:///x.sock is unavailable (UNAVAILABLE: ...)"."""
-        if retry:
+    def _to_embedded(self, what: str, retry_in: Optional[float]) -> None:
+        """Plans in-process from now on; the first plan point ``retry_in`` seconds from now
+        tries the daemon again (None: never, the daemon refused the model itself). ``what``:
+        the address and why, e.g. "unix:///x.sock is unavailable (UNAVAILABLE: ...)"."""
+        if retry_in is not None:
             log.warning("bagualu: governor unreachable: %s; planning in-process (the embedded "
                         "planner), retrying with backoff", what)
         else:
@@ -95,7 +95,7 @@ class Governor:
                         "for good", what)
         self._drop_remote()
         self.kind = "embedded"
-        self._retry_at = self.clock() + self.backoff.next_delay() if retry else math.inf
+        self._retry_at = math.inf if retry_in is None else self.clock() + retry_in
 
     def _drop_remote(self) -> None:
         if self.remote is not None:
@@ -128,9 +128,10 @@ class Governor:
     def _registration_failed(self, error: Exception, first: bool) -> None:
         kind, text = classify(error)
         if kind in ("refused", "exhausted"):  # the model or the options: refused again
-            self._to_embedded(f"{self.address} refused the model ({text[:300]})", retry=False)
+            self._to_embedded(f"{self.address} refused the model ({text[:300]})", None)
         elif first:
-            self._to_embedded(f"{self.address} is unavailable ({_short(error)})")
+            self._to_embedded(f"{self.address} is unavailable ({_short(error)})",
+                              self.backoff.next_delay())
         else:  # still away: quietly wait longer
             log.debug("bagualu: governor still unreachable (%s)", _short(error))
             self._retry_at = self.clock() + self.backoff.next_delay()
@@ -186,11 +187,12 @@ class Governor:
                     # The daemon understood and refused: a planning error, not an outage.
                     raise PlannerError(f"governor: {text}") from e
                 if kind == "lost_session":
+                    # It answers: register again at the next plan point.
                     self._to_embedded(f"{self.address} does not know session "
-                                      f"{self.remote.session_id} (restarted?)")
-                    self._retry_at = self.clock()  # it answers: register at the next point
+                                      f"{self.remote.session_id} (restarted?)", 0.0)
                 elif kind in ("outage", "quota"):
-                    self._to_embedded(f"{self.address} is unavailable ({_short(e)})")
+                    self._to_embedded(f"{self.address} is unavailable ({_short(e)})",
+                                      self.backoff.next_delay())
                 else:
                     # "not_planned": planned in-process before the switch back; "exhausted":
                     # over one of the daemon's limits. The daemon is fine: the embedded
