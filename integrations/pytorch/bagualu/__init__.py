@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence, Union
 
 from .errors import (BagualuError, InstallError, InstrumentError, LibraryNotFound,
                      OutOfMemoryError, PlannerError, PolicyError)
@@ -44,13 +44,16 @@ def current() -> "_runtime.Runtime":
 
 
 def instrument(model: Any, info: Optional[Dict[str, Any]] = None, *,
-               layers: Optional[str] = None, ops: Optional[Dict[str, str]] = None,
+               layers: Optional[Union[str, Sequence[str]]] = None,
+               ops: Optional[Dict[str, str]] = None,
                expert_parallel: Optional[int] = None, ep_rank: int = 0,
                local_experts: Optional[Sequence[int]] = None) -> Any:
     """Maps the model's layers and operators to the planner's and returns the model.
 
     Any ``nn.Module`` works as it is (docs/pytorch.md, "Unmodified models"): ``layers`` names
-    the block list where the guess fails ('model.layers'), ``ops`` overrides the classifier
+    the block list where the guess fails ('model.layers'; a list of paths concatenates them;
+    under ``install(chunks=n)`` a list of the rank's n stage modules has each stage's blocks
+    found), ``ops`` overrides the classifier
     ({'path.pattern': 'kind'}, kind 'none' for not an operator); ``expert_parallel=N`` (with
     ``ep_rank``) makes this process compute only one EP rank's experts, ``local_experts`` names
     the experts the model itself computes here. Models built from ``bagualu.OpBlock`` layers use
@@ -62,7 +65,7 @@ def instrument(model: Any, info: Optional[Dict[str, Any]] = None, *,
     return model
 
 
-def describe(model: Any, layers: Optional[str] = None,
+def describe(model: Any, layers: Optional[Union[str, Sequence[str]]] = None,
              ops: Optional[Dict[str, str]] = None) -> str:
     """The layers and operators bagualu finds in ``model`` (what ``instrument`` would plan),
     as text; needs no install(). Raises InstrumentError as ``instrument`` would."""

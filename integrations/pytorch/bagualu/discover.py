@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from torch import nn
 from .errors import InstrumentError
 from .strategy import KINDS, SCALING_KINDS
 
+Layers = Optional[Union[str, Sequence[str]]]  # instrument(layers=): one path or several
 BLOCK_OP = "block"  # the operator of a block's own code (residual adds and the like)
 NO_OP = "none"      # an override kind: the module is not an operator (its code joins the parent)
 _ACTIVATION_NAMES = ("act", "act_fn", "activation", "activation_fn")
@@ -94,10 +95,19 @@ def _resolve(model: nn.Module, path: str) -> Any:
     return obj
 
 
-def find_blocks(model: nn.Module, layers: Optional[str] = None) -> Tuple[str, List[nn.Module]]:
-    """The repeated blocks of ``model``: those at ``layers`` (a dotted path) or, guessed, the
-    entries of the ModuleList/Sequential with the most parameters among those whose entries
-    (at least two) share a class."""
+def find_blocks(model: nn.Module, layers: Layers = None) -> Tuple[str, List[nn.Module]]:
+    """The repeated blocks of ``model``: those at ``layers`` (a dotted path, or a list of
+    paths whose blocks are concatenated in order: the stages of one rank under an interleaved
+    schedule) or, guessed, the entries of the ModuleList/Sequential with the most parameters
+    among those whose entries (at least two) share a class."""
+    if isinstance(layers, (list, tuple)):
+        if not layers or not all(isinstance(p, str) for p in layers):
+            raise InstrumentError(f"layers={layers!r}: give a dotted path or a non-empty list "
+                                  "of dotted paths")
+        blocks: List[nn.Module] = []
+        for p in layers:
+            blocks.extend(find_blocks(model, p)[1])
+        return ", ".join(layers), blocks
     if layers is not None:
         obj = _resolve(model, layers)
         if not isinstance(obj, (nn.ModuleList, nn.Sequential, list, tuple)) or \
@@ -194,7 +204,17 @@ def _signature(block: nn.Module) -> Tuple[Tuple[str, str], ...]:
     return tuple((p, type(m).__name__) for p, m in block.named_modules())
 
 
-def find(model: nn.Module, layers: Optional[str] = None,
+def chunk_layers(model: nn.Module, chunks: int) -> Optional[List[str]]:
+    """The layer paths of a rank's stages under an interleaved schedule: when ``model`` is a
+    list of ``chunks`` modules (one per local stage, chunk order), the blocks found in each;
+    None for any other model."""
+    if chunks < 2 or not isinstance(model, (nn.ModuleList, nn.Sequential)) \
+            or len(model) != chunks:
+        return None
+    return [f"{i}.{find_blocks(m)[0]}" for i, m in enumerate(model)]
+
+
+def find(model: nn.Module, layers: Layers = None,
          ops: Optional[Dict[str, str]] = None) -> Discovery:
     """Discovers the layers and operators of ``model`` (see the module docstring).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -107,8 +107,8 @@ class Enforcer:
     """One enforcer over the allocator's pool of one device (CUDA device index, or the host
     backend's device 0 on CPU)."""
 
-    def __init__(self, device: torch.device, pinned_capacity: int, borrowed_free_is_safe: bool
-                 ) -> None:
+    def __init__(self, device: torch.device, pinned_capacity: int, borrowed_free_is_safe: bool,
+                 evict: Optional[Callable[[int], int]] = None) -> None:
         self.lib = poolmod.load()
         _bind(self.lib)
         self.device = device
@@ -117,6 +117,7 @@ class Enforcer:
         # its copy stream, so PyTorch may free them before the copy ends; other memory must
         # outlive the copy (foreign memory rule in bgl/enforce.h).
         self.borrowed_free_is_safe = borrowed_free_is_safe
+        self.evict = evict  # frees device bytes when a reload finds no room (may be None)
         opts = _Options()
         self.lib.bgl_enf_default_options(ctypes.byref(opts))
         opts.device = (device.index or 0) if self.cuda else 0
@@ -176,8 +177,11 @@ class Enforcer:
         if self.destroyed:
             raise BagualuError("enforcer acquire: the enforcer was destroyed")
         ptr = _c_void()
-        self._check(self.lib.bgl_enf_acquire(self.handle, handle, -1, self._stream(),
-                                             ctypes.byref(ptr)), "acquire")
+
+        def attempt() -> None:
+            self._check(self.lib.bgl_enf_acquire(self.handle, handle, -1, self._stream(),
+                                                 ctypes.byref(ptr)), "acquire")
+        poolmod.with_eviction(attempt, nbytes, self.evict)
         self.pending -= 1
         self.live_blocks += 1
 

@@ -9,10 +9,29 @@ from __future__ import annotations
 
 import ctypes
 import json
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 from . import _lib
 from .errors import BagualuError, OutOfMemoryError
+
+T = TypeVar("T")
+EVICTION_ROUNDS = 12  # allocation retries, each after evicting twice as much as the last
+
+
+def with_eviction(alloc: Callable[[], T], nbytes: int,
+                  evict: Optional[Callable[[int], int]]) -> T:
+    """``alloc()``, retried while ``evict(bytes)`` frees something. The pool's own pressure
+    call asks for the shortfall in bytes, but what it frees may lie in pages other blocks still
+    use: each retry evicts twice as much as the one before. OutOfMemoryError when eviction
+    frees nothing more (or ``evict`` is None)."""
+    for attempt in range(EVICTION_ROUNDS):
+        try:
+            return alloc()
+        except OutOfMemoryError:
+            if evict is None or attempt == EVICTION_ROUNDS - 1 \
+                    or evict(nbytes << (attempt + 1)) == 0:
+                raise
+    raise AssertionError("unreachable")
 
 PressureFn = Callable[[int], int]
 _PRESSURE_CFUNC = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)

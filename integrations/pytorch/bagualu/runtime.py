@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _active
 from . import discover
+from . import pool as poolmod
 from . import graph as graphmod
 from .errors import InstallError, InstrumentError, OutOfMemoryError, PolicyError
 from .modules import AutoLayers, ExpertParallel
@@ -86,7 +87,7 @@ class Runtime:
                                fp8_block=fp8_block,
                                copy_stream=torch.cuda.Stream(device) if device.type == "cuda"
                                else None,
-                               light_chunk=max(capacity >> 10, 64 << 10) if pool is not None
+                               light_chunk=max(capacity >> 10, 4 << 10) if pool is not None
                                else 0,
                                pool_backed=pool is not None, device_type=device.type)
         if policy == "bagualu":
@@ -124,7 +125,9 @@ class Runtime:
             self._host_used += nbytes
             return 1
         try:
-            return self.pool.alloc(nbytes)
+            return poolmod.with_eviction(lambda: self.pool.alloc(nbytes), nbytes,
+                                         self.tracker.evict if self.policy == "bagualu"
+                                         else None)
         except OutOfMemoryError:
             self.oom_count += 1
             raise
@@ -150,7 +153,7 @@ class Runtime:
             self.tracker.enforcer = Enforcer(
                 self.device, self.pinned_capacity,
                 borrowed_free_is_safe=self.device.type == "cuda"
-                and _active.cuda_allocator_swapped)
+                and _active.cuda_allocator_swapped, evict=self.tracker.evict)
         except Exception as e:  # noqa: BLE001 - any failure leaves the PyTorch path
             log.warning("bagualu: the enforcer is unavailable (%s); offloads use PyTorch "
                         "copies", e)
@@ -169,7 +172,7 @@ class Runtime:
         self.op_ms[name] = self.op_ms.get(name, 0.0) + ms
 
     def instrument(self, model: nn.Module, info: Optional[Dict[str, Any]] = None,
-                   layers: Optional[str] = None, ops: Optional[Dict[str, str]] = None,
+                   layers: discover.Layers = None, ops: Optional[Dict[str, str]] = None,
                    expert_parallel: Optional[int] = None, ep_rank: int = 0,
                    local_experts: Optional[List[int]] = None) -> int:
         """Maps the model's modules to operators; returns the number of operators per layer
@@ -185,7 +188,16 @@ class Runtime:
             return self._instrument_blocks(model, blocks, info)
         # Unmodified model: discover everything first, so an error leaves nothing installed.
         ep = ExpertParallel(expert_parallel, ep_rank, local_experts)
+        if layers is None:
+            layers = discover.chunk_layers(model, self.chunks)
         found = discover.find(model, layers, ops)
+        if self.chunks > 1 and (len(found.planned) % self.chunks
+                                or len(found.planned) != len(found.blocks)):
+            raise InstrumentError(
+                f"install(chunks={self.chunks}): the {len(found.blocks)} blocks at "
+                f"{found.layers_path} ({len(found.planned)} planned alike) do not split into "
+                f"{self.chunks} stages of equal planned layers; instrument a list of the "
+                "rank's stage modules (chunk order) or pass layers=[path per stage]")
         self.auto = AutoLayers(self, model, found, ep)
         self.model_info = dict(info or {})
         self.tracker.param_keys = _param_keys(model)
