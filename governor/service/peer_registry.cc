@@ -3,34 +3,74 @@
 #include <grp.h>
 #include <pwd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace bgl::gov {
 
-void PeerRegistry::Set(int fd, PeerCredentials creds) {
+namespace {
+
+// "fd:N" -> N; -1 for any other peer string.
+int FdOfPeer(const std::string& peer) {
+  if (peer.rfind("fd:", 0) != 0 || peer.size() < 4 || peer.size() > 12)
+    return -1;  // at most 9 digits
+  int fd = 0;
+  for (size_t i = 3; i < peer.size(); ++i) {
+    if (peer[i] < '0' || peer[i] > '9') return -1;
+    fd = fd * 10 + (peer[i] - '0');
+  }
+  return fd;
+}
+
+}  // namespace
+
+bool PeerRegistry::SameSocket(int fd, const Entry& e) {
+  struct stat st {};
+  return fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) && st.st_dev == e.dev && st.st_ino == e.ino;
+}
+
+bool PeerRegistry::Set(int fd, PeerCredentials creds) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return false;
   std::lock_guard<std::mutex> lock(mu_);
-  peers_["fd:" + std::to_string(fd)] = std::move(creds);
+  peers_[fd] = Entry{st.st_dev, st.st_ino, std::move(creds)};
+  return true;
 }
 
 std::optional<PeerCredentials> PeerRegistry::Lookup(const std::string& peer) const {
+  const int fd = FdOfPeer(peer);
+  if (fd < 0) return std::nullopt;
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = peers_.find(peer);
-  if (it == peers_.end()) return std::nullopt;
-  return it->second;
+  auto it = peers_.find(fd);
+  if (it == peers_.end() || !SameSocket(fd, it->second)) return std::nullopt;
+  return it->second.creds;
+}
+
+size_t PeerRegistry::Sweep() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t removed = 0;
+  for (auto it = peers_.begin(); it != peers_.end();) {
+    if (SameSocket(it->first, it->second)) {
+      ++it;
+    } else {
+      it = peers_.erase(it);
+      ++removed;
+    }
+  }
+  return removed;
+}
+
+size_t PeerRegistry::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peers_.size();
 }
 
 void PeerRegistry::DisconnectAll() const {
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& [peer, creds] : peers_) {
-    const int fd = std::atoi(peer.c_str() + 3);  // "fd:N"
-    struct ucred cred {};
-    socklen_t len = sizeof(cred);
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) continue;
-    if (cred.pid != creds.pid || cred.uid != creds.uid) continue;
-    ::shutdown(fd, SHUT_RDWR);
+  for (const auto& [fd, entry] : peers_) {
+    if (SameSocket(fd, entry)) ::shutdown(fd, SHUT_RDWR);
   }
 }
 

@@ -54,8 +54,8 @@ Result<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path
     }
     // A live daemon answers a connect; a stale socket (crashed daemon) refuses it.
     int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    const bool live = probe >= 0 && connect(probe, reinterpret_cast<sockaddr*>(&addr),
-                                            sizeof(addr)) == 0;
+    const bool live =
+        probe >= 0 && connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
     if (probe >= 0) close(probe);
     if (live) return FailedPrecondition("listen: another daemon is serving '" + path + "'");
     if (unlink(path.c_str()) != 0) return Errno("listen: removing stale socket '" + path + "'");
@@ -130,10 +130,13 @@ void UnixListener::Stop() {
 void UnixListener::Loop(grpc::Server* server, PeerRegistry* peers) {
   for (;;) {
     pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
+    // Wakes at least once a second to forget the connections gRPC has closed since.
+    const int ready = poll(fds, 2, 1000);
+    if (ready < 0) {
       if (errno == EINTR) continue;
       return;
     }
+    peers->Sweep();
     if (fds[1].revents != 0) return;
     if ((fds[0].revents & POLLIN) == 0) continue;
     const int conn = accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -143,8 +146,12 @@ void UnixListener::Loop(grpc::Server* server, PeerRegistry* peers) {
       close(conn);
       continue;
     }
-    // Before gRPC sees the fd, so no call on it can precede its credentials.
-    peers->Set(conn, std::move(*creds));
+    // Before gRPC sees the fd, so no call on it can precede its credentials. The entry an
+    // earlier connection on the same number left is replaced (it no longer matches anyway).
+    if (!peers->Set(conn, std::move(*creds))) {
+      close(conn);
+      continue;
+    }
     accepted_.fetch_add(1);
     grpc::AddInsecureChannelFromFd(server, conn);
   }

@@ -1,7 +1,9 @@
 // UnixListener: the daemon's own accept loop on its unix socket. It removes a stale socket
 // (refusing if a live daemon answers on it), binds with the configured mode and group, reads
 // each connection's SO_PEERCRED into the PeerRegistry, and hands the non-blocking fd to gRPC
-// (AddInsecureChannelFromFd), since gRPC C++ does not expose peer credentials itself.
+// (AddInsecureChannelFromFd), since gRPC C++ does not expose peer credentials itself. Once a
+// second it sweeps the registry of connections gRPC has closed. Start/Stop from one thread;
+// the accept loop runs on its own thread.
 #pragma once
 
 #include <sys/types.h>
