@@ -113,18 +113,17 @@ class Daemon:
             self.proc = subprocess.Popen([str(self.binary), "--listen", self.address,
                                           "--metrics-port", "0"],
                                          stdout=log, stderr=subprocess.STDOUT)
-        probe = RemoteGovernor(self.address)
-        try:
-            for _ in range(200):  # up to ~10 s on a loaded machine
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    probe.probe(0.2)
-                    return
-                except Exception:
-                    time.sleep(0.05)
-        finally:
-            probe.close()
+        for _ in range(200):  # up to ~10 s on a loaded machine
+            if self.proc.poll() is not None:
+                break
+            probe = RemoteGovernor(self.address)  # a new channel: no reconnect backoff
+            try:
+                probe.probe(0.2)
+                return
+            except Exception:
+                time.sleep(0.05)
+            finally:
+                probe.close()
         pytest.fail(f"bgl-governord did not start: {self.log.read_text()[-2000:]}")
 
     def kill(self) -> None:
@@ -160,7 +159,8 @@ def restartable(tmp_path, monkeypatch):
 
 
 class StepClock:
-    """A clock the test moves: one second per plan point, whatever the machine's speed."""
+    """A clock that only the test moves, so that retries follow plan points, not the speed
+    of the machine."""
 
     def __init__(self) -> None:
         self.now = 0.0
