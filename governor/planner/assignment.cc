@@ -119,6 +119,7 @@ std::vector<char> CostEvaluator::RecomputeClosure(const Assignment& a) const {
 }
 
 AssignmentCost CostEvaluator::Evaluate(const Assignment& a, double r) const {
+  if (deadline_ != nullptr) deadline_->Check();
   AssignmentCost c;
   const auto& g = graph_;
   for (size_t t = 0; t < g.tensors.size(); ++t) {

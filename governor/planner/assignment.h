@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "governor/planner/deadline.h"
 #include "governor/planner/hardware.h"
 #include "governor/planner/stage_graph.h"
 
@@ -52,10 +53,14 @@ class CostEvaluator {
   const HardwareProfile& hw() const { return hw_; }
   // True when `s` can be applied to operator `op` (e.g. no FP8 for the router).
   bool Allowed(int op, Strategy s) const;
+  // The planning call's deadline (null: none); Evaluate checks it, so every loop that evaluates
+  // assignments stops when it expires (deadline.h).
+  void set_deadline(const Deadline* deadline) { deadline_ = deadline; }
 
  private:
   const StageGraph& graph_;
   const HardwareProfile& hw_;
+  const Deadline* deadline_ = nullptr;
 };
 
 }  // namespace bgl::plan

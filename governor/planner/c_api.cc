@@ -39,6 +39,12 @@ bool ParseObject(const char* text, const char* what, json& out) {
     last_error = std::string(what) + ": NULL";
     return false;
   }
+  // Nesting is checked on the text: a deep document would overflow the stack when copied.
+  if (bgl::Status s = bgl::plan::CheckJsonNesting(text, bgl::plan::kDefaultMaxJsonDepth, what);
+      !s.ok()) {
+    last_error = s.message();
+    return false;
+  }
   out = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (out.is_discarded() || !out.is_object()) {
     last_error = std::string(what) + ": not a JSON object";

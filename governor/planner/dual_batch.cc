@@ -43,15 +43,25 @@ double RoundTime(const Chains& chains, const std::array<int, kChainCount>& stage
   return *std::max_element(load.begin(), load.end());
 }
 
-DualBatchSchedule SolveDualBatch(const Chains& chains) {
+DualBatchSchedule SolveDualBatch(const Chains& chains, const Deadline* deadline) {
   DualBatchSchedule result;
   std::array<int, kChainCount> len{};
   std::array<size_t, kChainCount> stride{};
   size_t states = 1;
   for (int c = kChainCount - 1; c >= 0; --c) {
+    if (chains[c].size() >= kMaxDualBatchStates) {
+      states = kMaxDualBatchStates + 1;
+      break;
+    }
     len[c] = static_cast<int>(chains[c].size());
     stride[c] = states;
     states *= static_cast<size_t>(len[c] + 1);
+    if (states > kMaxDualBatchStates) break;
+  }
+  if (states > kMaxDualBatchStates) {
+    DualBatchSchedule lockstep = LockstepSchedule(chains);
+    DualBatchSchedule serial = SerialSchedule(chains);
+    return lockstep.overlapped_s <= serial.overlapped_s ? lockstep : serial;
   }
   for (const auto& chain : chains) {
     for (const auto& s : chain) result.serial_s += s.duration_s;
@@ -68,6 +78,7 @@ DualBatchSchedule SolveDualBatch(const Chains& chains) {
       pos[c] = static_cast<int>(rest / stride[c]);
       rest %= stride[c];
     }
+    if (deadline != nullptr) deadline->Check();
     if (best[index] == kInf) continue;
     for (unsigned mask = 1; mask < (1u << kChainCount); ++mask) {
       std::array<int, kChainCount> issued{-1, -1, -1, -1};
@@ -88,10 +99,12 @@ DualBatchSchedule SolveDualBatch(const Chains& chains) {
     }
   }
   result.overlapped_s = best[states - 1];
-  // Walk back from the full state, then reverse into issue order.
+  // Walk back from the full state, then reverse into issue order. A state never reached (a
+  // non-finite duration) ends the walk instead of looping on mask 0.
   size_t index = states - 1;
   while (index != 0) {
     const unsigned mask = how[index];
+    if (mask == 0) break;
     size_t prev = index;
     for (int c = 0; c < kChainCount; ++c) {
       if (mask & (1u << c)) prev -= stride[c];

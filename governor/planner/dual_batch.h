@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "governor/planner/assignment.h"
+#include "governor/planner/deadline.h"
 
 namespace bgl::plan {
 
@@ -60,9 +61,16 @@ struct DualBatchSchedule {
 // Round time: max over resources of the summed durations of the issued stages on it.
 double RoundTime(const Chains& chains, const std::array<int, kChainCount>& stage);
 
+// The most chain-prefix states the DP visits (9 bytes each). The shipped models need a few
+// thousand; a layer graph whose chains would need more gets the better of the lockstep and serial
+// orders instead.
+inline constexpr size_t kMaxDualBatchStates = size_t{1} << 20;
+
 // Optimal issue order under the round model. States are chain prefixes; each transition advances
 // a non-empty subset of chains by one stage, so order inside a chain is kept by construction.
-DualBatchSchedule SolveDualBatch(const Chains& chains);
+// Past kMaxDualBatchStates, the better of LockstepSchedule and SerialSchedule. `deadline` (may be
+// null) is checked once per state.
+DualBatchSchedule SolveDualBatch(const Chains& chains, const Deadline* deadline = nullptr);
 
 // The same chains in lockstep: round i issues stage i of every chain.
 DualBatchSchedule LockstepSchedule(const Chains& chains);

@@ -2,8 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "governor/planner/json_limits.h"
 
 namespace bgl::plan {
 
@@ -24,35 +28,71 @@ double HardwareProfile::AllToAllTime(double bytes, int64_t group) const {
   return kernel_launch_s * 2 + leaving / bandwidth;
 }
 
+namespace {
+
+constexpr double kGB = 1e9;
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+constexpr CalibrationRange kCalibrationRanges[] = {
+    {"peak_tflops", 0.1, 1e6},       {"matmul_efficiency", 0.01, 1},
+    {"memory_efficiency", 0.01, 1},  {"hbm_GBps", 1, 1e6},
+    {"memory_GiB", 1.0 / 1024, 1e6}, {"kernel_launch_us", 0.001, 1e6},
+    {"intra_node_GBps", 0.01, 1e6},  {"inter_node_GBps", 0.01, 1e6},
+    {"gpus_per_node", 1, 65536},     {"launch_floor_us", 0.001, 1e6},
+    {"peak_GBps", 0.01, 1e6},
+};
+
+std::string Number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+}  // namespace
+
+const CalibrationRange* FindCalibrationRange(std::string_view key) {
+  for (const auto& r : kCalibrationRanges) {
+    if (key == r.key) return &r;
+  }
+  return nullptr;
+}
+
+Status CheckCalibrationValue(std::string_view key, double value, const std::string& field) {
+  const CalibrationRange* r = FindCalibrationRange(key);
+  if (r == nullptr) return InvalidArgument(field + ": unknown calibration key");
+  if (!std::isfinite(value) || value < r->min || value > r->max) {
+    return InvalidArgument(field + ": must be in [" + Number(r->min) + ", " + Number(r->max) +
+                           "], got " + Number(value));
+  }
+  return OkStatus();
+}
+
 Status HardwareProfile::Validate() const {
-  auto positive = [&](double v, const char* field) -> Status {
-    if (!(v > 0) || !std::isfinite(v)) {
-      return InvalidArgument("hardware profile '" + name + "': " + field +
-                             " must be positive, got " + std::to_string(v));
-    }
-    return OkStatus();
+  const std::string where = "hardware profile '" + name + "': ";
+  auto check = [&](const char* key, double v, const std::string& field) -> Status {
+    Status s = CheckCalibrationValue(key, v, field);
+    return s.ok() ? s : InvalidArgument(where + s.message());
   };
-  BGL_RETURN_IF_ERROR(positive(peak_flops, "peak_tflops"));
-  BGL_RETURN_IF_ERROR(positive(matmul_efficiency, "matmul_efficiency"));
-  BGL_RETURN_IF_ERROR(positive(hbm_bytes_per_s, "hbm_GBps"));
-  BGL_RETURN_IF_ERROR(positive(memory_efficiency, "memory_efficiency"));
-  BGL_RETURN_IF_ERROR(positive(static_cast<double>(memory_bytes), "memory_GiB"));
-  BGL_RETURN_IF_ERROR(positive(intra_node_bytes_per_s, "intra_node_GBps"));
-  BGL_RETURN_IF_ERROR(positive(inter_node_bytes_per_s, "inter_node_GBps"));
-  BGL_RETURN_IF_ERROR(positive(gpus_per_node, "gpus_per_node"));
-  BGL_RETURN_IF_ERROR(positive(offload.peak_bytes_per_s, "rooflines.offload.peak_GBps"));
-  BGL_RETURN_IF_ERROR(positive(reload.peak_bytes_per_s, "rooflines.reload.peak_GBps"));
-  BGL_RETURN_IF_ERROR(positive(fp8_cast.peak_bytes_per_s, "rooflines.fp8_cast.peak_GBps"));
-  if (matmul_efficiency > 1 || memory_efficiency > 1) {
-    return InvalidArgument("hardware profile '" + name + "': efficiencies must be at most 1");
+  BGL_RETURN_IF_ERROR(check("peak_tflops", peak_flops / 1e12, "peak_tflops"));
+  BGL_RETURN_IF_ERROR(check("matmul_efficiency", matmul_efficiency, "matmul_efficiency"));
+  BGL_RETURN_IF_ERROR(check("hbm_GBps", hbm_bytes_per_s / kGB, "hbm_GBps"));
+  BGL_RETURN_IF_ERROR(check("memory_efficiency", memory_efficiency, "memory_efficiency"));
+  BGL_RETURN_IF_ERROR(check("memory_GiB", static_cast<double>(memory_bytes) / kGiB, "memory_GiB"));
+  BGL_RETURN_IF_ERROR(check("kernel_launch_us", kernel_launch_s * 1e6, "kernel_launch_us"));
+  BGL_RETURN_IF_ERROR(check("intra_node_GBps", intra_node_bytes_per_s / kGB, "intra_node_GBps"));
+  BGL_RETURN_IF_ERROR(check("inter_node_GBps", inter_node_bytes_per_s / kGB, "inter_node_GBps"));
+  BGL_RETURN_IF_ERROR(check("gpus_per_node", gpus_per_node, "gpus_per_node"));
+  for (auto [roof, label] :
+       {std::pair{&offload, "offload"}, {&reload, "reload"}, {&fp8_cast, "fp8_cast"}}) {
+    const std::string prefix = std::string("rooflines.") + label + ".";
+    BGL_RETURN_IF_ERROR(
+        check("launch_floor_us", roof->launch_floor_s * 1e6, prefix + "launch_floor_us"));
+    BGL_RETURN_IF_ERROR(check("peak_GBps", roof->peak_bytes_per_s / kGB, prefix + "peak_GBps"));
   }
   return OkStatus();
 }
 
 namespace {
-
-constexpr double kGB = 1e9;
-constexpr double kGiB = 1024.0 * 1024 * 1024;
 
 HardwareProfile Hopper(std::string name, double hbm_gbps, double memory_gib) {
   HardwareProfile p;
@@ -98,15 +138,18 @@ std::vector<std::string> HardwareProfileNames() { return {"h100", "h200", "paper
 
 namespace {
 
+// `key` names the field in errors; its last component picks the range.
 Status ReadNumber(const nlohmann::json& doc, const std::string& key, double& out) {
   if (!doc.is_number()) {
-    return InvalidArgument("calibration: '" + key + "' must be a number, got " + doc.dump());
+    return InvalidArgument("calibration: '" + key + "' must be a number, got a " +
+                           std::string(doc.type_name()));
   }
   out = doc.get<double>();
-  if (!(out > 0) || !std::isfinite(out)) {
-    return InvalidArgument("calibration: '" + key + "' must be positive, got " + doc.dump());
+  const std::string base = key.substr(key.rfind('.') == std::string::npos ? 0 : key.rfind('.') + 1);
+  if (FindCalibrationRange(base) == nullptr) {
+    return InvalidArgument("calibration: unknown key '" + key + "'");
   }
-  return OkStatus();
+  return CheckCalibrationValue(base, out, "calibration: '" + key + "'");
 }
 
 Status ReadRoofline(const nlohmann::json& doc, const std::string& key, Roofline& roofline) {
@@ -189,7 +232,12 @@ Status ApplyCalibration(const nlohmann::json& doc, HardwareProfile& p) {
 Status ApplyCalibrationFile(const std::string& path, HardwareProfile& profile) {
   std::ifstream in(path);
   if (!in) return NotFound("calibration: cannot open '" + path + "'");
-  nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const std::string text = buffer.str();
+  // Checked before parsing: errors never print a deeply nested value.
+  BGL_RETURN_IF_ERROR(CheckJsonNesting(text, kDefaultMaxJsonDepth, "calibration: " + path));
+  nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return InvalidArgument("calibration: '" + path + "' is not valid JSON");
   Status s = ApplyCalibration(doc, profile);
   if (!s.ok()) return {s.code(), path + ": " + s.message()};

@@ -46,6 +46,19 @@ struct HardwareProfile {
   Status Validate() const;
 };
 
+// The sane range of one calibration value, in the calibration file's units (peak_tflops in
+// TFLOP/s, *_GBps in GB/s, *_us in microseconds). Values outside it (subnormals, 1e300) would
+// make every kernel time infinite or zero and the plan meaningless, so they are refused.
+struct CalibrationRange {
+  const char* key;  // as in the calibration file; rooflines' keys without the strategy prefix
+  double min;
+  double max;
+};
+// The range of `key` ("peak_tflops", "peak_GBps", "launch_floor_us", ...); null if unknown.
+const CalibrationRange* FindCalibrationRange(std::string_view key);
+// `value` against the range of `key`; the error names `field` and the range.
+Status CheckCalibrationValue(std::string_view key, double value, const std::string& field);
+
 // Built-in profiles: "h100", "h200", "paper" (the paper's 480 TFLOP/s, 64 GB GPU).
 Result<HardwareProfile> HardwareProfileByName(std::string_view name);
 std::vector<std::string> HardwareProfileNames();

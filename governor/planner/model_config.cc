@@ -198,8 +198,10 @@ class FieldReader {
 
 }  // namespace
 
-Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& doc, const std::string& source) {
+Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& doc, const std::string& source,
+                                        int max_depth) {
   if (!doc.is_object()) return InvalidArgument(source + ": model description must be an object");
+  BGL_RETURN_IF_ERROR(CheckJsonDepth(doc, max_depth, source));
   ModelConfig c;
   FieldReader r(doc, source);
   BGL_RETURN_IF_ERROR(r.String("name", c.name, /*required=*/true));
@@ -255,7 +257,9 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& doc, const std::st
   return c;
 }
 
-Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& source) {
+Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& source,
+                                  int max_depth) {
+  BGL_RETURN_IF_ERROR(CheckYamlNesting(text, max_depth, source));
   std::function<nlohmann::json(const YAML::Node&)> convert = [&](const YAML::Node& node) {
     nlohmann::json out;
     switch (node.Type()) {
@@ -303,7 +307,7 @@ Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& so
   }
 }
 
-Result<ModelConfig> LoadModelConfig(const std::string& path) {
+Result<ModelConfig> LoadModelConfig(const std::string& path, int max_depth) {
   std::ifstream in(path);
   if (!in) return NotFound("model file '" + path + "' cannot be opened");
   std::stringstream buffer;
@@ -312,14 +316,15 @@ Result<ModelConfig> LoadModelConfig(const std::string& path) {
   const bool yaml = path.ends_with(".yaml") || path.ends_with(".yml");
   nlohmann::json doc;
   if (yaml) {
-    auto converted = YamlToJson(text, path);
+    auto converted = YamlToJson(text, path, max_depth);
     if (!converted.ok()) return converted.status();
     doc = std::move(converted).value();
   } else {
+    BGL_RETURN_IF_ERROR(CheckJsonNesting(text, max_depth, path));
     doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (doc.is_discarded()) return InvalidArgument(path + ": not valid JSON");
   }
-  return ModelConfigFromJson(doc, path);
+  return ModelConfigFromJson(doc, path, max_depth);
 }
 
 }  // namespace bgl::plan

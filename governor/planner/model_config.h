@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "governor/planner/json_limits.h"
 #include "governor/planner/status.h"
 
 namespace bgl::plan {
@@ -68,11 +69,14 @@ struct ModelConfig {
   Status Validate() const;
 };
 
-// Parses a model document (JSON object). `source` names the file in errors.
-Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& doc, const std::string& source);
-// Reads a .json, .yaml or .yml model file.
-Result<ModelConfig> LoadModelConfig(const std::string& path);
-// Converts YAML text to the equivalent JSON document.
-Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& source);
+// Parses a model document (JSON object). `source` names the file in errors. Documents nested
+// deeper than `max_depth` are refused before anything copies them (json_limits.h).
+Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& doc, const std::string& source,
+                                        int max_depth = kDefaultMaxJsonDepth);
+// Reads a .json, .yaml or .yml model file; the nesting is checked on the text before parsing.
+Result<ModelConfig> LoadModelConfig(const std::string& path, int max_depth = kDefaultMaxJsonDepth);
+// Converts YAML text to the equivalent JSON document (nesting checked first).
+Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& source,
+                                  int max_depth = kDefaultMaxJsonDepth);
 
 }  // namespace bgl::plan

@@ -168,8 +168,32 @@ int StagePlanner::AssignmentFor(const MitigationKey& key, bool& hit) {
   return mitigation_cache_.Insert(key, id);
 }
 
-Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point) {
+template <typename F>
+Result<Plan> StagePlanner::WithDeadline(const Deadline& deadline, F&& plan) {
+  if (deadline.Unlimited()) return plan();
+  // Snapshots only when a deadline can fire, so the planner's own latency is unchanged.
+  const BudgetTracker tracker = tracker_;
+  const std::vector<UnitState> units = units_;
+  eval_->set_deadline(&deadline);
+  try {
+    Result<Plan> result = plan();
+    eval_->set_deadline(nullptr);
+    return result;
+  } catch (const detail::DeadlineExpired&) {
+    eval_->set_deadline(nullptr);
+    tracker_ = tracker;
+    units_ = units;
+    return deadline.ToStatus();
+  }
+}
+
+Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point, const Deadline& deadline) {
   BGL_RETURN_IF_ERROR(Validate(point));
+  return WithDeadline(deadline, [&] { return PlanPointUnchecked(point, deadline); });
+}
+
+Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
+                                              const Deadline& deadline) {
   Plan plan;
   plan.m0_bytes = static_cast<int64_t>(graph_.M0(point.load_factor));
   plan.load_factor = point.load_factor;
@@ -194,7 +218,10 @@ Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point) {
         std::floor(d.budget / static_cast<double>(options_.budget_step_bytes)));
     key.load_bucket =
         static_cast<int64_t>(std::ceil(point.load_factor / options_.load_bucket - 1e-9));
-    const int id = AssignmentFor(key, hit_mitigation);
+    // A budget that holds every saved tensor needs no mitigation; the bucket's floor (the
+    // budget rounded down to the step) must not turn it into one.
+    const bool fits_all = d.budget >= graph_.KeepAllBytes(point.load_factor);
+    const int id = fits_all ? keep_all_ : AssignmentFor(key, hit_mitigation);
     const Interned& a = interned_[id];
     plan.strategies = a.assignment;
     plan.fallback_full_recompute = a.fallback;
@@ -214,7 +241,7 @@ Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point) {
     plan.phase = point.phase.value_or(Phase::kCooldown);
   }
   FillSchedule(plan, point.forward_micro_batch, point.forward_chunk, point.backward_micro_batch,
-               point.backward_chunk, /*use_cache=*/true);
+               point.backward_chunk, /*use_cache=*/true, deadline);
   plan.cache_hit = hit_mitigation && plan.cache_hit;
   if (point.backward_micro_batch >= 0) {
     tracker_.OnBackward(point.backward_micro_batch, point.backward_chunk);
@@ -224,7 +251,7 @@ Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point) {
 }
 
 void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk,
-                                bool use_cache) {
+                                bool use_cache, const Deadline& deadline) {
   // O is the forward before this one; R the backward after this one.
   const int f_unit = f_mb >= 0 ? UnitIndex(f_mb, f_chunk) : -1;
   const int b_unit = b_mb >= 0 ? UnitIndex(b_mb, b_chunk) : -1;
@@ -263,7 +290,7 @@ void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int
     const Chains chains = BuildChains(*eval_, point_units);
     switch (options_.issue_policy) {
       case IssuePolicy::kDualBatch:
-        computed = SolveDualBatch(chains);
+        computed = SolveDualBatch(chains, &deadline);
         break;
       case IssuePolicy::kLockstep:
         computed = LockstepSchedule(chains);
@@ -289,7 +316,14 @@ void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int
 }
 
 Result<Plan> StagePlanner::PlanAfterGate(int micro_batch, int chunk, int gate_layer,
-                                         double observed_r) {
+                                         double observed_r, const Deadline& deadline) {
+  return WithDeadline(deadline, [&] {
+    return PlanAfterGateUnchecked(micro_batch, chunk, gate_layer, observed_r, deadline);
+  });
+}
+
+Result<Plan> StagePlanner::PlanAfterGateUnchecked(int micro_batch, int chunk, int gate_layer,
+                                                  double observed_r, const Deadline& deadline) {
   const int mbs = static_cast<int>(config_.MicroBatches());
   const int chunks = static_cast<int>(config_.Chunks());
   if (micro_batch < 0 || micro_batch >= mbs || chunk < 0 || chunk >= chunks ||
@@ -325,7 +359,7 @@ Result<Plan> StagePlanner::PlanAfterGate(int micro_batch, int chunk, int gate_la
   plan.fallback_full_recompute = revised.fallback_full_recompute;
   plan.infeasible = !revised.fits;
   plan.deferred = true;
-  FillSchedule(plan, micro_batch, chunk, -1, 0, /*use_cache=*/false);
+  FillSchedule(plan, micro_batch, chunk, -1, 0, /*use_cache=*/false, deadline);
   return plan;
 }
 

@@ -11,6 +11,7 @@
 
 #include "governor/planner/assignment.h"
 #include "governor/planner/budget.h"
+#include "governor/planner/deadline.h"
 #include "governor/planner/dual_batch.h"
 #include "governor/planner/hardware.h"
 #include "governor/planner/mitigation.h"
@@ -90,10 +91,13 @@ class StagePlanner {
                                                       const PlannerOptions& options);
 
   // Plans the point. Errors name the offending field; the planner's state is then unchanged.
-  Result<Plan> PlanPoint(const SchedulePoint& point);
+  // A budget at or above the micro-batch's keep-all bytes plans keep-all whatever the budget
+  // step. When `deadline` expires the call returns its Status (deadline.h), state unchanged.
+  Result<Plan> PlanPoint(const SchedulePoint& point, const Deadline& deadline = {});
   // Deferred planning: after the gate of `gate_layer` (a layer index within the chunk) ran with
   // observed load `observed_r`, may downgrade the rest of the MoE block to full recompute.
-  Result<Plan> PlanAfterGate(int micro_batch, int chunk, int gate_layer, double observed_r);
+  Result<Plan> PlanAfterGate(int micro_batch, int chunk, int gate_layer, double observed_r,
+                             const Deadline& deadline = {});
   // What the forward of (micro_batch, chunk) actually retained.
   Status Report(int micro_batch, int chunk, int64_t actual_bytes);
   // Starts a new iteration: live micro-batches are forgotten, caches are kept.
@@ -135,9 +139,17 @@ class StagePlanner {
   StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOptions options, StageGraph graph,
                std::vector<Step> steps, double m_max);
   Status Validate(const SchedulePoint& point) const;
+  Result<Plan> PlanPointUnchecked(const SchedulePoint& point, const Deadline& deadline);
+  Result<Plan> PlanAfterGateUnchecked(int micro_batch, int chunk, int gate_layer, double observed_r,
+                                      const Deadline& deadline);
+  // Runs `plan` under `deadline`: the evaluator and the DP check it; if it expires, the budget
+  // tracker and the units are restored and the deadline's Status is returned.
+  template <typename F>
+  Result<Plan> WithDeadline(const Deadline& deadline, F&& plan);
   int Intern(Assignment assignment, double planned_r, bool fallback);
   int AssignmentFor(const MitigationKey& key, bool& hit);
-  void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, bool use_cache);
+  void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, bool use_cache,
+                    const Deadline& deadline);
   int UnitIndex(int micro_batch, int chunk) const {
     return micro_batch * static_cast<int>(config_.Chunks()) + chunk;
   }

@@ -1,6 +1,11 @@
 #include "governor/planner/stage_graph.h"
 
+#include <cmath>
+#include <cstdio>
+#include <initializer_list>
 #include <map>
+
+#include "governor/planner/units.h"
 
 namespace bgl::plan {
 
@@ -127,8 +132,17 @@ Status StageGraph::Finalize() {
     }
   }
   for (const auto& o : ops) {
-    if (o.forward_s < 0 || o.backward_s < 0) {
-      return InvalidArgument("operator '" + o.name + "': times must be non-negative");
+    if (!(o.forward_s >= 0) || !(o.backward_s >= 0) || !std::isfinite(o.forward_s) ||
+        !std::isfinite(o.backward_s)) {
+      return InvalidArgument("operator '" + o.name + "': times must be finite and non-negative");
+    }
+  }
+  // Keep-all bytes at the largest load factor (64) must stay far inside int64_t.
+  int64_t total = 0;
+  for (const auto& t : tensors) {
+    if (__builtin_add_overflow(total, t.bytes, &total) || total > kMaxChunkBytes) {
+      return InvalidArgument("tensor '" + t.name + "': the chunk's saved tensors add up to more " +
+                             "than 2^56 bytes (64 PiB); check the sizes");
     }
   }
   return OkStatus();
@@ -145,7 +159,8 @@ class LayerBuilder {
   int Tensor(const std::string& name, double bytes, DType dtype, bool scales, bool block_input) {
     SavedTensor t;
     t.name = Prefix() + name;
-    t.bytes = static_cast<int64_t>(bytes);
+    // Absurd shapes saturate here and fail Finalize's sum check instead of overflowing.
+    t.bytes = bytes < 0x1p62 ? static_cast<int64_t>(bytes) : int64_t{1} << 62;
     t.dtype = dtype;
     t.scales_with_load = scales;
     t.block_input = block_input;
@@ -263,146 +278,289 @@ class LayerBuilder {
   int layer_ = 0;
 };
 
-Result<StageGraph> BuildCustomGraph(const ModelConfig& config, const nlohmann::json& doc) {
-  const std::string where = "model '" + config.name + "': layer_graph";
-  if (!doc.is_object() || !doc.contains("operators") || !doc["operators"].is_array() ||
-      !doc.contains("tensors") || !doc["tensors"].is_array()) {
+// One layer of an explicit layer_graph, checked field by field (docs/planner.md).
+struct OpSpec {
+  std::string name;
+  OpKind kind = OpKind::kOther;
+  double forward_s = 0, backward_s = 0, flops = 0;
+  bool scales_with_load = false;
+  bool fp8_allowed = true;
+};
+struct TensorSpec {
+  std::string name;
+  int64_t bytes = 0;
+  DType dtype = DType::kBF16;
+  int producer = -1;  // index into the layer's operators
+  std::vector<int> consumers, readers;
+  bool block_input = false;
+  bool scales_with_load = false;
+};
+struct LayerSpec {
+  std::vector<OpSpec> ops;
+  std::vector<TensorSpec> tensors;
+  int block_input = -1;
+};
+
+// The largest tensor the format accepts (1 PiB): large enough for any real activation, small
+// enough that a chunk's sums times the largest load factor stay far from int64 overflow.
+constexpr int64_t kMaxTensorBytes = int64_t{1} << 50;
+constexpr double kMaxOperatorMs = 1e7;  // about three hours
+constexpr double kMaxOperatorFlops = 1e24;
+
+std::string FormatNumber(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// Refuses keys of `obj` not in `known`, so a misspelt key never silently keeps a default.
+Status RejectUnknownKeys(const nlohmann::json& obj, std::initializer_list<const char*> known,
+                         const std::string& field) {
+  for (const auto& item : obj.items()) {
+    bool found = false;
+    for (const char* k : known) found |= item.key() == k;
+    if (!found) {
+      std::string list;
+      for (const char* k : known) list += std::string(list.empty() ? "" : ", ") + k;
+      return InvalidArgument(field + ": unknown field '" + item.key() + "' (known: " + list + ")");
+    }
+  }
+  return OkStatus();
+}
+
+Status ReadBool(const nlohmann::json& obj, const char* key, bool& out, const std::string& field) {
+  if (!obj.contains(key)) return OkStatus();
+  if (!obj[key].is_boolean()) {
+    return InvalidArgument(field + ": field '" + key + "' must be true or false, got a " +
+                           obj[key].type_name());
+  }
+  out = obj[key].get<bool>();
+  return OkStatus();
+}
+
+Status ReadMs(const nlohmann::json& obj, const char* key, bool required, double max, double& out,
+              const std::string& field) {
+  if (!obj.contains(key)) {
+    return required ? InvalidArgument(field + ": missing field '" + key + "'") : OkStatus();
+  }
+  const auto& v = obj[key];
+  if (!v.is_number() || !(v.get<double>() >= 0) || v.get<double>() > max) {
+    return InvalidArgument(field + ": field '" + key + "' must be a number in [0, " +
+                           FormatNumber(max) + "], got " +
+                           (v.is_number() ? FormatNumber(v.get<double>()) : v.type_name()));
+  }
+  out = v.get<double>();
+  return OkStatus();
+}
+
+// Bytes: a whole number in [0, 2^50] or a size string ("64MiB"); errors say which.
+Result<int64_t> ReadTensorBytes(const nlohmann::json& v, const std::string& field) {
+  const std::string want = field + " must be a whole number of bytes in [0, 2^50] or a size " +
+                           "string such as \"64MiB\", got ";
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(kMaxTensorBytes))
+      return InvalidArgument(want + std::to_string(u));
+    return static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) {
+    const int64_t i = v.get<int64_t>();
+    if (i < 0 || i > kMaxTensorBytes) return InvalidArgument(want + std::to_string(i));
+    return i;
+  }
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (!(d >= 0) || d > static_cast<double>(kMaxTensorBytes) || d != std::floor(d)) {
+      return InvalidArgument(want + FormatNumber(d));
+    }
+    return static_cast<int64_t>(d);
+  }
+  if (v.is_string()) {
+    auto bytes = ParseBytes(v.get<std::string>(), field);
+    if (!bytes.ok()) return bytes.status();
+    if (*bytes > kMaxTensorBytes) return InvalidArgument(want + v.get<std::string>());
+    return *bytes;
+  }
+  return InvalidArgument(want + "a " + v.type_name());
+}
+
+Result<LayerSpec> ParseLayerGraph(const nlohmann::json& doc, const std::string& where) {
+  if (!doc.is_object()) return InvalidArgument(where + " must be an object");
+  BGL_RETURN_IF_ERROR(RejectUnknownKeys(doc, {"operators", "tensors", "comment"}, where));
+  if (!doc.contains("operators") || !doc["operators"].is_array() || !doc.contains("tensors") ||
+      !doc["tensors"].is_array()) {
     return InvalidArgument(where + " must have 'operators' and 'tensors' arrays");
   }
-  StageGraph g;
-  g.layers = static_cast<int>(config.LayersPerChunk());
-  int output_tensor = -1;
-  int block_input_template = -1;
-  for (int layer = 0; layer < g.layers; ++layer) {
-    const std::string prefix = "L" + std::to_string(layer) + ".";
-    std::map<std::string, int> op_index;
-    const int op_base = static_cast<int>(g.ops.size());
-    const int tensor_base = static_cast<int>(g.tensors.size());
-    for (const auto& od : doc["operators"]) {
-      const std::string field =
-          where + ".operators[" + std::to_string(g.ops.size() - op_base) + "]";
-      if (!od.is_object() || !od.contains("name") || !od["name"].is_string()) {
-        return InvalidArgument(field + ": missing field 'name'");
-      }
-      Operator o;
-      const std::string name = od["name"].get<std::string>();
-      o.name = prefix + name;
-      o.layer = layer;
-      if (!od.contains("kind") || !od["kind"].is_string()) {
-        return InvalidArgument(field + " ('" + name + "'): missing field 'kind'");
-      }
-      auto kind = ParseOpKind(od["kind"].get<std::string>(), field + ".kind");
-      if (!kind.ok()) return kind.status();
-      o.kind = *kind;
-      for (const char* key : {"forward_ms", "backward_ms"}) {
-        if (!od.contains(key) || !od[key].is_number() || od[key].get<double>() < 0) {
-          return InvalidArgument(field + " ('" + name + "'): field '" + key +
-                                 "' must be a non-negative number");
-        }
-      }
-      o.forward_s = od["forward_ms"].get<double>() * 1e-3;
-      o.backward_s = od["backward_ms"].get<double>() * 1e-3;
-      o.flops = od.value("flops", 0.0);
-      o.scales_with_load = od.value("scales_with_load", false);
-      o.fp8_allowed = od.value("fp8_allowed", o.kind != OpKind::kRouter);
-      if (op_index.count(name))
-        return InvalidArgument(field + ": duplicate operator '" + name + "'");
-      op_index[name] = static_cast<int>(g.ops.size());
-      g.ops.push_back(std::move(o));
+  if (doc["operators"].empty()) {
+    return InvalidArgument(where + ".operators: empty; a layer needs at least one operator");
+  }
+  LayerSpec spec;
+  std::map<std::string, int> op_index;
+  for (const auto& od : doc["operators"]) {
+    std::string field = where + ".operators[" + std::to_string(spec.ops.size()) + "]";
+    if (!od.is_object() || !od.contains("name") || !od["name"].is_string() ||
+        od["name"].get<std::string>().empty()) {
+      return InvalidArgument(field + ": missing field 'name'");
     }
-    for (const auto& td : doc["tensors"]) {
-      const std::string field =
-          where + ".tensors[" + std::to_string(g.tensors.size() - tensor_base) + "]";
-      if (!td.is_object() || !td.contains("name") || !td["name"].is_string()) {
-        return InvalidArgument(field + ": missing field 'name'");
-      }
-      SavedTensor t;
-      const std::string name = td["name"].get<std::string>();
-      t.name = prefix + name;
-      if (!td.contains("bytes") || !td["bytes"].is_number_integer()) {
-        return InvalidArgument(field + " ('" + name + "'): missing field 'bytes'");
-      }
-      t.bytes = td["bytes"].get<int64_t>();
-      if (t.bytes < 0) {
-        return InvalidArgument(field + " ('" + name +
-                               "'): field 'bytes' must be non-negative, got " +
-                               std::to_string(t.bytes));
-      }
-      auto dtype = ParseDType(td.value("dtype", std::string("bf16")), field + ".dtype");
+    OpSpec o;
+    o.name = od["name"].get<std::string>();
+    field += " ('" + o.name + "')";
+    BGL_RETURN_IF_ERROR(RejectUnknownKeys(od,
+                                          {"name", "kind", "forward_ms", "backward_ms", "flops",
+                                           "scales_with_load", "fp8_allowed", "comment"},
+                                          field));
+    if (!od.contains("kind") || !od["kind"].is_string()) {
+      return InvalidArgument(field + ": missing field 'kind'");
+    }
+    auto kind = ParseOpKind(od["kind"].get<std::string>(), field + ".kind");
+    if (!kind.ok()) return kind.status();
+    o.kind = *kind;
+    double forward_ms = 0, backward_ms = 0;
+    BGL_RETURN_IF_ERROR(ReadMs(od, "forward_ms", true, kMaxOperatorMs, forward_ms, field));
+    BGL_RETURN_IF_ERROR(ReadMs(od, "backward_ms", true, kMaxOperatorMs, backward_ms, field));
+    BGL_RETURN_IF_ERROR(ReadMs(od, "flops", false, kMaxOperatorFlops, o.flops, field));
+    o.forward_s = forward_ms * 1e-3;
+    o.backward_s = backward_ms * 1e-3;
+    BGL_RETURN_IF_ERROR(ReadBool(od, "scales_with_load", o.scales_with_load, field));
+    o.fp8_allowed = o.kind != OpKind::kRouter;
+    BGL_RETURN_IF_ERROR(ReadBool(od, "fp8_allowed", o.fp8_allowed, field));
+    if (op_index.count(o.name)) return InvalidArgument(field + ": duplicate operator");
+    op_index[o.name] = static_cast<int>(spec.ops.size());
+    spec.ops.push_back(std::move(o));
+  }
+  std::map<std::string, int> tensor_index;
+  for (const auto& td : doc["tensors"]) {
+    std::string field = where + ".tensors[" + std::to_string(spec.tensors.size()) + "]";
+    if (!td.is_object() || !td.contains("name") || !td["name"].is_string() ||
+        td["name"].get<std::string>().empty()) {
+      return InvalidArgument(field + ": missing field 'name'");
+    }
+    TensorSpec t;
+    t.name = td["name"].get<std::string>();
+    field += " ('" + t.name + "')";
+    BGL_RETURN_IF_ERROR(RejectUnknownKeys(td,
+                                          {"name", "bytes", "dtype", "producer", "consumers",
+                                           "readers", "block_input", "scales_with_load", "comment"},
+                                          field));
+    if (tensor_index.count(t.name)) return InvalidArgument(field + ": duplicate tensor");
+    tensor_index[t.name] = static_cast<int>(spec.tensors.size());
+    if (!td.contains("bytes")) return InvalidArgument(field + ": missing field 'bytes'");
+    auto bytes = ReadTensorBytes(td["bytes"], field + ": field 'bytes'");
+    if (!bytes.ok()) return bytes.status();
+    t.bytes = *bytes;
+    if (td.contains("dtype")) {
+      if (!td["dtype"].is_string())
+        return InvalidArgument(field + ": field 'dtype' must be a string");
+      auto dtype = ParseDType(td["dtype"].get<std::string>(), field + ".dtype");
       if (!dtype.ok()) return dtype.status();
       t.dtype = *dtype;
-      t.scales_with_load = td.value("scales_with_load", false);
-      t.block_input = td.value("block_input", false);
-      const int index = static_cast<int>(g.tensors.size());
-      const std::string producer = td.value("producer", std::string());
-      if (!producer.empty()) {
-        if (!op_index.count(producer)) {
-          return InvalidArgument(field + " ('" + name + "'): producer '" + producer +
-                                 "' is not an operator of the layer (unknown operator)");
-        }
-        t.producer = op_index[producer];
+    }
+    BGL_RETURN_IF_ERROR(ReadBool(td, "block_input", t.block_input, field));
+    if (td.contains("producer")) {
+      if (!td["producer"].is_string()) {
+        return InvalidArgument(field + ": field 'producer' must name an operator of the layer");
       }
-      auto link = [&](const char* key, bool saves) -> Status {
-        if (!td.contains(key)) return OkStatus();
-        if (!td[key].is_array()) return InvalidArgument(field + "." + key + " must be a list");
-        for (const auto& c : td[key]) {
-          const std::string op = c.is_string() ? c.get<std::string>() : c.dump();
-          if (!op_index.count(op)) {
-            return InvalidArgument(field + " ('" + name + "'): " + key + " names '" + op +
-                                   "', which is not an operator of the layer (unknown operator)");
-          }
-          auto& target = g.ops[op_index[op]];
-          target.inputs.push_back(index);
-          if (saves) target.saves.push_back(index);
-        }
-        return OkStatus();
-      };
-      BGL_RETURN_IF_ERROR(link("consumers", true));
-      BGL_RETURN_IF_ERROR(link("readers", false));
+      const std::string producer = td["producer"].get<std::string>();
+      if (!op_index.count(producer)) {
+        return InvalidArgument(field + ": producer '" + producer +
+                               "' is not an operator of the layer (unknown operator)");
+      }
       if (t.block_input) {
-        if (block_input_template >= 0 && layer == 0) {
-          return InvalidArgument(where + ": more than one tensor has block_input: true");
-        }
-        if (layer == 0) block_input_template = index - tensor_base;
-        if (output_tensor >= 0) t.producer = g.tensors[output_tensor].producer;
+        return InvalidArgument(field + ": the block input comes from the previous layer; it " +
+                               "takes no 'producer'");
       }
+      t.producer = op_index[producer];
+    }
+    // The scaling rule (docs/planner.md): a tensor scales when it says so; when it does not,
+    // it scales with its producer. The block input scales only when it says so, in every layer.
+    t.scales_with_load = t.producer >= 0 && spec.ops[t.producer].scales_with_load;
+    BGL_RETURN_IF_ERROR(ReadBool(td, "scales_with_load", t.scales_with_load, field));
+    for (auto [key, list] : {std::pair{"consumers", &t.consumers}, {"readers", &t.readers}}) {
+      if (!td.contains(key)) continue;
+      if (!td[key].is_array()) return InvalidArgument(field + "." + key + " must be a list");
+      for (const auto& c : td[key]) {
+        if (!c.is_string() || !op_index.count(c.get<std::string>())) {
+          const std::string op = c.is_string() ? c.get<std::string>() : c.type_name();
+          return InvalidArgument(field + ": " + key + " names '" + op +
+                                 "', which is not an operator of the layer (unknown operator)");
+        }
+        list->push_back(op_index[c.get<std::string>()]);
+      }
+    }
+    if (t.block_input) {
+      if (spec.block_input >= 0) {
+        return InvalidArgument(where + ": more than one tensor has block_input: true");
+      }
+      spec.block_input = static_cast<int>(spec.tensors.size());
+    }
+    spec.tensors.push_back(std::move(t));
+  }
+  if (spec.block_input < 0) {
+    return InvalidArgument(where +
+                           ": no tensor has block_input: true (the layer's input, which "
+                           "full recompute keeps)");
+  }
+  return spec;
+}
+
+// Replicates the layer over the chunk. Layer l > 0 reads the previous layer's output (produced
+// by its last operator, shaped like the block input) where layer 0 reads the block input; the
+// copy of the block input in those layers stays as an empty placeholder so every layer has the
+// same tensor indices. A tensor with neither producer nor block_input is made outside the layer
+// (rotary tables, masks): recompute cannot regenerate it, so it is retained like the block input.
+Result<StageGraph> BuildCustomGraph(const ModelConfig& config, const nlohmann::json& doc) {
+  const std::string where = "model '" + config.name + "': layer_graph";
+  auto parsed = ParseLayerGraph(doc, where);
+  if (!parsed.ok()) return parsed.status();
+  const LayerSpec& spec = *parsed;
+  const TensorSpec& input = spec.tensors[spec.block_input];
+  StageGraph g;
+  g.layers = static_cast<int>(config.LayersPerChunk());
+  int previous_output = -1;
+  for (int layer = 0; layer < g.layers; ++layer) {
+    const std::string prefix = "L" + std::to_string(layer) + ".";
+    const int op_base = static_cast<int>(g.ops.size());
+    for (const OpSpec& s : spec.ops) {
+      Operator o;
+      o.name = prefix + s.name;
+      o.kind = s.kind;
+      o.layer = layer;
+      o.forward_s = s.forward_s;
+      o.backward_s = s.backward_s;
+      o.flops = s.flops;
+      o.scales_with_load = s.scales_with_load;
+      o.fp8_allowed = s.fp8_allowed;
+      g.ops.push_back(std::move(o));
+    }
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+      const TensorSpec& s = spec.tensors[i];
+      const bool replaced = s.block_input && layer > 0;
+      SavedTensor t;
+      t.name = prefix + s.name;
+      t.dtype = s.dtype;
+      if (!replaced) {
+        t.bytes = s.bytes;
+        t.scales_with_load = s.scales_with_load;
+        t.producer = s.producer >= 0 ? op_base + s.producer : -1;
+        t.block_input = s.block_input || s.producer < 0;
+      }
+      const int index = replaced ? previous_output : static_cast<int>(g.tensors.size());
       g.tensors.push_back(std::move(t));
+      for (int c : s.consumers) {
+        g.ops[op_base + c].inputs.push_back(index);
+        g.ops[op_base + c].saves.push_back(index);
+      }
+      for (int c : s.readers) g.ops[op_base + c].inputs.push_back(index);
     }
-    if (block_input_template < 0) {
-      return InvalidArgument(where +
-                             ": no tensor has block_input: true (the layer's input, which "
-                             "full recompute keeps)");
-    }
-    // The layer's output: produced by the last operator; becomes the next layer's block input.
     SavedTensor out;
     out.name = prefix + "output";
     out.producer = static_cast<int>(g.ops.size()) - 1;
-    out.dtype = g.tensors[tensor_base + block_input_template].dtype;
-    out.bytes = g.tensors[tensor_base + block_input_template].bytes;
-    g.tensors.push_back(out);
-    output_tensor = static_cast<int>(g.tensors.size()) - 1;
-    // Tensors of this layer must not be read by later layers' ops before Finalize checks order.
-  }
-  // Replace each layer's block input (after the first) by the previous layer's output tensor.
-  std::vector<int> remap(g.tensors.size());
-  for (size_t i = 0; i < remap.size(); ++i) remap[i] = static_cast<int>(i);
-  const int per_layer = static_cast<int>(doc["tensors"].size()) + 1;
-  for (int layer = 1; layer < g.layers; ++layer) {
-    const int bi = layer * per_layer + block_input_template;
-    const int prev_out = layer * per_layer - 1;
-    remap[bi] = prev_out;
-    g.tensors[prev_out].block_input = true;
-  }
-  for (auto& o : g.ops) {
-    for (int& t : o.inputs) t = remap[t];
-    for (int& t : o.saves) t = remap[t];
-  }
-  // Drop the now-unused duplicated block inputs by zeroing them (keeps indices stable).
-  for (int layer = 1; layer < g.layers; ++layer) {
-    auto& t = g.tensors[layer * per_layer + block_input_template];
-    t.bytes = 0;
-    t.block_input = false;
-    t.producer = -1;
+    out.dtype = input.dtype;
+    out.bytes = input.bytes;
+    out.scales_with_load = input.scales_with_load;
+    out.block_input = true;  // the next layer's input
+    g.tensors.push_back(std::move(out));
+    previous_output = static_cast<int>(g.tensors.size()) - 1;
   }
   // The chunk output leaves for the next stage: not retained here.
   g.tensors.back().block_input = false;

@@ -59,12 +59,18 @@ struct SavedTensor {
   int producer = -1;  // operator index; -1: produced outside this chunk
   std::vector<int> savers;
   bool scales_with_load = false;
-  bool block_input = false;  // a layer's input: always retained (the checkpoint that defines M0)
+  // Always retained on device (counted in M0): a layer's input (the checkpoint), or in an
+  // explicit layer graph a tensor made outside the layer, which recompute cannot regenerate.
+  bool block_input = false;
 
   double Bytes(double r) const {
     return scales_with_load ? static_cast<double>(bytes) * r : static_cast<double>(bytes);
   }
 };
+
+// The most bytes a chunk's saved tensors may add up to (64 PiB): times the largest load factor
+// (64) this stays below 2^62, so no byte count of a plan overflows int64_t.
+inline constexpr int64_t kMaxChunkBytes = int64_t{1} << 56;
 
 // The operator graph of one chunk (layers_per_chunk transformer layers).
 class StageGraph {

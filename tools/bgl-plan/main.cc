@@ -25,6 +25,7 @@ iteration up to it with every micro-batch at load factor R, and prints the plan.
   --rank P            pipeline rank of the stage (default 0, the one that holds the most)
   --gpu NAME          hardware profile (default: the model file's, else h200)
   --calibration FILE  measured rooflines overriding the profile (JSON)
+  --budget-step SIZE  plan-cache budget bucket (default 64MiB; small stages want capacity/64)
   --json              print JSON instead of the table
   --curve-csv FILE    write the iteration's activation memory curve (planned and keep-all)
   -h, --help          this text
@@ -41,7 +42,7 @@ int main(int argc, char** argv) {
   using namespace bgl;
   using namespace bgl::plan;
   std::string model_path, capacity_text, load_text, phase_text = "steady", gpu, calibration,
-                                                    curve_path;
+                                                    curve_path, budget_step_text;
   int rank = 0;
   bool json = false;
   std::vector<std::string> args(argv + 1, argv + argc);
@@ -58,7 +59,8 @@ int main(int argc, char** argv) {
     } else if (a == "--json") {
       json = true;
     } else if (a == "--model" || a == "--capacity" || a == "--load" || a == "--phase" ||
-               a == "--gpu" || a == "--calibration" || a == "--curve-csv" || a == "--rank") {
+               a == "--gpu" || a == "--calibration" || a == "--curve-csv" || a == "--rank" ||
+               a == "--budget-step") {
       std::string v;
       if (!value(v)) return Fail(a + " needs a value\n" + kUsage);
       if (a == "--model")
@@ -75,6 +77,8 @@ int main(int argc, char** argv) {
         calibration = v;
       else if (a == "--curve-csv")
         curve_path = v;
+      else if (a == "--budget-step")
+        budget_step_text = v;
       else {
         char* end = nullptr;
         rank = static_cast<int>(std::strtol(v.c_str(), &end, 10));
@@ -108,6 +112,14 @@ int main(int argc, char** argv) {
   PlannerOptions options;
   options.capacity_bytes = *capacity;
   options.pipeline_rank = rank;
+  if (!budget_step_text.empty()) {
+    auto step = ParseBytes(budget_step_text, "--budget-step");
+    if (!step.ok()) return Fail(step.status().message());
+    if (*step < 4096) {
+      return Fail("--budget-step: '" + budget_step_text + "' must be at least 4096 bytes");
+    }
+    options.budget_step_bytes = *step;
+  }
   auto planner = StagePlanner::Create(*config, *hw, options);
   if (!planner.ok()) return Fail(planner.status().message());
 
