@@ -12,6 +12,13 @@ Scenarios:
                with deterministic algorithms) and FP8 storage (1% on the loss) on the GPU.
   bench        keep-all, static-over and bagualu side by side on the example's model; median
                iteration wall time of each (printed, and written to --json-out).
+  unmodified   transformers' Mixtral, Qwen3-MoE, DeepSeek-V3 and the plain fused MoE of
+               examples/unmodified.py, unchanged, on the GPU: keep-all runs out of memory at
+               half its peak and bagualu finishes there with keep-all's losses; offload and
+               recompute mixed in a layer against plain PyTorch (bitwise with deterministic
+               kernels), FP8 within 1%.
+  overhead     the hook overhead with nothing to mitigate on the GPU: plain PyTorch and bagualu
+               with room for everything, alternating, on wider unmodified models (--json-out).
 """
 from __future__ import annotations
 
@@ -159,9 +166,85 @@ def scenario_bench(config: str, iterations: int, json_out: str) -> dict:
     return out
 
 
+def scenario_unmodified() -> dict:
+    import unmodified as u
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    out = {"swapped": None, "models": {}, "skipped": []}
+    try:
+        import transformers  # noqa: F401
+        names = list(u.MODELS)
+    except ImportError:  # the GPU machine may lack it: the plain model still runs
+        names = ["fused"]
+        out["skipped"] = [n for n in u.MODELS if n != "fused"]
+    for name in names:
+        one: dict = {}
+        full = u.train(name, "keep-all", capacity="4GiB", forced={}, device=DEVICE)
+        out["swapped"] = bagualu.installer.cuda_allocator_swapped()
+        peak = max(int(line["peak_bytes"]) for line in full["lines"])
+        one["peak"] = peak
+        one["memory_model"] = full["stats"]["memory_model"]
+        keep = u.train(name, "keep-all", capacity=peak // 2, device=DEVICE)
+        one["keep_all_oom_at_half"] = keep["oom"] is not None
+        half = u.train(name, "bagualu", capacity=peak // 2, device=DEVICE)
+        one["bagualu_oom_at_half"] = half["oom"]
+        one["bagualu_same_losses"] = half["losses"] == full["losses"]
+        one["bagualu_moved"] = sum(ln["offloads"] + ln["fp8_casts"] + ln["recomputed_ops"]
+                                   for ln in half["lines"]) + half["stats"]["tracker"]["drops"]
+        plain = u.train(name, None, ep=False, device=DEVICE)
+        mixed = u.train(name, "keep-all", forced=u.mixed_strategies(name, False), ep=False,
+                        device=DEVICE)
+        t = mixed["stats"]["tracker"]
+        one["mixed_moved"] = {k: t[k] for k in ("offloads", "drops", "recomputes")}
+        one["mixed_bitwise"] = mixed["losses"] == plain["losses"] and all(
+            torch.equal(g, mixed["grads"][k]) for k, g in plain["grads"].items())
+        one["mixed_max_rel_loss"] = max(abs(a - b) / max(abs(a), 1e-12)
+                                        for a, b in zip(plain["losses"], mixed["losses"]))
+        fp8 = u.train(name, "keep-all", forced=u.mixed_strategies(name, True), ep=False,
+                      device=DEVICE)
+        one["fp8_casts"] = fp8["stats"]["tracker"]["fp8_casts"]
+        one["fp8_max_rel_loss"] = max(abs(a - b) / max(abs(a), 1e-12)
+                                      for a, b in zip(plain["losses"], fp8["losses"]))
+        out["models"][name] = one
+        gc.collect()
+    return out
+
+
+def scenario_overhead(iterations: int, json_out: str) -> dict:
+    import unmodified as u
+    out: dict = {"runs": {}}
+    try:
+        import transformers  # noqa: F401
+        names = ["qwen3_moe", "mixtral"]
+    except ImportError:
+        names = ["fused"]
+    for name in names:
+        for width in (4, 8):
+            plain, hooked, ratios = [], [], []
+            for _ in range(5):
+                one = {}
+                for pol in ("keep-all", None):  # keep-all first: its install swaps
+                    r = u.train(name, "bagualu" if pol else None, capacity="64GiB",
+                                iterations=iterations, ep=False, width=width, seq=512,
+                                device=DEVICE)
+                    assert r["oom"] is None, r["oom"]
+                    one[pol] = statistics.median(r["times_ms"][1:])
+                    gc.collect()
+                plain.append(one[None])
+                hooked.append(one["keep-all"])
+                ratios.append(one["keep-all"] / one[None] - 1)
+            out["runs"][f"{name} width {width}"] = {
+                "plain_ms": statistics.median(plain), "bagualu_ms": statistics.median(hooked),
+                "overhead_median": statistics.median(ratios), "overhead_min": min(ratios),
+                "overhead_max": max(ratios)}
+    if json_out:
+        Path(json_out).write_text(json.dumps(out, indent=1))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("scenario", choices=["swap", "late", "correctness", "bench"])
+    ap.add_argument("scenario", choices=["swap", "late", "correctness", "bench", "unmodified",
+                                         "overhead"])
     ap.add_argument("--config", default="default", choices=["default", "large"])
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--json-out", default="")
@@ -181,6 +264,10 @@ def main() -> int:
         emit(scenario_late())
     elif args.scenario == "correctness":
         emit(scenario_correctness())
+    elif args.scenario == "unmodified":
+        emit(scenario_unmodified())
+    elif args.scenario == "overhead":
+        emit(scenario_overhead(args.iterations, args.json_out))
     else:
         emit(scenario_bench(args.config, args.iterations, args.json_out))
     return 0

@@ -94,6 +94,8 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   export BGL_LIB_DIR=${BGL_LIB_DIR:-$PWD/$build}
   run "bagualu cuda tests" timeout 600 python3 -m pytest -q -s -p no:cacheprovider \
     tests/gpu/test_bagualu_cuda.py
+  run "bagualu overhead unmodified" timeout 600 python3 tests/gpu/bagualu_cuda.py overhead \
+    --iterations 4 --json-out "$(dirname "$out")/bagualu-overhead.json"
   for config in default large; do
     run "bagualu bench $config" timeout 300 python3 tests/gpu/bagualu_cuda.py bench \
       --config "$config" --iterations 6 --json-out "$(dirname "$out")/bagualu-bench-$config.json"

@@ -68,3 +68,18 @@ def test_enforcement_matches_keep_all_on_the_gpu() -> None:
     assert r["offload"]["enforcer"]["bytes_h2d"] == r["offload"]["tracker"]["bytes_h2d"]
     assert r["fp8"]["tracker"]["fp8_casts"] > 0
     assert r["fp8"]["max_rel_loss"] <= 0.01, r["fp8"]
+
+
+def test_unmodified_models_on_the_gpu() -> None:
+    """transformers' Mixtral, Qwen3-MoE, DeepSeek-V3 and a plain fused MoE, unchanged."""
+    r = run("unmodified", timeout=900)
+    assert r["swapped"]
+    for name, m in r["models"].items():
+        assert m["memory_model"]["mean_error"] < 0.015, (name, m["memory_model"])
+        assert m["keep_all_oom_at_half"], name
+        assert m["bagualu_oom_at_half"] is None and m["bagualu_same_losses"], (name, m)
+        assert m["bagualu_moved"] > 0, name
+        assert m["mixed_moved"]["offloads"] > 0 and m["mixed_moved"]["drops"] > 0, name
+        # Bitwise when the kernels are deterministic; never further than float noise.
+        assert m["mixed_bitwise"] or m["mixed_max_rel_loss"] <= 1e-5, (name, m)
+        assert m["fp8_casts"] > 0 and m["fp8_max_rel_loss"] <= 0.01, (name, m)

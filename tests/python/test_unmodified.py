@@ -9,7 +9,6 @@ import torch
 
 import bagualu
 from conftest import require_libs
-from bagualu import discover
 
 unmodified = pytest.importorskip("unmodified")
 transformers = pytest.importorskip("transformers")
@@ -17,29 +16,8 @@ transformers = pytest.importorskip("transformers")
 MODELS = ["mixtral", "qwen3_moe", "deepseek_v3", "fused"]
 
 
-def kinds_of(name: str) -> dict:
-    return discover.find(unmodified.build(name)).kinds
-
-
 def mixed(name: str, with_fp8: bool) -> dict:
-    """All four strategies in one layer: attention and norms recomputed, projections and the
-    experts offloaded, the expert activation in FP8 (or recomputed)."""
-    out = {}
-    kinds = kinds_of(name)
-    fp8_kind = "expert_activation" if "expert_activation" in kinds.values() else "expert_linear"
-    for op, kind in kinds.items():
-        if with_fp8 and kind == fp8_kind:
-            out[op] = "fp8"
-            continue
-        if kind in ("attention", "norm", "shared_activation"):
-            out[op] = "recompute"
-        elif kind in ("linear", "expert_linear", "shared_linear"):
-            out[op] = "offload"
-        elif kind == "expert_activation":
-            out[op] = "fp8" if with_fp8 else "recompute"
-        elif op == discover.BLOCK_OP and name == "fused":
-            out[op] = "recompute"  # the block's own code has the dropout
-    return out
+    return unmodified.mixed_strategies(name, with_fp8)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -201,6 +179,28 @@ def test_overrides_and_bad_input_leave_nothing_installed() -> None:
     kinds = bagualu.current().discovery.kinds
     assert "wo" not in kinds and kinds["experts"] == "expert_linear"
     assert kinds["router"] == "router"
+
+
+def test_stages_of_an_interleaved_rank_are_found_in_chunk_order() -> None:
+    """Under install(chunks=2) a list of the rank's two stage modules has each stage's blocks
+    found, chunk 0's first; a model whose blocks do not split into the chunks is refused
+    (nothing installed); layers= takes several paths."""
+    require_libs()
+    a, b = unmodified.build("fused", layers=2), unmodified.build("fused", layers=2, seed=1)
+    assert "layers: 0.blocks, 1.blocks (4 x FusedBlock)" in bagualu.describe(
+        torch.nn.ModuleList([a, b]), layers=["0.blocks", "1.blocks"])
+    bagualu.install(capacity="64MiB", governor="none", chunks=2, log_iterations=False)
+    odd = unmodified.build("fused", layers=3)
+    with pytest.raises(bagualu.InstrumentError, match="do not split into 2 stages"):
+        bagualu.instrument(odd, local_experts=[0, 1, 2, 3])
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in odd.modules())
+    with pytest.raises(bagualu.InstrumentError, match="non-empty list of dotted paths"):
+        bagualu.instrument(odd, layers=[])
+    pair = torch.nn.ModuleList([a, b])
+    bagualu.instrument(pair, local_experts=[0, 1, 2, 3])
+    rt = bagualu.current()
+    assert rt.discovery.layers_path == "0.blocks, 1.blocks"
+    assert rt.discovery.blocks == [*a.blocks, *b.blocks] and rt.layer_count == 4
 
 
 def test_gradient_accumulation_on_an_unmodified_model() -> None:

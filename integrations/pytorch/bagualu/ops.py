@@ -101,8 +101,8 @@ class OpBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from . import _active
         rt = _active.runtime
-        if rt is not None and rt.instrumented(self):
-            return rt.run_block(self, x)
+        if rt is not None and rt.block_path.instrumented(self):
+            return rt.block_path.run_block(self, x)
         env: Dict[str, Any] = {self.input_name: x, **self.block_env()}
         for s in self.op_steps():
             run_step(s, env)

@@ -13,22 +13,22 @@ import os
 import pickle
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from . import _active
 from . import discover
 from . import pool as poolmod
 from . import graph as graphmod
+from .blocks import BlockPath
 from .errors import InstallError, InstrumentError, OutOfMemoryError, PolicyError
 from .modules import AutoLayers, ExpertParallel
 from .pool import DevicePool
-from .ops import OpBlock, Step, classify, layer_of, recompute_closure, regions, run_step
-from .strategy import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op
-from .tracker import Tracker
+from .ops import OpBlock, regions
+from .strategy import FP8, KEEP, OFFLOAD, RECOMPUTE, Op
+from .tracker import Tracker, param_storages
 
 log = logging.getLogger("bagualu")
 POLICIES = ("keep-all", "static-under", "static-over", "bagualu")
@@ -99,8 +99,7 @@ class Runtime:
         self.discovery: Optional[discover.Discovery] = None  # its layers and operators
         self.layer_count = 0                    # planned layers (either path)
         self.layer_ops: Dict[int, List[Op]] = {}
-        self.module_ops: Dict[nn.Module, Op] = {}
-        self._handles: List[Any] = []
+        self.block_path = BlockPath(self)      # models of bagualu.OpBlock layers
         self.model_info: Dict[str, Any] = {}
         self.description: Optional[Dict[str, Any]] = None
         self.static_strategies: Dict[str, str] = {}
@@ -185,7 +184,7 @@ class Runtime:
             if expert_parallel is not None or local_experts is not None:
                 raise InstrumentError("expert_parallel/local_experts apply to unmodified "
                                       "models; OpBlock layers route in their own steps")
-            return self._instrument_blocks(model, blocks, info)
+            return self.block_path.instrument(model, blocks, info)
         # Unmodified model: discover everything first, so an error leaves nothing installed.
         ep = ExpertParallel(expert_parallel, ep_rank, local_experts)
         if layers is None:
@@ -200,7 +199,7 @@ class Runtime:
                 "rank's stage modules (chunk order) or pass layers=[path per stage]")
         self.auto = AutoLayers(self, model, found, ep)
         self.model_info = dict(info or {})
-        self.tracker.param_keys = _param_keys(model)
+        self.tracker.param_keys = param_storages(model)
         self.tracker.by_producer = True
         self.layer_count = len(found.planned)
         for li in range(self.layer_count):
@@ -209,38 +208,6 @@ class Runtime:
         self._freeze_gc()
         return len(found.op_names)
 
-    def _instrument_blocks(self, model: nn.Module, blocks: List[OpBlock],
-                           info: Optional[Dict[str, Any]]) -> int:
-        self.model_info = dict(info or {})
-        self.tracker.param_keys = _param_keys(model)
-        count = 0
-        inside: Set[nn.Module] = set()
-        for i, b in enumerate(blocks):
-            b.bgl_layer = i
-            self.layer_ops[i] = [Op(s.op, s.kind, i) for s in b.op_steps()]
-            count += len(self.layer_ops[i])
-            inside.update(b.modules())
-        self.blocks = blocks
-        self.layer_count = len(blocks)
-        for path, m in model.named_modules():
-            if m in inside or m is model:
-                continue
-            kind = classify(path, m)
-            if kind is None:
-                continue
-            op = Op(path, kind, -1)  # outside the planner's layers: scoped, kept
-            self.module_ops[m] = op
-            self._handles.append(m.register_forward_pre_hook(self._pre_hook(op)))
-            self._handles.append(m.register_forward_hook(self._post_hook(op)))
-            count += 1
-        if count == 0:
-            raise InstrumentError(
-                f"{type(model).__name__} has no recognised operators: no bagualu.OpBlock layer "
-                "and no module named like norm/attn/router/expert/shared/dispatch/combine or of "
-                "a known class (nn.Linear, nn.LayerNorm, ...); nothing can be planned")
-        self._freeze_gc()
-        return count
-
     def _freeze_gc(self) -> None:
         if self.gc_freeze:
             # Saved-tensor capture allocates a few small Python objects per saved tensor; move
@@ -248,32 +215,10 @@ class Runtime:
             gc.collect()
             gc.freeze()
 
-    def instrumented(self, block: OpBlock) -> bool:
-        return block.bgl_layer >= 0 and self.forwarding
-
-    def _pre_hook(self, op: Op) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            if self.forwarding:
-                self.tracker.scope.append(op)
-        return hook
-
-    def _post_hook(self, op: Op) -> Any:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            t = self.tracker
-            if self.forwarding and t.scope and t.scope[-1] is op:
-                t.scope.pop()
-                if t.light is None:  # producers matter only to records
-                    t.note_output(out, op)
-        return hook
-
     def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self.block_path.remove_hooks()
         if self.auto is not None:
             self.auto.remove()
-        for b in self.blocks:
-            b.bgl_layer = -1
 
     # -- strategies -------------------------------------------------------------------------
     @property
@@ -324,93 +269,6 @@ class Runtime:
         if OFFLOAD in (strategies or {}).values():
             self._ensure_enforcer()
 
-    def _recompute_set(self, block: OpBlock, mb: int, frozen_before: int = -1) -> Set[int]:
-        steps = block.op_steps()
-        ops = self.layer_ops[block.bgl_layer]
-        chosen = {i for i, op in enumerate(ops) if self.strategy_of(op, mb) == RECOMPUTE
-                  and i > frozen_before}
-        if not chosen:
-            return chosen
-        return recompute_closure(steps, chosen, block.bgl_savers or _consumers(steps),
-                                 block.input_name, frozen_before)
-
-    # -- executing an OpBlock ---------------------------------------------------------------
-    def run_block(self, block: OpBlock, x: torch.Tensor) -> torch.Tensor:
-        steps = block.op_steps()
-        ops = self.layer_ops[block.bgl_layer]
-        mb = self.tracker.micro_batch
-        env: Dict[str, Any] = {block.input_name: x, **block.block_env()}
-        t = self.tracker
-        capture = t.capture
-        # The block input comes from outside the layer (previous layer or embedding).
-        if t.light is None:
-            t.note_output(x, Op("input", "other", block.bgl_layer - 1), overwrite=False)
-        if capture:
-            self.record_env(block.bgl_layer, block.input_name, x)
-        rec = self._recompute_set(block, mb) if t.light is None else set()
-        n = len(steps)
-        i = 0
-        while i < n:
-            if i in rec:
-                j = i
-                while j + 1 < n and j + 1 in rec:
-                    j += 1
-                self._run_region(block, steps, ops, env, i, j)
-                i = j + 1
-                continue
-            op = ops[i]
-            t.scope.append(op)
-            t0 = time.perf_counter() if capture else 0.0
-            try:
-                out = run_step(steps[i], env)
-            finally:
-                t.scope.pop()
-            if capture:
-                self.op_ms[op.name] = self.op_ms.get(op.name, 0.0) + \
-                    (time.perf_counter() - t0) * 1e3 / max(len(self.blocks), 1)
-            if t.light is None:
-                t.note_output(out, op)
-            if capture:
-                for name in steps[i].outputs:
-                    self.record_env(block.bgl_layer, name, env[name])
-            if steps[i].gate and "load" in env:
-                if self.observe_gate(block.bgl_layer, float(env["load"])):
-                    t.end_light()  # the rest of the forward may move activations
-                    rec = self._recompute_set(block, mb, frozen_before=i)
-            i += 1
-        return env[block.output_name]
-
-    def _run_region(self, block: OpBlock, steps: List[Step], ops: List[Op],
-                    env: Dict[str, Any], i: int, j: int) -> None:
-        produced: Set[str] = set()
-        inputs: List[str] = []
-        for k in range(i, j + 1):
-            for name in steps[k].inputs:
-                if name not in produced and name not in inputs:
-                    inputs.append(name)
-            produced.update(steps[k].outputs)
-        later = {name for s in steps[j + 1:] for name in s.inputs} | {block.output_name}
-        outputs = [name for k in range(i, j + 1) for name in steps[k].outputs if name in later]
-        gate_layer = block.bgl_layer
-
-        def region(*values: Any) -> Tuple[Any, ...]:
-            local = dict(zip(inputs, values))
-            for k in range(i, j + 1):
-                run_step(steps[k], local)
-                if steps[k].gate and "load" in local and self.forwarding \
-                        and torch.is_grad_enabled():
-                    self._observe_only(gate_layer, float(local["load"]))
-            return tuple(local[name] for name in outputs)
-
-        values = [env[name] for name in inputs]
-        self.tracker.hold_inputs([v for v in values if isinstance(v, torch.Tensor)], ops[i])
-        t0 = time.perf_counter()
-        result = checkpoint(region, *values, use_reentrant=False, preserve_rng_state=True)
-        self.iter["recompute_ms"] += (time.perf_counter() - t0) * 1e3
-        self.iter["recompute_ops"] += j - i + 1
-        for name, v in zip(outputs, result):
-            env[name] = v
-
     # -- governor and plans -----------------------------------------------------------------
     def _observe_only(self, layer: int, load: float) -> None:
         self.mb_loads.setdefault(self.tracker.micro_batch, []).append(load)
@@ -456,7 +314,7 @@ class Runtime:
         else:
             lg = graphmod.build_layer_graph(recs, self.layer_ops[0], load0, self.op_ms)
             # The graph is stated at r=1 for layer 0; learn which steps save each named tensor.
-            self._learn_savers(recs)
+            self.block_path.learn_savers(recs)
             outside = sum(r.nbytes for r in recs if not r.consumers or
                           any(c.layer < 0 for c in r.consumers))
         doc = graphmod.model_document(lg, self.layer_count, self.pipeline_stages,
@@ -477,21 +335,6 @@ class Runtime:
     def _forward_steps(self) -> List[Dict[str, Any]]:
         d = self.description or {}
         return [s for s in d.get("steps", []) if s["forward"]]
-
-    def _learn_savers(self, recs: List[Any]) -> None:
-        for b in self.blocks:
-            steps = b.op_steps()
-            ops = self.layer_ops[b.bgl_layer]
-            index = {op: k for k, op in enumerate(ops)}
-            savers: Dict[str, Set[int]] = {n: set() for s in steps for n in s.outputs}
-            by_key = getattr(self, "_env_keys", {}).get(b.bgl_layer, {})
-            for r in recs:
-                name = by_key.get(r.key)
-                if name is None:
-                    continue
-                savers.setdefault(name, set()).update(index[c] for c in r.consumers
-                                                      if c in index)
-            b.bgl_savers = savers if by_key else _consumers(steps)
 
     def _global_name(self, name: str, chunk: int) -> str:
         """A plan names layers within its chunk ('L0.x' of chunk 1); this rank numbers them
@@ -716,20 +559,6 @@ class Runtime:
             self.pool.close()
         if self.governor is not None:
             self.governor.close()
-
-
-def _param_keys(model: nn.Module) -> Set[int]:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    return params
-
-
-def _consumers(steps: List[Step]) -> Dict[str, Set[int]]:
-    out: Dict[str, Set[int]] = {}
-    for i, s in enumerate(steps):
-        for n in s.inputs:
-            out.setdefault(n, set()).add(i)
-    return out
 
 
 def _mib(n: Optional[int]) -> str:

@@ -3,6 +3,12 @@ users do today: torch.utils.checkpoint around every block, and
 torch.autograd.graph.save_on_cpu; plus plain PyTorch. Alternating runs, median and spread.
 
     python bench_unmodified.py --models mixtral,qwen3_moe,deepseek_v3,fused --repeats 5
+
+``--overhead``: the hook overhead with nothing to mitigate instead: plain PyTorch and bagualu
+with room for everything (its plans keep every activation), alternating, on a model ``--width``
+times wider with ``--seq``-token micro-batches; per model the median over repeats of each
+run's median CPU time per iteration, and the overhead as the median (range) of the per-pair
+ratios.
 """
 from __future__ import annotations
 
@@ -22,8 +28,14 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(u.MODELS))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--overhead", action="store_true",
+                    help="measure the hook overhead with nothing to mitigate")
+    ap.add_argument("--width", type=int, default=4, help="--overhead: model width factor")
+    ap.add_argument("--seq", type=int, default=128, help="--overhead: tokens per sequence")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.overhead:
+        return overhead(args)
     print("| model | capacity | plain | bagualu | checkpoint every block | save_on_cpu | "
           "bagualu strategies (last iteration) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -49,6 +61,35 @@ def main() -> int:
                     f"{statistics.median(v) / statistics.median(runs['plain']):.2f}x")
         print(f"| {name} | {cap / 2**20:.2f} MiB | {cell('plain')} | {cell('bagualu')} | "
               f"{cell('ckpt')} | {cell('cpu')} | {strat} |", flush=True)
+    return 0
+
+
+def overhead(args: argparse.Namespace) -> int:
+    print("| model | width x seq | plain CPU ms/iteration | bagualu keep-everything | overhead, "
+          "median (range) over pairs | bagualu strategies |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in args.models.split(","):
+        plain: List[float] = []
+        hooked: List[float] = []
+        ratios: List[float] = []
+        strat: Dict[str, int] = {}
+        for _ in range(args.repeats):
+            one: Dict[str, float] = {}
+            for k in ("plain", "bagualu"):
+                gc.collect()
+                r = u.train(name, "bagualu" if k == "bagualu" else None, capacity="8GiB",
+                            iterations=args.iterations, ep=False, width=args.width,
+                            seq=args.seq)
+                assert r["oom"] is None, r["oom"]
+                one[k] = statistics.median(r["cpu_ms"][1:])  # first: warm-up and capture
+                if k == "bagualu":
+                    strat = {s: n for s, n in r["lines"][-1]["strategies"].items() if n}
+            plain.append(one["plain"])
+            hooked.append(one["bagualu"])
+            ratios.append(100 * (one["bagualu"] / one["plain"] - 1))
+        print(f"| {name} | {args.width} x {args.seq} | {statistics.median(plain):.1f} | "
+              f"{statistics.median(hooked):.1f} | {statistics.median(ratios):+.2f}% "
+              f"({min(ratios):+.2f}% to {max(ratios):+.2f}%) | {strat} |", flush=True)
     return 0
 
 

@@ -107,30 +107,34 @@ class FusedMoE(nn.Module):
 
 
 # -- Hugging Face models from small configs ---------------------------------------------------
-def build(name: str, seed: int = 0, layers: int = 3, ep_size: int = 4) -> nn.Module:
+def build(name: str, seed: int = 0, layers: int = 3, ep_size: int = 4, width: int = 1
+          ) -> nn.Module:
     """A small model, random weights; the same seed gives the same weights (``ep_size``: the
-    plain model's own expert parallelism)."""
+    plain model's own expert parallelism; ``width``: hidden and expert sizes times this)."""
     torch.manual_seed(seed)
+    w = width
     if name == "fused":
-        return FusedMoE(layers=layers, ep_size=ep_size)
+        return FusedMoE(layers=layers, ep_size=ep_size, dim=64 * w, hidden=64 * w)
     import transformers as tf
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, num_hidden_layers=layers,
-                  attn_implementation="sdpa")
+    common = dict(vocab_size=128, hidden_size=64 * w, intermediate_size=96 * w,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_hidden_layers=layers, attn_implementation="sdpa")
     if name == "mixtral":
         cfg = tf.MixtralConfig(**common, num_local_experts=16, num_experts_per_tok=4)
         model = tf.MixtralForCausalLM(cfg)
     elif name == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(**common, num_experts=16, num_experts_per_tok=4,
-                                moe_intermediate_size=64, decoder_sparse_step=1, head_dim=16)
+                                moe_intermediate_size=64 * w, decoder_sparse_step=1,
+                                head_dim=16 * w)
         model = tf.Qwen3MoeForCausalLM(cfg)
     elif name == "deepseek_v3":
         common.update(num_key_value_heads=4, num_hidden_layers=layers + 1)
-        cfg = tf.DeepseekV3Config(**common, moe_intermediate_size=48, n_routed_experts=16,
+        cfg = tf.DeepseekV3Config(**common, moe_intermediate_size=48 * w, n_routed_experts=16,
                                   num_experts_per_tok=4, n_shared_experts=1,
                                   first_k_dense_replace=1, n_group=4, topk_group=2,
-                                  q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                                  qk_nope_head_dim=8, v_head_dim=16)
+                                  q_lora_rank=32 * w, kv_lora_rank=16 * w,
+                                  qk_rope_head_dim=8 * w, qk_nope_head_dim=8 * w,
+                                  v_head_dim=16 * w)
         model = tf.DeepseekV3ForCausalLM(cfg)
     else:
         raise ValueError(f"unknown model '{name}' (known: {', '.join(MODELS)})")
@@ -170,22 +174,29 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           micro_batches: int = 8, stages: int = 4, forced: Optional[Dict[str, str]] = None,
           governor: str = "none", spike_every: int = 4, seed: int = 0,
           checkpoint_layers: bool = False, save_on_cpu: bool = False,
-          ep: bool = True) -> Dict[str, Any]:
+          ep: bool = True, width: int = 1, seq: int = 32, device: str = "cpu"
+          ) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
     ``save_on_cpu``: torch.autograd.graph.save_on_cpu). Returns losses, gradients, bagualu's
     iteration lines and stats, and whether it ran out of memory. ``ep`` False: every expert
-    is computed here (the model exactly as plain PyTorch runs it)."""
+    is computed here (the model exactly as plain PyTorch runs it). ``width`` and ``seq``: a
+    larger model (``build``) and longer micro-batches. Per iteration: wall and CPU times
+    (``device`` "cuda": wall time after a synchronize)."""
     import bagualu
     from bagualu.schedule import one_f_one_b
-    model = build(name, seed, ep_size=4 if ep else 1)
-    xs = batches(micro_batches * iterations, spike_every=spike_every)
-    out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "times_ms": []}
-    if policy is not None:
-        bagualu.install(capacity=capacity, policy=policy, governor=governor,
+    cuda = device.startswith("cuda")
+    if policy is not None:  # first: on CUDA install() swaps the allocator before any tensor
+        bagualu.install(capacity=capacity, policy=policy, governor=governor, device=device,
                         pipeline_stages=stages, micro_batches=micro_batches,
                         log_iterations=False)
+    model = build(name, seed, ep_size=4 if ep else 1, width=width).to(device)
+    xs = [x.to(device) for x in batches(micro_batches * iterations, spike_every=spike_every,
+                                        seq=seq)]
+    out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "times_ms": [],
+                           "cpu_ms": []}
+    if policy is not None:
         bagualu.instrument(model, **(instrument_kwargs(name) if ep else {}))
         if forced is not None:
             bagualu.current().force_strategies(forced)
@@ -193,7 +204,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
         _checkpoint_blocks(model)
     try:
         for it in range(iterations):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             model.zero_grad(set_to_none=True)  # gradients only: the weights stay
             losses: Dict[int, torch.Tensor] = {}
             if policy is not None:
@@ -220,7 +231,10 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
                     out["losses"].append(float(losses.pop(b).detach()))
             if policy is not None:
                 out["lines"].append(bagualu.end_iteration())
+            if cuda:
+                torch.cuda.synchronize()
             out["times_ms"].append((time.perf_counter() - t0) * 1e3)
+            out["cpu_ms"].append((time.process_time() - c0) * 1e3)
     except bagualu.OutOfMemoryError as e:
         out["oom"] = str(e)
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()
@@ -230,6 +244,28 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
         out["description"] = bagualu.current().description
         out["accuracy"] = list(bagualu.current().accuracy)  # (load, predicted, captured)
         bagualu.uninstall()
+    return out
+
+
+def mixed_strategies(name: str, with_fp8: bool) -> Dict[str, str]:
+    """All four strategies in one layer of ``name``: attention and norms recomputed,
+    projections and the experts offloaded, the expert activation in FP8 (or recomputed)."""
+    from bagualu import discover
+    out = {}
+    kinds = discover.find(build(name)).kinds
+    fp8_kind = "expert_activation" if "expert_activation" in kinds.values() else "expert_linear"
+    for op, kind in kinds.items():
+        if with_fp8 and kind == fp8_kind:
+            out[op] = "fp8"
+            continue
+        if kind in ("attention", "norm", "shared_activation"):
+            out[op] = "recompute"
+        elif kind in ("linear", "expert_linear", "shared_linear"):
+            out[op] = "offload"
+        elif kind == "expert_activation":
+            out[op] = "fp8" if with_fp8 else "recompute"
+        elif op == discover.BLOCK_OP and name == "fused":
+            out[op] = "recompute"  # the block's own code has the dropout
     return out
 
 
