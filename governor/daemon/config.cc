@@ -36,6 +36,7 @@ const std::vector<std::string>& ConfigKeys() {
       "listen",          "tcp_listen",          "socket_mode",          "socket_group",
       "admin_group",     "metrics_address",     "metrics_port",         "max_sessions",
       "max_sessions_per_uid", "max_model_json_bytes", "max_snapshot_json_bytes",
+      "max_json_depth", "max_operators_per_layer", "max_layers_per_chunk", "plan_timeout_ms",
       "reap_interval_ms", "drain_timeout_ms",   "log_level"};
   return keys;
 }
@@ -73,6 +74,14 @@ Status ApplyConfigValue(const std::string& key, const std::string& value, Daemon
     return set_int(c.limits.max_model_json_bytes, 1024, int64_t{64} << 20);
   } else if (key == "max_snapshot_json_bytes") {
     return set_int(c.limits.max_snapshot_json_bytes, 0, int64_t{24} << 20);
+  } else if (key == "max_json_depth") {
+    return set_int(c.limits.max_json_depth, 8, 1000);
+  } else if (key == "max_operators_per_layer") {
+    return set_int(c.limits.max_operators_per_layer, 16, 4096);
+  } else if (key == "max_layers_per_chunk") {
+    return set_int(c.limits.max_layers_per_chunk, 1, 256);
+  } else if (key == "plan_timeout_ms") {
+    return set_int(c.limits.plan_timeout_ms, 10, 600000);
   } else if (key == "reap_interval_ms") {
     return set_int(c.reap_interval_ms, 10, 3600000);
   } else if (key == "drain_timeout_ms") {

@@ -38,6 +38,7 @@ const char* kUsage =
     "Configuration: YAML file, then BGL_GOVERNOR_<KEY> environment variables, then flags.\n"
     "Keys: listen tcp_listen socket_mode socket_group admin_group metrics_address metrics_port\n"
     "      max_sessions max_sessions_per_uid max_model_json_bytes max_snapshot_json_bytes\n"
+    "      max_json_depth max_operators_per_layer max_layers_per_chunk plan_timeout_ms\n"
     "      reap_interval_ms drain_timeout_ms log_level\n";
 
 struct Flags {
@@ -258,6 +259,8 @@ int Run(int argc, char** argv) {
   health->SetServingStatus(false);
   (*listener)->Stop();
   service.BeginShutdown();
+  // Plans in progress end at their next deadline check instead of holding the drain.
+  core.CancelPlans();
   // gRPC's Shutdown waits until every connection has closed, so one idle client would hold the
   // drain to its deadline. In-flight unary calls take milliseconds: after a short grace the
   // remaining connections are shut down from our side.

@@ -62,6 +62,8 @@ grpc::Status CheckNonNegative(int64_t v, const char* field) {
 GovernorCore::GovernorCore(Metrics* metrics, RequestLimits limits)
     : metrics_(metrics), limits_(limits) {}
 
+void GovernorCore::CancelPlans() { stopping_.store(true); }
+
 void GovernorCore::SetLimits(const RequestLimits& limits) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   limits_ = limits;
@@ -181,6 +183,7 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
   }
   Result<plan::Plan> result = Status();
   std::optional<int64_t> bytes_in_use;
+  plan::CacheCounters cache;
   if (req.has_gate()) {
     const pb::GateObservation& g = req.gate();
     if (g.micro_batch() < 0) return Reject("Plan", Invalid("gate.micro_batch: must be >= 0"));
@@ -191,21 +194,35 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
       return Reject("Plan", Invalid("gate.observed_load_factor: must be in (0, 64], got " +
                                     std::to_string(r)));
     }
-    std::lock_guard<std::mutex> lock(session->mu);
-    result = session->planner->PlanAfterGate(g.micro_batch(), g.chunk(), g.gate_layer(), r);
-    if (!result.ok()) return Reject("Plan", GateError(result.status()));
+    std::lock_guard<std::mutex> lock(session->planner_mu);
+    const plan::Deadline deadline(limits().plan_timeout_ms, &stopping_);
+    result =
+        session->planner->PlanAfterGate(g.micro_batch(), g.chunk(), g.gate_layer(), r, deadline);
+    if (!result.ok()) {
+      // The deadline's refusals name plan_timeout_ms, not a gate field.
+      const bgl::StatusCode code = result.status().code();
+      const bool deadline_ended =
+          code == bgl::StatusCode::kResourceExhausted || code == bgl::StatusCode::kUnavailable;
+      return Reject("Plan",
+                    deadline_ended ? ToGrpcStatus(result.status()) : GateError(result.status()));
+    }
+    cache = session->planner->cache_stats().mitigation;
   } else {
     auto point = PointFromProto(req);
     if (!point.ok()) return Reject("Plan", ToGrpcStatus(point.status()));
     if (point->bytes_in_use >= 0) bytes_in_use = point->bytes_in_use;
-    std::lock_guard<std::mutex> lock(session->mu);
-    result = session->planner->PlanPoint(*point);
+    // The planner's lock only: Watch and the housekeeping thread read the figures under `mu`.
+    std::lock_guard<std::mutex> lock(session->planner_mu);
+    result =
+        session->planner->PlanPoint(*point, plan::Deadline(limits().plan_timeout_ms, &stopping_));
     if (!result.ok()) return Reject("Plan", ToGrpcStatus(result.status()));
+    cache = session->planner->cache_stats().mitigation;
   }
   const plan::Plan& p = *result;
   {
     std::lock_guard<std::mutex> lock(session->mu);
     session->plans++;
+    session->plan_cache = cache;
     session->budget_bytes = p.budget_bytes;
     session->load_factor = p.load_factor;
     if (bytes_in_use) session->in_use_bytes = *bytes_in_use;
@@ -257,20 +274,25 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
     return Reject("Report", Invalid("allocator_snapshot_json: not valid JSON"));
   }
   int64_t ooms_delta = 0;
+  double planner_used = 0;
   {
-    std::lock_guard<std::mutex> lock(session->mu);
+    std::lock_guard<std::mutex> lock(session->planner_mu);
     Status s = session->planner->Report(req.micro_batch(), req.chunk(), req.actual_bytes());
     if (!s.ok()) return Reject("Report", ToGrpcStatus(s));
+    planner_used = session->planner->used_bytes();
+  }
+  {
+    std::lock_guard<std::mutex> lock(session->mu);
     if (req.has_stats()) {
       ooms_delta = st.ooms_avoided() - session->ooms_avoided;
       session->in_use_bytes = st.allocated_bytes();
       session->reserved_bytes = st.reserved_bytes();
-      session->peak_bytes = std::max({session->peak_bytes, st.peak_allocated_bytes(),
-                                      st.allocated_bytes()});
+      session->peak_bytes =
+          std::max({session->peak_bytes, st.peak_allocated_bytes(), st.allocated_bytes()});
       session->ooms_avoided = st.ooms_avoided();
       session->oom_count = st.oom_count();
     } else {
-      session->in_use_bytes = static_cast<int64_t>(session->planner->used_bytes());
+      session->in_use_bytes = static_cast<int64_t>(planner_used);
       session->peak_bytes = std::max(session->peak_bytes, session->in_use_bytes);
     }
     if (!req.allocator_snapshot_json().empty()) {
@@ -383,14 +405,14 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
     row->set_ooms_avoided(s->ooms_avoided);
     row->set_oom_count(s->oom_count);
     row->set_plans(s->plans);
-    const plan::PlannerCacheStats cache = s->planner->cache_stats();
+    const plan::CacheCounters& cache = s->plan_cache;
     gpu->set_capacity_bytes(std::max(gpu->capacity_bytes(), s->capacity_bytes));
     gpu->set_in_use_bytes(gpu->in_use_bytes() + s->in_use_bytes);
     gpu->set_reserved_bytes(gpu->reserved_bytes() + s->reserved_bytes);
     gpu->set_budget_bytes(gpu->budget_bytes() + s->budget_bytes);
     gpu->set_load_factor(std::max(gpu->load_factor(), s->load_factor));
-    gpu->set_plan_cache_hits(gpu->plan_cache_hits() + cache.mitigation.hits);
-    gpu->set_plan_cache_misses(gpu->plan_cache_misses() + cache.mitigation.misses);
+    gpu->set_plan_cache_hits(gpu->plan_cache_hits() + cache.hits);
+    gpu->set_plan_cache_misses(gpu->plan_cache_misses() + cache.misses);
     gpu->set_ooms_avoided(gpu->ooms_avoided() + s->ooms_avoided);
   }
 }
@@ -428,9 +450,9 @@ void GovernorCore::PublishMetrics() {
   pb::WatchResponse sample;
   Sample(all, &sample);
   for (const pb::GpuState& g : sample.gpus()) {
-    metrics_->SetGpu(g.gpu_index(), g.gpu_uuid(),
-                     GpuFigures{g.capacity_bytes(), g.in_use_bytes(), g.reserved_bytes(),
-                                g.budget_bytes()});
+    metrics_->SetGpu(
+        g.gpu_index(), g.gpu_uuid(),
+        GpuFigures{g.capacity_bytes(), g.in_use_bytes(), g.reserved_bytes(), g.budget_bytes()});
   }
   metrics_->SetSessions(session_count());
 }

@@ -5,6 +5,7 @@
 
 #include <grpcpp/support/status.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <shared_mutex>
@@ -27,6 +28,9 @@ class GovernorCore {
   // Limits can change at run time (SIGHUP); existing sessions are kept.
   void SetLimits(const RequestLimits& limits);
   RequestLimits limits() const;
+  // Draining: plans in progress stop at their next deadline check (UNAVAILABLE) and new ones
+  // are refused the same way, so SIGTERM never waits for a long plan. Any thread; irreversible.
+  void CancelPlans();
 
   grpc::Status Register(const Caller& caller, const bagualu::v1::RegisterRequest& req,
                         bagualu::v1::RegisterResponse* resp);
@@ -60,7 +64,8 @@ class GovernorCore {
   bool Visible(const Caller& caller, const Session& s) const;
 
   Metrics* metrics_;
-  mutable std::shared_mutex mu_;  // guards sessions_ and limits_
+  std::atomic<bool> stopping_{false};  // set by CancelPlans; read by every plan's Deadline
+  mutable std::shared_mutex mu_;       // guards sessions_ and limits_
   RequestLimits limits_;
   std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
 };

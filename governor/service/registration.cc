@@ -13,19 +13,18 @@ namespace pb = bagualu::v1;
 
 Status Exhausted(std::string msg) { return {StatusCode::kResourceExhausted, std::move(msg)}; }
 
-// Zero means "keep the profile's"; anything else must be finite and positive and not absurd.
-Status CheckSpeed(double v, const std::string& field, double max) {
+// Zero means "keep the profile's"; anything else must lie in the planner's range for `key`
+// (hardware.h), so subnormals and absurd speeds never reach the cost model.
+Status CheckSpeed(double v, const std::string& field, const char* key) {
   if (v == 0) return OkStatus();
-  if (!std::isfinite(v) || v < 0 || v > max) {
-    return InvalidArgument(field + ": must be 0 (keep) or in (0, " + std::to_string(max) +
-                           "], got " + std::to_string(v));
-  }
-  return OkStatus();
+  Status s = plan::CheckCalibrationValue(key, v, field);
+  return s.ok() ? s : InvalidArgument(s.message() + " (or 0 to keep the profile's)");
 }
 
 Status CheckRoofline(const pb::Roofline& r, const std::string& field) {
-  BGL_RETURN_IF_ERROR(CheckSpeed(r.launch_floor_us(), field + ".launch_floor_us", 1e6));
-  return CheckSpeed(r.peak_gbps(), field + ".peak_gbps", 1e6);
+  BGL_RETURN_IF_ERROR(
+      CheckSpeed(r.launch_floor_us(), field + ".launch_floor_us", "launch_floor_us"));
+  return CheckSpeed(r.peak_gbps(), field + ".peak_gbps", "peak_GBps");
 }
 
 void AddRoofline(const pb::Roofline& r, const char* name, nlohmann::json& doc) {
@@ -35,7 +34,8 @@ void AddRoofline(const pb::Roofline& r, const char* name, nlohmann::json& doc) {
   if (!roof.empty()) doc["rooflines"][name] = roof;
 }
 
-Status CheckModelBounds(const plan::ModelConfig& c, const ModelBounds& b) {
+Status CheckModelBounds(const plan::ModelConfig& c, const ModelBounds& b,
+                        const RequestLimits& limits) {
   auto check = [](int64_t v, int64_t max, const char* field) -> Status {
     if (v > max) {
       return InvalidArgument(std::string("model_json.") + field + ": " + std::to_string(v) +
@@ -65,9 +65,27 @@ Status CheckModelBounds(const plan::ModelConfig& c, const ModelBounds& b) {
   if (c.pp > 0 && c.layers % c.pp == 0) {
     const int64_t per_rank = c.layers / c.pp;
     const int64_t per_chunk = c.vp_layers > 0 ? c.vp_layers : per_rank;
-    BGL_RETURN_IF_ERROR(check(per_chunk, b.max_layers_per_chunk, "layers"));
+    if (per_chunk > limits.max_layers_per_chunk) {
+      return InvalidArgument("model_json.layers: " + std::to_string(per_chunk) +
+                             " layers per chunk exceed the daemon's limit " +
+                             std::to_string(limits.max_layers_per_chunk) +
+                             " (max_layers_per_chunk)");
+    }
     if (c.vp_layers > 0 && per_rank % c.vp_layers == 0) {
       BGL_RETURN_IF_ERROR(check(per_rank / c.vp_layers, b.max_micro_batches, "vp"));
+    }
+  }
+  if (c.layer_graph && c.layer_graph->is_object()) {
+    // Counted before the graph is built: a large graph makes every plan slow.
+    const int64_t max_ops = limits.max_operators_per_layer;
+    for (auto [key, max] : {std::pair{"operators", max_ops}, {"tensors", 4 * max_ops}}) {
+      const auto it = c.layer_graph->find(key);
+      if (it != c.layer_graph->end() && it->is_array() && static_cast<int64_t>(it->size()) > max) {
+        return InvalidArgument(std::string("model_json.layer_graph.") + key + ": " +
+                               std::to_string(it->size()) +
+                               " per layer exceed the daemon's limit " + std::to_string(max) +
+                               " (max_operators_per_layer" + (max == max_ops ? "" : " x 4") + ")");
+      }
     }
   }
   if (c.MicroBatches() > b.max_micro_batches) {
@@ -124,14 +142,18 @@ Status ValidateRegisterRequest(const pb::RegisterRequest& req, const RequestLimi
                      " bytes exceed the limit of " + std::to_string(limits.max_model_json_bytes));
   }
   if (req.model_json().empty()) return InvalidArgument("model_json: required");
+  // A linear scan before any parser or copy recurses over the document.
+  BGL_RETURN_IF_ERROR(
+      plan::CheckJsonNesting(req.model_json(), limits.max_json_depth, "model_json"));
   const pb::Calibration& cal = req.calibration();
   BGL_RETURN_IF_ERROR(CheckStringField(cal.gpu_profile(), "calibration.gpu_profile", 64, false));
   BGL_RETURN_IF_ERROR(CheckRoofline(cal.offload(), "calibration.offload"));
   BGL_RETURN_IF_ERROR(CheckRoofline(cal.reload(), "calibration.reload"));
   BGL_RETURN_IF_ERROR(CheckRoofline(cal.fp8_cast(), "calibration.fp8_cast"));
-  BGL_RETURN_IF_ERROR(CheckSpeed(cal.peak_tflops(), "calibration.peak_tflops", 1e6));
-  BGL_RETURN_IF_ERROR(CheckSpeed(cal.matmul_efficiency(), "calibration.matmul_efficiency", 1.0));
-  BGL_RETURN_IF_ERROR(CheckSpeed(cal.hbm_gbps(), "calibration.hbm_gbps", 1e6));
+  BGL_RETURN_IF_ERROR(CheckSpeed(cal.peak_tflops(), "calibration.peak_tflops", "peak_tflops"));
+  BGL_RETURN_IF_ERROR(
+      CheckSpeed(cal.matmul_efficiency(), "calibration.matmul_efficiency", "matmul_efficiency"));
+  BGL_RETURN_IF_ERROR(CheckSpeed(cal.hbm_gbps(), "calibration.hbm_gbps", "hbm_GBps"));
   return OkStatus();
 }
 
@@ -144,7 +166,7 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(const pb::R
   if (!doc.is_object()) return InvalidArgument("model_json: must be a JSON object");
   Result<plan::ModelConfig> config = [&]() -> Result<plan::ModelConfig> {
     try {
-      return plan::ModelConfigFromJson(doc, "model_json");
+      return plan::ModelConfigFromJson(doc, "model_json", limits.max_json_depth);
     } catch (const std::exception& e) {
       return InvalidArgument(std::string("model_json: ") + e.what());
     }
@@ -153,7 +175,7 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(const pb::R
     const std::string& m = config.status().message();
     return InvalidArgument(m.rfind("model_json", 0) == 0 ? m : "model_json: " + m);
   }
-  BGL_RETURN_IF_ERROR(CheckModelBounds(*config, bounds));
+  BGL_RETURN_IF_ERROR(CheckModelBounds(*config, bounds, limits));
   if (req.pipeline_rank() >= config->pp) {
     return InvalidArgument("pipeline_rank: " + std::to_string(req.pipeline_rank()) +
                            " is outside [0, pp=" + std::to_string(config->pp) + ")");

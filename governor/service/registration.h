@@ -12,19 +12,24 @@
 
 namespace bgl::gov {
 
-// Size limits on requests; exceeding one is RESOURCE_EXHAUSTED, not INVALID_ARGUMENT.
+// Limits on requests, set from the daemon's configuration (docs/operations.md). Exceeding a size
+// or count is RESOURCE_EXHAUSTED; a model nested too deep, or with more operators or layers than
+// allowed, is INVALID_ARGUMENT naming the field. A plain value: copied under GovernorCore's lock.
 struct RequestLimits {
   size_t max_model_json_bytes = size_t{4} << 20;
   size_t max_snapshot_json_bytes = size_t{16} << 20;
   size_t max_string_bytes = 256;  // gpu_uuid, job_id, session ids
   int max_sessions_per_uid = 64;
   int max_sessions = 4096;
+  int max_json_depth = plan::kDefaultMaxJsonDepth;  // arrays/objects, scanned before parsing
+  int max_operators_per_layer = 256;                // layer_graph operators (tensors: 4x)
+  int max_layers_per_chunk = 16;                    // layers one planner holds
+  int plan_timeout_ms = 2000;                       // one Plan call's planning time
 };
 
 // Upper bounds on model fields that keep one session's planner small (the planner itself only
 // checks consistency). Violations are INVALID_ARGUMENT naming "model_json.<field>".
 struct ModelBounds {
-  int64_t max_layers_per_chunk = 16;
   int64_t max_micro_batches = 1024;
   int64_t max_dimension = int64_t{1} << 20;  // hidden, moe_hidden, seq_len, heads...
   int64_t max_experts = 1 << 16;

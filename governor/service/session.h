@@ -1,5 +1,7 @@
 // Session: one training process's planning state in the daemon: its StagePlanner (not
-// thread-safe, so every use holds `mu`) and the figures Watch and the metrics show.
+// thread-safe, so every use holds `planner_mu`) and the figures Watch and the metrics show
+// (under `mu`). Lock order: planner_mu before mu. `mu` is only ever held for a copy, never while
+// planning, so Watch, the metrics and the watchdog's housekeeping never wait for a plan.
 #pragma once
 
 #include <cstdint>
@@ -14,11 +16,15 @@
 namespace bgl::gov {
 
 struct Session {
-  bagualu::v1::Session info;  // identity; immutable after registration
+  bagualu::v1::Session info;   // identity; immutable after registration
   int64_t capacity_bytes = 0;  // effective: the request's or the GPU profile's
 
-  std::mutex mu;  // guards everything below
+  // Guards the planner's mutable state; its graph, config and hardware are immutable after
+  // registration and may be read without it.
+  std::mutex planner_mu;
   std::unique_ptr<plan::StagePlanner> planner;
+
+  std::mutex mu;  // guards everything below
   int64_t in_use_bytes = 0;
   int64_t peak_bytes = 0;
   int64_t reserved_bytes = 0;
@@ -28,6 +34,7 @@ struct Session {
   int64_t ooms_avoided = 0;
   int64_t oom_count = 0;
   uint64_t plans = 0;
+  plan::CacheCounters plan_cache;  // the planner's mitigation-cache counters after its last plan
   std::string snapshot_json;
   int64_t snapshot_unix_ms = 0;
 };

@@ -53,8 +53,10 @@ TEST(Registration, BudgetStepReachesThePlanner) {
 
 TEST(Registration, BudgetStepSplitsADefaultBucket) {
   // Two budgets a few MiB apart inside one 64 MiB bucket: the default planner reuses the first
-  // plan, a planner with 1 MiB buckets plans the second budget afresh.
-  const int64_t in_use = 256 * kMiB, delta = 16 * kMiB;
+  // plan, a planner with 1 MiB buckets plans the second budget afresh. Both budgets (about 79
+  // and 75 MiB of 7.4 GiB for activations, k = 4) are below keep-all (94 MiB): a budget that
+  // holds keep-all is planned as keep-all whatever the step, without the cache.
+  const int64_t in_use = 7300 * kMiB, delta = 16 * kMiB;
   auto coarse = CreatePlannerFromRequest(TinyRegister(0), RequestLimits{});
   ASSERT_TRUE(coarse.ok()) << coarse.status().message();
   auto [c1, c2] = PlanTwice(**coarse, in_use, delta);

@@ -1,0 +1,225 @@
+// Hostile registrations and plans against GovernorCore (issue 12, items 1 and 2): a deeply
+// nested model, subnormal calibration, oversized layer graphs and plans that would run for
+// minutes are refused with the field or the limit named; the core keeps serving other sessions,
+// and the figures Watch and the watchdog's housekeeping read never wait for a plan.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "governor/service/governor_core.h"
+#include "tests/unit/governor/tiny_model.h"
+
+namespace bgl::gov {
+namespace {
+
+namespace pb = bagualu::v1;
+using nlohmann::json;
+
+Caller User(uint32_t uid = 1000, int32_t pid = 4242) {
+  Caller c;
+  c.uid = uid;
+  c.pid = pid;
+  c.user = "u";
+  return c;
+}
+
+pb::RegisterRequest Request(const std::string& model_json, int64_t capacity = int64_t{8} << 30) {
+  pb::RegisterRequest r;
+  r.set_gpu_uuid("GPU-0");
+  r.set_model_json(model_json);
+  r.set_capacity_bytes(capacity);
+  return r;
+}
+
+// A stage whose greedy would take minutes: 200 operators per layer, 16 layers.
+std::string HeavyModel() {
+  json ops = json::array(), tensors = json::array();
+  tensors.push_back(
+      {{"name", "x"}, {"bytes", 1 << 20}, {"block_input", true}, {"consumers", {"op0"}}});
+  for (int i = 0; i < 200; ++i) {
+    const std::string name = "op" + std::to_string(i);
+    ops.push_back({{"name", name},
+                   {"kind", i % 2 ? "comm" : "linear"},
+                   {"forward_ms", 0.01 + 0.001 * (i % 7)},
+                   {"backward_ms", 0.02}});
+    if (i + 1 < 200) {
+      tensors.push_back({{"name", "t" + std::to_string(i)},
+                         {"bytes", (1 << 20) + 4096 * (i % 5)},
+                         {"producer", name},
+                         {"consumers", {"op" + std::to_string(i + 1)}}});
+    }
+  }
+  json model = {{"name", "heavy"},
+                {"layers", 16},
+                {"hidden", 64},
+                {"moe_hidden", 64},
+                {"experts", 1},
+                {"top_k", 1},
+                {"head_dim", 64},
+                {"gpus", 1},
+                {"dp", 1},
+                {"tp", 1},
+                {"ep", 1},
+                {"pp", 1},
+                {"param_bytes", 0},
+                {"grad_bytes", 0},
+                {"optimizer_bytes", 0},
+                {"workspace", 0},
+                {"safety_margin", 0.0}};
+  model["layer_graph"] = {{"operators", ops}, {"tensors", tensors}};
+  return model.dump();
+}
+
+std::string Register(GovernorCore& core, const pb::RegisterRequest& req, const Caller& caller) {
+  pb::RegisterResponse resp;
+  const grpc::Status s = core.Register(caller, req, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return resp.session_id();
+}
+
+grpc::Status PlanFirstForward(GovernorCore& core, const std::string& id, const Caller& caller) {
+  pb::PlanRequest req;
+  req.set_session_id(id);
+  req.set_forward_micro_batch(0);
+  req.set_load_factor(1.0);
+  pb::PlanResponse resp;
+  return core.Plan(caller, req, &resp);
+}
+
+TEST(GovernorHardening, DeeplyNestedModelIsRefusedAndOtherSessionsKeepPlanning) {
+  GovernorCore core;
+  const std::string tiny = Register(core, Request(testing::TinyModel()), User());
+  const std::string deep =
+      R"({"name": "x", "layer_graph": )" + std::string(80000, '[') + std::string(80000, ']') + "}";
+  pb::RegisterResponse resp;
+  const auto start = std::chrono::steady_clock::now();
+  const grpc::Status s = core.Register(User(), Request(deep), &resp);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("model_json: arrays and objects nested deeper than 64"),
+            std::string::npos)
+      << s.error_message();
+  EXPECT_LT(s.error_message().size(), 200u);
+  std::printf("deep model refused in %.2f ms\n", ms);
+  EXPECT_TRUE(PlanFirstForward(core, tiny, User()).ok());
+  EXPECT_EQ(core.session_count(), 1u);
+  // The limit is the configuration's.
+  RequestLimits limits;
+  limits.max_json_depth = 8;
+  core.SetLimits(limits);
+  const std::string nine = R"({"a": [[[[[[[[[1]]]]]]]]]})";
+  EXPECT_NE(core.Register(User(), Request(nine), &resp).error_message().find("deeper than 8"),
+            std::string::npos);
+}
+
+TEST(GovernorHardening, SubnormalCalibrationIsRefusedNamingTheField) {
+  GovernorCore core;
+  struct Case {
+    const char* field;
+    void (*set)(pb::Calibration*, double);
+  };
+  const Case cases[] = {
+      {"calibration.peak_tflops", [](pb::Calibration* c, double v) { c->set_peak_tflops(v); }},
+      {"calibration.matmul_efficiency",
+       [](pb::Calibration* c, double v) { c->set_matmul_efficiency(v); }},
+      {"calibration.hbm_gbps", [](pb::Calibration* c, double v) { c->set_hbm_gbps(v); }},
+      {"calibration.offload.peak_gbps",
+       [](pb::Calibration* c, double v) { c->mutable_offload()->set_peak_gbps(v); }},
+      {"calibration.fp8_cast.launch_floor_us",
+       [](pb::Calibration* c, double v) { c->mutable_fp8_cast()->set_launch_floor_us(v); }},
+  };
+  for (const Case& c : cases) {
+    for (double v : {5e-324, 1e-310, 1e-12}) {
+      pb::RegisterRequest req = Request(testing::TinyModel());
+      c.set(req.mutable_calibration(), v);
+      pb::RegisterResponse resp;
+      const grpc::Status s = core.Register(User(), req, &resp);
+      ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field << " = " << v;
+      EXPECT_NE(s.error_message().find(c.field), std::string::npos) << s.error_message();
+    }
+  }
+  EXPECT_EQ(core.session_count(), 0u);
+}
+
+TEST(GovernorHardening, LayerGraphsLargerThanTheLimitsAreRefused) {
+  GovernorCore core;
+  json model = json::parse(HeavyModel());
+  RequestLimits limits;
+  limits.max_operators_per_layer = 100;
+  core.SetLimits(limits);
+  pb::RegisterResponse resp;
+  grpc::Status s = core.Register(User(), Request(model.dump()), &resp);
+  ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("model_json.layer_graph.operators: 200"), std::string::npos)
+      << s.error_message();
+  EXPECT_NE(s.error_message().find("max_operators_per_layer"), std::string::npos);
+  limits = RequestLimits{};
+  limits.max_layers_per_chunk = 8;
+  core.SetLimits(limits);
+  s = core.Register(User(), Request(model.dump()), &resp);
+  ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("max_layers_per_chunk"), std::string::npos) << s.error_message();
+}
+
+TEST(GovernorHardening, PlanPastTheTimeLimitIsRefusedAndTheSessionSurvives) {
+  RequestLimits limits;
+  limits.plan_timeout_ms = 100;
+  GovernorCore core(nullptr, limits);
+  const std::string heavy = Register(core, Request(HeavyModel(), int64_t{1} << 30), User());
+  const std::string tiny = Register(core, Request(testing::TinyModel()), User(1001, 77));
+  const grpc::Status s = PlanFirstForward(core, heavy, User());
+  ASSERT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("plan_timeout_ms"), std::string::npos) << s.error_message();
+  EXPECT_TRUE(PlanFirstForward(core, tiny, User(1001, 77)).ok());
+  EXPECT_EQ(core.session_count(), 2u);
+  // The refused plan left the session's planner as it was: the same refusal again.
+  EXPECT_EQ(PlanFirstForward(core, heavy, User()).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+}
+
+TEST(GovernorHardening, WatchAndMetricsNeverWaitForARunningPlan) {
+  RequestLimits limits;
+  limits.plan_timeout_ms = 2000;
+  GovernorCore core(nullptr, limits);
+  const std::string heavy = Register(core, Request(HeavyModel(), int64_t{1} << 30), User());
+  std::atomic<bool> started{false}, done{false};
+  grpc::Status planned;
+  std::thread planner([&] {
+    started = true;
+    planned = PlanFirstForward(core, heavy, User());
+    done = true;
+  });
+  while (!started) std::this_thread::yield();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // well inside the plan
+  Caller admin;
+  admin.admin = true;
+  pb::WatchResponse sample;
+  core.Sample(admin, &sample);  // what Watch streams and the housekeeping thread run
+  core.PublishMetrics();
+  const bool plan_still_running = !done;
+  planner.join();
+  EXPECT_TRUE(plan_still_running) << "the sample waited for the plan";
+  ASSERT_EQ(sample.gpus_size(), 1);
+  EXPECT_EQ(sample.gpus(0).processes_size(), 1);
+  EXPECT_EQ(planned.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+}
+
+TEST(GovernorHardening, CancelPlansEndsARunningPlanForTheDrain) {
+  RequestLimits limits;
+  limits.plan_timeout_ms = 600000;
+  GovernorCore core(nullptr, limits);
+  const std::string heavy = Register(core, Request(HeavyModel(), int64_t{1} << 30), User());
+  grpc::Status planned;
+  std::thread planner([&] { planned = PlanFirstForward(core, heavy, User()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  core.CancelPlans();
+  planner.join();
+  EXPECT_EQ(planned.error_code(), grpc::StatusCode::UNAVAILABLE) << planned.error_message();
+}
+
+}  // namespace
+}  // namespace bgl::gov
