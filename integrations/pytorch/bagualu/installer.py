@@ -78,10 +78,12 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
         pool = DevicePool(cap)
     gov = Governor(governor, deadline_s=deadline_s,
                    gpu_index=(dev.index or 0) if dev.type == "cuda" else pipeline_rank)
-    rt = runtime.Runtime(dev, cap, policy, gov, pipeline_rank, pipeline_stages, micro_batches,
-                         log_iterations, fp8_block, pool,
-                         runtime.parse_size(pinned_capacity), chunks=chunks)
-    rt.gc_freeze = gc_freeze
+    settings = runtime.Settings(
+        device=dev, capacity=cap, policy=policy, pipeline_rank=pipeline_rank,
+        pipeline_stages=pipeline_stages, micro_batches=micro_batches,
+        log_iterations=log_iterations, fp8_block=fp8_block,
+        pinned_capacity=runtime.parse_size(pinned_capacity), chunks=chunks, gc_freeze=gc_freeze)
+    rt = runtime.Runtime(settings, gov, pool)
     _active.runtime = rt
     return rt
 

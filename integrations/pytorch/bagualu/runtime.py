@@ -13,6 +13,7 @@ import os
 import pickle
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -62,25 +63,43 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-class Runtime:
-    """State of bagualu in this process (see module docstring)."""
+@dataclass(frozen=True)
+class Settings:
+    """What ``bagualu.install`` was asked for (validated there); immutable."""
 
-    def __init__(self, device: torch.device, capacity: int, policy: str, governor: Any,
-                 pipeline_rank: int, pipeline_stages: int, micro_batches: int,
-                 log_iterations: bool, fp8_block: int, pool: Any,
-                 pinned_capacity: int = 16 << 30, chunks: int = 1) -> None:
-        if chunks < 1:
-            raise ValueError(f"chunks must be at least 1, got {chunks}")
-        self.chunks = chunks
+    device: torch.device
+    capacity: int                  # bytes of activation memory
+    policy: str
+    pipeline_rank: int = 0
+    pipeline_stages: int = 1
+    micro_batches: int = 1
+    log_iterations: bool = True
+    fp8_block: int = 128
+    pinned_capacity: int = 16 << 30
+    chunks: int = 1                # local stages of an interleaved schedule
+    gc_freeze: bool = True
+
+
+class Runtime:
+    """State of bagualu in this process (see module docstring). Not thread-safe: the training
+    thread drives it (the pool's pressure callback runs on the allocating thread)."""
+
+    def __init__(self, settings: Settings, governor: Any, pool: Any) -> None:
+        if settings.chunks < 1:
+            raise ValueError(f"chunks must be at least 1, got {settings.chunks}")
+        self.settings = settings
+        device, capacity, policy = settings.device, settings.capacity, settings.policy
+        fp8_block = settings.fp8_block
+        self.chunks = settings.chunks
         self.device = device
-        self.pinned_capacity = pinned_capacity
+        self.pinned_capacity = settings.pinned_capacity
         self.capacity = capacity
         self.policy = check_policy(policy)
         self.governor = governor            # governor.Governor (remote or embedded), lazily set up
-        self.pipeline_rank = pipeline_rank
-        self.pipeline_stages = pipeline_stages
-        self.micro_batches = micro_batches
-        self.log_iterations = log_iterations
+        self.pipeline_rank = settings.pipeline_rank
+        self.pipeline_stages = settings.pipeline_stages
+        self.micro_batches = settings.micro_batches
+        self.log_iterations = settings.log_iterations
         self.pool = pool
         self._host_used = 0
         self.tracker = Tracker(self._device_alloc, self._device_free, self.strategy_of,
@@ -115,7 +134,7 @@ class Runtime:
         self.accuracy: List[Tuple[float, float, float]] = []  # (load, predicted, captured)
         self.oom_count = 0
         self.forced: Optional[Dict[str, str]] = None
-        self.gc_freeze = True
+        self.gc_freeze = settings.gc_freeze
         self._reset_iteration_stats()
 
     # -- device accounting ------------------------------------------------------------------
