@@ -1,0 +1,170 @@
+// The real bgl-governord against requests that used to take it down (issue 12, items 1 and 2):
+// an 80,000-deep model_json (SIGSEGV before) and a plan that would run for minutes while SIGTERM
+// waits for it (38 s before, against a 5 s drain).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "governor/client/remote_governor.h"
+#include "tests/integration/daemon_process.h"
+
+namespace bgl::gov {
+namespace {
+
+using testing::DaemonProcess;
+
+RemoteOptions Options(const DaemonProcess& d) {
+  RemoteOptions o;
+  o.address = d.address();
+  o.deadline = std::chrono::milliseconds(500);
+  return o;
+}
+
+Registration Tiny() {
+  Registration reg;
+  reg.gpu_uuid = "host-0";
+  reg.model_json = testing::TinyModelJson();
+  reg.capacity_bytes = int64_t{8} << 30;
+  return reg;
+}
+
+// A stage whose greedy would run for minutes: 200 operators per layer, 16 layers.
+std::string HeavyModel() {
+  nlohmann::json ops = nlohmann::json::array(), tensors = nlohmann::json::array();
+  tensors.push_back(
+      {{"name", "x"}, {"bytes", 1 << 20}, {"block_input", true}, {"consumers", {"op0"}}});
+  for (int i = 0; i < 200; ++i) {
+    const std::string name = "op" + std::to_string(i);
+    ops.push_back({{"name", name},
+                   {"kind", i % 2 ? "comm" : "linear"},
+                   {"forward_ms", 0.01 + 0.001 * (i % 7)},
+                   {"backward_ms", 0.02}});
+    if (i + 1 < 200) {
+      tensors.push_back({{"name", "t" + std::to_string(i)},
+                         {"bytes", (1 << 20) + 4096 * (i % 5)},
+                         {"producer", name},
+                         {"consumers", {"op" + std::to_string(i + 1)}}});
+    }
+  }
+  nlohmann::json model = nlohmann::json::parse(testing::TinyModelJson());
+  for (const char* key : {"layers", "pp", "gpus", "micro_batches", "vp"}) model.erase(key);
+  model.update({{"layers", 16},
+                {"pp", 1},
+                {"gpus", 1},
+                {"workspace", 0},
+                {"param_bytes", 0},
+                {"grad_bytes", 0},
+                {"optimizer_bytes", 0}});
+  model["layer_graph"] = {{"operators", ops}, {"tensors", tensors}};
+  return model.dump();
+}
+
+// Sends SIGTERM and waits up to `limit_ms` for the daemon to exit (without reaping it); then
+// reaps it (or kills it if it hung) and returns its exit status, -2 if it hung.
+int StopWithin(DaemonProcess& daemon, int limit_ms) {
+  daemon.Signal(SIGTERM);
+  for (int waited = 0; waited < limit_ms; waited += 10) {
+    siginfo_t info{};
+    if (waitid(P_PID, daemon.pid(), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == daemon.pid()) {
+      return daemon.Stop();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  daemon.Kill();
+  return -2;
+}
+
+plan::SchedulePoint Forward0() {
+  plan::SchedulePoint p;
+  p.forward_micro_batch = 0;
+  return p;
+}
+
+TEST(PlannerLimitsDaemon, DeeplyNestedModelIsRefusedAndSessionsSurvive) {
+  DaemonProcess daemon;
+  ASSERT_TRUE(daemon.Start()) << testing::ReadFile(daemon.dir() + "/daemon.log");
+  RemoteGovernor gov(Options(daemon));
+  auto tiny = gov.Register(Tiny());
+  ASSERT_TRUE(tiny.ok()) << tiny.status().message();
+
+  Registration deep = Tiny();
+  deep.model_json =
+      R"({"name": "x", "layer_graph": )" + std::string(80000, '[') + std::string(80000, ']') + "}";
+  const auto start = std::chrono::steady_clock::now();
+  auto refused = gov.Register(deep);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("nested deeper than 64 levels"), std::string::npos)
+      << refused.status().message();
+  std::printf("80,000-deep model_json (160 KB) refused in %.1f ms\n", ms);
+
+  // The daemon is alive and still has the first session.
+  EXPECT_EQ(kill(daemon.pid(), 0), 0);
+  EXPECT_TRUE(gov.Health().ok());
+  auto plan = gov.Plan(tiny->session_id, Forward0());
+  EXPECT_TRUE(plan.ok()) << plan.status().message();
+}
+
+TEST(PlannerLimitsDaemon, SubnormalCalibrationIsRefusedNamingTheField) {
+  DaemonProcess daemon;
+  ASSERT_TRUE(daemon.Start()) << testing::ReadFile(daemon.dir() + "/daemon.log");
+  RemoteGovernor gov(Options(daemon));
+  Registration reg = Tiny();
+  reg.calibration.set_peak_tflops(5e-324);
+  auto refused = gov.Register(reg);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("calibration.peak_tflops"), std::string::npos)
+      << refused.status().message();
+}
+
+TEST(PlannerLimitsDaemon, PlanPastItsLimitIsRefused) {
+  DaemonProcess daemon({"--plan-timeout-ms", "200"});
+  ASSERT_TRUE(daemon.Start()) << testing::ReadFile(daemon.dir() + "/daemon.log");
+  RemoteOptions options = Options(daemon);
+  options.deadline = std::chrono::seconds(30);
+  RemoteGovernor gov(options);
+  Registration heavy = Tiny();
+  heavy.model_json = HeavyModel();
+  heavy.capacity_bytes = int64_t{1} << 30;
+  auto info = gov.Register(heavy);
+  ASSERT_TRUE(info.ok()) << info.status().message();
+  auto plan = gov.Plan(info->session_id, Forward0());
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(plan.status().message().find("plan_timeout_ms"), std::string::npos)
+      << plan.status().message();
+  EXPECT_TRUE(gov.Health().ok());
+}
+
+TEST(PlannerLimitsDaemon, SigtermDrainsWithinItsTimeWhileAPlanRuns) {
+  // A plan limit far beyond the drain: only the drain's cancellation can end the plan in time.
+  DaemonProcess daemon({"--plan-timeout-ms", "600000", "--drain-timeout-ms", "1000"});
+  ASSERT_TRUE(daemon.Start()) << testing::ReadFile(daemon.dir() + "/daemon.log");
+  RemoteOptions options = Options(daemon);
+  options.deadline = std::chrono::seconds(60);
+  RemoteGovernor gov(options);
+  Registration heavy = Tiny();
+  heavy.model_json = HeavyModel();
+  heavy.capacity_bytes = int64_t{1} << 30;
+  auto info = gov.Register(heavy);
+  ASSERT_TRUE(info.ok()) << info.status().message();
+  Result<plan::Plan> plan = Status();
+  std::thread client([&] { plan = gov.Plan(info->session_id, Forward0()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the plan is running
+  // Generous against a 1 s drain (sanitizer builds are slow), far below the minutes the plan
+  // would take: a daemon that waited for it is killed and reported as hung (-2).
+  const int status = StopWithin(daemon, 10000);
+  client.join();
+  EXPECT_EQ(status, 0) << testing::ReadFile(daemon.dir() + "/daemon.log");
+  EXPECT_FALSE(plan.ok());
+}
+
+}  // namespace
+}  // namespace bgl::gov
