@@ -10,8 +10,8 @@
 namespace bgl::gov {
 namespace {
 
-Result<int64_t> ParseInt(const std::string& key, const std::string& value, int64_t lo,
-                         int64_t hi, int base = 10) {
+Result<int64_t> ParseInt(const std::string& key, const std::string& value, int64_t lo, int64_t hi,
+                         int base = 10) {
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(value.c_str(), &end, base);
@@ -32,12 +32,26 @@ std::string EnvName(const std::string& key) {
 }  // namespace
 
 const std::vector<std::string>& ConfigKeys() {
-  static const std::vector<std::string> keys = {
-      "listen",          "tcp_listen",          "socket_mode",          "socket_group",
-      "admin_group",     "metrics_address",     "metrics_port",         "max_sessions",
-      "max_sessions_per_uid", "max_model_json_bytes", "max_snapshot_json_bytes",
-      "max_json_depth", "max_operators_per_layer", "max_layers_per_chunk", "plan_timeout_ms",
-      "reap_interval_ms", "drain_timeout_ms",   "log_level"};
+  static const std::vector<std::string> keys = {"listen",
+                                                "tcp_listen",
+                                                "socket_mode",
+                                                "socket_group",
+                                                "admin_group",
+                                                "metrics_address",
+                                                "metrics_port",
+                                                "max_sessions",
+                                                "max_sessions_per_uid",
+                                                "max_model_json_bytes",
+                                                "max_snapshot_json_bytes",
+                                                "max_json_depth",
+                                                "max_operators_per_layer",
+                                                "max_layers_per_chunk",
+                                                "plan_timeout_ms",
+                                                "reap_interval_ms",
+                                                "drain_timeout_ms",
+                                                "log_level",
+                                                "max_watch_streams",
+                                                "max_watch_streams_per_uid"};
   return keys;
 }
 
@@ -82,6 +96,10 @@ Status ApplyConfigValue(const std::string& key, const std::string& value, Daemon
     return set_int(c.limits.max_layers_per_chunk, 1, 256);
   } else if (key == "plan_timeout_ms") {
     return set_int(c.limits.plan_timeout_ms, 10, 600000);
+  } else if (key == "max_watch_streams") {
+    return set_int(c.max_watch_streams, 1, 4096);
+  } else if (key == "max_watch_streams_per_uid") {
+    return set_int(c.max_watch_streams_per_uid, 1, 4096);
   } else if (key == "reap_interval_ms") {
     return set_int(c.reap_interval_ms, 10, 3600000);
   } else if (key == "drain_timeout_ms") {
@@ -107,16 +125,21 @@ Result<DaemonConfig> LoadDaemonConfig(const std::string& file, const ConfigOverr
     } catch (const std::exception& e) {
       return InvalidArgument("config '" + file + "': " + e.what());
     }
-    if (doc && !doc.IsNull()) {
-      if (!doc.IsMap()) return InvalidArgument("config '" + file + "': must be a mapping");
-      for (const auto& item : doc) {
-        const std::string key = item.first.as<std::string>();
-        if (!item.second.IsScalar()) {
-          return InvalidArgument("config '" + file + "': " + key + ": must be a scalar");
-        }
-        Status s = ApplyConfigValue(key, item.second.as<std::string>(), config);
-        if (!s.ok()) return InvalidArgument("config '" + file + "': " + s.message());
+    // An empty file (or one of comments only) parses as nothing; taken as is it would reset
+    // every setting to its default, which on SIGHUP is almost always a truncated write.
+    if (!doc || doc.IsNull()) {
+      return InvalidArgument("config '" + file +
+                             "': the file is empty (no settings); refusing it, since it would "
+                             "reset every setting to its default (omit --config for defaults)");
+    }
+    if (!doc.IsMap()) return InvalidArgument("config '" + file + "': must be a mapping");
+    for (const auto& item : doc) {
+      const std::string key = item.first.as<std::string>();
+      if (!item.second.IsScalar()) {
+        return InvalidArgument("config '" + file + "': " + key + ": must be a scalar");
       }
+      Status s = ApplyConfigValue(key, item.second.as<std::string>(), config);
+      if (!s.ok()) return InvalidArgument("config '" + file + "': " + s.message());
     }
   }
   for (const std::string& key : ConfigKeys()) {

@@ -23,6 +23,8 @@ struct DaemonConfig {
   std::string metrics_address = "0.0.0.0";
   int metrics_port = 9478;   // 0: no metrics endpoint
   RequestLimits limits;
+  int max_watch_streams = 64;         // concurrent Watch streams in total (each holds a thread)
+  int max_watch_streams_per_uid = 8;  // ... per caller uid
   int reap_interval_ms = 2000;
   int drain_timeout_ms = 5000;
   std::string log_level = "info";  // debug, info, warning, error

@@ -8,6 +8,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <prometheus/exposer.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -39,7 +40,8 @@ const char* kUsage =
     "Keys: listen tcp_listen socket_mode socket_group admin_group metrics_address metrics_port\n"
     "      max_sessions max_sessions_per_uid max_model_json_bytes max_snapshot_json_bytes\n"
     "      max_json_depth max_operators_per_layer max_layers_per_chunk plan_timeout_ms\n"
-    "      reap_interval_ms drain_timeout_ms log_level\n";
+    "      max_watch_streams max_watch_streams_per_uid reap_interval_ms drain_timeout_ms\n"
+    "      log_level\n";
 
 struct Flags {
   std::string config_file;
@@ -174,6 +176,7 @@ int Run(int argc, char** argv) {
   PeerRegistry peers;
   GovernorService service(&core, &peers);
   service.SetAdminGroup(admin_gid);
+  service.SetWatchLimits({config->max_watch_streams, config->max_watch_streams_per_uid});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -238,6 +241,7 @@ int Run(int argc, char** argv) {
             "reload failed: admin_group: no such group '" + fresh->admin_group + "'");
       } else {
         core.SetLimits(fresh->limits);
+        service.SetWatchLimits({fresh->max_watch_streams, fresh->max_watch_streams_per_uid});
         service.SetAdminGroup(gid);
         reap_interval_ms.store(fresh->reap_interval_ms);
         SetLogLevel(fresh->log_level);
@@ -273,6 +277,14 @@ int Run(int argc, char** argv) {
   disconnect.join();
   housekeeper.reset();
   Log(LogLevel::kInfo, "stopped");
+  // gRPC's own teardown (~Server) can wait up to 10 s for a backup poller that a write blocked
+  // on a client that stopped reading (a Watch stream) started. Nothing is left to save, so it
+  // gets 2 s; past that the process ends at once.
+  std::thread([] {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    std::fflush(nullptr);
+    _exit(0);
+  }).detach();
   return 0;
 }
 

@@ -42,8 +42,8 @@ DaemonProcess::~DaemonProcess() {
 }
 
 bool DaemonProcess::Start() {
-  std::vector<std::string> args = {BGL_GOVERNORD, "--listen", address_, "--metrics-port", "0",
-                                   "--drain-timeout-ms", "1000"};
+  std::vector<std::string> args = {BGL_GOVERNORD, "--listen",           address_, "--metrics-port",
+                                   "0",           "--drain-timeout-ms", "1000"};
   args.insert(args.end(), extra_.begin(), extra_.end());
   const std::string log = dir_ + "/daemon.log";
   pid_ = fork();
@@ -107,6 +107,43 @@ int DaemonProcess::Stop() {
   pid_ = -1;
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
+
+int DaemonProcess::StopWithin(int limit_ms) {
+  if (pid_ <= 0) return -1;
+  kill(pid_, SIGTERM);
+  int status = 0;
+  for (int waited = 0; waitpid(pid_, &status, WNOHANG) != pid_; waited += 10) {
+    if (waited >= limit_ms) {
+      Kill();
+      return -2;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  pid_ = -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+namespace {
+
+// One "Key:   N ..." field of /proc/PID/status.
+int64_t StatusField(pid_t pid, const std::string& key) {
+  if (pid <= 0) return -1;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key + ":", 0) == 0) return std::atoll(line.c_str() + key.size() + 1);
+  }
+  return -1;
+}
+
+}  // namespace
+
+int64_t DaemonProcess::RssBytes() const {
+  const int64_t kib = StatusField(pid_, "VmRSS");
+  return kib < 0 ? -1 : kib * 1024;
+}
+
+int DaemonProcess::Threads() const { return static_cast<int>(StatusField(pid_, "Threads")); }
 
 int RunProgram(const std::vector<std::string>& args, std::string* out, int uid, int gid) {
   int pipefd[2];

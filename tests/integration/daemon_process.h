@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/types.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,11 @@ class DaemonProcess {
   void Kill();
   // Sends SIGTERM and waits; returns the exit status (-1 if it did not exit normally).
   int Stop();
+  // Like Stop, but gives up after `limit_ms`: then kills the daemon and returns -2 (it hung).
+  int StopWithin(int limit_ms);
+  // The daemon's resident set size and thread count (/proc/PID/status); -1 when unknown.
+  int64_t RssBytes() const;
+  int Threads() const;
   const std::string& address() const { return address_; }
   const std::string& dir() const { return dir_; }
   pid_t pid() const { return pid_; }
@@ -40,7 +46,6 @@ std::string ReadFile(const std::string& path);
 std::string TinyModelJson();
 // Runs `argv` (argv[0] a path), optionally as another uid/gid, capturing stdout; returns the
 // exit status (or -1).
-int RunProgram(const std::vector<std::string>& argv, std::string* out, int uid = -1,
-               int gid = -1);
+int RunProgram(const std::vector<std::string>& argv, std::string* out, int uid = -1, int gid = -1);
 
 }  // namespace bgl::gov::testing

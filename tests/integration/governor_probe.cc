@@ -2,8 +2,14 @@
 // setuid another uid). Modes:
 //   register-exit ADDR MODEL_FILE          registers and exits without unregistering
 //   intrude ADDR SESSION_ID MODEL_FILE     tries to read and change someone else's session
+//   watch ADDR N HOLD_MS                   opens N Watch streams, prints each one's status
+//                                          (OK once its first sample arrived), holds them
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "governor/client/remote_governor.h"
 #include "tests/integration/daemon_process.h"
@@ -53,6 +59,31 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::printf("session=%s\n", info->session_id.c_str());
+    return 0;
+  }
+  if (mode == "watch" && argc >= 5) {
+    const int n = std::atoi(argv[3]);
+    std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+    std::vector<std::unique_ptr<grpc::ClientReader<bagualu::v1::WatchResponse>>> readers;
+    for (int i = 0; i < n; ++i) {
+      contexts.push_back(std::make_unique<grpc::ClientContext>());
+      bagualu::v1::WatchRequest req;
+      req.set_interval_ms(50);
+      readers.push_back(gov.stub().Watch(contexts.back().get(), req));
+      bagualu::v1::WatchResponse first;
+      if (readers.back()->Read(&first)) {
+        std::printf("watch=OK\n");
+      } else {
+        grpc::Status s = readers.back()->Finish();
+        std::printf("watch=%d %s\n", static_cast<int>(s.error_code()), s.error_message().c_str());
+        readers.pop_back();
+        contexts.pop_back();
+      }
+      std::fflush(stdout);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(argv[4])));
+    for (auto& c : contexts) c->TryCancel();
+    for (auto& r : readers) r->Finish();
     return 0;
   }
   if (mode == "intrude" && argc >= 5) {
