@@ -30,7 +30,10 @@ Result<plan::Plan> EmbeddedGovernor::Plan(const std::string& session_id,
   auto session = Find(session_id);
   if (!session) return NotFound("session_id: unknown session '" + session_id + "'");
   std::lock_guard<std::mutex> lock(session->mu);
-  return session->planner->PlanPoint(point);
+  // The daemon's default plan-time limit: a plan the daemon refused as too slow must not stall
+  // the training process instead.
+  return session->planner->PlanPoint(point,
+                                     plan::Deadline(RequestLimits{}.plan_timeout_ms, nullptr));
 }
 
 Result<plan::Plan> EmbeddedGovernor::PlanAfterGate(const std::string& session_id,
@@ -39,7 +42,8 @@ Result<plan::Plan> EmbeddedGovernor::PlanAfterGate(const std::string& session_id
   if (!session) return NotFound("session_id: unknown session '" + session_id + "'");
   std::lock_guard<std::mutex> lock(session->mu);
   return session->planner->PlanAfterGate(gate.micro_batch, gate.chunk, gate.gate_layer,
-                                         gate.observed_load_factor);
+                                         gate.observed_load_factor,
+                                         plan::Deadline(RequestLimits{}.plan_timeout_ms, nullptr));
 }
 
 Status EmbeddedGovernor::Report(const std::string& session_id, const Consumption& c) {

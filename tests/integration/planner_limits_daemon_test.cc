@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "governor/client/embedded_governor.h"
 #include "governor/client/remote_governor.h"
 #include "tests/integration/daemon_process.h"
 
@@ -164,6 +165,20 @@ TEST(PlannerLimitsDaemon, SigtermDrainsWithinItsTimeWhileAPlanRuns) {
   client.join();
   EXPECT_EQ(status, 0) << testing::ReadFile(daemon.dir() + "/daemon.log");
   EXPECT_FALSE(plan.ok());
+}
+
+TEST(PlannerLimitsDaemon, EmbeddedFallbackHasTheSamePlanTimeLimit) {
+  // A plan the daemon refused as too slow must not stall the training process in its fallback.
+  EmbeddedGovernor embedded;
+  Registration heavy = Tiny();
+  heavy.model_json = HeavyModel();
+  heavy.capacity_bytes = int64_t{1} << 30;
+  auto info = embedded.Register(heavy);
+  ASSERT_TRUE(info.ok()) << info.status().message();
+  auto plan = embedded.Plan(info->session_id, Forward0());
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(plan.status().message().find("plan_timeout_ms"), std::string::npos);
 }
 
 }  // namespace
