@@ -104,8 +104,15 @@ using namespace bgl::alloc;  // NOLINT: C ABI implementation file
 extern "C" {
 
 BGL_ALLOC_API void* bgl_alloc(size_t size, int device, void* stream) {
-  // PyTorch asks for empty tensors' memory too; like its own allocator, answer null quietly.
-  if (size == 0) return nullptr;
+  // PyTorch asks for empty tensors' memory too; like its own allocator, answer null quietly
+  // (no message, no last error), but count it (num_invalid_size) as the docs say.
+  if (size == 0) {
+    if (Allocator* a = global_allocator();
+        a != nullptr && device >= 0 && device < a->device_count()) {
+      if (Pool* p = a->pool(device)) p->count_empty_request();
+    }
+    return nullptr;
+  }
   Allocator* a = global_allocator();
   return a == nullptr ? nullptr : a->allocate(size, device, stream);
 }

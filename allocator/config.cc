@@ -82,6 +82,7 @@ bool parse_size(std::string_view text, std::size_t* out) {
 }
 
 bool parse_config(std::string_view text, Config* c, std::string* error) {
+  constexpr std::size_t kMaxCapacity = std::size_t{64} << 40;
   auto bad = [&](std::string_view key, std::string_view value, std::string_view expected) {
     *error = "BGL_ALLOC_CONF: bad value '" + std::string(value) + "' for key '" + std::string(key) +
              "' (expected " + std::string(expected) + ")";
@@ -110,11 +111,14 @@ bool parse_config(std::string_view text, Config* c, std::string* error) {
       if (!parse_uint(value, &n) || n < 1 || n > 64) return bad(key, value, "an integer 1..64");
       c->devices = static_cast<int>(n);
     } else if (key == "capacity") {
-      if (!parse_size(value, &n) || n == 0) return bad(key, value, "a size such as 8GiB");
+      // 64 TiB: half of x86-64's 47-bit user address space, far above any device's memory.
+      if (!parse_size(value, &n) || n == 0 || n > kMaxCapacity) {
+        return bad(key, value, "a size such as 8GiB, at most 64TiB");
+      }
       c->capacity = n;
     } else if (key == "page_size") {
-      if (!parse_size(value, &n) || n < 4096 || (n & (n - 1)) != 0) {
-        return bad(key, value, "a power of two >= 4KiB, such as 2MiB");
+      if (!parse_size(value, &n) || n < 4096 || n > (std::size_t{1} << 30) || (n & (n - 1)) != 0) {
+        return bad(key, value, "a power of two from 4KiB to 1GiB, such as 2MiB");
       }
       c->page_size = n;
     } else if (key == "expandable") {

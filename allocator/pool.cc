@@ -466,7 +466,8 @@ Status Pool::deallocate(void* ptr, std::size_t bytes, Stream stream) {
     b = find_block_at(addr);
     std::string msg;
     Status st;
-    if (b != nullptr && b->state != BlockState::kAllocated) {
+    if ((b != nullptr && b->state != BlockState::kAllocated) ||
+        recent_frees_[recent_slot(addr)] == addr) {
       ++stats_.num_double_free;
       st = Status::kDoubleFree;
       msg = "double free of " + hex(addr) + " on device " + std::to_string(backend_->device()) +
@@ -493,6 +494,7 @@ Status Pool::deallocate(void* ptr, std::size_t bytes, Stream stream) {
     b->uses.push_back(stream);
   }
   live_.erase(addr);
+  recent_frees_[recent_slot(addr)] = addr;
   stats_.allocated_bytes.sub(static_cast<std::int64_t>(b->size));
   stats_.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
   stats_.allocations.sub(1);
@@ -757,6 +759,11 @@ void Pool::reset_peak_stats() {
                    &stats_.reserved_bytes, &stats_.allocations, &stats_.segments}) {
     g->reset_peak();
   }
+}
+
+void Pool::count_empty_request() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.num_invalid_size;
 }
 
 void Pool::count_wrong_device() {

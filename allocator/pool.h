@@ -2,6 +2,7 @@
 // stream-ordered reuse, page-granular growth on a reserved range, release under pressure).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -119,6 +120,9 @@ class Pool {
   bool is_allocated(const void* ptr) const;
   // Counts a bad-input event detected outside the pool (free naming the wrong device).
   void count_wrong_device();
+  // Counts a zero-byte request in num_invalid_size without a message (the C ABI's bgl_alloc(0):
+  // PyTorch asks for empty tensors, so it is normal there and must stay quiet).
+  void count_empty_request();
   // Block size a request of `bytes` is rounded to.
   std::size_t round_size(std::size_t bytes) const;
   std::size_t limit() const { return limit_; }
@@ -187,6 +191,12 @@ class Pool {
   Stats stats_;
   History history_;
   std::vector<Block*> spare_blocks_;
+  // Addresses freed lately, direct-mapped by address: a second free of one of them is a double
+  // free even after its block merged into a neighbour (a free on another thread at the same
+  // time), not a foreign pointer. Guarded by mu_; no allocation on the free path.
+  static constexpr std::size_t kRecentFrees = 1024;
+  std::array<std::uintptr_t, kRecentFrees> recent_frees_{};
+  static std::size_t recent_slot(std::uintptr_t addr) { return (addr >> 9) % kRecentFrees; }
 
   std::mutex cb_mu_;  // guards pressure_ (callbacks run without mu_)
   std::vector<std::pair<int, PressureCallback>> pressure_;

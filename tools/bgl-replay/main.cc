@@ -1,6 +1,8 @@
 // bgl-replay --trace FILE [--backend host] [--conf K:V,...] [--device N] [--repeat N] [--json]
 // Replays an allocation trace and prints peak live, peak reserved, their ratio, ns/op, OOMs.
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -40,11 +42,19 @@ int main(int argc, char** argv) {
       backend = value();
     else if (a == "--conf")
       conf = value();
-    else if (a == "--device")
-      device = std::atoi(value().c_str());
-    else if (a == "--repeat")
-      repeat = std::atoi(value().c_str());
-    else if (a == "--json")
+    else if (a == "--device" || a == "--repeat") {
+      const std::string v = value();
+      char* end = nullptr;
+      errno = 0;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      const long max = a == "--device" ? 63 : 1000000;
+      if (v.empty() || *end != '\0' || errno != 0 || n < (a == "--device" ? 0 : 1) || n > max) {
+        std::fprintf(stderr, "bgl-replay: %s: expected an integer in [%d, %ld], got '%s'\n",
+                     a.c_str(), a == "--device" ? 0 : 1, max, v.c_str());
+        return 2;
+      }
+      (a == "--device" ? device : repeat) = static_cast<int>(n);
+    } else if (a == "--json")
       json = true;
     else if (a == "-h" || a == "--help") {
       usage();
@@ -70,7 +80,12 @@ int main(int argc, char** argv) {
   replay::Trace trace;
   if (!replay::load_trace(trace_path, device, &trace, &error)) {
     std::fprintf(stderr, "bgl-replay: %s\n", error.c_str());
-    return 1;
+    return 2;  // bad input
+  }
+  if (trace.ops.empty()) {
+    std::fprintf(stderr, "bgl-replay: %s: no allocation events to replay (device %d)\n",
+                 trace_path.c_str(), device);
+    return 2;
   }
   replay::ReplayResult r;
   if (!replay::run_replay(trace, config, repeat, &r, &error)) {

@@ -1,5 +1,11 @@
 #include "tools/bgl-replay/trace.h"
 
+#include <sys/stat.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -32,11 +38,43 @@ class Slots {
   std::unordered_map<std::uint64_t, std::uint32_t> open_;
 };
 
-std::uint64_t to_u64(const nlohmann::json& v) {
-  if (v.is_number_unsigned()) return v.get<std::uint64_t>();
-  if (v.is_number_integer()) return static_cast<std::uint64_t>(v.get<std::int64_t>());
-  if (v.is_string()) return std::stoull(v.get<std::string>(), nullptr, 0);
-  return 0;
+// A non-negative integer: a JSON number, or a string ("0x7f00...", "4096"). False otherwise
+// (negative, fractional, too large, not a number).
+bool parse_u64(const std::string& text, std::uint64_t* out) {
+  if (text.empty() || text[0] == '-' || text[0] == '+' ||
+      std::isspace(static_cast<unsigned char>(text[0]))) {
+    return false;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(text.c_str(), &end, 0);
+  if (errno != 0 || end == text.c_str() || *end != '\0') return false;
+  *out = v;
+  return true;
+}
+
+bool to_u64(const nlohmann::json& v, std::uint64_t* out) {
+  if (v.is_number_unsigned()) {
+    *out = v.get<std::uint64_t>();
+    return true;
+  }
+  if (v.is_number_integer()) {
+    const std::int64_t i = v.get<std::int64_t>();
+    if (i < 0) return false;
+    *out = static_cast<std::uint64_t>(i);
+    return true;
+  }
+  if (v.is_string()) return parse_u64(v.get<std::string>(), out);
+  return false;
+}
+
+// A size the pool can be asked for: positive and at most 2^60 bytes.
+bool valid_size(std::uint64_t size) { return size > 0 && size <= (std::uint64_t{1} << 60); }
+
+std::string shown(const nlohmann::json& v) {
+  std::string s = v.dump();
+  if (s.size() > 40) s = s.substr(0, 40) + "...";
+  return s;
 }
 
 bool load_json(std::istream& in, int device, Trace* out, std::string* error) {
@@ -61,16 +99,47 @@ bool load_json(std::istream& in, int device, Trace* out, std::string* error) {
     *error = "trace is not a list of events";
     return false;
   }
+  // Every event is an object; its action, when present, a string.
+  const std::string where =
+      j.is_object() ? "device_traces[" + std::to_string(device) + "]" : "trace";
+  for (std::size_t i = 0; i < events->size(); ++i) {
+    const auto& e = (*events)[i];
+    if (!e.is_object()) {
+      *error = where + "[" + std::to_string(i) + "]: an event must be an object, got " + shown(e);
+      return false;
+    }
+    if (e.contains("action") && !e["action"].is_string()) {
+      *error =
+          where + "[" + std::to_string(i) + "].action: must be a string, got " + shown(e["action"]);
+      return false;
+    }
+  }
   // A free completes at free_completed when present, else at free_requested.
   bool has_completed = false;
   for (const auto& e : *events) has_completed |= e.value("action", "") == "free_completed";
   Slots slots(out);
-  for (const auto& e : *events) {
+  for (std::size_t i = 0; i < events->size(); ++i) {
+    const auto& e = (*events)[i];
     const std::string action = e.value("action", "");
     if (!e.contains("addr") || !e.contains("size")) continue;
-    const std::uint64_t addr = to_u64(e["addr"]);
-    const std::size_t size = to_u64(e["size"]);
-    const std::uint64_t stream = e.contains("stream") ? to_u64(e["stream"]) : 0;
+    const std::string at = where + "[" + std::to_string(i) + "]";
+    std::uint64_t addr = 0, size = 0, stream = 0;
+    if (!to_u64(e["addr"], &addr)) {
+      *error = at + ".addr: must be a non-negative integer, got " + shown(e["addr"]);
+      return false;
+    }
+    if (!to_u64(e["size"], &size)) {
+      *error = at + ".size: must be a non-negative integer, got " + shown(e["size"]);
+      return false;
+    }
+    if (e.contains("stream") && !to_u64(e["stream"], &stream)) {
+      *error = at + ".stream: must be a non-negative integer, got " + shown(e["stream"]);
+      return false;
+    }
+    if (action == "alloc" && !valid_size(size)) {
+      *error = at + ".size: an allocation must be 1 byte to 2^60 bytes, got " + shown(e["size"]);
+      return false;
+    }
     if (action == "alloc") {
       slots.alloc(addr, size, stream);
     } else if (action == (has_completed ? "free_completed" : "free_requested")) {
@@ -98,12 +167,26 @@ bool load_csv(std::istream& in, Trace* out, std::string* error) {
           "line " + std::to_string(lineno) + ": expected thread,time,action,pointer,size,stream";
       return false;
     }
-    try {
+    {
       const std::string& action = f[2];
-      const std::uint64_t addr = std::stoull(f[3], nullptr, 0);
-      const std::size_t size = std::stoull(f[4], nullptr, 0);
-      const std::uint64_t stream =
-          f.size() > 5 && !f[5].empty() ? std::stoull(f[5], nullptr, 0) : 0;
+      const std::string at = "line " + std::to_string(lineno) + ": ";
+      std::uint64_t addr = 0, size = 0, stream = 0;
+      if (!parse_u64(f[3], &addr)) {
+        *error = at + "pointer must be a non-negative integer, got '" + f[3].substr(0, 40) + "'";
+        return false;
+      }
+      if (!parse_u64(f[4], &size)) {
+        *error = at + "size must be a non-negative integer, got '" + f[4].substr(0, 40) + "'";
+        return false;
+      }
+      if (f.size() > 5 && !f[5].empty() && !parse_u64(f[5], &stream)) {
+        *error = at + "stream must be a non-negative integer, got '" + f[5].substr(0, 40) + "'";
+        return false;
+      }
+      if ((action == "allocate" || action == "alloc") && !valid_size(size)) {
+        *error = at + "an allocation must be 1 byte to 2^60 bytes, got " + f[4];
+        return false;
+      }
       if (action == "allocate" || action == "alloc") {
         slots.alloc(addr, size, stream);
       } else if (action == "free" || action == "deallocate") {
@@ -111,12 +194,10 @@ bool load_csv(std::istream& in, Trace* out, std::string* error) {
       } else if (action == "allocate failure") {
         ++out->skipped;
       } else {
-        *error = "line " + std::to_string(lineno) + ": unknown action '" + action + "'";
+        *error =
+            "line " + std::to_string(lineno) + ": unknown action '" + action.substr(0, 40) + "'";
         return false;
       }
-    } catch (const std::exception&) {
-      *error = "line " + std::to_string(lineno) + ": bad number";
-      return false;
     }
   }
   return true;
@@ -125,17 +206,40 @@ bool load_csv(std::istream& in, Trace* out, std::string* error) {
 }  // namespace
 
 bool load_trace(const std::string& path, int device, Trace* out, std::string* error) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) {
+    *error = path + ": cannot open (" + std::strerror(errno) + ")";
+    return false;
+  }
+  if (S_ISDIR(st.st_mode)) {
+    *error = path + ": is a directory, not a trace file";
+    return false;
+  }
   std::ifstream in(path);
   if (!in) {
     *error = "cannot open " + path;
     return false;
   }
   char c = 0;
-  while (in.get(c) && std::isspace(static_cast<unsigned char>(c))) {
+  bool any = false;
+  while (in.get(c)) {
+    if (!std::isspace(static_cast<unsigned char>(c))) {
+      any = true;
+      break;
+    }
+  }
+  if (!any) {
+    *error = path + ": is empty";
+    return false;
   }
   in.unget();
-  const bool ok =
-      (c == '{' || c == '[') ? load_json(in, device, out, error) : load_csv(in, out, error);
+  bool ok = false;
+  try {
+    ok = (c == '{' || c == '[') ? load_json(in, device, out, error) : load_csv(in, out, error);
+  } catch (const std::exception& e) {  // I/O errors and anything the JSON library throws
+    *error = e.what();
+    ok = false;
+  }
   if (!ok) *error = path + ": " + *error;
   return ok;
 }

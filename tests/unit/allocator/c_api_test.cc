@@ -28,17 +28,24 @@ TEST(CApiTest, BadConfigurationNamesTheKey) {
   EXPECT_NE(std::string(bgl_alloc_last_error()).find("capacity"), std::string::npos);
 }
 
-// PyTorch's pluggable allocator asks for 0 bytes for empty tensors: null, no error, no count.
-TEST(CApiTest, EmptyAllocationIsNullAndQuiet) {
+// PyTorch's pluggable allocator asks for 0 bytes for empty tensors: null, no message, no last
+// error, not an allocation; counted in num_invalid_size as docs/allocator.md says.
+TEST(CApiTest, EmptyAllocationIsNullQuietAndCounted) {
   ASSERT_EQ(bgl_alloc_configure("backend:host,capacity:64MiB,log:false"), BGL_OK);
   bgl_alloc_stats before{};
   ASSERT_EQ(bgl_alloc_get_stats(0, &before), BGL_OK);
+  EXPECT_EQ(bgl_alloc_configure("bogus:1"), BGL_ERR_INVALID_ARGUMENT);  // a last error to keep
+  const std::string last = bgl_alloc_last_error();
   EXPECT_EQ(bgl_alloc(0, 0, nullptr), nullptr);
+  EXPECT_EQ(bgl_alloc(0, 0, nullptr), nullptr);
+  EXPECT_EQ(bgl_alloc(0, 99, nullptr), nullptr);  // no such device: nothing to count on
   bgl_free(nullptr, 0, 0, nullptr);
+  EXPECT_EQ(std::string(bgl_alloc_last_error()), last);
   bgl_alloc_stats after{};
   ASSERT_EQ(bgl_alloc_get_stats(0, &after), BGL_OK);
-  EXPECT_EQ(after.num_invalid_size, before.num_invalid_size);
+  EXPECT_EQ(after.num_invalid_size, before.num_invalid_size + 2);
   EXPECT_EQ(after.num_allocs, before.num_allocs);
+  EXPECT_EQ(after.allocations, before.allocations);
 }
 
 TEST(CApiTest, PluggablePairStatsSnapshotAndCallbacks) {
