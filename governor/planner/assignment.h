@@ -56,6 +56,7 @@ class CostEvaluator {
   // The planning call's deadline (null: none); Evaluate checks it, so every loop that evaluates
   // assignments stops when it expires (deadline.h).
   void set_deadline(const Deadline* deadline) { deadline_ = deadline; }
+  const Deadline* deadline() const { return deadline_; }
 
  private:
   const StageGraph& graph_;

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <limits>
+#include <optional>
 #include <string>
 
+#include "governor/planner/layer_search.h"
 #include "governor/planner/units.h"
 
 namespace bgl::plan {
@@ -37,29 +39,14 @@ constexpr Strategy kMitigations[] = {Strategy::kRecompute, Strategy::kOffload, S
 constexpr Strategy kAll[] = {Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
                              Strategy::kFp8};
 
-}  // namespace
+using Partners = std::vector<std::vector<int>>;
 
-Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, double budget,
-                                          const MitigationOptions& options) {
-  const StageGraph& g = eval.graph();
-  const double m0 = g.M0(r);
-  if (!(budget >= m0)) {
-    return InvalidArgument("budget " + FormatBytes(budget) + " is below M0 = " + FormatBytes(m0) +
-                           " (activation memory under full recompute); no plan can meet it");
-  }
+// Savers that share a tensor with each operator: a move applies to the ones still keeping it,
+// so a tensor with several consumers moves as one (otherwise the move is a conflict or saves
+// nothing, and the greedy could never drop the MoE input or the attention output).
+Partners FindPartners(const StageGraph& g) {
   const size_t n = g.ops.size();
-  MitigationResult result;
-  result.budget = budget;
-  result.assignment.assign(n, Strategy::kKeep);
-  result.cost = eval.Evaluate(result.assignment, r);
-  // dropped[o][s]: candidate (o, s) was rejected for a conflict and is never retried.
-  std::vector<std::array<bool, kStrategyCount>> dropped(n);
-  for (auto& d : dropped) d.fill(false);
-
-  // Savers that share a tensor with each operator: a move applies to the ones still keeping it,
-  // so a tensor with several consumers moves as one (otherwise the move is a conflict or saves
-  // nothing, and the greedy could never drop the MoE input or the attention output).
-  std::vector<std::vector<int>> partners(n);
+  Partners partners(n);
   for (size_t o = 0; o < n; ++o) {
     for (int t : g.ops[o].saves) {
       for (int other : g.tensors[t].savers) {
@@ -70,14 +57,78 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
       }
     }
   }
-  // Sets `s` on operator o and on those partners that may use it (with `keeping_only`, only
-  // the partners that still keep their tensors).
-  auto move = [&](Assignment a, size_t o, Strategy s, bool keeping_only) {
-    a[o] = s;
-    for (int other : partners[o]) {
-      if ((!keeping_only || a[other] == Strategy::kKeep) && eval.Allowed(other, s)) a[other] = s;
+  return partners;
+}
+
+// Sets `s` on operator o and on those partners that may use it (with `keeping_only`, only the
+// partners that still keep their tensors).
+Assignment Move(const CostEvaluator& eval, const Partners& partners, Assignment a, size_t o,
+                Strategy s, bool keeping_only) {
+  a[o] = s;
+  for (int other : partners[o]) {
+    if ((!keeping_only || a[other] == Strategy::kKeep) && eval.Allowed(other, s)) a[other] = s;
+  }
+  return a;
+}
+
+// Local search: switch one operator (alone or with its partners) to any strategy, keep the
+// switch that lowers the overhead most while the budget still holds. Undoes choices the budget
+// no longer needs and swaps an exposed strategy for a hidden one.
+void Refine(const CostEvaluator& eval, double r, double budget, const MitigationOptions& options,
+            const Partners& partners, MitigationResult& result) {
+  const size_t n = eval.graph().ops.size();
+  for (int pass = 0; pass < 4 * static_cast<int>(n); ++pass) {
+    bool improved = false;
+    double best_saving = 1e-12;
+    AssignmentCost best_cost;
+    Assignment best_assignment;
+    for (size_t o = 0; o < n; ++o) {
+      for (Strategy s : kAll) {
+        if (s == result.assignment[o] || !Permitted(options, s) ||
+            !eval.Allowed(static_cast<int>(o), s)) {
+          continue;
+        }
+        for (bool group : {false, true}) {
+          if (group && partners[o].empty()) continue;
+          Assignment trial = result.assignment;
+          trial[o] = s;
+          if (group) trial = Move(eval, partners, std::move(trial), o, s, /*keeping_only=*/false);
+          const AssignmentCost c = eval.Evaluate(trial, r);
+          const double saving = result.cost.exposed_s - c.exposed_s;
+          if (!c.conflict && c.device_bytes <= budget && saving > best_saving) {
+            improved = true;
+            best_saving = saving;
+            best_cost = c;
+            best_assignment = std::move(trial);
+          }
+        }
+      }
     }
-    return a;
+    if (!improved) break;
+    result.assignment = std::move(best_assignment);
+    result.cost = best_cost;
+    ++result.refinements;
+  }
+}
+
+}  // namespace
+
+MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double budget,
+                                  const MitigationOptions& options,
+                                  std::vector<Assignment>* trajectory) {
+  const StageGraph& g = eval.graph();
+  const size_t n = g.ops.size();
+  MitigationResult result;
+  result.budget = budget;
+  result.assignment.assign(n, Strategy::kKeep);
+  result.cost = eval.Evaluate(result.assignment, r);
+  if (trajectory) trajectory->push_back(result.assignment);
+  // dropped[o][s]: candidate (o, s) was rejected for a conflict and is never retried.
+  std::vector<std::array<bool, kStrategyCount>> dropped(n);
+  for (auto& d : dropped) d.fill(false);
+  const Partners partners = FindPartners(g);
+  auto move = [&](Assignment a, size_t o, Strategy s, bool keeping_only) {
+    return Move(eval, partners, std::move(a), o, s, keeping_only);
   };
 
   while (result.cost.device_bytes > budget) {
@@ -151,6 +202,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
     }
     result.assignment = std::move(best_assignment);
     result.cost = best_cost;
+    if (trajectory) trajectory->push_back(result.assignment);
   }
 
   if (result.cost.device_bytes > budget) {
@@ -159,41 +211,36 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
     result.fallback_full_recompute = true;
   }
 
-  if (options.refine) {
-    // Local search: switch one operator (alone or with its partners) to any strategy, keep the
-    // switch that lowers the overhead most while the budget still holds. Undoes choices the
-    // budget no longer needs and swaps an exposed strategy for a hidden one.
-    for (int pass = 0; pass < 4 * static_cast<int>(n); ++pass) {
-      bool improved = false;
-      double best_saving = 1e-12;
-      AssignmentCost best_cost;
-      Assignment best_assignment;
-      for (size_t o = 0; o < n; ++o) {
-        for (Strategy s : kAll) {
-          if (s == result.assignment[o] || !Permitted(options, s) ||
-              !eval.Allowed(static_cast<int>(o), s)) {
-            continue;
-          }
-          for (bool group : {false, true}) {
-            if (group && partners[o].empty()) continue;
-            Assignment trial = result.assignment;
-            trial[o] = s;
-            if (group) trial = move(std::move(trial), o, s, /*keeping_only=*/false);
-            const AssignmentCost c = eval.Evaluate(trial, r);
-            const double saving = result.cost.exposed_s - c.exposed_s;
-            if (!c.conflict && c.device_bytes <= budget && saving > best_saving) {
-              improved = true;
-              best_saving = saving;
-              best_cost = c;
-              best_assignment = std::move(trial);
-            }
-          }
+  if (options.refine) Refine(eval, r, budget, options, partners, result);
+  if (trajectory && options.refine) trajectory->push_back(result.assignment);
+  result.fits = result.cost.device_bytes <= budget;
+  return result;
+}
+
+Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, double budget,
+                                          const MitigationOptions& options) {
+  const double m0 = eval.graph().M0(r);
+  if (!(budget >= m0)) {
+    return InvalidArgument("budget " + FormatBytes(budget) + " is below M0 = " + FormatBytes(m0) +
+                           " (activation memory under full recompute); no plan can meet it");
+  }
+  MitigationResult result = GreedyMitigation(eval, r, budget, options, nullptr);
+  // The greedy is the bound: the layer search's answer replaces it only when it is cheaper. A
+  // greedy answer without overhead is already optimal.
+  if (options.layer_search && result.cost.exposed_s > 0) {
+    std::optional<Assignment> found = LayerSearch(eval, r, budget, options);
+    if (found) {
+      MitigationResult alt = result;
+      alt.assignment = std::move(*found);
+      alt.cost = eval.Evaluate(alt.assignment, r);
+      if (!alt.cost.conflict && alt.cost.device_bytes <= budget) {
+        if (options.refine) Refine(eval, r, budget, options, FindPartners(eval.graph()), alt);
+        if (alt.cost.exposed_s < result.cost.exposed_s) {
+          result = std::move(alt);
+          result.fallback_full_recompute = false;
+          result.from_layer_search = true;
         }
       }
-      if (!improved) break;
-      result.assignment = std::move(best_assignment);
-      result.cost = best_cost;
-      ++result.refinements;
     }
   }
   result.fits = result.cost.device_bytes <= budget;

@@ -18,6 +18,15 @@ struct MitigationOptions {
   // After the budget is met, a local search switches single operators (or a tensor's savers
   // together) to cheaper strategies while the budget holds.
   bool refine = true;
+  // When the greedy's answer has an overhead, a search over per-layer choices (layer_search.h)
+  // is run as well and the cheaper of the two answers is taken; the greedy stays the bound.
+  bool layer_search = true;
+  // A layer whose assignments number at most this many is enumerated exactly; larger layers
+  // offer the assignments greedy runs on the layer alone pass through.
+  int exact_layer_assignments = 4096;
+  // Candidates per layer and partial combinations kept between layers: past it a Pareto front
+  // is cut (least memory, then least overhead) and the search is no longer exact.
+  int max_layer_states = 1024;
 };
 
 // The chosen assignment and how it was reached.
@@ -29,7 +38,8 @@ struct MitigationResult {
   bool fallback_full_recompute = false;  // the greedy ran out of candidates
   int rounds = 0;
   int rejected_conflicts = 0;
-  int refinements = 0;  // switches made by the local search
+  int refinements = 0;             // switches made by the local search
+  bool from_layer_search = false;  // the layer search beat the greedy
 };
 
 // Every operator with something to drop set to recompute: memory M0.

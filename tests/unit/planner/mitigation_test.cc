@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <random>
+#include <string>
 
 #include "test_graphs.h"
 
@@ -44,12 +46,109 @@ Optimum Exhaustive(const CostEvaluator& eval, double r, double budget) {
   return best;
 }
 
-TEST(SelectMitigation, AgainstExhaustiveSearch) {
+// How far a selection's overhead is from the exhaustive optimum, over a set of instances. The
+// ratio of one instance is (selected + 10 us) / (optimum + 10 us): the 10 us floor (two kernel
+// launches) keeps a zero-overhead optimum from turning a few microseconds into an infinite
+// ratio, and a ratio of R means the selection costs R - 1 times (optimum + 10 us) more.
+struct RatioStats {
+  int instances = 0;
+  int optimal = 0;
+  int zero_optimum = 0;
+  int fallbacks = 0;
+  double median = 0, p90 = 0, worst = 0;
+  std::string worst_case;
+};
+
+constexpr double kRatioFloor = 10e-6;
+
+class RatioCollector {
+ public:
+  // Checks the selection's properties against the optimum and records the ratio.
+  void Add(const StageGraph& g, const CostEvaluator& eval, double r, double budget,
+           const std::string& label, const MitigationOptions& options = {}) {
+    const Optimum opt = Exhaustive(eval, r, budget);
+    auto selected = SelectMitigation(eval, r, budget, options);
+    ASSERT_TRUE(selected.ok()) << selected.status().message();
+    // A feasible assignment always exists (full recompute meets any budget >= M0) ...
+    ASSERT_TRUE(opt.feasible) << label;
+    // ... so the selection never exceeds the budget and never returns a conflict.
+    EXPECT_TRUE(selected->fits) << label;
+    EXPECT_LE(selected->cost.device_bytes, budget) << label;
+    EXPECT_FALSE(selected->cost.conflict) << label;
+    EXPECT_GE(selected->cost.exposed_s, opt.exposed_s - 1e-12) << label;
+    if (options.layer_search) {
+      // The greedy is the bound: the layer search never makes an answer worse.
+      MitigationOptions greedy_only = options;
+      greedy_only.layer_search = false;
+      auto greedy = SelectMitigation(eval, r, budget, greedy_only);
+      ASSERT_TRUE(greedy.ok());
+      EXPECT_LE(selected->cost.exposed_s, greedy->cost.exposed_s + 1e-12) << label;
+      greedy_ratios_.push_back((greedy->cost.exposed_s + kRatioFloor) /
+                               (opt.exposed_s + kRatioFloor));
+    }
+    stats_.fallbacks += selected->fallback_full_recompute ? 1 : 0;
+    stats_.zero_optimum += opt.exposed_s <= 1e-12 ? 1 : 0;
+    const double ratio = (selected->cost.exposed_s + kRatioFloor) / (opt.exposed_s + kRatioFloor);
+    ratios_.push_back(ratio);
+    if (ratio > stats_.worst) {
+      stats_.worst = ratio;
+      stats_.worst_case = label;
+    }
+    if (getenv("BGL_DEBUG") && ratio > 1.5) {
+      std::printf("ratio %.2f selected %.6f opt %.6f budget %.0f m0 %.0f keep %.0f  %s\n", ratio,
+                  selected->cost.exposed_s, opt.exposed_s, budget, g.M0(r), g.KeepAllBytes(r),
+                  label.c_str());
+      for (size_t o = 0; o < g.ops.size(); ++o) {
+        std::printf("  %s %s fwd %.6f saves %zu\n", g.ops[o].name.c_str(),
+                    StrategyName(selected->assignment[o]), g.ops[o].ForwardTime(r),
+                    g.ops[o].saves.size());
+      }
+      std::printf("  d2h %.6f h2d %.6f rec %.6f fp8 %.6f F %.6f\n", selected->cost.d2h_s,
+                  selected->cost.h2d_s, selected->cost.recompute_s, selected->cost.fp8_s,
+                  g.ForwardTime(r));
+    }
+  }
+
+  RatioStats Finish(const char* what) {
+    std::sort(ratios_.begin(), ratios_.end());
+    stats_.instances = static_cast<int>(ratios_.size());
+    stats_.median = ratios_[ratios_.size() / 2];
+    stats_.p90 = ratios_[ratios_.size() * 9 / 10];
+    stats_.optimal = static_cast<int>(
+        std::count_if(ratios_.begin(), ratios_.end(), [](double x) { return x <= 1.0 + 1e-9; }));
+    std::printf(
+        "%s vs exhaustive over %d instances: median overhead ratio %.3f, p90 %.3f, worst %.3f, "
+        "optimal in %d, zero-overhead optimum in %d, fallbacks %d; worst: %s\n",
+        what, stats_.instances, stats_.median, stats_.p90, stats_.worst, stats_.optimal,
+        stats_.zero_optimum, stats_.fallbacks, stats_.worst_case.c_str());
+    if (!greedy_ratios_.empty()) {
+      // The same instances under the greedy alone: the figures before the layer search.
+      std::sort(greedy_ratios_.begin(), greedy_ratios_.end());
+      std::printf("  the greedy alone on them: median %.3f, p90 %.3f, worst %.3f, optimal in %ld\n",
+                  greedy_ratios_[greedy_ratios_.size() / 2],
+                  greedy_ratios_[greedy_ratios_.size() * 9 / 10], greedy_ratios_.back(),
+                  static_cast<long>(std::count_if(greedy_ratios_.begin(), greedy_ratios_.end(),
+                                                  [](double x) { return x <= 1.0 + 1e-9; })));
+    }
+    return stats_;
+  }
+
+ private:
+  std::vector<double> ratios_;
+  std::vector<double> greedy_ratios_;
+  RatioStats stats_;
+};
+
+// The bounds of issue 12 item 11 on the ratio defined above.
+constexpr double kWorstBound = 10.0;
+constexpr double kP90Bound = 1.5;
+
+// 240 random single-layer stages of 3 to 7 operators (test_graphs.h).
+RatioStats RandomStages(const MitigationOptions& options, const char* what) {
   std::mt19937 rng(20261129);
   HardwareProfile hw = *HardwareProfileByName("h200");
-  std::vector<double> ratios;
-  int instances = 0, zero_optimum = 0, fallbacks = 0;
-  while (instances < 240) {
+  RatioCollector collector;
+  for (int instance = 0; instance < 240; ++instance) {
     std::uniform_int_distribution<int> size(3, 7);
     StageGraph g = testing::RandomGraph(rng, size(rng));
     CostEvaluator eval(g, hw);
@@ -57,46 +156,61 @@ TEST(SelectMitigation, AgainstExhaustiveSearch) {
     const double r = load(rng);
     std::uniform_real_distribution<double> where(0.0, 1.0);
     const double budget = g.M0(r) + where(rng) * (g.KeepAllBytes(r) - g.M0(r));
-    const Optimum opt = Exhaustive(eval, r, budget);
-    auto greedy = SelectMitigation(eval, r, budget);
-    ASSERT_TRUE(greedy.ok()) << greedy.status().message();
-    // A feasible assignment always exists (full recompute meets any budget >= M0) ...
-    ASSERT_TRUE(opt.feasible);
-    // ... so the greedy never exceeds the budget and never returns a conflict.
-    EXPECT_TRUE(greedy->fits);
-    EXPECT_LE(greedy->cost.device_bytes, budget);
-    EXPECT_FALSE(greedy->cost.conflict);
-    EXPECT_GE(greedy->cost.exposed_s, opt.exposed_s - 1e-12);
-    fallbacks += greedy->fallback_full_recompute ? 1 : 0;
-    // Ratios are taken over a 10 us floor (two kernel launches) so a zero-overhead optimum
-    // does not turn a few microseconds into an infinite ratio.
-    constexpr double kFloor = 10e-6;
-    zero_optimum += opt.exposed_s <= 1e-12 ? 1 : 0;
-    ratios.push_back((greedy->cost.exposed_s + kFloor) / (opt.exposed_s + kFloor));
-    if (getenv("BGL_DEBUG") && ratios.back() > 3) {
-      printf("ratio %.2f greedy %.6f opt %.6f budget %.0f m0 %.0f keep %.0f\n", ratios.back(),
-             greedy->cost.exposed_s, opt.exposed_s, budget, g.M0(r), g.KeepAllBytes(r));
-      for (size_t o = 0; o < g.ops.size(); ++o)
-        printf("  %s %s fwd %.6f saves %zu\n", g.ops[o].name.c_str(),
-               StrategyName(greedy->assignment[o]), g.ops[o].ForwardTime(r), g.ops[o].saves.size());
-      printf("  d2h %.6f h2d %.6f rec %.6f fp8 %.6f F %.6f\n", greedy->cost.d2h_s,
-             greedy->cost.h2d_s, greedy->cost.recompute_s, greedy->cost.fp8_s, g.ForwardTime(r));
-    }
-    ++instances;
+    collector.Add(g, eval, r, budget, "random #" + std::to_string(instance), options);
   }
-  std::sort(ratios.begin(), ratios.end());
-  const double median = ratios[ratios.size() / 2];
-  const double worst = ratios.back();
-  const double p90 = ratios[ratios.size() * 9 / 10];
-  const auto optimal =
-      std::count_if(ratios.begin(), ratios.end(), [](double x) { return x <= 1.0 + 1e-9; });
-  std::printf(
-      "greedy vs exhaustive over %d instances: median overhead ratio %.3f, p90 %.3f, worst %.3f, "
-      "optimal in %ld, zero-overhead optimum in %d, fallbacks %d\n",
-      instances, median, p90, worst, static_cast<long>(optimal), zero_optimum, fallbacks);
-  RecordProperty("median_ratio", std::to_string(median));
-  RecordProperty("worst_ratio", std::to_string(worst));
-  EXPECT_LT(median, 1.5);
+  return collector.Finish(what);
+}
+
+// Seeded edge cases (testing::RandomEdgeCase): budgets near M0 or exact fits, zero-cost
+// operators, tiny stages, ties, one to four layers of at most 8 operators in all.
+RatioStats EdgeCases(const MitigationOptions& options, const char* what) {
+  std::mt19937 rng(20261130);
+  HardwareProfile hw = *HardwareProfileByName("h200");
+  RatioCollector collector;
+  for (int instance = 0; instance < 1000; ++instance) {
+    testing::EdgeCase e = testing::RandomEdgeCase(rng);
+    CostEvaluator eval(e.graph, hw);
+    collector.Add(e.graph, eval, e.r, e.budget,
+                  "edge #" + std::to_string(instance) + " (" + e.families + ")", options);
+  }
+  return collector.Finish(what);
+}
+
+void Record(const RatioStats& stats) {
+  ::testing::Test::RecordProperty("median_ratio", std::to_string(stats.median));
+  ::testing::Test::RecordProperty("p90_ratio", std::to_string(stats.p90));
+  ::testing::Test::RecordProperty("worst_ratio", std::to_string(stats.worst));
+}
+
+TEST(SelectMitigation, AgainstExhaustiveSearch) {
+  const RatioStats stats = RandomStages({}, "random stages");
+  Record(stats);
+  EXPECT_LE(stats.p90, kP90Bound);
+  EXPECT_LE(stats.worst, kWorstBound) << stats.worst_case;
+}
+
+// Issue 12 item 11. The greedy alone reaches 56.5x here (182x to 475x on 3,000 instances of
+// other seeds).
+TEST(SelectMitigation, EdgeCasesAgainstExhaustiveSearch) {
+  const RatioStats stats = EdgeCases({}, "edge cases");
+  Record(stats);
+  EXPECT_LE(stats.p90, kP90Bound);
+  EXPECT_LE(stats.worst, kWorstBound) << stats.worst_case;
+}
+
+// The test graphs are small enough for the layer search to enumerate every layer, which makes it
+// exact there. Production layers (12 movable operators) are not: they get the assignments of
+// greedy runs on the layer alone. This forces that path on the same instances. Across layers the
+// DP still spreads mitigations, so the edge cases meet the bounds; within one layer it is only
+// as good as those greedy runs, so single-layer random stages are held to the greedy's answer
+// (checked per instance in RatioCollector::Add) and their figures printed.
+TEST(SelectMitigation, AgainstExhaustiveSearchWithoutEnumeration) {
+  MitigationOptions options;
+  options.exact_layer_assignments = 0;
+  (void)RandomStages(options, "random stages, no enumeration");
+  const RatioStats edge = EdgeCases(options, "edge cases, no enumeration");
+  EXPECT_LE(edge.p90, kP90Bound);
+  EXPECT_LE(edge.worst, kWorstBound) << edge.worst_case;
 }
 
 TEST(SelectMitigation, BudgetBelowM0IsAnError) {
