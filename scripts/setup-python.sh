@@ -44,6 +44,7 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # The PyPI wheel of torch depends on the nvidia-* CUDA runtime wheels; it does not import on
 # CPU-only machines without them, so it is installed with its dependencies.
 "${pip[@]}" "torch==${torch_version}" "transformers==${transformers_version}" numpy pytest grpcio grpcio-tools
-"${pip[@]}" -e integrations/pytorch
+# --no-deps: torch is pinned above (a venv below bagualu's minimum must not be upgraded)
+"${pip[@]}" --no-deps -e integrations/pytorch
 echo "$stamp" > $venv/.bgl-stamp
 echo "setup-python: done in $(( $(date +%s) - start )) s"

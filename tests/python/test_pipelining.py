@@ -194,6 +194,14 @@ class _Recorder:
         return ctx
 
 
+# torch before 2.8 runs a one-rank ScheduleInterleaved1F1B into gloo's "writev: Bad file
+# descriptor" (seen on 2.6 with the plain schedule); two ranks under torchrun run there.
+ONE_RANK_INTERLEAVED = pytest.mark.skipif(
+    tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 8),
+    reason="torch < 2.8: one-rank interleaved schedules fail inside gloo")
+
+
+@ONE_RANK_INTERLEAVED
 def test_interleaved_calls_follow_the_schedule(world_of_one, monkeypatch) -> None:
     """The adapter's calls on ScheduleInterleaved1F1B (2 local stages), with a recording
     stand-in for the runtime: the planner's interleaved points, each forward and backward in
@@ -236,6 +244,7 @@ def test_interleaved_calls_follow_the_schedule(world_of_one, monkeypatch) -> Non
     assert all("forward_one_chunk" not in st.__dict__ for st in schedule._stages)
 
 
+@ONE_RANK_INTERLEAVED
 def test_wrapped_interleaved_matches_plain_schedule_bitwise(world_of_one) -> None:
     """ScheduleInterleaved1F1B with 2 stages on this rank under bagualu (chunks=2, 512 KiB:
     offloads and recomputes happen): the plain schedule's losses and gradients bitwise, the

@@ -50,10 +50,16 @@ def test_the_router_downgrades_the_rest_of_its_layer() -> None:
     require_libs()
     full = unmodified.train("mixtral", "keep-all", capacity="4GiB", forced={})
     peak = max(line["peak_bytes"] for line in full["lines"])
-    r = unmodified.train("mixtral", "bagualu", capacity=peak // 2)
-    assert sum(line["deferred"] for line in r["lines"]) > 0
-    assert r["stats"]["tracker"]["drops"] > 0 and r["stats"]["tracker"]["recomputes"] > 0
-    assert r["losses"] == full["losses"]
+    # Whether a router sees more than its plan allowed depends on the plan's margin at that
+    # capacity (which moves with what a torch version saves): two capacities, one downgrade.
+    deferred = drops = recomputes = 0
+    for cap in (peak // 2, peak * 2 // 5):
+        r = unmodified.train("mixtral", "bagualu", capacity=cap)
+        assert r["oom"] is None and r["losses"] == full["losses"]
+        deferred += sum(line["deferred"] for line in r["lines"])
+        drops += r["stats"]["tracker"]["drops"]
+        recomputes += r["stats"]["tracker"]["recomputes"]
+    assert deferred > 0 and drops > 0 and recomputes > 0
 
 
 def test_simulated_expert_parallelism_runs_the_eager_experts_and_restores() -> None:

@@ -14,8 +14,11 @@
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional, Sequence, Union
+
+import torch as _torch
 
 from .errors import (BagualuError, InstallError, InstrumentError, LibraryNotFound,
                      OutOfMemoryError, PlannerError, PolicyError)
@@ -33,6 +36,13 @@ __all__ = ["install", "uninstall", "instrument", "describe", "step_point", "forw
            "InstrumentError", "LibraryNotFound", "OutOfMemoryError", "PlannerError",
            "PolicyError", "current", "pipelining", "schedule", "micro_batches",
            "accumulate_gradients"]
+
+
+MIN_TORCH = (2, 6)  # the oldest torch the tests run on (docs/pytorch.md, "Supported torch")
+if tuple(int(x) for x in _torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
+    logging.getLogger("bagualu").warning(
+        "bagualu: torch %s is older than the oldest supported, %d.%d", _torch.__version__,
+        *MIN_TORCH)
 
 
 def current() -> "_runtime.Runtime":

@@ -98,7 +98,10 @@ def train(args: argparse.Namespace, rank: int, world: int, policy: Optional[str]
         schedule: Any = ScheduleInterleaved1F1B(pstages, n_mb, loss_fn=loss_fn_for(n_mb))
     else:
         schedule = Schedule1F1B(pstages[0], n_mb, loss_fn=loss_fn_for(n_mb))
-    schedule = bagualu.pipelining.wrap_schedule(schedule) if policy is not None else schedule
+    if policy is not None:
+        schedule = bagualu.pipelining.wrap_schedule(schedule)
+    else:
+        bagualu.pipelining.fix_batch_p2p()  # plain torch < 2.8 hangs on gloo without it
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
     out: Dict[str, Any] = {"losses": [], "plans": 0}
