@@ -9,13 +9,14 @@
 
 #include "governor/planner/iteration.h"
 #include "governor/planner/load_distribution.h"
+#include "governor/planner/mitigation.h"
 #include "governor/planner/planner.h"
 
 namespace {
 
 using namespace bgl::plan;
 
-std::unique_ptr<StagePlanner> Glm423Planner() {
+std::unique_ptr<StagePlanner> Glm423Planner(bool layer_search = true) {
   auto config = LoadModelConfig(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json");
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().message().c_str());
@@ -23,6 +24,7 @@ std::unique_ptr<StagePlanner> Glm423Planner() {
   }
   PlannerOptions options;
   options.capacity_bytes = int64_t{64} * 1000 * 1000 * 1000;
+  options.mitigation.layer_search = layer_search;
   auto planner = StagePlanner::Create(*config, *HardwareProfileByName("paper"), options);
   if (!planner.ok()) {
     std::fprintf(stderr, "%s\n", planner.status().message().c_str());
@@ -54,8 +56,9 @@ SchedulePoint SteadyPoint(StagePlanner& planner, double r) {
   return p;
 }
 
+// Arg 0: Algorithm 2's greedy alone; arg 1: with the layer search behind it (the default).
 void BM_PlanCacheMiss(benchmark::State& state) {
-  auto planner = Glm423Planner();
+  auto planner = Glm423Planner(state.range(0) != 0);
   SchedulePoint point = SteadyPoint(*planner, 2.6);
   for (auto _ : state) {
     planner->ClearCaches();
@@ -63,10 +66,10 @@ void BM_PlanCacheMiss(benchmark::State& state) {
     benchmark::DoNotOptimize(plan);
   }
 }
-BENCHMARK(BM_PlanCacheMiss)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PlanCacheMiss)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
 void BM_PlanCacheHit(benchmark::State& state) {
-  auto planner = Glm423Planner();
+  auto planner = Glm423Planner(state.range(0) != 0);
   SchedulePoint point = SteadyPoint(*planner, 2.6);
   (void)planner->PlanPoint(point);
   for (auto _ : state) {
@@ -77,7 +80,58 @@ void BM_PlanCacheHit(benchmark::State& state) {
                                static_cast<double>(planner->cache_stats().mitigation.hits +
                                                    planner->cache_stats().mitigation.misses);
 }
-BENCHMARK(BM_PlanCacheHit)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PlanCacheHit)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+
+// Algorithm 2 alone on a small custom layer graph, where the layer search enumerates every
+// assignment of a layer: two layers of a 7-operator chain (each saves its input; one tensor has
+// two savers), budget halfway between M0 and keep-all. Arg as above.
+void BM_SelectMitigationSmallLayers(benchmark::State& state) {
+  StageGraph g;
+  g.layers = 2;
+  SavedTensor input;
+  input.name = "input";
+  input.bytes = 32 << 20;
+  input.block_input = true;
+  g.tensors.push_back(input);
+  int block_input = 0;
+  for (int l = 0; l < 2; ++l) {
+    int last = block_input;
+    for (int i = 0; i < 7; ++i) {
+      Operator o;
+      o.name = "L" + std::to_string(l) + ".op" + std::to_string(i);
+      o.kind = OpKind::kLinear;
+      o.layer = l;
+      o.forward_s = 1e-4 * (1 + (i * 7) % 5);
+      o.backward_s = 2 * o.forward_s;
+      o.inputs = {last};
+      o.saves = {last};
+      if (i == 4) o.saves.push_back(last - 2);
+      g.ops.push_back(o);
+      SavedTensor t;
+      t.name = o.name + ".out";
+      t.bytes = i == 6 ? 32 << 20 : int64_t{1 << 20} * (16 + (i * 37) % 96);
+      t.producer = static_cast<int>(g.ops.size()) - 1;
+      t.block_input = i == 6 && l == 0;
+      g.tensors.push_back(t);
+      last = static_cast<int>(g.tensors.size()) - 1;
+    }
+    block_input = last;
+  }
+  if (!g.Finalize().ok()) std::exit(1);
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  CostEvaluator eval(g, hw);
+  MitigationOptions options;
+  options.layer_search = state.range(0) != 0;
+  const double budget = 0.5 * (g.M0(1.0) + g.KeepAllBytes(1.0));
+  double overhead = 0;
+  for (auto _ : state) {
+    auto selected = SelectMitigation(eval, 1.0, budget, options);
+    benchmark::DoNotOptimize(selected);
+    overhead = selected.ok() ? selected->cost.exposed_s : -1;
+  }
+  state.counters["overhead_us"] = overhead * 1e6;
+}
+BENCHMARK(BM_SelectMitigationSmallLayers)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
 // Every scheduling point of 1,000 iterations (64 micro-batch chunks each) planned and reported.
 void BM_PlanPerIteration(benchmark::State& state) {

@@ -1,6 +1,7 @@
 #include "governor/planner/layer_search.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <numeric>
 #include <utility>
 
@@ -121,6 +122,10 @@ struct Terms {
   double h2d = 0;    // reload copy seconds
 };
 
+double Overhead(const Terms& t, double forward_s, double backward_s) {
+  return t.local + std::max(0.0, t.d2h - forward_s) + std::max(0.0, t.h2d - backward_s);
+}
+
 bool Dominates(const Terms& a, const Terms& b) {
   return a.mem <= b.mem && a.local <= b.local && a.d2h <= b.d2h && a.h2d <= b.h2d;
 }
@@ -153,8 +158,102 @@ struct Candidate {
   Assignment assignment;  // over the block's operators
 };
 
-// The block's candidate assignments, Pareto-pruned.
+// Terms of a block's assignments for the enumeration: the cost model of CostEvaluator::Evaluate
+// (placements, FP8 and copy rooflines, the recompute closure) with everything that does not
+// depend on the assignment computed once and no allocation per call.
+class BlockTermsEvaluator {
+ public:
+  BlockTermsEvaluator(const StageGraph& sub, const HardwareProfile& hw, double r) : sub_(sub) {
+    tensors_.resize(sub.tensors.size());
+    for (size_t t = 0; t < sub.tensors.size(); ++t) {
+      const SavedTensor& x = sub.tensors[t];
+      TensorTerms& y = tensors_[t];
+      const double bytes = x.Bytes(r);
+      y.bytes = bytes;
+      y.fp8_bytes = CostEvaluator::Fp8Bytes(bytes, x.dtype);
+      y.fp8_s = 2 * hw.fp8_cast.Time(bytes);
+      y.d2h_s = hw.offload.Time(bytes);
+      y.h2d_s = hw.reload.Time(bytes);
+      y.always_retained = x.block_input || x.producer < 0;
+    }
+    forward_s_.resize(sub.ops.size());
+    for (size_t o = 0; o < sub.ops.size(); ++o) forward_s_[o] = sub.ops[o].ForwardTime(r);
+    retained_.resize(sub.tensors.size());
+    rerun_.resize(sub.ops.size());
+  }
+
+  // False on a conflict.
+  bool Measure(const Assignment& a, Terms& out) {
+    Terms terms;
+    for (size_t t = 0; t < tensors_.size(); ++t) {
+      const SavedTensor& x = sub_.tensors[t];
+      const TensorTerms& y = tensors_[t];
+      unsigned mask = 0;
+      for (int s : x.savers) {
+        if (a[s] != Strategy::kRecompute) mask |= 1u << static_cast<unsigned>(a[s]);
+      }
+      retained_[t] = y.always_retained || mask != 0;
+      if (x.block_input || mask == 0) continue;
+      if ((mask & (mask - 1)) != 0) return false;
+      if (mask & (1u << static_cast<unsigned>(Strategy::kKeep))) {
+        terms.mem += y.bytes;
+      } else if (mask & (1u << static_cast<unsigned>(Strategy::kOffload))) {
+        terms.d2h += y.d2h_s;
+        terms.h2d += y.h2d_s;
+      } else {
+        terms.mem += y.fp8_bytes;
+        terms.local += y.fp8_s;
+      }
+    }
+    std::fill(rerun_.begin(), rerun_.end(), 0);
+    bool any = false;
+    for (size_t o = 0; o < a.size(); ++o) {
+      if (a[o] != Strategy::kRecompute) continue;
+      for (int t : sub_.ops[o].saves) {
+        if (!retained_[t] && sub_.tensors[t].producer >= 0) {
+          rerun_[sub_.tensors[t].producer] = 1;
+          any = true;
+        }
+      }
+    }
+    // Rerunning an operator regenerates the inputs nobody retains: to a fixed point.
+    for (bool changed = any; changed;) {
+      changed = false;
+      for (size_t o = a.size(); o-- > 0;) {
+        if (!rerun_[o]) continue;
+        for (int u : sub_.ops[o].inputs) {
+          const int p = sub_.tensors[u].producer;
+          if (!retained_[u] && p >= 0 && !rerun_[p]) {
+            rerun_[p] = 1;
+            changed = true;
+          }
+        }
+      }
+    }
+    if (any) {
+      for (size_t o = 0; o < a.size(); ++o) {
+        if (rerun_[o]) terms.local += forward_s_[o];
+      }
+    }
+    out = terms;
+    return true;
+  }
+
+ private:
+  struct TensorTerms {
+    double bytes = 0, fp8_bytes = 0, fp8_s = 0, d2h_s = 0, h2d_s = 0;
+    bool always_retained = false;
+  };
+  const StageGraph& sub_;
+  std::vector<TensorTerms> tensors_;
+  std::vector<double> forward_s_;
+  std::vector<char> retained_;
+  std::vector<char> rerun_;
+};
+
+// The block's candidate assignments that may still beat `bound`.
 std::vector<Candidate> BlockCandidates(const StageGraph& sub, const CostEvaluator& parent, double r,
+                                       double bound, double forward_s, double backward_s,
                                        const MitigationOptions& options) {
   CostEvaluator eval(sub, parent.hw());
   eval.set_deadline(parent.deadline());
@@ -192,10 +291,16 @@ std::vector<Candidate> BlockCandidates(const StageGraph& sub, const CostEvaluato
       }
       return false;
     };
+    BlockTermsEvaluator terms_of(sub, parent.hw(), r);
+    const Deadline* deadline = parent.deadline();
     Assignment a(n, Strategy::kKeep);
     std::vector<size_t> digit(n, 0);
-    while (true) {
-      if (!conflict(a)) add(a);
+    for (uint64_t visited = 0;; ++visited) {
+      if ((visited & 255) == 0 && deadline != nullptr) deadline->Check();
+      Terms t;
+      if (!conflict(a) && terms_of.Measure(a, t) && Overhead(t, forward_s, backward_s) < bound) {
+        out.push_back({t, a});
+      }
       size_t o = 0;
       for (; o < n; ++o) {
         if (++digit[o] < choices[o].size()) {
@@ -229,7 +334,6 @@ std::vector<Candidate> BlockCandidates(const StageGraph& sub, const CostEvaluato
     }
     for (const Assignment& a : seen) add(a);
   }
-  ParetoPrune(out);
   return out;
 }
 
@@ -240,29 +344,47 @@ struct State {
   int candidate = -1;  // candidate of this block
 };
 
-double Overhead(const Terms& t, double forward_s, double backward_s) {
-  return t.local + std::max(0.0, t.d2h - forward_s) + std::max(0.0, t.h2d - backward_s);
-}
-
-// Past options.max_layer_states a Pareto front (sorted by memory) is cut and the search is no
-// longer exact: the least memory (feasibility) stays, then the lowest overheads so far
-// (overheads only grow as blocks are added).
+// Keeps what may still lead to an answer cheaper than `bound` (overheads only grow as blocks are
+// added): the Pareto front when it is small, else the front of (bytes, overhead so far), which is
+// no longer exact. Past options.max_layer_states the front is cut: the least bytes stay
+// (feasibility), then the lowest overheads.
 template <typename T>
-void CapFront(std::vector<T>& front, const MitigationOptions& options, double forward_s,
-              double backward_s) {
+void Reduce(std::vector<T>& items, double bound, double forward_s, double backward_s,
+            const MitigationOptions& options) {
+  auto overhead = [&](const T& x) { return Overhead(x.terms, forward_s, backward_s); };
+  std::erase_if(items, [&](const T& x) { return overhead(x) >= bound; });
+  constexpr size_t kExactFront = 1024;
+  if (items.size() <= kExactFront) {
+    ParetoPrune(items);
+  } else {
+    std::sort(items.begin(), items.end(), [&](const T& a, const T& b) {
+      return a.terms.mem != b.terms.mem ? a.terms.mem < b.terms.mem : overhead(a) < overhead(b);
+    });
+    size_t kept = 0;
+    double least = bound;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const double o = overhead(items[i]);
+      if (o < least) {
+        least = o;
+        if (kept != i) items[kept] = std::move(items[i]);
+        ++kept;
+      }
+    }
+    items.resize(kept);
+  }
   const size_t cap = static_cast<size_t>(std::max(2, options.max_layer_states));
-  if (front.size() <= cap) return;
-  std::stable_sort(front.begin() + 1, front.end(), [&](const T& a, const T& b) {
-    return Overhead(a.terms, forward_s, backward_s) < Overhead(b.terms, forward_s, backward_s);
-  });
-  front.resize(cap);
+  if (items.size() <= cap) return;
+  std::stable_sort(items.begin() + 1, items.end(),
+                   [&](const T& a, const T& b) { return overhead(a) < overhead(b); });
+  items.resize(cap);
 }
 
 }  // namespace
 
 std::optional<Assignment> LayerSearch(const CostEvaluator& eval, double r, double budget,
-                                      const MitigationOptions& options) {
+                                      double bound, const MitigationOptions& options) {
   const StageGraph& g = eval.graph();
+  const double forward_s = g.ForwardTime(r), backward_s = g.BackwardTime(r);
   std::vector<std::vector<int>> blocks = Blocks(g);
   std::vector<StageGraph> graphs;
   std::vector<std::vector<Candidate>> candidates;
@@ -273,9 +395,10 @@ std::optional<Assignment> LayerSearch(const CostEvaluator& eval, double r, doubl
       if (same_as[e] < 0 && SameShape(graphs[e], graphs[b])) same_as[b] = static_cast<int>(e);
     }
     candidates.push_back(same_as[b] >= 0 ? candidates[same_as[b]]
-                                         : BlockCandidates(graphs[b], eval, r, options));
+                                         : BlockCandidates(graphs[b], eval, r, bound, forward_s,
+                                                           backward_s, options));
+    Reduce(candidates.back(), bound, forward_s, backward_s, options);
     if (candidates.back().empty()) return std::nullopt;
-    CapFront(candidates.back(), options, 0, 0);
   }
   // Bytes the blocks may hold beyond the block inputs, and the least the remaining blocks need.
   const double limit = budget - g.M0(r);
@@ -286,7 +409,6 @@ std::optional<Assignment> LayerSearch(const CostEvaluator& eval, double r, doubl
     for (const Candidate& c : candidates[b]) least = std::min(least, c.terms.mem);
     least_after[b] = least_after[b + 1] + least;
   }
-  const double forward_s = g.ForwardTime(r), backward_s = g.BackwardTime(r);
   std::vector<std::vector<State>> layers(blocks.size() + 1);
   layers[0].push_back({});
   for (size_t b = 0; b < blocks.size(); ++b) {
@@ -299,15 +421,17 @@ std::optional<Assignment> LayerSearch(const CostEvaluator& eval, double r, doubl
         State x;
         x.terms = {prev[s].terms.mem + t.mem, prev[s].terms.local + t.local,
                    prev[s].terms.d2h + t.d2h, prev[s].terms.h2d + t.h2d};
-        if (x.terms.mem + least_after[b + 1] > limit + slack) continue;
+        if (x.terms.mem + least_after[b + 1] > limit + slack ||
+            Overhead(x.terms, forward_s, backward_s) >= bound) {
+          continue;
+        }
         x.parent = static_cast<int>(s);
         x.candidate = static_cast<int>(c);
         next.push_back(x);
       }
     }
     if (next.empty()) return std::nullopt;
-    ParetoPrune(next);
-    CapFront(next, options, forward_s, backward_s);
+    Reduce(next, bound, forward_s, backward_s, options);
   }
   // Cheapest final states first; the first that the full evaluator confirms wins (the sums
   // above add in another order, so a state exactly at the budget is checked again).

@@ -20,9 +20,10 @@
 
 namespace bgl::plan {
 
-// The cheapest conflict-free assignment within `budget` the search finds, or nothing.
+// The cheapest conflict-free assignment within `budget` the search finds with an exposed overhead
+// below `bound` (the greedy's), or nothing.
 std::optional<Assignment> LayerSearch(const CostEvaluator& eval, double r, double budget,
-                                      const MitigationOptions& options);
+                                      double bound, const MitigationOptions& options);
 
 // The greedy of Algorithm 2 alone (mitigation.cc), without the budget check of SelectMitigation:
 // appends every assignment it passes through (keep-all first) to `trajectory` when given.

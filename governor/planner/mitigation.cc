@@ -228,7 +228,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
   // The greedy is the bound: the layer search's answer replaces it only when it is cheaper. A
   // greedy answer without overhead is already optimal.
   if (options.layer_search && result.cost.exposed_s > 0) {
-    std::optional<Assignment> found = LayerSearch(eval, r, budget, options);
+    std::optional<Assignment> found = LayerSearch(eval, r, budget, result.cost.exposed_s, options);
     if (found) {
       MitigationResult alt = result;
       alt.assignment = std::move(*found);
