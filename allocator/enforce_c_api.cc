@@ -6,6 +6,13 @@
 #include "allocator/enforcer.h"
 #include "allocator/global.h"
 #include "bgl/enforce.h"
+#include "governor/planner/assignment.h"
+
+// The C ABI's strategy numbers are the planner's (and so the proto's: convert.cc checks those).
+static_assert(BGL_STRATEGY_KEEP == static_cast<int>(bgl::plan::Strategy::kKeep));
+static_assert(BGL_STRATEGY_RECOMPUTE == static_cast<int>(bgl::plan::Strategy::kRecompute));
+static_assert(BGL_STRATEGY_OFFLOAD == static_cast<int>(bgl::plan::Strategy::kOffload));
+static_assert(BGL_STRATEGY_FP8 == static_cast<int>(bgl::plan::Strategy::kFp8));
 
 struct bgl_enforcer {
   std::unique_ptr<bgl::alloc::Enforcer> impl;

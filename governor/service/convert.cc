@@ -27,6 +27,12 @@ plan::Phase PhaseFromProto(int p) {
   return plan::Phase::kSteady;
 }
 
+// The proto's strategy numbers are the planner's: plans go out as static_cast<int>(strategy).
+static_assert(pb::STRATEGY_KEEP == static_cast<int>(plan::Strategy::kKeep));
+static_assert(pb::STRATEGY_RECOMPUTE == static_cast<int>(plan::Strategy::kRecompute));
+static_assert(pb::STRATEGY_OFFLOAD == static_cast<int>(plan::Strategy::kOffload));
+static_assert(pb::STRATEGY_FP8 == static_cast<int>(plan::Strategy::kFp8));
+
 plan::Strategy StrategyFromProto(int s) {
   switch (s) {
     case pb::STRATEGY_RECOMPUTE:

@@ -528,3 +528,21 @@ def test_a_plan_over_a_daemon_limit_is_planned_in_process(model_doc, monkeypatch
     finally:
         gov.remote = None
         gov.close()
+
+
+def test_strategy_and_phase_names_come_from_the_proto(tmp_path, monkeypatch) -> None:
+    """One vocabulary: the package's strategy names are the proto's enum names, and the
+    remote client reads every enum through the generated module (nothing retyped)."""
+    pytest.importorskip("grpc_tools")
+    from bagualu import remote
+    from bagualu.strategy import STRATEGIES
+    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path))
+    pb, _ = remote.load_stubs()
+    names = {v.number: v.name for v in pb.Strategy.DESCRIPTOR.values}
+    assert {remote.enum_name(pb.Strategy, n, "?") for n in names} == set(STRATEGIES)
+    for n in names:
+        assert STRATEGIES[n] == remote.enum_name(pb.Strategy, n, "?")  # same numbering
+    assert remote.enum_name(pb.Strategy, 99, "keep") == "keep"
+    assert remote.enum_value(pb.Phase, "PHASE", "cooldown") == pb.PHASE_COOLDOWN
+    assert remote.enum_value(pb.Phase, "PHASE", "nonsense") == 0
+    assert remote.enum_name(pb.Chain, pb.CHAIN_RECOVER, "?")[:1].upper() == "R"

@@ -19,9 +19,6 @@ from .remote import RemoteGovernor, classify
 
 log = logging.getLogger("bagualu")
 DEFAULT_ADDRESS = "unix:///run/bagualu/governor.sock"
-_STRATEGY_NAMES = {0: "keep", 1: "recompute", 2: "offload", 3: "fp8"}
-_PHASES = {"warmup": 1, "steady": 2, "cooldown": 3}
-_PHASE_NAMES = {0: "unspecified", 1: "warmup", 2: "steady", 3: "cooldown"}
 
 RETRY_INITIAL_S = 0.1   # first retry after the daemon failed
 RETRY_MAX_S = 2.0       # the delay doubles up to this

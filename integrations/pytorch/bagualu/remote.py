@@ -14,11 +14,24 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import _lib
 
-_PHASES = {"warmup": 1, "steady": 2, "cooldown": 3}
-_PHASE_NAMES = {0: "unspecified", 1: "warmup", 2: "steady", 3: "cooldown"}
-_STRATEGIES = {0: "keep", 1: "recompute", 2: "offload", 3: "fp8"}
-_CHAINS = {0: "F", 1: "B", 2: "O", 3: "R"}
-_RESOURCES = {0: "compute", 1: "comm", 2: "d2h", 3: "h2d"}
+
+
+def enum_name(enum: Any, value: int, default: str) -> str:
+    """The lower-case name of a proto enum value without its prefix (``STRATEGY_FP8`` ->
+    'fp8'): the proto is the one vocabulary, nothing is retyped here."""
+    try:
+        full = enum.Name(value)
+    except ValueError:
+        return default
+    return full.split("_", 1)[1].lower()
+
+
+def enum_value(enum: Any, prefix: str, name: str) -> int:
+    """The value of ``PREFIX_NAME`` in a proto enum; 0 (unspecified) for an unknown name."""
+    try:
+        return int(enum.Value(f"{prefix}_{name.upper()}"))
+    except ValueError:
+        return 0
 
 
 def proto_path() -> Path:
@@ -95,8 +108,9 @@ class RemoteGovernor:
 
     def _plan(self, req: Any) -> Dict[str, Any]:
         p = self.stub.Plan(req, timeout=self.deadline).plan
+        pb = self.pb
         return {
-            "phase": _PHASE_NAMES.get(p.phase, "unspecified"), "micro_batch": p.micro_batch,
+            "phase": enum_name(pb.Phase, p.phase, "unspecified"), "micro_batch": p.micro_batch,
             "chunk": p.chunk, "load_factor": p.load_factor, "budget_bytes": p.budget_bytes,
             "free_bytes": p.free_bytes, "k": p.k, "infeasible": p.infeasible,
             "m0_bytes": p.m0_bytes, "keep_all_bytes": p.keep_all_bytes,
@@ -105,17 +119,20 @@ class RemoteGovernor:
             "fallback_full_recompute": p.fallback_full_recompute, "deferred": p.deferred,
             "cache_hit": p.cache_hit,
             "operators": [{"name": self.operator_names[i] if i < len(self.operator_names)
-                           else str(i), "strategy": _STRATEGIES.get(s, "keep")}
+                           else str(i), "strategy": enum_name(pb.Strategy, s, "keep")}
                           for i, s in enumerate(p.strategies)],
-            "issue_order": [{"round": it.round, "chain": _CHAINS.get(it.chain, "?"),
-                             "stage": it.stage, "resource": _RESOURCES.get(it.resource, "?"),
+            "issue_order": [{"round": it.round,
+                             "chain": enum_name(pb.Chain, it.chain, "?")[:1].upper(),
+                             "stage": it.stage,
+                             "resource": enum_name(pb.Resource, it.resource, "?"),
                              "duration_s": it.duration_s, "label": it.label}
                             for it in p.issue_order],
         }
 
     def plan(self, point: Dict[str, Any]) -> Dict[str, Any]:
         kw: Dict[str, Any] = {"session_id": self.session_id,
-                              "phase": _PHASES.get(point.get("phase", ""), 0),
+                              "phase": enum_value(self.pb.Phase, "PHASE",
+                                                  point.get("phase", "") or "unspecified"),
                               "forward_chunk": int(point.get("forward_chunk", 0)),
                               "backward_chunk": int(point.get("backward_chunk", 0)),
                               "load_factor": float(point.get("load_factor", 1.0))}
