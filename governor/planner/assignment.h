@@ -1,4 +1,4 @@
-// Assignments of mitigation strategies to operators and what they cost (ALGORITHMS.md sec. 2):
+// Assignments of mitigation strategies to operators and what they cost (docs/algorithms.md sec. 2):
 // device bytes per tensor from the strategies of its savers, conflicts, the recompute closure,
 // and the time overhead of each strategy's roofline.
 #pragma once

@@ -1,5 +1,5 @@
 // Algorithm 1: the per-micro-batch activation budget from the pipeline phase, the capacity, M0
-// and the consumption actually reported (paper V-A, ALGORITHMS.md sec. 3).
+// and the consumption actually reported (paper V-A, docs/algorithms.md sec. 3).
 #pragma once
 
 #include <map>
@@ -12,7 +12,7 @@ struct BudgetDecision {
   double budget = 0;
   double free = 0;          // M_max - used at the time of the forward
   int k = 1;                // forwards sharing `free` before memory is next released
-  bool infeasible = false;  // free < k * M0: pressure, evict (ALGORITHMS.md sec. 6)
+  bool infeasible = false;  // free < k * M0: pressure, evict (docs/algorithms.md sec. 6)
 };
 
 // budget = max(M0, free / k); infeasible when free < k * M0.

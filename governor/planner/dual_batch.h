@@ -1,6 +1,6 @@
-// Fused dual-batch execution (paper V-B, ALGORITHMS.md sec. 5): the four chains F, B, O, R of a
-// scheduling point F_x B_y, compacted into stages, and the DP over chain prefixes that finds the
-// issue order minimising the overlapped time on compute, comm, D2H and H2D.
+// Fused dual-batch execution (paper V-B, docs/algorithms.md sec. 5): the four chains F, B, O, R
+// of a scheduling point F_x B_y, compacted into stages, and the DP over chain prefixes that finds
+// the issue order minimising the overlapped time on compute, comm, D2H and H2D.
 #pragma once
 
 #include <array>

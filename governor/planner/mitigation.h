@@ -1,6 +1,6 @@
 // Algorithm 2: greedy per-operator mitigation selection with re-evaluation after each choice,
 // roofline-best strategy per operator and conflict rejection; plus deferred planning after the
-// MoE gate (paper V-A, ALGORITHMS.md sec. 4).
+// MoE gate (paper V-A, docs/algorithms.md sec. 4).
 #pragma once
 
 #include <vector>

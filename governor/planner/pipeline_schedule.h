@@ -1,5 +1,5 @@
 // The step sequence of one pipeline stage: 1F1B and interleaved 1F1B (Megatron's schedule),
-// with warmup, steady and cooldown phases (ALGORITHMS.md sec. 1).
+// with warmup, steady and cooldown phases (docs/algorithms.md sec. 1).
 #pragma once
 
 #include <cstddef>

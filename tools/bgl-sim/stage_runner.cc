@@ -128,7 +128,7 @@ Result<StageIteration> DynamicStageRunner::Run(const std::vector<double>& loads,
     point.backward_micro_batch = p.b_mb;
     point.backward_chunk = p.b_chunk;
     // The gate runs before any load-dependent activation is allocated, so the plan sees the
-    // observed load of the forward (ALGORITHMS.md sec. 3, deferred planning).
+    // observed load of the forward (docs/algorithms.md sec. 3, deferred planning).
     point.load_factor = p.f_mb >= 0 ? loads[p.f_mb] : 1.0;
     const auto start = std::chrono::steady_clock::now();
     auto plan = planner_->PlanPoint(point);
