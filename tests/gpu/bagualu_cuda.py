@@ -209,7 +209,7 @@ def scenario_unmodified() -> dict:
     return out
 
 
-def scenario_overhead(iterations: int, json_out: str) -> dict:
+def scenario_overhead(iterations: int, repeats: int, json_out: str) -> dict:
     import unmodified as u
     out: dict = {"runs": {}}
     try:
@@ -220,7 +220,7 @@ def scenario_overhead(iterations: int, json_out: str) -> dict:
     for name in names:
         for width in (4, 8):
             plain, hooked, ratios = [], [], []
-            for _ in range(5):
+            for _ in range(repeats):
                 one = {}
                 for pol in ("keep-all", None):  # keep-all first: its install swaps
                     r = u.train(name, "bagualu" if pol else None, capacity="64GiB",
@@ -248,6 +248,7 @@ def main() -> int:
     ap.add_argument("--config", default="default", choices=["default", "large"])
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--json-out", default="")
+    ap.add_argument("--repeats", type=int, default=5, help="overhead: alternating pairs")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
     global DEVICE
@@ -267,7 +268,7 @@ def main() -> int:
     elif args.scenario == "unmodified":
         emit(scenario_unmodified())
     elif args.scenario == "overhead":
-        emit(scenario_overhead(args.iterations, args.json_out))
+        emit(scenario_overhead(args.iterations, args.repeats, args.json_out))
     else:
         emit(scenario_bench(args.config, args.iterations, args.json_out))
     return 0
