@@ -6,6 +6,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <malloc.h>
 #include <prometheus/exposer.h>
 #include <signal.h>
 #include <unistd.h>
@@ -89,7 +90,36 @@ int64_t GroupId(const std::string& name) {
 
 bool ProcessAlive(int32_t pid) { return kill(pid, 0) == 0 || errno == EPERM; }
 
-// Background work: reaping dead sessions, publishing gauges, pinging the watchdog.
+// How often free heap memory is handed back to the kernel (see ReturnFreeMemory).
+constexpr std::chrono::seconds kTrimInterval{5};
+
+// glibc keeps what a request freed in the arena of the thread that served it (one arena per
+// gRPC thread, up to 8 per core) instead of returning it: after a fuzz run of large requests
+// (4 MiB model JSON parsed into trees, 16 MiB snapshots) the daemon kept 60-80 MiB of free,
+// fragmented heap in 14 arenas with no session left, while the bytes in use were back at their
+// start (retention, not a leak: LeakSanitizer finds none). So the daemon uses at most
+// kMallocArenas arenas (set before any thread starts) and malloc_trim returns free pages of
+// each every kTrimInterval; the walk holds one arena's lock at a time (a few ms at most) and
+// never a lock of the daemon's. At debug level it logs the heap figures.
+constexpr int kMallocArenas = 2;
+
+void LimitMallocArenas() {
+#if defined(__GLIBC__)
+  mallopt(M_ARENA_MAX, kMallocArenas);
+#endif
+}
+
+void ReturnFreeMemory() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+  const struct mallinfo2 mi = mallinfo2();
+  Log(LogLevel::kDebug, "heap: " + std::to_string(mi.uordblks + mi.hblkhd) + " bytes in use, " +
+                            std::to_string(mi.fordblks) + " free in the arenas");
+#endif
+}
+
+// Background work: reaping dead sessions, publishing gauges, pinging the watchdog, returning
+// free memory to the kernel.
 class Housekeeper {
  public:
   Housekeeper(GovernorCore* core, std::atomic<int>* reap_interval_ms)
@@ -110,6 +140,7 @@ class Housekeeper {
     using Clock = std::chrono::steady_clock;
     const auto watchdog = WatchdogPingInterval();
     auto next_reap = Clock::now(), next_publish = Clock::now(), next_ping = Clock::now();
+    auto next_trim = Clock::now() + kTrimInterval;
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
       lock.unlock();
@@ -128,6 +159,10 @@ class Housekeeper {
       if (watchdog.count() > 0 && now >= next_ping) {
         NotifySystemd("WATCHDOG=1");
         next_ping = now + watchdog;
+      }
+      if (now >= next_trim) {
+        ReturnFreeMemory();
+        next_trim = Clock::now() + kTrimInterval;
       }
       lock.lock();
       cv_.wait_for(lock, std::chrono::milliseconds(10), [&] { return stop_; });
@@ -152,6 +187,7 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "bgl-governord: %s\n%s", flags.status().message().c_str(), kUsage);
     return 2;
   }
+  LimitMallocArenas();
   auto config = LoadDaemonConfig(flags->config_file, flags->overrides);
   if (!config.ok()) {
     std::fprintf(stderr, "bgl-governord: %s\n", config.status().message().c_str());
