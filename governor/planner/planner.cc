@@ -220,7 +220,9 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
         static_cast<int64_t>(std::ceil(point.load_factor / options_.load_bucket - 1e-9));
     // A budget that holds every saved tensor needs no mitigation; the bucket's floor (the
     // budget rounded down to the step) must not turn it into one.
-    const bool fits_all = d.budget >= graph_.KeepAllBytes(point.load_factor);
+    const Interned& keep_all = interned_[keep_all_];  // its memory line: keep-all at any r
+    const bool fits_all =
+        d.budget >= keep_all.device_fixed + keep_all.device_per_load * point.load_factor;
     const int id = fits_all ? keep_all_ : AssignmentFor(key, hit_mitigation);
     const Interned& a = interned_[id];
     plan.strategies = a.assignment;

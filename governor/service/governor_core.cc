@@ -184,6 +184,7 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
   Result<plan::Plan> result = Status();
   std::optional<int64_t> bytes_in_use;
   plan::CacheCounters cache;
+  const int plan_timeout_ms = limits().plan_timeout_ms;
   if (req.has_gate()) {
     const pb::GateObservation& g = req.gate();
     if (g.micro_batch() < 0) return Reject("Plan", Invalid("gate.micro_batch: must be >= 0"));
@@ -195,7 +196,7 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
                                     std::to_string(r)));
     }
     std::lock_guard<std::mutex> lock(session->planner_mu);
-    const plan::Deadline deadline(limits().plan_timeout_ms, &stopping_);
+    const plan::Deadline deadline(plan_timeout_ms, &stopping_);
     result =
         session->planner->PlanAfterGate(g.micro_batch(), g.chunk(), g.gate_layer(), r, deadline);
     if (!result.ok()) {
@@ -213,8 +214,7 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
     if (point->bytes_in_use >= 0) bytes_in_use = point->bytes_in_use;
     // The planner's lock only: Watch and the housekeeping thread read the figures under `mu`.
     std::lock_guard<std::mutex> lock(session->planner_mu);
-    result =
-        session->planner->PlanPoint(*point, plan::Deadline(limits().plan_timeout_ms, &stopping_));
+    result = session->planner->PlanPoint(*point, plan::Deadline(plan_timeout_ms, &stopping_));
     if (!result.ok()) return Reject("Plan", ToGrpcStatus(result.status()));
     cache = session->planner->cache_stats().mitigation;
   }
