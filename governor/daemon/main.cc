@@ -9,6 +9,9 @@
 #include <malloc.h>
 #include <prometheus/exposer.h>
 #include <signal.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#endif
 #include <unistd.h>
 
 #include <atomic>
@@ -313,6 +316,11 @@ int Run(int argc, char** argv) {
   disconnect.join();
   housekeeper.reset();
   Log(LogLevel::kInfo, "stopped");
+#if defined(__SANITIZE_ADDRESS__)
+  // The end-of-process leak check could be cut short by the exit below: run it now (it ends the
+  // process with a report when something leaked).
+  __lsan_do_leak_check();
+#endif
   // gRPC's own teardown (~Server) can wait up to 10 s for a backup poller that a write blocked
   // on a client that stopped reading (a Watch stream) started. Nothing is left to save, so it
   // gets 2 s; past that the process ends at once.

@@ -33,7 +33,13 @@ using testing::DaemonProcess;
 
 // Resident memory the daemon may keep, after a fuzz run, over its size after warm-up with no
 // sessions (see docs/operations.md, "Memory").
+// Under ASan the sanitizer's allocator (quarantine, per-size-class caches) keeps more: measured
+// +9 MiB with glibc (2 arenas, trimmed), +48 MiB under ASan after a 40 s run.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr int64_t kRssBoundBytes = int64_t{128} << 20;
+#else
 constexpr int64_t kRssBoundBytes = int64_t{32} << 20;
+#endif
 
 class Mutator {
  public:
