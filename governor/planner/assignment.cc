@@ -1,7 +1,6 @@
 #include "governor/planner/assignment.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 
 namespace bgl::plan {
@@ -78,7 +77,7 @@ Placement CostEvaluator::TensorPlacement(const Assignment& a, int tensor) const 
   if (graph_.tensors[tensor].block_input) return Placement::kDevice;
   const unsigned mask = SaverMask(graph_, a, tensor);
   if (mask == 0) return Placement::kDropped;
-  if (std::popcount(mask) > 1) return Placement::kConflict;
+  if ((mask & (mask - 1)) != 0) return Placement::kConflict;  // two or more bits set
   if (mask & (1u << static_cast<unsigned>(Strategy::kKeep))) return Placement::kDevice;
   if (mask & (1u << static_cast<unsigned>(Strategy::kOffload))) return Placement::kHost;
   return Placement::kFp8;
