@@ -64,23 +64,35 @@ bool HostStream::done(std::uint64_t ticket) const {
 
 void HostStream::wait(std::uint64_t ticket) const {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return completed_ >= ticket; });
+  while (completed_ < ticket) {
+    if (!running_ && !queue_.empty()) {
+      run_front(lock);  // the worker is idle or not yet awake: run the next item here
+      continue;
+    }
+    cv_.wait(lock);
+  }
 }
 
 void HostStream::synchronize() const { wait(enqueued()); }
 
+void HostStream::run_front(std::unique_lock<std::mutex>& lock) const {
+  auto work = std::move(queue_.front());
+  queue_.pop_front();
+  running_ = true;
+  lock.unlock();
+  work();
+  lock.lock();
+  running_ = false;
+  ++completed_;
+  cv_.notify_all();
+}
+
 void HostStream::run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    cv_.wait(lock, [&] { return (stop_ && queue_.empty()) || (!queue_.empty() && !running_); });
     if (queue_.empty()) return;  // stop_ and drained
-    auto work = std::move(queue_.front());
-    queue_.pop_front();
-    lock.unlock();
-    work();
-    lock.lock();
-    ++completed_;
-    cv_.notify_all();
+    run_front(lock);
   }
 }
 

@@ -11,7 +11,8 @@
 
 namespace bgl::alloc {
 
-// A simulated device stream. Thread safe. The destructor drains the queue.
+// A simulated device stream. Thread safe. Items run one at a time in queue order, on the worker
+// or on a thread waiting for them. The destructor drains the queue.
 class HostStream {
  public:
   HostStream();
@@ -25,7 +26,9 @@ class HostStream {
   std::uint64_t enqueued() const;
   // True when every item with ticket <= `ticket` has run.
   bool done(std::uint64_t ticket) const;
-  // Blocks until every item with ticket <= `ticket` has run.
+  // Blocks until every item with ticket <= `ticket` has run. While the worker is idle the
+  // caller runs the next queued items itself (in order, one at a time with the worker), which
+  // spares a synchronous copy two thread hand-offs.
   void wait(std::uint64_t ticket) const;
   // Blocks until the queue is empty.
   void synchronize() const;
@@ -35,12 +38,15 @@ class HostStream {
 
  private:
   void run();
+  // Runs the front item with `lock` released; needs it held, the queue non-empty, none running.
+  void run_front(std::unique_lock<std::mutex>& lock) const;
 
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
+  mutable std::deque<std::function<void()>> queue_;
   std::uint64_t enqueued_ = 0;
-  std::uint64_t completed_ = 0;
+  mutable std::uint64_t completed_ = 0;
+  mutable bool running_ = false;  // an item is running (on the worker or a waiter)
   bool stop_ = false;
   std::thread worker_;
 };
