@@ -5,12 +5,12 @@
 #include <sys/wait.h>
 
 #include <chrono>
-#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "governor/client/embedded_governor.h"
 #include "governor/client/remote_governor.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/heavy_model.h"
 
 namespace bgl::gov {
 namespace {
@@ -30,37 +30,6 @@ Registration Tiny() {
   reg.model_json = testing::TinyModelJson();
   reg.capacity_bytes = int64_t{8} << 30;
   return reg;
-}
-
-// A stage whose greedy would run for minutes: 200 operators per layer, 16 layers.
-std::string HeavyModel() {
-  nlohmann::json ops = nlohmann::json::array(), tensors = nlohmann::json::array();
-  tensors.push_back(
-      {{"name", "x"}, {"bytes", 1 << 20}, {"block_input", true}, {"consumers", {"op0"}}});
-  for (int i = 0; i < 200; ++i) {
-    const std::string name = "op" + std::to_string(i);
-    ops.push_back({{"name", name},
-                   {"kind", i % 2 ? "comm" : "linear"},
-                   {"forward_ms", 0.01 + 0.001 * (i % 7)},
-                   {"backward_ms", 0.02}});
-    if (i + 1 < 200) {
-      tensors.push_back({{"name", "t" + std::to_string(i)},
-                         {"bytes", (1 << 20) + 4096 * (i % 5)},
-                         {"producer", name},
-                         {"consumers", {"op" + std::to_string(i + 1)}}});
-    }
-  }
-  nlohmann::json model = nlohmann::json::parse(testing::TinyModelJson());
-  for (const char* key : {"layers", "pp", "gpus", "micro_batches", "vp"}) model.erase(key);
-  model.update({{"layers", 16},
-                {"pp", 1},
-                {"gpus", 1},
-                {"workspace", 0},
-                {"param_bytes", 0},
-                {"grad_bytes", 0},
-                {"optimizer_bytes", 0}});
-  model["layer_graph"] = {{"operators", ops}, {"tensors", tensors}};
-  return model.dump();
 }
 
 // Sends SIGTERM and waits up to `limit_ms` for the daemon to exit (without reaping it); then
@@ -132,7 +101,7 @@ TEST(PlannerLimitsDaemon, PlanPastItsLimitIsRefused) {
   options.deadline = std::chrono::seconds(30);
   RemoteGovernor gov(options);
   Registration heavy = Tiny();
-  heavy.model_json = HeavyModel();
+  heavy.model_json = testing::HeavyModelJson();
   heavy.capacity_bytes = int64_t{1} << 30;
   auto info = gov.Register(heavy);
   ASSERT_TRUE(info.ok()) << info.status().message();
@@ -152,7 +121,7 @@ TEST(PlannerLimitsDaemon, SigtermDrainsWithinItsTimeWhileAPlanRuns) {
   options.deadline = std::chrono::seconds(60);
   RemoteGovernor gov(options);
   Registration heavy = Tiny();
-  heavy.model_json = HeavyModel();
+  heavy.model_json = testing::HeavyModelJson();
   heavy.capacity_bytes = int64_t{1} << 30;
   auto info = gov.Register(heavy);
   ASSERT_TRUE(info.ok()) << info.status().message();
@@ -171,7 +140,7 @@ TEST(PlannerLimitsDaemon, EmbeddedFallbackHasTheSamePlanTimeLimit) {
   // A plan the daemon refused as too slow must not stall the training process in its fallback.
   EmbeddedGovernor embedded;
   Registration heavy = Tiny();
-  heavy.model_json = HeavyModel();
+  heavy.model_json = testing::HeavyModelJson();
   heavy.capacity_bytes = int64_t{1} << 30;
   auto info = embedded.Register(heavy);
   ASSERT_TRUE(info.ok()) << info.status().message();

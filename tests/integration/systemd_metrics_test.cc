@@ -9,6 +9,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <string>
@@ -17,6 +18,7 @@
 
 #include "governor/client/remote_governor.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/heavy_model.h"
 
 namespace bgl::gov {
 namespace {
@@ -137,6 +139,49 @@ TEST(GovernorSystemd, NotifiesReadyStatusWatchdogAndStopping) {
   daemon.Signal(SIGTERM);
   auto stopping = notify.ReceiveUntil("STOPPING=1", 5000);
   EXPECT_FALSE(stopping.empty()) << "no STOPPING=1 after SIGTERM";
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+TEST(GovernorSystemd, WatchdogPingsContinueWhileAPlanRuns) {
+#ifndef BGL_HAVE_SYSTEMD
+  GTEST_SKIP() << "bgl-governord was built without libsystemd";
+#endif
+  // Issue 12 item 2: the housekeeping thread that pings the watchdog used to sample the sessions
+  // under the lock a plan holds, so a long plan starved systemd's watchdog.
+  DaemonProcess daemon({"--plan-timeout-ms", "4000"});
+  FakeNotifySocket notify(daemon.dir() + "/notify.sock");
+  ASSERT_TRUE(notify.ok());
+  ScopedEnv socket_env("NOTIFY_SOCKET", daemon.dir() + "/notify.sock");
+  ScopedEnv watchdog_env("WATCHDOG_USEC", "200000");  // a ping at least every 100 ms
+  ASSERT_TRUE(daemon.Start());
+  ASSERT_FALSE(notify.ReceiveUntil("READY=1", 5000).empty());
+  RemoteOptions options;
+  options.address = daemon.address();
+  options.deadline = std::chrono::seconds(30);
+  RemoteGovernor gov(options);
+  Registration heavy;
+  heavy.model_json = testing::HeavyModelJson();
+  heavy.capacity_bytes = int64_t{1} << 30;
+  auto info = gov.Register(heavy);
+  ASSERT_TRUE(info.ok()) << info.status().message();
+  std::atomic<bool> done{false};
+  std::thread client([&] {
+    plan::SchedulePoint point;
+    point.forward_micro_batch = 0;
+    (void)gov.Plan(info->session_id, point);
+    done = true;
+  });
+  // Past the first publish (every second) inside the plan, then pings must still arrive.
+  notify.ReceiveUntil("never sent", 1500);
+  const auto pings = notify.ReceiveUntil("WATCHDOG=1", 1000);
+  const bool plan_running = !done;
+  // Keep reading: a full notification queue would block the daemon's sd_notify.
+  while (!done) notify.ReceiveUntil("never sent", 100);
+  client.join();
+  EXPECT_TRUE(plan_running) << "the plan ended before the check; the test proves nothing";
+  EXPECT_FALSE(pings.empty()) << "no watchdog ping while a plan ran";
+  daemon.Signal(SIGTERM);
+  EXPECT_FALSE(notify.ReceiveUntil("STOPPING=1", 5000).empty());
   EXPECT_EQ(daemon.Stop(), 0);
 }
 
