@@ -227,7 +227,8 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
   MitigationResult result = GreedyMitigation(eval, r, budget, options, nullptr);
   // The greedy is the bound: the layer search's answer replaces it only when it is cheaper. A
   // greedy answer without overhead is already optimal.
-  if (options.layer_search && result.cost.exposed_s > 0) {
+  if (options.layer_search && result.cost.exposed_s > 0 &&
+      eval.graph().ops.size() <= static_cast<size_t>(options.max_layer_search_ops)) {
     std::optional<Assignment> found = LayerSearch(eval, r, budget, result.cost.exposed_s, options);
     if (found) {
       MitigationResult alt = result;

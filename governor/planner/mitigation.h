@@ -27,6 +27,9 @@ struct MitigationOptions {
   // Candidates per layer and partial combinations kept between layers: past it a Pareto front
   // is cut (least memory, then least overhead) and the search is no longer exact.
   int max_layer_states = 1024;
+  // Chunks with more operators skip the layer search (its greedy runs per layer would take
+  // several times the greedy's own time; a plan deadline would then refuse the plan).
+  int max_layer_search_ops = 256;
 };
 
 // The chosen assignment and how it was reached.
