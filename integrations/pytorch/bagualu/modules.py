@@ -185,7 +185,10 @@ class AutoLayers:
                 f"ops={{'{path}': 'linear'}}")
         r = _Router(experts, k, self.ep.local_set(experts))
         self.routers[module] = r
-        if self.ep.simulate:
+        # Experts held as an nn.ModuleList (transformers 4.x) return zeros for other ranks
+        # (_patch_expert_lists), and their routing code may not take a 'no expert' index
+        # (DeepSeek-V3's one_hot): the routes stay as they are there.
+        if self.ep.simulate and not _has_expert_list(parent):
             self.handles.append(module.register_forward_hook(self._restrict(r)))
 
     def _patch_expert_lists(self) -> None:
@@ -343,6 +346,12 @@ class AutoLayers:
         """Operator names in the order of their first call in the capture (never-called
         operators are left out)."""
         return sorted((n for n in names if n in self.order), key=self.order.__getitem__)
+
+
+def _has_expert_list(module: nn.Module) -> bool:
+    """Whether ``module`` holds its routed experts as an nn.ModuleList child."""
+    return any(isinstance(m, nn.ModuleList) and "expert" in n.lower() and "shared" not in n.lower()
+               for n, m in module.named_children())
 
 
 def _eager_experts(model: nn.Module) -> Optional[Tuple[nn.Module, str]]:
