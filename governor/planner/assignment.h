@@ -15,6 +15,8 @@ namespace bgl::plan {
 // What happens to the tensors an operator saves.
 enum class Strategy : uint8_t { kKeep, kRecompute, kOffload, kFp8 };
 constexpr int kStrategyCount = 4;
+inline constexpr Strategy kAllStrategies[] = {Strategy::kKeep, Strategy::kRecompute,
+                                              Strategy::kOffload, Strategy::kFp8};
 const char* StrategyName(Strategy s);
 
 // One strategy per operator of a StageGraph, in graph order.

@@ -9,23 +9,6 @@ namespace bgl::plan {
 
 namespace {
 
-bool Permitted(const MitigationOptions& opt, Strategy s) {
-  switch (s) {
-    case Strategy::kRecompute:
-      return opt.allow_recompute;
-    case Strategy::kOffload:
-      return opt.allow_offload;
-    case Strategy::kFp8:
-      return opt.allow_fp8;
-    case Strategy::kKeep:
-      return true;
-  }
-  return false;
-}
-
-constexpr Strategy kAll[] = {Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
-                             Strategy::kFp8};
-
 // Operators linked through a tensor other than a block input (its producer, savers and
 // readers) share a block: the tensor's placement and the recompute closure never cross blocks.
 std::vector<std::vector<int>> Blocks(const StageGraph& g) {
@@ -268,8 +251,8 @@ std::vector<Candidate> BlockCandidates(const StageGraph& sub, const CostEvaluato
   std::vector<std::vector<Strategy>> choices(n);
   double count = 1;
   for (size_t o = 0; o < n; ++o) {
-    for (Strategy s : kAll) {
-      if (Permitted(options, s) && eval.Allowed(static_cast<int>(o), s)) choices[o].push_back(s);
+    for (Strategy s : kAllStrategies) {
+      if (options.Permits(s) && eval.Allowed(static_cast<int>(o), s)) choices[o].push_back(s);
     }
     count *= static_cast<double>(choices[o].size());
   }

@@ -21,23 +21,7 @@ Assignment FullRecompute(const CostEvaluator& eval) {
 
 namespace {
 
-bool Permitted(const MitigationOptions& opt, Strategy s) {
-  switch (s) {
-    case Strategy::kRecompute:
-      return opt.allow_recompute;
-    case Strategy::kOffload:
-      return opt.allow_offload;
-    case Strategy::kFp8:
-      return opt.allow_fp8;
-    case Strategy::kKeep:
-      return true;
-  }
-  return false;
-}
-
 constexpr Strategy kMitigations[] = {Strategy::kRecompute, Strategy::kOffload, Strategy::kFp8};
-constexpr Strategy kAll[] = {Strategy::kKeep, Strategy::kRecompute, Strategy::kOffload,
-                             Strategy::kFp8};
 
 using Partners = std::vector<std::vector<int>>;
 
@@ -83,8 +67,8 @@ void Refine(const CostEvaluator& eval, double r, double budget, const Mitigation
     AssignmentCost best_cost;
     Assignment best_assignment;
     for (size_t o = 0; o < n; ++o) {
-      for (Strategy s : kAll) {
-        if (s == result.assignment[o] || !Permitted(options, s) ||
+      for (Strategy s : kAllStrategies) {
+        if (s == result.assignment[o] || !options.Permits(s) ||
             !eval.Allowed(static_cast<int>(o), s)) {
           continue;
         }
@@ -150,7 +134,7 @@ MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double bu
       AssignmentCost op_cost;
       Assignment op_assignment;
       for (Strategy s : kMitigations) {
-        if (s == current || !Permitted(options, s) || !eval.Allowed(static_cast<int>(o), s)) {
+        if (s == current || !options.Permits(s) || !eval.Allowed(static_cast<int>(o), s)) {
           continue;
         }
         if (dropped[o][static_cast<int>(s)]) continue;

@@ -30,6 +30,21 @@ struct MitigationOptions {
   // Chunks with more operators skip the layer search (its greedy runs per layer would take
   // several times the greedy's own time; a plan deadline would then refuse the plan).
   int max_layer_search_ops = 256;
+
+  // Whether these options let an operator take `s` (keep always).
+  bool Permits(Strategy s) const {
+    switch (s) {
+      case Strategy::kRecompute:
+        return allow_recompute;
+      case Strategy::kOffload:
+        return allow_offload;
+      case Strategy::kFp8:
+        return allow_fp8;
+      case Strategy::kKeep:
+        return true;
+    }
+    return false;
+  }
 };
 
 // The chosen assignment and how it was reached.

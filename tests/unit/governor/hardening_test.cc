@@ -11,6 +11,7 @@
 
 #include "governor/service/governor_core.h"
 #include "tests/unit/governor/tiny_model.h"
+#include "tests/unit/planner/heavy_graph.h"
 
 namespace bgl::gov {
 namespace {
@@ -36,22 +37,6 @@ pb::RegisterRequest Request(const std::string& model_json, int64_t capacity = in
 
 // A stage whose greedy would take minutes: 200 operators per layer, 16 layers.
 std::string HeavyModel() {
-  json ops = json::array(), tensors = json::array();
-  tensors.push_back(
-      {{"name", "x"}, {"bytes", 1 << 20}, {"block_input", true}, {"consumers", {"op0"}}});
-  for (int i = 0; i < 200; ++i) {
-    const std::string name = "op" + std::to_string(i);
-    ops.push_back({{"name", name},
-                   {"kind", i % 2 ? "comm" : "linear"},
-                   {"forward_ms", 0.01 + 0.001 * (i % 7)},
-                   {"backward_ms", 0.02}});
-    if (i + 1 < 200) {
-      tensors.push_back({{"name", "t" + std::to_string(i)},
-                         {"bytes", (1 << 20) + 4096 * (i % 5)},
-                         {"producer", name},
-                         {"consumers", {"op" + std::to_string(i + 1)}}});
-    }
-  }
   json model = {{"name", "heavy"},
                 {"layers", 16},
                 {"hidden", 64},
@@ -69,7 +54,7 @@ std::string HeavyModel() {
                 {"optimizer_bytes", 0},
                 {"workspace", 0},
                 {"safety_margin", 0.0}};
-  model["layer_graph"] = {{"operators", ops}, {"tensors", tensors}};
+  model["layer_graph"] = plan::testing::HeavyLayerGraph();
   return model.dump();
 }
 

@@ -14,6 +14,7 @@
 #include "governor/planner/json_limits.h"
 #include "governor/planner/mitigation.h"
 #include "governor/planner/planner.h"
+#include "tests/unit/planner/heavy_graph.h"
 
 namespace bgl::plan {
 namespace {
@@ -158,30 +159,8 @@ TEST(Hardening, SubnormalAndAbsurdCalibrationIsRefused) {
                   .ok());
 }
 
-// A graph whose greedy takes far longer than any sane limit: 200 operators per layer, 16 layers,
-// alternating compute and communication, each saving its own tensor.
-json HeavyGraph() {
-  json ops = json::array(), tensors = json::array();
-  tensors.push_back(
-      {{"name", "x"}, {"bytes", 1 << 20}, {"block_input", true}, {"consumers", {"op0"}}});
-  for (int i = 0; i < 200; ++i) {
-    const std::string name = "op" + std::to_string(i);
-    ops.push_back({{"name", name},
-                   {"kind", i % 2 ? "comm" : "linear"},
-                   {"forward_ms", 0.01 + 0.001 * (i % 7)},
-                   {"backward_ms", 0.02}});
-    if (i + 1 < 200) {
-      tensors.push_back({{"name", "t" + std::to_string(i)},
-                         {"bytes", (1 << 20) + 4096 * (i % 5)},
-                         {"producer", name},
-                         {"consumers", {"op" + std::to_string(i + 1)}}});
-    }
-  }
-  return {{"operators", ops}, {"tensors", tensors}};
-}
-
 TEST(Hardening, PlanThatExceedsItsDeadlineIsRefusedAndStateIsKept) {
-  json model = GraphModel(HeavyGraph(), 16);
+  json model = GraphModel(testing::HeavyLayerGraph(), 16);
   auto config = ModelConfigFromJson(model, "heavy");
   ASSERT_TRUE(config.ok()) << config.status().message();
   PlannerOptions options;
