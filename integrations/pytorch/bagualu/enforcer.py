@@ -181,7 +181,12 @@ class Enforcer:
         def attempt() -> None:
             self._check(self.lib.bgl_enf_acquire(self.handle, handle, -1, self._stream(),
                                                  ctypes.byref(ptr)), "acquire")
-        poolmod.with_eviction(attempt, nbytes, self.evict)
+        try:
+            attempt()
+        except OutOfMemoryError as e:  # no room for the reload: evict, then try again
+            if self.evict is None:
+                raise
+            poolmod.retry_after_eviction(attempt, nbytes, self.evict, e)
         self.pending -= 1
         self.live_blocks += 1
 

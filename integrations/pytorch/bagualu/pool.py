@@ -15,23 +15,23 @@ from . import _lib
 from .errors import BagualuError, OutOfMemoryError
 
 T = TypeVar("T")
-EVICTION_ROUNDS = 12  # allocation retries, each after evicting twice as much as the last
+EVICTION_ROUNDS = 12  # retries of a failed allocation, each after evicting twice as much
 
 
-def with_eviction(alloc: Callable[[], T], nbytes: int,
-                  evict: Optional[Callable[[int], int]]) -> T:
-    """``alloc()``, retried while ``evict(bytes)`` frees something. The pool's own pressure
-    call asks for the shortfall in bytes, but what it frees may lie in pages other blocks still
-    use: each retry evicts twice as much as the one before. OutOfMemoryError when eviction
-    frees nothing more (or ``evict`` is None)."""
+def retry_after_eviction(alloc: Callable[[], T], nbytes: int, evict: Callable[[int], int],
+                         error: OutOfMemoryError) -> T:
+    """``alloc()`` again after it failed with ``error``, each time after ``evict`` freed
+    twice as much as the time before. The pool's own pressure call asks for the shortfall in
+    bytes, but what it frees may lie in pages other blocks still use. Raises the last
+    OutOfMemoryError once eviction frees nothing more."""
     for attempt in range(EVICTION_ROUNDS):
+        if evict(nbytes << (attempt + 1)) == 0:
+            break
         try:
             return alloc()
-        except OutOfMemoryError:
-            if evict is None or attempt == EVICTION_ROUNDS - 1 \
-                    or evict(nbytes << (attempt + 1)) == 0:
-                raise
-    raise AssertionError("unreachable")
+        except OutOfMemoryError as e:
+            error = e
+    raise error
 
 PressureFn = Callable[[int], int]
 _PRESSURE_CFUNC = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)

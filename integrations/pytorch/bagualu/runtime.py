@@ -143,9 +143,15 @@ class Runtime:
             self._host_used += nbytes
             return 1
         try:
-            return poolmod.with_eviction(lambda: self.pool.alloc(nbytes), nbytes,
-                                         self.tracker.evict if self.policy == "bagualu"
-                                         else None)
+            return self.pool.alloc(nbytes)
+        except OutOfMemoryError as e:
+            if self.policy != "bagualu":
+                self.oom_count += 1
+                raise
+            error = e
+        try:
+            return poolmod.retry_after_eviction(lambda: self.pool.alloc(nbytes), nbytes,
+                                                self.tracker.evict, error)
         except OutOfMemoryError:
             self.oom_count += 1
             raise

@@ -84,14 +84,17 @@ def train(args: argparse.Namespace, rank: int, world: int, policy: Optional[str]
         bagualu.instrument(modules[0] if chunks == 1 else nn.ModuleList(modules))
         if policy == "keep-all":
             bagualu.current().force_strategies({})  # one block per storage: an exact peak
-    xs = unmodified.batches(n_mb * args.iterations, spike_every=args.spike_every)
+    cfg = modules[0].lm.config
+    xs = unmodified.batches(n_mb * args.iterations, spike_every=args.spike_every,
+                            vocab=cfg.vocab_size)
     mbs, seq = xs[0].shape
+    hidden = cfg.hidden_size
     pstages = []
     for i, module in zip(indices, modules):
         # a received activation and a sent output need requires_grad, or no gradient flows
-        example_in = xs[0] if i == 0 else torch.zeros(mbs, seq, 64, requires_grad=True)
-        example_out = torch.zeros(mbs, seq, 128) if i == n_stages - 1 \
-            else torch.zeros(mbs, seq, 64, requires_grad=True)
+        example_in = xs[0] if i == 0 else torch.zeros(mbs, seq, hidden, requires_grad=True)
+        example_out = torch.zeros(mbs, seq, cfg.vocab_size) if i == n_stages - 1 \
+            else torch.zeros(mbs, seq, hidden, requires_grad=True)
         pstages.append(PipelineStage(module, i, n_stages, torch.device("cpu"),
                                      input_args=(example_in,), output_args=(example_out,)))
     if chunks > 1:
