@@ -1,10 +1,17 @@
-"""The enforcer of libbgl_alloc.so (allocator/include/bgl/enforce.h) through ctypes: offload to
-its pinned host pool on its D2H stream, reload on its H2D stream into a block of the allocator's
-pool, and hand the reloaded block to PyTorch without a copy.
+"""The enforcer of libbgl_alloc.so (bgl/enforce.h) through ctypes: the one place where a saved
+activation changes placement. Every captured storage is registered with it (its producer, the
+operators that saved it, the plan's strategy); it offloads to its pinned host pool on its D2H
+stream and reloads on its H2D stream into a block of the allocator's pool, casts to FP8 and back
+with the kernels of kernels/ (the CUDA kernels on a GPU, their bit-identical host twin on CPU),
+and drops data for recompute, calling back into the package (recompute.py) when the data is
+needed again.
 
-PyTorch keeps owning the memory it allocated (the enforcer borrows it for the copy); the
-enforcer owns the pinned copy and the reloaded block, which PyTorch sees as a tensor whose
-storage releases the enforcer's handle when it dies.
+PyTorch keeps owning the memory it allocated (registrations are borrowed); the enforcer owns the
+pinned copies, the FP8 copies and the blocks it reloads or uncasts into, which PyTorch sees as a
+tensor whose storage tells the enforcer when it dies.
+
+Not thread-safe on the Python side: used from the training thread (and the autograd thread that
+runs unpack hooks while the training thread waits in backward()).
 """
 from __future__ import annotations
 
@@ -20,8 +27,23 @@ from .errors import BagualuError, OutOfMemoryError
 log = logging.getLogger("bagualu")
 
 _c_void, _c_size, _c_int, _c_u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64
-_BYTES = 3
 _ERR_OUT_OF_MEMORY = 2
+_ERR_DUPLICATE = 12
+_ERR_CALLBACK = 16
+# bgl_dtype: the element types the FP8 cast accepts; anything else is moved as bytes.
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_BYTES = 3
+# bgl_placement
+PLACE_DEVICE, PLACE_HOST, PLACE_FP8, PLACE_DROPPED = 0, 1, 2, 3
+# The consumer every registration gets first: the package's record itself. The enforcer retires
+# a tensor when all its consumers released it; this one is released only when the record is
+# gone, so a reloaded block is never freed while a consumer of the record may still need it.
+HOLDER = (1 << 31) - 1
+
+
+def fp8_supported(dtype: torch.dtype) -> bool:
+    """Whether the enforcer can store a tensor of ``dtype`` in FP8."""
+    return dtype in _DTYPE_CODES
 
 
 class _Options(ctypes.Structure):
@@ -36,6 +58,13 @@ class _Desc(ctypes.Structure):
                 ("flags", ctypes.c_uint32)]
 
 
+class _Info(ctypes.Structure):
+    _fields_ = [("placement", _c_int), ("applied", _c_int), ("planned", _c_int),
+                ("pending", _c_int), ("num_consumers", _c_int), ("num_released", _c_int),
+                ("bytes", _c_size), ("device_ptr", _c_void), ("host_ptr", _c_void),
+                ("fp8_ptr", _c_void), ("fp8_bytes", _c_size), ("need_order", ctypes.c_int64)]
+
+
 _STAT_FIELDS = ("tracked", "registered", "retired", "offloads", "reloads", "fp8_casts",
                 "fp8_uncasts", "drops", "recomputes", "bytes_d2h", "bytes_h2d", "bytes_fp8_saved",
                 "evictions", "evicted_bytes", "pressure_calls", "scheduled_issued",
@@ -48,21 +77,32 @@ class _Stats(ctypes.Structure):
     _fields_ = [(name, _c_u64) for name in _STAT_FIELDS]
 
 
+_RECOMPUTE_FN = ctypes.CFUNCTYPE(_c_int, _c_u64, _c_int, _c_int, _c_void,
+                                 ctypes.POINTER(_c_void))
+
+
 def _bind(lib: ctypes.CDLL) -> None:
     if getattr(lib, "_bgl_enf_bound", False):
         return
     handle_p = ctypes.POINTER(_c_void)
+    h = [_c_void, _c_u64]
     sigs = {
         "bgl_enf_default_options": ([ctypes.POINTER(_Options)], None),
         "bgl_enf_create": ([ctypes.POINTER(_Options), handle_p], _c_int),
         "bgl_enf_destroy": ([_c_void], _c_int),
         "bgl_enf_register": ([_c_void, ctypes.POINTER(_Desc), ctypes.POINTER(_c_u64)], _c_int),
-        "bgl_enf_offload": ([_c_void, _c_u64], _c_int),
-        "bgl_enf_reload": ([_c_void, _c_u64], _c_int),
-        "bgl_enf_acquire": ([_c_void, _c_u64, _c_int, _c_void, handle_p], _c_int),
-        "bgl_enf_release": ([_c_void, _c_u64, _c_int, _c_void], _c_int),
-        "bgl_enf_unregister": ([_c_void, _c_u64], _c_int),
-        "bgl_enf_wait_tensor": ([_c_void, _c_u64], _c_int),
+        "bgl_enf_add_consumer": (h + [_c_int], _c_int),
+        "bgl_enf_set_strategy": (h + [_c_int], _c_int),
+        "bgl_enf_query": (h + [ctypes.POINTER(_Info)], _c_int),
+        "bgl_enf_offload": (h, _c_int),
+        "bgl_enf_reload": (h, _c_int),
+        "bgl_enf_store_fp8": (h, _c_int),
+        "bgl_enf_drop": (h, _c_int),
+        "bgl_enf_set_recompute_callback": ([_c_void, _RECOMPUTE_FN, _c_void], _c_int),
+        "bgl_enf_acquire": (h + [_c_int, _c_void, handle_p], _c_int),
+        "bgl_enf_release": (h + [_c_int, _c_void], _c_int),
+        "bgl_enf_unregister": (h, _c_int),
+        "bgl_enf_wait_tensor": (h, _c_int),
         "bgl_enf_synchronize": ([_c_void], _c_int),
         "bgl_enf_get_stats": ([_c_void, ctypes.POINTER(_Stats)], _c_int),
         "bgl_enf_last_error": ([], ctypes.c_char_p),
@@ -75,9 +115,9 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 class _Block:
-    """A reloaded block of the enforcer as the owner of a tensor's memory (NumPy's array
-    interface on the host backend, ``__cuda_array_interface__`` on CUDA); ``done`` releases it
-    when PyTorch lets go of the memory."""
+    """A block the enforcer made (a reload or an uncast) as the owner of a tensor's memory
+    (NumPy's array interface on the host backend, ``__cuda_array_interface__`` on CUDA);
+    ``done`` tells the enforcer when PyTorch lets go of the memory."""
 
     __slots__ = ("interface", "cuda", "done", "__weakref__")
 
@@ -105,10 +145,10 @@ class _Block:
 
 class Enforcer:
     """One enforcer over the allocator's pool of one device (CUDA device index, or the host
-    backend's device 0 on CPU)."""
+    backend's device 0 on CPU). Handles are the enforcer's tensor handles (ints, never 0)."""
 
     def __init__(self, device: torch.device, pinned_capacity: int, borrowed_free_is_safe: bool,
-                 evict: Optional[Callable[[int], int]] = None) -> None:
+                 evict: Optional[Callable[[int], int]] = None, fp8_block: int = 128) -> None:
         self.lib = poolmod.load()
         _bind(self.lib)
         self.device = device
@@ -122,12 +162,19 @@ class Enforcer:
         self.lib.bgl_enf_default_options(ctypes.byref(opts))
         opts.device = (device.index or 0) if self.cuda else 0
         opts.pinned_capacity = int(pinned_capacity)
+        opts.fp8_block = int(fp8_block)
         opts.pressure_eviction = 0  # the runtime's pressure callback decides what moves
         handle = _c_void()
         self._check(self.lib.bgl_enf_create(ctypes.byref(opts), ctypes.byref(handle)), "create")
         self.handle = handle.value
-        self.live_blocks = 0  # reloaded blocks PyTorch still holds
-        self.pending = 0      # offloaded tensors not yet acquired or released
+        # handle -> function regenerating a dropped tensor; returns its data pointer
+        self.regenerators: Dict[int, Callable[[], int]] = {}
+        self._callback_error: Optional[BaseException] = None
+        self._callback = _RECOMPUTE_FN(self._recompute)  # kept alive as long as the enforcer
+        self._check(self.lib.bgl_enf_set_recompute_callback(self.handle, self._callback, None),
+                    "set_recompute_callback")
+        self.live_blocks = 0  # blocks PyTorch still holds
+        self.tracked = 0      # registered tensors not yet retired
         self.closing = False  # close() was called: destroy once nothing is outstanding
         self.destroyed = False
 
@@ -139,6 +186,9 @@ class Enforcer:
     def _check(self, rc: int, what: str) -> None:
         if rc == 0:
             return
+        if rc == _ERR_CALLBACK and self._callback_error is not None:
+            err, self._callback_error = self._callback_error, None
+            raise err
         text = f"enforcer {what}: {self._error()}"
         if rc == _ERR_OUT_OF_MEMORY:
             raise OutOfMemoryError(text)
@@ -147,33 +197,115 @@ class Enforcer:
     def _stream(self) -> Optional[int]:
         return torch.cuda.current_stream(self.device).cuda_stream if self.cuda else None
 
-    # -- moves ------------------------------------------------------------------------------
-    def offload(self, ptr: int, nbytes: int, micro_batch: int, producer_op: int = 0) -> int:
-        """Copies ``nbytes`` at ``ptr`` to the pinned pool on the D2H stream (after the current
-        stream's work); returns the handle. Waits for the copy unless PyTorch may free the
-        source before it ends."""
-        desc = _Desc(ptr=ptr, bytes=nbytes, dtype=_BYTES, producer_op=producer_op,
-                     graph_tensor=-1, micro_batch=micro_batch, stream=self._stream(), flags=0)
+    def _recompute(self, handle: int, producer_op: int, micro_batch: int, user: Any,
+                   out: Any) -> int:
+        """The enforcer needs a dropped tensor: the package reruns its producer."""
+        try:
+            regen = self.regenerators.pop(handle)
+            out[0] = regen()
+            return 0
+        except BaseException as e:  # raised again by the call that needed the data
+            self._callback_error = e
+            return 1
+
+    # -- tracker ----------------------------------------------------------------------------
+    def register(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
+                 micro_batch: int, graph_tensor: int = -1) -> int:
+        """Tracks a saved storage (borrowed: PyTorch keeps its memory); returns the handle, or 0
+        when another record tracks the storage already (one storage saved by two micro-batches,
+        e.g. a chunk's output that the next chunk of this rank saves too: it stays where it
+        is)."""
+        desc = _Desc(ptr=storage.data_ptr(), bytes=storage.nbytes(),
+                     dtype=_DTYPE_CODES.get(dtype, _BYTES), producer_op=producer_op,
+                     graph_tensor=graph_tensor, micro_batch=micro_batch, stream=self._stream(),
+                     flags=0)
         h = _c_u64(0)
-        self._check(self.lib.bgl_enf_register(self.handle, ctypes.byref(desc), ctypes.byref(h)),
-                    "register")
-        rc = self.lib.bgl_enf_offload(self.handle, h)
-        if rc == 0 and not self.borrowed_free_is_safe:
-            rc = self.lib.bgl_enf_wait_tensor(self.handle, h)
-        if rc != 0:
-            msg = self._error()
-            self.lib.bgl_enf_unregister(self.handle, h)
-            raise BagualuError(f"enforcer offload: {msg}")
-        self.pending += 1
+        rc = self.lib.bgl_enf_register(self.handle, ctypes.byref(desc), ctypes.byref(h))
+        if rc == _ERR_DUPLICATE:
+            return 0
+        self._check(rc, "register")
+        self.tracked += 1
+        self._check(self.lib.bgl_enf_add_consumer(self.handle, h, HOLDER), "add_consumer")
         return h.value
+
+    def add_consumer(self, handle: int, op: int) -> None:
+        """Operator ``op`` saved the tensor too."""
+        rc = self.lib.bgl_enf_add_consumer(self.handle, handle, op)
+        if rc != 0 and rc != _ERR_DUPLICATE:  # already a consumer
+            self._check(rc, "add_consumer")
+
+    def set_strategy(self, handle: int, strategy: int) -> None:
+        self._check(self.lib.bgl_enf_set_strategy(self.handle, handle, strategy), "set_strategy")
+
+    def query(self, handle: int) -> _Info:
+        info = _Info()
+        self._check(self.lib.bgl_enf_query(self.handle, handle, ctypes.byref(info)), "query")
+        return info
+
+    def retire(self, handle: int) -> None:
+        """The record is gone and no block of it is alive: forget the tensor and free what the
+        enforcer holds for it (pinned copy, FP8 copy)."""
+        self.regenerators.pop(handle, None)
+        if self.destroyed:
+            return
+        self.lib.bgl_enf_unregister(self.handle, handle)
+        self.tracked -= 1
+        self._destroy_if_done()
+
+    # -- moves ------------------------------------------------------------------------------
+    def offload(self, handle: int) -> None:
+        """Copies the tensor to the pinned pool on the D2H stream (after its producer's
+        stream); waits for the copy unless PyTorch may free the source before it ends."""
+        self._check(self.lib.bgl_enf_offload(self.handle, handle), "offload")
+        if not self.borrowed_free_is_safe:
+            self._check(self.lib.bgl_enf_wait_tensor(self.handle, handle), "offload")
+
+    def store_fp8(self, handle: int) -> int:
+        """Casts the tensor to e4m3 with per-block scales on its producer's stream (PyTorch
+        frees the original in that stream's order); returns the bytes of the FP8 copy."""
+        self._check(self.lib.bgl_enf_store_fp8(self.handle, handle), "store_fp8")
+        return int(self.query(handle).fp8_bytes)
+
+    def drop(self, handle: int, regenerate: Callable[[], int]) -> None:
+        """Gives up the tensor's data; ``regenerate`` makes it again and returns its pointer
+        when the enforcer next needs it."""
+        self._check(self.lib.bgl_enf_drop(self.handle, handle), "drop")
+        self.regenerators[handle] = regenerate
 
     def prefetch(self, handle: int) -> None:
         """Starts the reload on the H2D stream (a no-op when already issued)."""
         self._check(self.lib.bgl_enf_reload(self.handle, handle), "reload")
 
-    def acquire(self, handle: int, nbytes: int) -> torch.UntypedStorage:
-        """The reloaded data as a storage on the device; the current stream waits for it. The
-        handle is released when the storage dies."""
+    def acquire(self, handle: int, nbytes: int,
+                on_done: Callable[[], None]) -> torch.UntypedStorage:
+        """The full-precision data of an offloaded or FP8 tensor as a storage on the device
+        (reloaded or uncast into a block of the enforcer); the current stream waits for it.
+        ``on_done`` runs when the storage dies."""
+        ptr = self._acquire(handle, nbytes)
+        self.live_blocks += 1
+
+        def done(h: int = handle) -> None:
+            self.live_blocks -= 1
+            if not self.destroyed:
+                self.lib.bgl_enf_release(self.handle, h, -1, self._stream())
+            on_done()
+            self._destroy_if_done()
+
+        block = _Block(ptr, nbytes, self.cuda, done)
+        if self.cuda:
+            t = torch.as_tensor(block, device=self.device)
+        else:
+            import numpy as np
+            t = torch.from_numpy(np.asarray(block))
+        return t.untyped_storage()
+
+    def recompute(self, handle: int) -> None:
+        """Brings a dropped tensor back through its regenerator (borrowed again: the package
+        holds the new storage)."""
+        self._acquire(handle, 0)
+        self.lib.bgl_enf_release(self.handle, handle, -1, self._stream())
+
+    def _acquire(self, handle: int, nbytes: int) -> int:
         if self.destroyed:
             raise BagualuError("enforcer acquire: the enforcer was destroyed")
         ptr = _c_void()
@@ -183,33 +315,11 @@ class Enforcer:
                                                  ctypes.byref(ptr)), "acquire")
         try:
             attempt()
-        except OutOfMemoryError as e:  # no room for the reload: evict, then try again
+        except OutOfMemoryError as e:  # no room for the reload or uncast: evict, try again
             if self.evict is None:
                 raise
             poolmod.retry_after_eviction(attempt, nbytes, self.evict, e)
-        self.pending -= 1
-        self.live_blocks += 1
-
-        def done(h: int = handle) -> None:
-            self.live_blocks -= 1
-            self.lib.bgl_enf_release(self.handle, h, -1, self._stream())
-            self._destroy_if_done()
-
-        block = _Block(ptr.value, nbytes, self.cuda, done)
-        if self.cuda:
-            t = torch.as_tensor(block, device=self.device)
-        else:
-            import numpy as np
-            t = torch.from_numpy(np.asarray(block))
-        return t.untyped_storage()
-
-    def release(self, handle: int) -> None:
-        """Forgets a tensor that was offloaded and never acquired (frees its pinned copy)."""
-        if self.destroyed:
-            return
-        self.lib.bgl_enf_release(self.handle, handle, -1, self._stream())
-        self.pending -= 1
-        self._destroy_if_done()
+        return int(ptr.value or 0)
 
     def synchronize(self) -> None:
         """Waits for every queued copy (and so for the pinned memory they free)."""
@@ -226,12 +336,13 @@ class Enforcer:
 
     def close(self) -> None:
         """Destroys the enforcer once nothing it holds is still needed: graphs built before
-        uninstall may still reload their offloaded activations, and reloaded blocks stay valid
-        while PyTorch holds them."""
+        uninstall may still need their moved activations, and blocks stay valid while PyTorch
+        holds them."""
         self.closing = True
         self._destroy_if_done()
 
     def _destroy_if_done(self) -> None:
-        if self.closing and not self.destroyed and self.live_blocks == 0 and self.pending == 0:
+        if self.closing and not self.destroyed and self.live_blocks == 0 and self.tracked == 0:
             self.destroyed = True
+            self.regenerators.clear()
             self.lib.bgl_enf_destroy(self.handle)

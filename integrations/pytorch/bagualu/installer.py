@@ -58,7 +58,7 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
     chunks: local pipeline stages of this rank (interleaved schedules); forward/backward and
       step_point then name the chunk.
     pinned_capacity: page-locked host memory the enforcer may hold for offloaded activations
-      (BGL_ENFORCER=0 offloads with PyTorch copies instead).
+      (every offload goes to it).
     """
     runtime.check_policy(policy)
     if runtime.active() is not None:

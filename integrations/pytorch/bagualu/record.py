@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import fp8 as fp8mod
+from .enforcer import fp8_supported
 from .errors import BagualuError
 from .strategy import Op
 
@@ -25,9 +25,9 @@ class Record:
     """One saved storage of one micro-batch."""
 
     __slots__ = ("key", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
-                 "placement", "storage", "host", "fp8", "block", "block_bytes", "refs",
-                 "pinned", "in_backward", "tracker", "ref", "seq", "packs", "enf", "enf_block",
-                 "regen", "__weakref__")
+                 "placement", "storage", "block", "block_bytes", "refs", "pinned", "in_backward",
+                 "tracker", "ref", "seq", "packs", "enf", "enf_block", "live_block", "released",
+                 "regen", "regenerating", "__weakref__")
 
     def __init__(self, tracker: "Tracker", storage: torch.UntypedStorage, dtype: torch.dtype,
                  producer: Op, micro_batch: int, seq: int) -> None:
@@ -42,8 +42,6 @@ class Record:
         self.placement = DEVICE
         self.storage: Optional[torch.UntypedStorage] = storage
         self.ref: Any = None  # weakref to the original storage once the data left it
-        self.host: Optional[torch.Tensor] = None
-        self.fp8: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
         self.block = 0
         self.block_bytes = 0
         self.refs = 0
@@ -51,9 +49,12 @@ class Record:
         self.in_backward = False
         self.seq = seq
         self.packs: Optional[List[Any]] = None  # weakrefs to Packed holding the tensor
-        self.enf = 0             # enforcer handle while the data is in its pinned pool
+        self.enf = 0             # the enforcer's handle (0: not tracked there: never moved)
         self.enf_block = False   # the device data is an enforcer block (the pool counts it)
+        self.live_block = False  # PyTorch holds a block the enforcer made for it
+        self.released = False    # every holder is gone
         self.regen: Any = None   # the recompute.Call that regenerates it while dropped
+        self.regenerating = False
 
     def same_storage(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` is this record's storage (the original, even after it moved)."""
@@ -87,36 +88,24 @@ class Record:
     def device_bytes(self) -> int:
         return self.block_bytes
 
-    # -- moves ------------------------------------------------------------------------------
-    def offload(self) -> int:
-        """Copies the storage to host memory and lets the device copy go; bytes freed."""
-        if self.placement != DEVICE or self.pinned or self.storage is None \
-                or self.device.type != self.tracker.device_type:
-            return 0  # CPU scalars saved by a CUDA forward are not device memory
-        t = self.tracker
-        if t.enforcer is not None:
-            return self._offload_through_enforcer()
-        self._leave_device()
-        src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
-        host = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu",
-                           pin_memory=t.pin_memory)
-        t.copy_to_host(host, src)
-        self.host = host
-        return self._left_for_host()
+    # -- moves (all through the enforcer; the record follows where the data went) -----------
+    def movable(self) -> bool:
+        """Whether the data is on the device, in a storage the enforcer tracks and may move."""
+        return (self.placement == DEVICE and not self.pinned and self.storage is not None
+                and self.enf != 0)
 
-    def _offload_through_enforcer(self) -> int:
+    def offload(self) -> int:
+        """Copies the storage to the enforcer's pinned pool and lets the device copy go; bytes
+        freed."""
+        if not self.movable():
+            return 0  # e.g. CPU scalars saved by a CUDA forward are not device memory
         t = self.tracker
         try:
-            self.enf = t.enforcer.offload(self.storage.data_ptr(), self.nbytes, self.micro_batch)
+            t.enforcer.offload(self.enf)
         except BagualuError as e:  # e.g. the pinned pool is full: the data stays
-            t.enforcer_failed(e)
+            t.enforcer_failed("offload", e)
             return 0
         self._leave_device()
-        return self._left_for_host()
-
-    def _left_for_host(self) -> int:
-        """The data is on the host now: drop the device storage; bytes freed."""
-        t = self.tracker
         self.storage = None
         self.placement = HOST
         freed = self.block_bytes
@@ -129,6 +118,12 @@ class Record:
         """Lets the data go; ``call`` regenerates it at ``key`` when it is needed; bytes freed."""
         if self.placement != DEVICE or self.pinned or self.storage is None:
             return 0
+        if self.enf:
+            try:
+                self.tracker.enforcer.drop(self.enf, self._regenerate)
+            except BagualuError as e:
+                self.tracker.enforcer_failed("drop", e)
+                return 0
         self._leave_device()
         self.storage = None
         self.placement = DROPPED
@@ -140,63 +135,82 @@ class Record:
         return freed
 
     def store_fp8(self) -> int:
-        """Replaces the storage by an e4m3 copy with per-block scales; bytes freed."""
-        if (self.placement != DEVICE or self.pinned or self.storage is None
-                or not fp8mod.supported(self.dtype)
-                or self.device.type != self.tracker.device_type):
+        """Has the enforcer replace the storage by an e4m3 copy with per-block scales; bytes
+        freed."""
+        if not self.movable() or not fp8_supported(self.dtype):
             return 0
         t = self.tracker
+        try:
+            fp8_bytes = t.enforcer.store_fp8(self.enf)
+        except BagualuError as e:
+            t.enforcer_failed("fp8 cast", e)
+            return 0
         self._leave_device()
-        numel = self.nbytes // torch.empty(0, dtype=self.dtype).element_size()
-        flat = torch.empty(0, dtype=self.dtype, device=self.device).set_(
-            self.storage, 0, (numel,), (1,))
-        data, scales = fp8mod.quantize(flat, t.fp8_block)
         before = self.block_bytes
-        self._account(fp8mod.nbytes(numel, t.fp8_block))
-        self.fp8 = (data, scales, numel)
+        self._enforcer_bytes(fp8_bytes)
         self.storage = None
         self.placement = FP8_PLACE
         t.counters["fp8_casts"] += 1
         return max(before - self.block_bytes, 0)
 
+    def _enforcer_bytes(self, nbytes: int) -> None:
+        """The device data is now ``nbytes`` the enforcer allocated: in the pool already (the
+        simulated device), else counted here."""
+        if self.tracker.pool_backed:
+            self._unaccount()
+            self.block_bytes, self.enf_block = nbytes, True
+        else:
+            self._account(nbytes)
+
     def materialize(self) -> torch.UntypedStorage:
-        """The storage with full-precision data on the device, reloading or uncasting it."""
+        """The storage with full-precision data on the device: the enforcer reloads it,
+        uncasts it or has it recomputed."""
         if self.storage is not None:
             return self.storage
         t = self.tracker
-        if self.placement == HOST and self.enf:
-            handle = self.enf
-            self.storage = t.enforcer.acquire(handle, self.nbytes)
-            self.enf = 0
-            t.acquired(self.micro_batch, handle)
-            if t.pool_backed:  # the reload is a block of the pool already
-                self._unaccount()
-                self.block_bytes, self.enf_block = self.nbytes, True
+        if self.placement == DROPPED:
+            if self.enf:
+                t.enforcer.recompute(self.enf)  # calls back into _regenerate
             else:
-                self._account(self.nbytes)
-            t.counters["reloads"] += 1
-            t.counters["bytes_h2d"] += self.nbytes
-        elif self.placement == HOST:
-            self._account(self.nbytes)
-            dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            t.copy_to_device(dst, self.host)
-            self.storage = dst.untyped_storage()
-            self.host = None
-            t.counters["reloads"] += 1
-            t.counters["bytes_h2d"] += self.nbytes
-        elif self.placement == DROPPED:
-            self.regen.regenerate()  # fills this record and the call's other dropped ones
+                self.regen.regenerate()
             t.counters["recomputes"] += 1
             return self.storage
-        elif self.placement == FP8_PLACE:
-            data, scales, numel = self.fp8
-            flat = fp8mod.dequantize(data, scales, numel, self.dtype, t.fp8_block)
-            self._account(self.nbytes)
-            self.storage = flat.untyped_storage()
-            self.fp8 = None
+        placement = self.placement
+        self.storage = t.enforcer.acquire(self.enf, self.nbytes, self._block_died)
+        self.live_block = True
+        self._enforcer_bytes(self.nbytes)
+        if placement == HOST:
+            t.acquired(self.micro_batch, self.enf)
+            t.counters["reloads"] += 1
+            t.counters["bytes_h2d"] += self.nbytes
+        else:
             t.counters["fp8_uncasts"] += 1
         self.placement = DEVICE
         return self.storage
+
+    def _regenerate(self) -> int:
+        """The enforcer needs the dropped data: rerun the producing call (which fills this
+        record and the call's other dropped ones); returns the data pointer."""
+        if self.storage is None:
+            self.regenerating = True
+            try:
+                self.regen.regenerate()
+            finally:
+                self.regenerating = False
+        if self.storage is None:
+            raise BagualuError(f"recompute of {self.producer.qualname}: the rerun did not "
+                               "regenerate this storage")
+        return self.storage.data_ptr()
+
+    def _block_died(self) -> None:
+        self.live_block = False
+        if self.released:
+            self._retire()
+
+    def _retire(self) -> None:
+        if self.enf:
+            self.tracker.enforcer.retire(self.enf)
+            self.enf = 0
 
     def regenerated(self, st: torch.UntypedStorage) -> None:
         """The rerun of the producing call made the data again (``st``)."""
@@ -206,15 +220,18 @@ class Record:
                 f"where the forward saved {self.nbytes}; keep this operator")
         self._account(self.nbytes)
         self.storage, self.regen, self.placement = st, None, DEVICE
+        if self.enf and not self.regenerating:
+            # Made by the rerun of another record of the call: the enforcer takes it back too.
+            self.tracker.enforcer.recompute(self.enf)
 
     def release(self) -> None:
         """Every holder is gone: the storage is no longer an activation."""
         self._unaccount()
-        if self.enf:  # offloaded and never needed again: free the pinned copy
-            self.tracker.enforcer.release(self.enf)
-            self.enf = 0
-        self.storage = self.host = self.fp8 = self.regen = None
+        self.storage = self.regen = None
         self.packs = None
+        self.released = True
+        if not self.live_block:  # else once PyTorch lets go of the enforcer's block
+            self._retire()
         self.tracker.retire(self)
 
 

@@ -24,6 +24,7 @@ from . import discover
 from . import pool as poolmod
 from . import graph as graphmod
 from .blocks import BlockPath
+from .enforcer import Enforcer
 from .errors import InstallError, InstrumentError, OutOfMemoryError, PolicyError
 from .modules import AutoLayers, ExpertParallel
 from .pool import DevicePool
@@ -104,13 +105,13 @@ class Runtime:
         self._host_used = 0
         self.tracker = Tracker(self._device_alloc, self._device_free, self.strategy_of,
                                fp8_block=fp8_block,
-                               copy_stream=torch.cuda.Stream(device) if device.type == "cuda"
-                               else None,
                                light_chunk=max(capacity >> 10, 4 << 10) if pool is not None
                                else 0,
                                pool_backed=pool is not None, device_type=device.type)
-        if policy == "bagualu":
-            self._ensure_enforcer()
+        self.tracker.enforcer = Enforcer(
+            device, self.pinned_capacity,
+            borrowed_free_is_safe=device.type == "cuda" and _active.cuda_allocator_swapped,
+            evict=self.tracker.evict, fp8_block=fp8_block)
         if pool is not None and policy == "bagualu":
             pool.add_pressure_callback(self._on_pressure)
         self.blocks: List[OpBlock] = []
@@ -163,24 +164,9 @@ class Runtime:
         self.pool.free(block, nbytes)
 
     @property
-    def enforcer(self) -> Any:
-        """The enforcer offloads go through (None: PyTorch copies)."""
+    def enforcer(self) -> Enforcer:
+        """The enforcer every move of a saved activation goes through."""
         return self.tracker.enforcer
-
-    def _ensure_enforcer(self) -> None:
-        """Offloads go through libbgl_alloc's enforcer (its pinned pool and copy streams);
-        BGL_ENFORCER=0, or an enforcer that cannot start, falls back to PyTorch copies."""
-        if self.enforcer is not None or os.environ.get("BGL_ENFORCER", "1") == "0":
-            return
-        from .enforcer import Enforcer
-        try:
-            self.tracker.enforcer = Enforcer(
-                self.device, self.pinned_capacity,
-                borrowed_free_is_safe=self.device.type == "cuda"
-                and _active.cuda_allocator_swapped, evict=self.tracker.evict)
-        except Exception as e:  # noqa: BLE001 - any failure leaves the PyTorch path
-            log.warning("bagualu: the enforcer is unavailable (%s); offloads use PyTorch "
-                        "copies", e)
 
     def _on_pressure(self, needed: int) -> int:
         return self.tracker.evict(needed)
@@ -291,8 +277,6 @@ class Runtime:
             if s not in (KEEP, OFFLOAD, FP8, RECOMPUTE):
                 raise PolicyError(f"unknown strategy '{s}' (keep, offload, fp8, recompute)")
         self.forced = dict(strategies) if strategies is not None else None
-        if OFFLOAD in (strategies or {}).values():
-            self._ensure_enforcer()
 
     # -- governor and plans -----------------------------------------------------------------
     def _observe_only(self, layer: int, load: float) -> None:
@@ -549,8 +533,7 @@ class Runtime:
             out["allocator"] = self.pool.stats()
         elif self._cuda_pool() is not None:
             out["allocator"] = self._cuda_pool().stats()
-        if self.enforcer is not None:
-            out["enforcer"] = self.enforcer.stats()
+        out["enforcer"] = self.enforcer.stats()
         if self.accuracy:
             errs = [abs(p - c) / c for _, p, c in self.accuracy if c > 0]
             out["memory_model"] = {"samples": len(errs), "mean_error": sum(errs) / len(errs),
@@ -578,8 +561,7 @@ class Runtime:
     def close(self) -> None:
         self.remove_hooks()
         self.tracker.release_all()
-        if self.enforcer is not None:
-            self.enforcer.close()
+        self.enforcer.close()
         if self.pool is not None:
             self.pool.close()
         if self.governor is not None:

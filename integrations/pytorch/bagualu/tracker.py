@@ -35,14 +35,13 @@ class Tracker:
     device_free: Callable[[int, int], None]
     strategy_of: StrategyFn
     fp8_block: int = 128
-    copy_stream: Any = None
     param_keys: Set[int] = field(default_factory=set)
     counters: Dict[str, int] = field(default_factory=lambda: {
         "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
         "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0, "drops": 0,
         "recomputes": 0})
     light_chunk: int = 0  # bytes per accounting block of light micro-batches (0: exact)
-    enforcer: Any = None  # enforcer.Enforcer: offload/reload through libbgl_alloc's enforcer
+    enforcer: Any = None  # enforcer.Enforcer: every move of a record goes through it
     pool_backed: bool = False  # device_alloc gives pool blocks (CPU), not just a count
     device_type: str = "cpu"  # where activations live; only those are moved
     reload_window: int = 4  # reloads issued ahead of the backward that needs them
@@ -67,6 +66,7 @@ class Tracker:
         self.reload_queue: Dict[int, List[Record]] = {}   # micro-batch -> not yet prefetched
         self.prefetched: Dict[int, Set[int]] = {}         # micro-batch -> handles in flight
         self._enforcer_warned = False
+        self.op_ids: Dict[Op, int] = {}            # the enforcer's operator numbers
         self.micro_batch = -1
         self.live: Dict[int, Record] = {}          # storage ptr -> record (dedupe)
         self.by_mb: Dict[int, Set[Record]] = {}    # micro-batch -> its live records
@@ -174,7 +174,7 @@ class Tracker:
         elif rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
             rec = self.new_record(st, t.dtype, self._producer(st, op))
         if op not in rec.consumers:
-            rec.consumers.append(op)
+            self.add_consumer(rec, op)
         if not self.by_producer:
             self._apply(rec, self.strategy_of(op, self.micro_batch))
         return Packed(rec, t)
@@ -217,6 +217,8 @@ class Tracker:
     def new_record(self, st: torch.UntypedStorage, dtype: torch.dtype, producer: Op) -> Record:
         self._seq += 1
         rec = Record(self, st, dtype, producer, self.micro_batch, self._seq)
+        if self.enforcer is not None and st.device.type == self.device_type:
+            rec.enf = self.enforcer.register(st, dtype, self.op_id(producer), self.micro_batch)
         rec._account(rec.nbytes)
         self.live[rec.key] = rec
         self.by_mb.setdefault(rec.micro_batch, set()).add(rec)
@@ -224,6 +226,19 @@ class Tracker:
         if self.capture:
             self.captured.append(rec)
         return rec
+
+    def op_id(self, op: Op) -> int:
+        """The enforcer's number of ``op`` (stable for the life of the tracker)."""
+        i = self.op_ids.get(op)
+        if i is None:
+            i = self.op_ids[op] = len(self.op_ids)
+        return i
+
+    def add_consumer(self, rec: Record, op: Op) -> None:
+        """``op`` saved the record's storage."""
+        rec.consumers.append(op)
+        if rec.enf:
+            self.enforcer.add_consumer(rec.enf, self.op_id(op))
 
     def _apply(self, rec: Record, strategy: str) -> None:
         if strategy == OFFLOAD:
@@ -251,7 +266,7 @@ class Tracker:
                 rec.materialize()
             rec.pinned = True
             if op not in rec.consumers:
-                rec.consumers.append(op)
+                self.add_consumer(rec, op)
             holders.append(Packed(rec, t))
 
     def retire(self, rec: Record) -> None:
@@ -320,12 +335,15 @@ class Tracker:
             issued.discard(handle)
             self._prefetch(micro_batch)
 
-    def enforcer_failed(self, error: Exception) -> None:
+    def enforcer_failed(self, what: str, error: Exception) -> None:
+        """A move failed (e.g. the pinned pool is full): the activation stays on the device;
+        said once, counted always."""
         if not self._enforcer_warned:
-            log.warning("bagualu: offload failed, the activation stays on the device: %s",
+            log.warning("bagualu: %s failed, the activation stays on the device: %s", what,
                         error)
             self._enforcer_warned = True
-        self.counters["offload_failures"] = self.counters.get("offload_failures", 0) + 1
+        key = what.replace(" ", "_") + "_failures"
+        self.counters[key] = self.counters.get(key, 0) + 1
 
     def end_backward(self, micro_batch: int) -> None:
         """Drops the checkpoint-input holders and the light set of a micro-batch whose
@@ -392,20 +410,6 @@ class Tracker:
                 self.counters["evictions"] += 1
                 self.counters["evicted_bytes"] += got
         return freed
-
-    # -- copies -----------------------------------------------------------------------------
-    def copy_to_host(self, host: torch.Tensor, src: torch.Tensor) -> None:
-        if self.copy_stream is not None and src.is_cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(self.copy_stream):
-                host.copy_(src, non_blocking=True)
-            src.record_stream(self.copy_stream)
-            self.copy_stream.synchronize()
-        else:
-            host.copy_(src)
-
-    def copy_to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
-        dst.copy_(host, non_blocking=dst.is_cuda and self.pin_memory)
 
 
 class LightSet:
