@@ -9,6 +9,7 @@
 #include <string>
 
 #include "allocator/config.h"
+#include "allocator/export.h"
 #include "allocator/pool.h"
 
 namespace bgl::alloc {
@@ -17,7 +18,7 @@ namespace bgl::alloc {
 std::unique_ptr<Backend> make_backend(const Config& config, int device, std::string* error);
 
 // One Pool per device, created on first use. Thread safe.
-class Allocator {
+class BGL_ALLOC_INTERNAL Allocator {
  public:
   static constexpr int kMaxDevices = 64;
 

@@ -8,11 +8,12 @@
 #include <vector>
 
 #include "allocator/backend.h"
+#include "allocator/export.h"
 
 namespace bgl::alloc {
 
 // Records, polls and waits on cudaEvent_t objects, reusing them (cudaEventCreate is slow).
-class CudaEvents {
+class BGL_ALLOC_INTERNAL CudaEvents {
  public:
   explicit CudaEvents(int device) : device_(device) {}
   ~CudaEvents();
@@ -30,7 +31,7 @@ class CudaEvents {
 };
 
 // Makes `device` current for the scope, restoring the previous device after.
-class DeviceGuard {
+class BGL_ALLOC_INTERNAL DeviceGuard {
  public:
   explicit DeviceGuard(int device);
   ~DeviceGuard();

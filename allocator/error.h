@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "allocator/export.h"
+
 namespace bgl::alloc {
 
 // Result of an allocator operation (the C ABI returns these values).
@@ -29,12 +31,12 @@ enum class Status : int {
 
 // Stores `message` as the thread's last error; writes "bgl_alloc: <message>" to stderr when
 // `log` is true.
-void report_error(bool log, const std::string& message);
+BGL_ALLOC_INTERNAL void report_error(bool log, const std::string& message);
 // The thread's last error ("" when none).
-const std::string& last_error();
-void clear_last_error();
+BGL_ALLOC_INTERNAL const std::string& last_error();
+BGL_ALLOC_INTERNAL void clear_last_error();
 
 // "1.50 GiB (1610612736 bytes)".
-std::string format_bytes(std::size_t bytes);
+BGL_ALLOC_INTERNAL std::string format_bytes(std::size_t bytes);
 
 }  // namespace bgl::alloc

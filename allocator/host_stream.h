@@ -9,11 +9,13 @@
 #include <mutex>
 #include <thread>
 
+#include "allocator/export.h"
+
 namespace bgl::alloc {
 
 // A simulated device stream. Thread safe. Items run one at a time in queue order, on the worker
 // or on a thread waiting for them. The destructor drains the queue.
-class HostStream {
+class BGL_ALLOC_INTERNAL HostStream {
  public:
   HostStream();
   ~HostStream();

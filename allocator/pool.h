@@ -17,6 +17,7 @@
 #include "allocator/backend.h"
 #include "allocator/block.h"
 #include "allocator/error.h"
+#include "allocator/export.h"
 #include "allocator/history.h"
 #include "allocator/ptr_map.h"
 #include "allocator/stats.h"
@@ -83,7 +84,7 @@ struct Arena {
 };
 
 // See file comment. Thread safe.
-class Pool {
+class BGL_ALLOC_INTERNAL Pool {
  public:
   Pool(std::unique_ptr<Backend> backend, const PoolOptions& options);
   ~Pool();

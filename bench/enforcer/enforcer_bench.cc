@@ -7,9 +7,9 @@
 #include <random>
 #include <vector>
 
-#include "allocator/enforcer.h"
 #include "allocator/host_backend.h"
 #include "allocator/host_stream.h"
+#include "enforcer/enforcer.h"
 #include "kernels/fp8_cast.h"
 
 namespace bgl::alloc {

@@ -14,8 +14,8 @@
 #include <string>
 
 #include "allocator/allocator.h"
-#include "allocator/enforcer.h"
 #include "bench/enforcer/busy_kernel.h"
+#include "enforcer/enforcer.h"
 #include "kernels/fp8_cast.h"
 
 namespace bgl::alloc {

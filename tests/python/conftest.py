@@ -38,7 +38,7 @@ def _clean_install():
 
 
 def require_libs() -> None:
-    for name in ("libbgl_planner.so", "libbgl_alloc.so"):
+    for name in ("libbgl_planner.so", "libbgl_alloc.so", "libbgl_enforce.so"):
         if _lib.find_file(name) is None:
             pytest.skip(f"{name} is not built (set BGL_LIB_DIR or build the CMake targets)")
 

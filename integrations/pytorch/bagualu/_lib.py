@@ -1,4 +1,5 @@
-"""Locates and loads the project's shared libraries (libbgl_planner.so, libbgl_alloc.so).
+"""Locates and loads the project's shared libraries (libbgl_planner.so, libbgl_alloc.so,
+libbgl_enforce.so).
 
 Search order: the directory in ``BGL_LIB_DIR`` (the file itself or the build tree's
 subdirectories), then the repository's ``build*/`` directories relative to this package.
@@ -16,6 +17,7 @@ from .errors import LibraryNotFound
 _SUBDIRS = {
     "libbgl_planner.so": ["", "governor/planner"],
     "libbgl_alloc.so": ["", "allocator"],
+    "libbgl_enforce.so": ["", "enforcer"],
     "bgl-governord": ["", "governor/daemon"],
 }
 _loaded: Dict[str, ctypes.CDLL] = {}

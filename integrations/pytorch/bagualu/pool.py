@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 from . import _lib
-from .errors import BagualuError, OutOfMemoryError
+from .errors import BagualuError, LibraryNotFound, OutOfMemoryError
 
 T = TypeVar("T")
 EVICTION_ROUNDS = 12  # retries of a failed allocation, each after evicting twice as much
@@ -37,9 +39,23 @@ PressureFn = Callable[[int], int]
 _PRESSURE_CFUNC = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)
 
 
+class _AllocLib(ctypes.CDLL):
+    """libbgl_alloc.so. Transitional: the enforcer's C ABI moved to libbgl_enforce.so; until
+    every caller uses load_enforce(), a ``bgl_enf_*`` name looked up here comes from there."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("bgl_enf_"):
+            fn = getattr(load_enforce(), name)
+            setattr(self, name, fn)
+            return fn
+        return super().__getattr__(name)
+
+
 def _bind(lib: ctypes.CDLL) -> None:
     if getattr(lib, "_bgl_alloc_bound", False):
         return
+    if type(lib) is ctypes.CDLL:
+        lib.__class__ = _AllocLib
     c_void, c_size = ctypes.c_void_p, ctypes.c_size_t
     lib.bgl_alloc.argtypes = [c_size, ctypes.c_int, c_void]
     lib.bgl_alloc.restype = c_void
@@ -72,6 +88,31 @@ def load() -> ctypes.CDLL:
     lib = _lib.load("libbgl_alloc.so")
     _bind(lib)
     return lib
+
+
+_enforce_lib: Optional[ctypes.CDLL] = None
+
+
+def load_enforce() -> ctypes.CDLL:
+    """libbgl_enforce.so (bgl/enforce.h), the enforcer's C ABI; its signatures are the caller's
+    to bind. Loaded after libbgl_alloc.so (load()) and from the same build, so it binds to that
+    library's pool, streams and error slot (one pool per process): ``$BGL_ENFORCE_LIB`` if set,
+    else ``enforcer/libbgl_enforce.so`` of the build tree libbgl_alloc.so came from, or the file
+    beside it (a flat ``BGL_LIB_DIR``)."""
+    global _enforce_lib
+    if _enforce_lib is not None:
+        return _enforce_lib
+    alloc = Path(load()._name)
+    env = os.environ.get("BGL_ENFORCE_LIB")
+    name = "libbgl_enforce.so"
+    candidates = [Path(env)] if env else [alloc.parent.parent / "enforcer" / name,
+                                          alloc.parent / name]
+    for path in candidates:
+        if path.is_file():
+            _enforce_lib = ctypes.CDLL(str(path))
+            return _enforce_lib
+    raise LibraryNotFound(f"{name} not found (tried {', '.join(map(str, candidates))}; it is "
+                          f"built with {alloc.name}, or set BGL_ENFORCE_LIB)")
 
 
 def last_error(lib: ctypes.CDLL) -> str:

@@ -1,4 +1,4 @@
-// The enforcer's C ABI through libbgl_alloc.so, as ctypes calls it.
+// The enforcer's C ABI through libbgl_enforce.so (on libbgl_alloc.so's pool), as ctypes calls it.
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "allocator/allocator.h"
-#include "allocator/enforcer.h"
+#include "enforcer/enforcer.h"
 #include "kernels/fp8_cast.h"
 
 namespace bgl::alloc {

@@ -4,7 +4,7 @@
 
 #include <map>
 
-#include "allocator/stream_scheduler.h"
+#include "enforcer/stream_scheduler.h"
 #include "tests/unit/enforcer/test_env.h"
 
 namespace bgl::alloc::testing {

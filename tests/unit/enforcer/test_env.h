@@ -9,9 +9,9 @@
 #include <random>
 #include <vector>
 
-#include "allocator/enforcer.h"
 #include "allocator/host_backend.h"
 #include "allocator/host_stream.h"
+#include "enforcer/enforcer.h"
 
 namespace bgl::alloc::testing {
 

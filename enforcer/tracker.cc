@@ -1,4 +1,4 @@
-#include "allocator/tracker.h"
+#include "enforcer/tracker.h"
 
 #include <cstdio>
 

@@ -1,4 +1,4 @@
-#include "allocator/stream_scheduler.h"
+#include "enforcer/stream_scheduler.h"
 
 #include <algorithm>
 #include <array>

@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "allocator/device_ops.h"
+#include "enforcer/device_ops.h"
 
 namespace bgl::alloc {
 

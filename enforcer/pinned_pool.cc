@@ -1,4 +1,4 @@
-#include "allocator/pinned_pool.h"
+#include "enforcer/pinned_pool.h"
 
 #include <bit>
 

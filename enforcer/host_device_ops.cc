@@ -4,8 +4,8 @@
 #include <cstring>
 #include <mutex>
 
-#include "allocator/device_ops.h"
 #include "allocator/host_stream.h"
+#include "enforcer/device_ops.h"
 #include "kernels/fp8_cast.h"
 
 namespace bgl::alloc {

@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
-#include "allocator/device_ops.h"
-#include "allocator/pinned_pool.h"
 #include "allocator/pool.h"
-#include "allocator/stream_scheduler.h"
-#include "allocator/tracker.h"
 #include "bgl/enforce.h"
+#include "enforcer/device_ops.h"
+#include "enforcer/pinned_pool.h"
+#include "enforcer/stream_scheduler.h"
+#include "enforcer/tracker.h"
 
 namespace bgl::alloc {
 

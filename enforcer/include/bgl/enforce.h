@@ -1,4 +1,5 @@
-/* bgl/enforce.h — C ABI of the BaGuaLu enforcer, exported by libbgl_alloc.so next to bgl/alloc.h.
+/* bgl/enforce.h — C ABI of the BaGuaLu enforcer, exported by libbgl_enforce.so (which links
+ * libbgl_alloc.so and works on its pool; load libbgl_alloc.so first).
  *
  * The enforcer carries out a plan on one device: it tracks saved activations (one tracked tensor
  * per storage, with every consumer that saved it), moves them where the plan says (offload to a

@@ -1,4 +1,4 @@
-#include "allocator/enforcer.h"
+#include "enforcer/enforcer.h"
 
 #include <algorithm>
 #include <cstdio>

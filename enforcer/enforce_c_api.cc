@@ -3,9 +3,9 @@
 #include <mutex>
 #include <unordered_set>
 
-#include "allocator/enforcer.h"
 #include "allocator/global.h"
 #include "bgl/enforce.h"
+#include "enforcer/enforcer.h"
 #include "governor/planner/assignment.h"
 
 // The C ABI's strategy numbers are the planner's (and so the proto's: convert.cc checks those).

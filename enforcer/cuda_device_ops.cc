@@ -6,7 +6,7 @@
 #include <string>
 
 #include "allocator/cuda_events.h"
-#include "allocator/device_ops.h"
+#include "enforcer/device_ops.h"
 #include "kernels/fp8_cast.h"
 
 namespace bgl::alloc {
