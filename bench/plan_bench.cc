@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "bench/load_distribution.h"
 #include "governor/planner/iteration.h"
-#include "governor/planner/load_distribution.h"
 #include "governor/planner/mitigation.h"
 #include "governor/planner/planner.h"
 

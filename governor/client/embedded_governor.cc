@@ -1,6 +1,6 @@
 #include "governor/client/embedded_governor.h"
 
-#include "governor/service/registration.h"
+#include "governor/common/registration.h"
 
 namespace bgl::gov {
 

@@ -1,5 +1,5 @@
 // EmbeddedGovernor: the Governor interface over in-process StagePlanners (one per session),
-// with the daemon's validation. Used on its own (no daemon) and as FallbackGovernor's fallback.
+// with the daemon's validation (the same registration checks, governor/common/). Thread safe.
 #pragma once
 
 #include <map>

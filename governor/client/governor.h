@@ -1,7 +1,8 @@
 // Governor: the one interface a training process plans through. Implementations:
 //   EmbeddedGovernor  the planner in-process (no daemon),
-//   RemoteGovernor    bgl-governord over its unix socket (short deadlines, reconnect, re-register),
-//   FallbackGovernor  remote while the daemon answers in time, embedded otherwise (logged once).
+//   RemoteGovernor    bgl-governord over its unix socket (short deadlines, reconnect, re-register).
+// Remote with an embedded fallback is the training process's policy and lives in one place, the
+// Python package (bagualu/governor.py); docs/operations.md, "One fallback", says why.
 // Session ids are opaque handles owned by the implementation that returned them. Every call
 // returns a bgl::Status/Result whose message names the offending field on bad input.
 #pragma once
@@ -11,8 +12,8 @@
 #include <vector>
 
 #include "bagualu/v1/governor.pb.h"
+#include "base/status.h"
 #include "governor/planner/planner.h"
-#include "governor/planner/status.h"
 
 namespace bgl::gov {
 

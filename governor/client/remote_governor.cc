@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <set>
 
-#include "governor/service/convert.h"
+#include "governor/common/convert.h"
 
 namespace bgl::gov {
 namespace {

@@ -59,8 +59,7 @@ class RemoteGovernor : public Governor {
   Status Unregister(const std::string& session_id) override;
 
   // Keeps `registration` and registers it with the daemon as soon as the daemon answers (now,
-  // or after a reconnect); returns the handle at once. Used by FallbackGovernor when the daemon
-  // is absent at start.
+  // or after a reconnect); returns the handle at once, also while the daemon is absent.
   std::string RegisterWhenAvailable(const Registration& registration);
   // The daemon's current id for a handle ("" while not registered there).
   std::string DaemonSessionId(const std::string& handle) const;

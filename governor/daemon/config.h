@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "governor/planner/status.h"
-#include "governor/service/registration.h"
+#include "base/status.h"
+#include "governor/common/registration.h"
 
 namespace bgl::gov {
 

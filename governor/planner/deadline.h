@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "governor/planner/status.h"
+#include "base/status.h"
 
 namespace bgl::plan {
 

@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "governor/planner/status.h"
+#include "base/status.h"
 
 namespace bgl::plan {
 

@@ -6,8 +6,8 @@
 #include <optional>
 #include <string>
 
+#include "base/units.h"
 #include "governor/planner/layer_search.h"
-#include "governor/planner/units.h"
 
 namespace bgl::plan {
 

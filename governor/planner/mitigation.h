@@ -5,8 +5,8 @@
 
 #include <vector>
 
+#include "base/status.h"
 #include "governor/planner/assignment.h"
-#include "governor/planner/status.h"
 
 namespace bgl::plan {
 

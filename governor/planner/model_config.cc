@@ -7,7 +7,7 @@
 #include <map>
 #include <sstream>
 
-#include "governor/planner/units.h"
+#include "base/units.h"
 
 namespace bgl::plan {
 

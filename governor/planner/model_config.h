@@ -7,8 +7,8 @@
 #include <optional>
 #include <string>
 
+#include "base/status.h"
 #include "governor/planner/json_limits.h"
-#include "governor/planner/status.h"
 
 namespace bgl::plan {
 

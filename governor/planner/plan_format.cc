@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "governor/planner/units.h"
+#include "base/units.h"
 
 namespace bgl::plan {
 

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "governor/planner/units.h"
+#include "base/units.h"
 
 namespace bgl::plan {
 

@@ -5,7 +5,7 @@
 #include <initializer_list>
 #include <map>
 
-#include "governor/planner/units.h"
+#include "base/units.h"
 
 namespace bgl::plan {
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "governor/planner/hardware.h"
 #include "governor/planner/model_config.h"
-#include "governor/planner/status.h"
 
 namespace bgl::plan {
 

@@ -7,8 +7,8 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "governor/common/convert.h"
 #include "governor/planner/assignment.h"
-#include "governor/service/convert.h"
 
 namespace bgl::gov {
 namespace {

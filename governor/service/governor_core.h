@@ -13,9 +13,9 @@
 #include <unordered_map>
 
 #include "bagualu/v1/governor.pb.h"
+#include "governor/common/registration.h"
 #include "governor/service/caller.h"
 #include "governor/service/metrics.h"
-#include "governor/service/registration.h"
 #include "governor/service/session.h"
 
 namespace bgl::gov {

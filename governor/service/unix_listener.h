@@ -13,7 +13,7 @@
 #include <string>
 #include <thread>
 
-#include "governor/planner/status.h"
+#include "base/status.h"
 #include "governor/service/peer_registry.h"
 
 namespace grpc {

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "base/units.h"
 #include "governor/planner/iteration.h"
 #include "governor/planner/plan_format.h"
-#include "governor/planner/units.h"
 
 namespace {
 

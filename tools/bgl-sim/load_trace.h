@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "governor/planner/status.h"
+#include "base/status.h"
 
 namespace bgl::sim {
 

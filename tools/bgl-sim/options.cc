@@ -5,8 +5,8 @@
 #include <sstream>
 #include <type_traits>
 
+#include "base/units.h"
 #include "governor/planner/planner.h"
-#include "governor/planner/units.h"
 
 namespace bgl::sim {
 

@@ -2,8 +2,8 @@
 
 #include <cstdio>
 
+#include "base/units.h"
 #include "governor/planner/dual_batch.h"
-#include "governor/planner/units.h"
 
 namespace bgl::sim {
 namespace {

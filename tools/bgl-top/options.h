@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "governor/planner/status.h"
+#include "base/status.h"
 #include "tools/bgl-top/process_sort.h"
 
 namespace bgl::top {

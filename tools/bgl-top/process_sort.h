@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "bagualu/v1/governor.pb.h"
-#include "governor/planner/status.h"
+#include "base/status.h"
 
 namespace bgl::top {
 

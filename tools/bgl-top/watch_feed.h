@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "bagualu/v1/governor.grpc.pb.h"
-#include "governor/planner/status.h"
+#include "base/status.h"
 
 namespace bgl::top {
 

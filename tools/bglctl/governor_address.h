@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-#include "governor/planner/status.h"
+#include "base/status.h"
 
 namespace bgl::tools {
 

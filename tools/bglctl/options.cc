@@ -3,7 +3,7 @@
 #include <charconv>
 #include <cmath>
 
-#include "governor/planner/units.h"
+#include "base/units.h"
 
 namespace bgl::ctl {
 

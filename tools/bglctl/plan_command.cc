@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "bagualu/v1/governor.grpc.pb.h"
-#include "governor/planner/units.h"
+#include "base/units.h"
 #include "tools/bglctl/commands.h"
 #include "tools/bglctl/governor_address.h"
 

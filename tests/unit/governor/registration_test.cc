@@ -1,6 +1,6 @@
 // RegisterRequest.budget_step_bytes: it reaches the session's planner and sets the width of the
 // plan cache's budget buckets; out-of-range values are INVALID_ARGUMENT naming the field.
-#include "governor/service/registration.h"
+#include "governor/common/registration.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "governor/planner/units.h"
+#include "base/units.h"
 
 #include <gtest/gtest.h>
 

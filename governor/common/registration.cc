@@ -1,4 +1,4 @@
-#include "governor/service/registration.h"
+#include "governor/common/registration.h"
 
 #include <cmath>
 #include <nlohmann/json.hpp>

@@ -5,8 +5,8 @@
 #include <grpcpp/support/status.h>
 
 #include "bagualu/v1/governor.pb.h"
+#include "base/status.h"
 #include "governor/planner/planner.h"
-#include "governor/planner/status.h"
 
 namespace bgl::gov {
 

@@ -7,8 +7,8 @@
 #include <memory>
 
 #include "bagualu/v1/governor.pb.h"
+#include "base/status.h"
 #include "governor/planner/planner.h"
-#include "governor/planner/status.h"
 
 namespace bgl::gov {
 

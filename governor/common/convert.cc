@@ -1,4 +1,4 @@
-#include "governor/service/convert.h"
+#include "governor/common/convert.h"
 
 #include <cmath>
 
