@@ -35,8 +35,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 if [[ $prebuilt != 1 ]]; then
 run configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBGL_BUILD_BENCH=ON
 wanted=(bgl_alloc_gpu_tests bgl_alloc_tests bgl_alloc_c_api_tests bgl_alloc_nccl_tests bgl_preload
-  bgl_preload_probe bgl_alloc bgl-replay bgl_alloc_bench bgl_enforcer_gpu_tests bgl_enforcer_tests
-  bgl_enforcer_c_api_tests bgl_enforcer_gpu_timing bgl_plan_bench)
+  bgl_preload_probe bgl_alloc bgl_enforce_shared bgl-replay bgl_alloc_bench bgl_enforcer_gpu_tests
+  bgl_enforcer_tests bgl_enforcer_c_api_tests bgl_enforcer_gpu_timing bgl_plan_bench)
 # Targets that need something the machine may lack (NCCL) exist only when it was found.
 available=$(ninja -C "$build" -t targets all 2>/dev/null | cut -d: -f1)
 targets=()
