@@ -7,6 +7,7 @@
 #include "bgl/enforce.h"
 #include "enforcer/enforcer.h"
 #include "governor/planner/assignment.h"
+#include "governor/planner/dual_batch.h"
 
 // The C ABI's strategy numbers are the planner's (and so the proto's: convert.cc checks those).
 static_assert(BGL_STRATEGY_KEEP == static_cast<int>(bgl::plan::Strategy::kKeep));
@@ -189,6 +190,46 @@ BGL_ALLOC_API int bgl_enf_set_need_order(bgl_enforcer* enf, uint64_t handle, int
   return code(e->set_need_order(handle, order));
 }
 
+BGL_ALLOC_API int bgl_enf_set_graph_index(bgl_enforcer* enf, uint64_t handle, int producer_op,
+                                          int graph_tensor) {
+  BGL_ENF_RESOLVE("bgl_enf_set_graph_index");
+  return code(e->set_graph_index(handle, producer_op, graph_tensor));
+}
+
+BGL_ALLOC_API int bgl_enf_enum_value(const char* kind, const char* name, int* value) {
+  if (kind == nullptr || name == nullptr || value == nullptr) {
+    return bad(Status::kInvalidArgument, "bgl_enf_enum_value: null argument");
+  }
+  const std::string k(kind), n(name);
+  // The planner's own names: one vocabulary, nothing retyped.
+  auto find = [&](int count, auto name_of) {
+    for (int i = 0; i < count; ++i) {
+      if (n == name_of(i)) {
+        *value = i;
+        return 0;
+      }
+    }
+    return bad(Status::kInvalidArgument,
+               "bgl_enf_enum_value: no " + k + " is called '" + n.substr(0, 64) + "'");
+  };
+  using bgl::plan::Chain;
+  using bgl::plan::Resource;
+  if (k == "strategy") {
+    return find(BGL_STRATEGY_FP8 + 1,
+                [](int i) { return bgl::plan::StrategyName(static_cast<Strategy>(i)); });
+  }
+  if (k == "chain") {
+    return find(bgl::plan::kChainCount,
+                [](int i) { return bgl::plan::ChainName(static_cast<Chain>(i)); });
+  }
+  if (k == "resource") {
+    return find(bgl::plan::kResourceCount,
+                [](int i) { return bgl::plan::ResourceName(static_cast<Resource>(i)); });
+  }
+  return bad(Status::kInvalidArgument, "bgl_enf_enum_value: kind '" + k.substr(0, 32) +
+                                           "' unknown (strategy, chain or resource)");
+}
+
 BGL_ALLOC_API int bgl_enf_set_strategy(bgl_enforcer* enf, uint64_t handle, int strategy) {
   BGL_ENF_RESOLVE("bgl_enf_set_strategy");
   if (strategy < 0 || strategy > BGL_STRATEGY_FP8) {
@@ -295,6 +336,17 @@ BGL_ALLOC_API int bgl_enf_schedule_poll(bgl_enforcer* enf, size_t* waiting) {
 BGL_ALLOC_API int bgl_enf_schedule_finish(bgl_enforcer* enf) {
   BGL_ENF_RESOLVE("bgl_enf_schedule_finish");
   return code(e->schedule_finish());
+}
+
+BGL_ALLOC_API int bgl_enf_take_offloaded(bgl_enforcer* enf, uint64_t* handles, size_t cap,
+                                         size_t* count) {
+  BGL_ENF_RESOLVE("bgl_enf_take_offloaded");
+  return code(e->take_offloaded(handles, cap, count));
+}
+
+BGL_ALLOC_API int bgl_enf_prefetch(bgl_enforcer* enf, int micro_batch, size_t* issued) {
+  BGL_ENF_RESOLVE("bgl_enf_prefetch");
+  return code(e->prefetch(micro_batch, issued));
 }
 
 BGL_ALLOC_API int bgl_enf_evict(bgl_enforcer* enf, size_t bytes_needed, size_t* freed) {

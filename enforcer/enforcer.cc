@@ -230,6 +230,21 @@ Status Enforcer::set_need_order(std::uint64_t handle, std::int64_t order) {
   return Status::kOk;
 }
 
+Status Enforcer::set_graph_index(std::uint64_t handle, int producer_op, int graph_tensor) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Status st;
+  TrackedTensor* t = get(handle, "set_graph_index", &st);
+  if (t == nullptr) return st;
+  if (producer_op < -1 || graph_tensor < -1) {
+    return fail(Status::kInvalidArgument,
+                "set_graph_index: indices must be -1 (unknown) or more, not producer " +
+                    std::to_string(producer_op) + ", tensor " + std::to_string(graph_tensor));
+  }
+  t->desc.producer_op = producer_op;
+  t->desc.graph_tensor = graph_tensor;
+  return Status::kOk;
+}
+
 // ---- enforcement ------------------------------------------------------------------------------
 
 namespace {
@@ -381,12 +396,13 @@ Status Enforcer::reload_locked(TrackedTensor& t) {
     return fail(Status::kBackendError, name + ": " + ops_->last_error());
   }
   set_ready(t, h2d);
-  pinned_->free_after(t.host, ops_->record(h2d));
-  t.host = nullptr;
+  // The pinned copy stays until a consumer takes the reload: until then pressure may give the
+  // device block back (unreload_locked) and the data is still on the host.
   tracker_.set_ptr(t, dev);
   t.owned = true;
   t.alloc_stream = h2d;
   t.placement = Placement::kDevice;
+  t.reload_unused = true;
   ++stats_.reloads;
   stats_.bytes_h2d += t.desc.bytes;
   return Status::kOk;
@@ -545,6 +561,11 @@ Status Enforcer::acquire(std::uint64_t handle, int consumer_op, Stream stream, v
   if (st != Status::kOk) return st;
   if (t->has_ready) ops_->stream_wait(stream, t->ready);
   ++t->acquired;
+  if (t->reload_unused) {  // the first consumer takes the reload: the pinned copy goes
+    pinned_->free_after(t->host, ops_->record(options_.h2d));
+    t->host = nullptr;
+    t->reload_unused = false;
+  }
   *ptr = t->ptr;
   return Status::kOk;
 }
@@ -667,7 +688,9 @@ Status Enforcer::issue(const plan::IssueItem& item, Event* done, std::string* er
       if (t->desc.micro_batch == offload_mb_ && in(t->desc.graph_tensor) &&
           t->planned == Strategy::kOffload && t->placement == Placement::kDevice &&
           t->applied == Strategy::kKeep) {
-        note(offload_locked(*t));
+        const Status s = offload_locked(*t);
+        note(s);
+        if (s == Status::kOk) scheduled_offloads_.push_back(t->handle);
       }
     }
     *done = ops_->record(options_.d2h);
@@ -690,8 +713,14 @@ Status Enforcer::issue(const plan::IssueItem& item, Event* done, std::string* er
     }
     std::stable_sort(dropped.begin(), dropped.end(),
                      [](auto* a, auto* b) { return a->desc.producer_op < b->desc.producer_op; });
+    std::vector<std::uint64_t> handles;
+    for (TrackedTensor* t : dropped) handles.push_back(t->handle);
     Stream last = nullptr;
-    for (TrackedTensor* t : dropped) {
+    for (std::uint64_t h : handles) {
+      // A callback may bring back other dropped tensors too (one rerun makes them all), or
+      // retire some: look each one up again.
+      TrackedTensor* t = tracker_.find(h);
+      if (t == nullptr || t->placement != Placement::kDropped) continue;
       note(recompute_locked(*t, t->desc.stream));
       last = t->desc.stream;
     }
@@ -700,21 +729,90 @@ Status Enforcer::issue(const plan::IssueItem& item, Event* done, std::string* er
   return first;
 }
 
+Status Enforcer::take_offloaded(std::uint64_t* out, std::size_t cap, std::size_t* count) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (count == nullptr || (out == nullptr && cap > 0)) {
+    return fail(Status::kInvalidArgument, "take_offloaded: null output");
+  }
+  std::size_t n = 0, kept = 0;
+  for (std::uint64_t h : scheduled_offloads_) {
+    TrackedTensor* t = tracker_.find(h);
+    if (t == nullptr) continue;  // retired meanwhile
+    const bool copying = t->placement == Placement::kHost && t->has_offload &&
+                         !ops_->query(t->offload_done);
+    if (copying || n == cap) {
+      scheduled_offloads_[kept++] = h;
+    } else {
+      out[n++] = h;
+    }
+  }
+  scheduled_offloads_.resize(kept);
+  *count = n;
+  return Status::kOk;
+}
+
+Status Enforcer::prefetch(int micro_batch, std::size_t* issued) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (issued != nullptr) *issued = 0;
+  std::size_t waiting = 0;
+  std::vector<TrackedTensor*> host;
+  for (auto& [h, t] : tracker_.tensors()) {
+    if (t.desc.micro_batch != micro_batch) continue;
+    if (t.reload_unused) {
+      ++waiting;
+    } else if (t.placement == Placement::kHost && t.busy == 0) {
+      host.push_back(&t);
+    }
+  }
+  std::stable_sort(host.begin(), host.end(),
+                   [](const TrackedTensor* a, const TrackedTensor* b) {
+                     return a->need_order < b->need_order;
+                   });
+  const std::size_t bound = static_cast<std::size_t>(std::max(options_.max_inflight, 1));
+  std::size_t n = 0;
+  for (TrackedTensor* t : host) {
+    if (waiting + n >= bound) break;
+    const Status s = reload_locked(*t);
+    if (s != Status::kOk) return s;  // e.g. no room yet: the acquire reloads it
+    ++n;
+    if (issued != nullptr) *issued = n;
+  }
+  return Status::kOk;
+}
+
 // ---- pressure ---------------------------------------------------------------------------------
+
+Status Enforcer::unreload_locked(TrackedTensor& t) {
+  // The device block is freed after the H2D copy (stream order); the pinned copy is intact.
+  pool_->deallocate(t.ptr, 0, options_.h2d);
+  if (t.has_ready) {
+    ops_->release(t.ready);
+    t.has_ready = false;
+  }
+  tracker_.set_ptr(t, nullptr);
+  t.owned = false;
+  t.placement = Placement::kHost;
+  t.reload_unused = false;
+  ++stats_.unreloads;
+  return Status::kOk;
+}
 
 Status Enforcer::evict(std::size_t needed, std::size_t* freed) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  std::vector<TrackedTensor*> candidates;
+  std::vector<TrackedTensor*> candidates, prefetched;
   for (auto& [h, t] : tracker_.tensors()) {
-    // Owned (freeing it helps the pool), idle, on the device, and not a reload (needed soon).
-    if (t.owned && t.placement == Placement::kDevice && t.busy == 0 && t.acquired == 0 &&
-        t.applied == Strategy::kKeep) {
+    if (t.busy != 0 || t.acquired != 0 || t.placement != Placement::kDevice) continue;
+    if (t.reload_unused) {
+      // A reload no consumer took yet: giving its block back costs only the copy.
+      prefetched.push_back(&t);
+    } else if (t.owned && t.applied == Strategy::kKeep) {
+      // Owned (freeing it helps the pool), idle, and never moved.
       candidates.push_back(&t);
     }
   }
-  std::stable_sort(candidates.begin(), candidates.end(), [](auto* a, auto* b) {
-    return a->need_order > b->need_order;  // needed last first
-  });
+  auto needed_last_first = [](auto* a, auto* b) { return a->need_order > b->need_order; };
+  std::stable_sort(candidates.begin(), candidates.end(), needed_last_first);
+  std::stable_sort(prefetched.begin(), prefetched.end(), needed_last_first);
   std::size_t got = 0;
   for (TrackedTensor* t : candidates) {
     if (got >= needed) break;
@@ -724,6 +822,11 @@ Status Enforcer::evict(std::size_t needed, std::size_t* freed) {
       ++stats_.evictions;
       stats_.evicted_bytes += t->desc.bytes;
     }
+  }
+  for (TrackedTensor* t : prefetched) {
+    if (got >= needed) break;
+    got += pool_->round_size(t->desc.bytes);
+    unreload_locked(*t);
   }
   clear_last_error();
   if (freed != nullptr) *freed = got;

@@ -57,6 +57,8 @@ class Enforcer final : private WorkIssuer {
   Status unregister(std::uint64_t handle);
   Status movable(int micro_batch, Strategy s, std::size_t* bytes, std::size_t* count);
   Status set_need_order(std::uint64_t handle, std::int64_t order);
+  // Where the tensor is in the planner's stage graph (the issue order names these indices).
+  Status set_graph_index(std::uint64_t handle, int producer_op, int graph_tensor);
 
   // Enforcement.
   Status set_strategy(std::uint64_t handle, Strategy s);
@@ -79,8 +81,16 @@ class Enforcer final : private WorkIssuer {
   Status schedule_reached(plan::Chain chain, int stage);
   Status schedule_poll(std::size_t* waiting);
   Status schedule_finish();
+  // Up to `cap` handles whose offload, issued by the scheduler, completed since the last call
+  // (a tensor retired meanwhile is left out); *count gets how many.
+  Status take_offloaded(std::uint64_t* out, std::size_t cap, std::size_t* count);
+  // Reloads offloaded tensors of `micro_batch` in need order (smallest first) while fewer than
+  // max_inflight of its reloads wait for their first consumer; *issued (may be null) gets how
+  // many started. kOutOfMemory when the pool has no room (the acquire reloads it later).
+  Status prefetch(int micro_batch, std::size_t* issued);
 
-  // Offloads owned, idle, device-resident tensors, needed last first, until `needed` bytes.
+  // Frees device memory until `needed` bytes: offloads owned, idle, never-moved tensors, needed
+  // last first, then gives back reloads no consumer took yet (their pinned copy is kept).
   Status evict(std::size_t needed, std::size_t* freed);
   EnforcerStats stats();
 
@@ -101,6 +111,7 @@ class Enforcer final : private WorkIssuer {
   Status uncast_locked(TrackedTensor& t, Stream s);
   Status drop_locked(TrackedTensor& t);
   Status recompute_locked(TrackedTensor& t, Stream s);
+  Status unreload_locked(TrackedTensor& t);
   void order_after_data(TrackedTensor& t, Stream s);
   void set_ready(TrackedTensor& t, Stream s);
   void retire_locked(TrackedTensor& t, Stream s);
@@ -123,6 +134,7 @@ class Enforcer final : private WorkIssuer {
   RecomputeFn recompute_;
   int pressure_id_ = 0;
   int offload_mb_ = -1, recover_mb_ = -1;
+  std::vector<std::uint64_t> scheduled_offloads_;  // issued by O pieces, not yet taken
   EnforcerStats stats_{};
 };
 

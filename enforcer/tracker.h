@@ -69,6 +69,7 @@ struct TrackedTensor {
   std::size_t fp8_bytes = 0;
   int busy = 0;      // an operation on it is under way (eviction must skip it)
   int acquired = 0;  // consumers holding the device pointer
+  bool reload_unused = false;  // reloaded, and no consumer acquired it yet (prefetch counts it)
   std::size_t num_released() const;
 };
 

@@ -24,6 +24,6 @@ run_suite() {
 run_suite "release" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
 run_suite "asan+ubsan" build-asan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=address" "" -LE no_asan
 run_suite "tsan" build-tsan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=thread" \
-  "bgl_alloc_tests bgl_alloc_concurrency_tests bgl_enforcer_concurrency_tests governor_concurrency_tests" \
+  "bgl_alloc_tests bgl_alloc_concurrency_tests bgl_enforcer_concurrency_tests bgl_enforcer_issue_order_tests governor_concurrency_tests" \
   -L tsan
 echo "=== all test suites passed"

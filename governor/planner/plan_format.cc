@@ -103,6 +103,8 @@ nlohmann::json PlanToJson(const Plan& plan, const StageGraph& g) {
                      {"stage", item.stage},
                      {"resource", ResourceName(item.resource)},
                      {"duration_s", item.duration_s},
+                     {"first", item.first},
+                     {"last", item.last},
                      {"label", IssueLabel(item, g)}});
   }
   return j;

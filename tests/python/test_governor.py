@@ -284,8 +284,9 @@ def _record_registrations(monkeypatch) -> List[Tuple[str, int, int, int, str]]:
     real_register = RemoteGovernor.register
 
     def recording_register(self, model, capacity, rank, job_id, gpu_index,
-                           budget_step_bytes=0):
-        real_register(self, model, capacity, rank, job_id, gpu_index, budget_step_bytes)
+                           budget_step_bytes=0, dual_batch=True):
+        real_register(self, model, capacity, rank, job_id, gpu_index, budget_step_bytes,
+                      dual_batch)
         out.append((json.dumps(model, sort_keys=True), capacity, rank, budget_step_bytes,
                     self.session_id))
 

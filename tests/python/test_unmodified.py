@@ -44,6 +44,33 @@ def test_half_of_the_keep_all_peak(name: str) -> None:
     assert r["losses"] == full["losses"]
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_plans_issue_order_is_carried_out(name: str) -> None:
+    """At half of keep-all's peak the plans carry their dual-batch issue order: the enforcer's
+    stream scheduler issues the O/R pieces as the forward enters operators and the backward
+    unpacks (scheduled_issued), offloads of the previous forward leave the device through it
+    (scheduled_offloads), nothing runs out of memory, and the losses are keep-all's, as with the
+    same plans in program order (serial)."""
+    require_libs()
+    full = unmodified.train(name, "keep-all", capacity="4GiB", forced={})
+    cap = max(line["peak_bytes"] for line in full["lines"]) // 2
+    r = unmodified.train(name, "bagualu", capacity=cap, issue_order="dual-batch")
+    assert r["oom"] is None, r["oom"]
+    enf, tracker = r["stats"]["enforcer"], r["stats"]["tracker"]
+    assert enf["scheduled_issued"] > 0 and tracker["scheduled_offloads"] > 0, (enf, tracker)
+    assert enf["offloads"] >= tracker["offloads"] > 0
+    assert r["losses"] == full["losses"]
+    serial = unmodified.train(name, "bagualu", capacity=cap, issue_order="serial")
+    assert serial["oom"] is None and serial["losses"] == full["losses"]
+    assert serial["stats"]["enforcer"]["scheduled_issued"] > 0
+
+
+def test_issue_order_setting_is_checked() -> None:
+    require_libs()
+    with pytest.raises(bagualu.PolicyError, match="issue_order 'fifo'"):
+        bagualu.install(capacity="1MiB", governor="none", issue_order="fifo")
+
+
 def test_the_router_downgrades_the_rest_of_its_layer() -> None:
     """Deferred planning on an unmodified model: routers see loads above the plan's, the rest
     of their layer switches to recompute (records dropped), and the losses do not change."""

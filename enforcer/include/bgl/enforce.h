@@ -38,12 +38,21 @@
  *    owned original is freed as soon as the cast is queued; the FP8 copy is freed as soon as the
  *    uncast is queued.
  *
- * Typical use (PyTorch saved-tensor hooks):
- *   forward pack:   bgl_enf_lookup(ptr) or bgl_enf_register(desc); bgl_enf_add_consumer(op)
- *   plan:           bgl_enf_set_strategy(h, s) for each tensor; bgl_enf_apply(h, s) for FP8 /
- *                   recompute right after the producer; bgl_enf_schedule_begin(issue order)
- *   stage starts:   bgl_enf_schedule_reached(chain, stage)
- *   backward unpack: bgl_enf_acquire(h, op, stream, &ptr) ... bgl_enf_release(h, op, stream)
+ * Use by the PyTorch package (integrations/pytorch/bagualu: enforcer.py, record.py, issue.py):
+ *   forward pack:    bgl_enf_register(desc) (borrowed), bgl_enf_add_consumer(op) per saver;
+ *                    bgl_enf_set_strategy(h, s); FP8 and recompute right after the producer
+ *                    (bgl_enf_store_fp8, bgl_enf_drop + the recompute callback); an offload is
+ *                    issued at once (bgl_enf_offload) or left to the issue order
+ *   forward end:     bgl_enf_set_graph_index, bgl_enf_set_need_order for planned offloads
+ *   schedule point:  bgl_enf_schedule_begin(issue order); bgl_enf_schedule_reached(chain, stage)
+ *                    as compute enters F/B stages; bgl_enf_take_offloaded (after
+ *                    bgl_enf_schedule_poll) to let go of offloaded device data;
+ *                    bgl_enf_schedule_finish at the next point or iteration end
+ *   backward:        bgl_enf_prefetch(micro_batch); bgl_enf_acquire(h, -1, stream, &ptr) ...
+ *                    bgl_enf_release(h, -1, stream) when PyTorch lets go of the block;
+ *                    bgl_enf_unregister when the record is gone
+ * Functions marked "Test and tool support" are not used by the package: they exist for the C++
+ * and C ABI tests, benchmarks and integrations that drive the enforcer by hand.
  */
 #ifndef BGL_ENFORCE_H_
 #define BGL_ENFORCE_H_
@@ -153,6 +162,7 @@ typedef struct bgl_enf_stats {
   uint64_t offloads, reloads, fp8_casts, fp8_uncasts, drops, recomputes;
   uint64_t bytes_d2h, bytes_h2d, bytes_fp8_saved;
   uint64_t evictions, evicted_bytes, pressure_calls;
+  uint64_t unreloads; /* reloads no consumer took, given back under pressure (data on host) */
   uint64_t scheduled_issued, scheduled_max_inflight;
   uint64_t device_bytes, host_bytes, fp8_bytes; /* of tracked tensors, by placement */
   uint64_t pinned_in_use, pinned_cached, pinned_peak, pinned_capacity;
@@ -185,7 +195,8 @@ BGL_ALLOC_API int bgl_enf_create(const bgl_enf_options* options, bgl_enforcer** 
 BGL_ALLOC_API int bgl_enf_destroy(bgl_enforcer* enf);
 
 /* --- streams (mainly for the host backend and tests) ------------------------------------------ */
-/* A new stream of the allocator's backend (host stream, or a non-blocking cudaStream_t). */
+/* Test and tool support.
+ * A new stream of the allocator's backend (host stream, or a non-blocking cudaStream_t). */
 BGL_ALLOC_API int bgl_enf_stream_create(bgl_enforcer* enf, void** stream);
 BGL_ALLOC_API int bgl_enf_stream_destroy(bgl_enforcer* enf, void* stream);
 BGL_ALLOC_API int bgl_enf_stream_synchronize(bgl_enforcer* enf, void* stream);
@@ -197,12 +208,14 @@ BGL_ALLOC_API int bgl_enf_register(bgl_enforcer* enf, const bgl_enf_tensor_desc*
                                    uint64_t* handle);
 /* Adds a consumer (operator index) that saved the tensor; BGL_ERR_DUPLICATE if already added. */
 BGL_ALLOC_API int bgl_enf_add_consumer(bgl_enforcer* enf, uint64_t handle, int consumer_op);
-/* The tracked tensor whose device data is at ptr; BGL_ERR_UNKNOWN_HANDLE if none. */
+/* Test and tool support.
+ * The tracked tensor whose device data is at ptr; BGL_ERR_UNKNOWN_HANDLE if none. */
 BGL_ALLOC_API int bgl_enf_lookup(bgl_enforcer* enf, const void* ptr, uint64_t* handle);
 BGL_ALLOC_API int bgl_enf_query(bgl_enforcer* enf, uint64_t handle, bgl_enf_tensor_info* out);
 /* Forgets a tensor at once, waiting for its queued copies and freeing what the enforcer owns. */
 BGL_ALLOC_API int bgl_enf_unregister(bgl_enforcer* enf, uint64_t handle);
-/* Bytes that applying `strategy` to every device-resident tensor of micro_batch (-1: all) would
+/* Test and tool support.
+ * Bytes that applying `strategy` to every device-resident tensor of micro_batch (-1: all) would
  * free on the device, and how many tensors that is (either pointer may be null). */
 BGL_ALLOC_API int bgl_enf_movable(bgl_enforcer* enf, int micro_batch, int strategy,
                                   size_t* bytes, size_t* count);
@@ -210,17 +223,28 @@ BGL_ALLOC_API int bgl_enf_movable(bgl_enforcer* enf, int micro_batch, int strate
  * default is micro_batch * 2^32 + (2^31 - 1 - producer_op): later micro-batches, and within one,
  * earlier operators (their backward runs last). */
 BGL_ALLOC_API int bgl_enf_set_need_order(bgl_enforcer* enf, uint64_t handle, int64_t order);
+/* Where the tensor is in the planner's stage graph: its producer operator and its graph tensor
+ * index (-1: unknown), as the issue order names them. A tensor registered before the graph was
+ * known gets them here. */
+BGL_ALLOC_API int bgl_enf_set_graph_index(bgl_enforcer* enf, uint64_t handle, int producer_op,
+                                          int graph_tensor);
+/* The number of the planner's name of a "strategy" (keep, recompute, offload, fp8), "chain"
+ * (F, B, O, R) or "resource" (compute, comm, d2h, h2d): the planner's names are the one
+ * vocabulary of integrations (BGL_ERR_INVALID_ARGUMENT for an unknown one). */
+BGL_ALLOC_API int bgl_enf_enum_value(const char* kind, const char* name, int* value);
 
 /* --- enforcement ----------------------------------------------------------------------------- */
 /* Records the plan's strategy for a tensor; the stream scheduler applies OFFLOAD (and the
  * RECOVER chain brings HOST/DROPPED tensors back). Does not move anything. */
 BGL_ALLOC_API int bgl_enf_set_strategy(bgl_enforcer* enf, uint64_t handle, int strategy);
-/* Applies a strategy now. Idempotent: applying the strategy that already moved the tensor is a
+/* Test and tool support.
+ * Applies a strategy now. Idempotent: applying the strategy that already moved the tensor is a
  * no-op (a tensor of several consumers is moved once); another strategy gives BGL_ERR_CONFLICT. */
 BGL_ALLOC_API int bgl_enf_apply(bgl_enforcer* enf, uint64_t handle, int strategy);
 /* Device -> pinned host on the D2H stream, after the producer's stream. */
 BGL_ALLOC_API int bgl_enf_offload(bgl_enforcer* enf, uint64_t handle);
-/* Pinned host -> a new device block on the H2D stream, after the offload's event. A no-op when a
+/* Test and tool support.
+ * Pinned host -> a new device block on the H2D stream, after the offload's event. A no-op when a
  * reload is already issued; BGL_ERR_INVALID_STATE when the tensor was never offloaded. */
 BGL_ALLOC_API int bgl_enf_reload(bgl_enforcer* enf, uint64_t handle);
 /* Casts to e4m3 with per-block scales on the producer's stream; frees an owned original. */
@@ -263,11 +287,23 @@ BGL_ALLOC_API int bgl_enf_schedule_reached(bgl_enforcer* enf, int chain, int sta
 BGL_ALLOC_API int bgl_enf_schedule_poll(bgl_enforcer* enf, size_t* waiting);
 /* Issues everything left (respecting the bound) and waits for all of it. */
 BGL_ALLOC_API int bgl_enf_schedule_finish(bgl_enforcer* enf);
+/* Up to `cap` handles (in issue order) whose offload, issued by an O piece, has completed since
+ * the last call: the integration lets go of the device data it still holds for them (borrowed
+ * tensors). *count gets how many; call again while it equals cap. */
+BGL_ALLOC_API int bgl_enf_take_offloaded(bgl_enforcer* enf, uint64_t* handles, size_t cap,
+                                         size_t* count);
+/* Reloads offloaded tensors of micro_batch in need order (smallest first) while fewer than
+ * max_inflight of its reloads wait for their first acquire; *issued (may be null) gets how many
+ * started. Call when its backward starts and after each acquire. BGL_ERR_OUT_OF_MEMORY when the
+ * pool has no room yet (the acquire reloads the tensor when it is needed). */
+BGL_ALLOC_API int bgl_enf_prefetch(bgl_enforcer* enf, int micro_batch, size_t* issued);
 
 /* --- memory pressure and statistics ---------------------------------------------------------- */
-/* Offloads owned, idle, device-resident tensors in need order (needed last first) until
- * bytes_needed are freed or none is left; *freed (may be null) gets the bytes freed. The pool's
- * pressure callback calls this. */
+/* Frees device memory until bytes_needed are freed or nothing is left: offloads owned, idle,
+ * never-moved tensors in need order (needed last first), then gives back reloads no consumer
+ * took yet (their pinned copy is still there: the acquire reloads again). *freed (may be null)
+ * gets the bytes freed. The pool's pressure callback (pressure_eviction) and the package's own
+ * pressure handler call this. */
 BGL_ALLOC_API int bgl_enf_evict(bgl_enforcer* enf, size_t bytes_needed, size_t* freed);
 BGL_ALLOC_API int bgl_enf_get_stats(bgl_enforcer* enf, bgl_enf_stats* out);
 /* Same as bgl_alloc_last_error(). */

@@ -116,7 +116,10 @@ class BlockPath:
         rec = self._recompute_set(block, mb) if t.light is None else set()
         n = len(steps)
         i = 0
+        issuer = t.issuer if t.issuer is not None and t.issuer.active else None
         while i < n:
+            if issuer is not None:
+                issuer.forward_op(mb, ops[i])
             if i in rec:
                 j = i
                 while j + 1 < n and j + 1 in rec:

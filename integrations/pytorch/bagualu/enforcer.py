@@ -1,4 +1,4 @@
-"""The enforcer of libbgl_alloc.so (bgl/enforce.h) through ctypes: the one place where a saved
+"""The enforcer of libbgl_enforce.so (bgl/enforce.h) through ctypes: the one place where a saved
 activation changes placement. Every captured storage is registered with it (its producer, the
 operators that saved it, the plan's strategy); it offloads to its pinned host pool on its D2H
 stream and reloads on its H2D stream into a block of the allocator's pool, casts to FP8 and back
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,6 +30,9 @@ _c_void, _c_size, _c_int, _c_u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_in
 _ERR_OUT_OF_MEMORY = 2
 _ERR_DUPLICATE = 12
 _ERR_CALLBACK = 16
+# bgl_status values of a piece the scheduler skipped: out of memory, invalid state, conflict,
+# pinned pool exhausted.
+_SKIPPED_PIECE = (_ERR_OUT_OF_MEMORY, 13, 14, 15)
 # bgl_dtype: the element types the FP8 cast accepts; anything else is moved as bytes.
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _BYTES = 3
@@ -67,10 +70,15 @@ class _Info(ctypes.Structure):
 
 _STAT_FIELDS = ("tracked", "registered", "retired", "offloads", "reloads", "fp8_casts",
                 "fp8_uncasts", "drops", "recomputes", "bytes_d2h", "bytes_h2d", "bytes_fp8_saved",
-                "evictions", "evicted_bytes", "pressure_calls", "scheduled_issued",
+                "evictions", "evicted_bytes", "pressure_calls", "unreloads", "scheduled_issued",
                 "scheduled_max_inflight", "device_bytes", "host_bytes", "fp8_bytes",
                 "pinned_in_use", "pinned_cached", "pinned_peak", "pinned_capacity",
                 "pinned_allocs", "pinned_hits", "pinned_failures")
+
+
+class _Item(ctypes.Structure):
+    _fields_ = [("chain", _c_int), ("stage", _c_int), ("round", _c_int), ("resource", _c_int),
+                ("first", _c_int), ("last", _c_int)]
 
 
 class _Stats(ctypes.Structure):
@@ -95,7 +103,6 @@ def _bind(lib: ctypes.CDLL) -> None:
         "bgl_enf_set_strategy": (h + [_c_int], _c_int),
         "bgl_enf_query": (h + [ctypes.POINTER(_Info)], _c_int),
         "bgl_enf_offload": (h, _c_int),
-        "bgl_enf_reload": (h, _c_int),
         "bgl_enf_store_fp8": (h, _c_int),
         "bgl_enf_drop": (h, _c_int),
         "bgl_enf_set_recompute_callback": ([_c_void, _RECOMPUTE_FN, _c_void], _c_int),
@@ -105,6 +112,19 @@ def _bind(lib: ctypes.CDLL) -> None:
         "bgl_enf_wait_tensor": (h, _c_int),
         "bgl_enf_synchronize": ([_c_void], _c_int),
         "bgl_enf_get_stats": ([_c_void, ctypes.POINTER(_Stats)], _c_int),
+        "bgl_enf_enum_value": ([ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(_c_int)],
+                               _c_int),
+        "bgl_enf_set_graph_index": (h + [_c_int, _c_int], _c_int),
+        "bgl_enf_set_need_order": (h + [ctypes.c_int64], _c_int),
+        "bgl_enf_schedule_begin": ([_c_void, ctypes.POINTER(_Item), _c_size, _c_int, _c_int],
+                                   _c_int),
+        "bgl_enf_schedule_reached": ([_c_void, _c_int, _c_int], _c_int),
+        "bgl_enf_schedule_poll": ([_c_void, ctypes.POINTER(_c_size)], _c_int),
+        "bgl_enf_schedule_finish": ([_c_void], _c_int),
+        "bgl_enf_take_offloaded": ([_c_void, ctypes.POINTER(_c_u64), _c_size,
+                                    ctypes.POINTER(_c_size)], _c_int),
+        "bgl_enf_prefetch": ([_c_void, _c_int, ctypes.POINTER(_c_size)], _c_int),
+        "bgl_enf_evict": ([_c_void, _c_size, ctypes.POINTER(_c_size)], _c_int),
         "bgl_enf_last_error": ([], ctypes.c_char_p),
     }
     for name, (args, res) in sigs.items():
@@ -149,7 +169,8 @@ class Enforcer:
 
     def __init__(self, device: torch.device, pinned_capacity: int, borrowed_free_is_safe: bool,
                  evict: Optional[Callable[[int], int]] = None, fp8_block: int = 128) -> None:
-        self.lib = poolmod.load()
+        poolmod.load()  # the allocator first: the enforcer binds to its pool
+        self.lib = poolmod.load_enforce()
         _bind(self.lib)
         self.device = device
         self.cuda = device.type == "cuda"
@@ -170,9 +191,11 @@ class Enforcer:
         # handle -> function regenerating a dropped tensor; returns its data pointer
         self.regenerators: Dict[int, Callable[[], int]] = {}
         self._callback_error: Optional[BaseException] = None
+        self._enums: Dict[Tuple[str, str], int] = {}
         self._callback = _RECOMPUTE_FN(self._recompute)  # kept alive as long as the enforcer
         self._check(self.lib.bgl_enf_set_recompute_callback(self.handle, self._callback, None),
                     "set_recompute_callback")
+        self.skipped_pieces = 0  # scheduled pieces that could not be carried out
         self.live_blocks = 0  # blocks PyTorch still holds
         self.tracked = 0      # registered tensors not yet retired
         self.closing = False  # close() was called: destroy once nothing is outstanding
@@ -201,7 +224,10 @@ class Enforcer:
                    out: Any) -> int:
         """The enforcer needs a dropped tensor: the package reruns its producer."""
         try:
-            regen = self.regenerators.pop(handle)
+            regen = self.regenerators.pop(handle, None)
+            if regen is None:
+                raise BagualuError(f"enforcer: tensor {handle} was dropped without a way to "
+                                   "regenerate it")
             out[0] = regen()
             return 0
         except BaseException as e:  # raised again by the call that needed the data
@@ -234,8 +260,103 @@ class Enforcer:
         if rc != 0 and rc != _ERR_DUPLICATE:  # already a consumer
             self._check(rc, "add_consumer")
 
-    def set_strategy(self, handle: int, strategy: int) -> None:
-        self._check(self.lib.bgl_enf_set_strategy(self.handle, handle, strategy), "set_strategy")
+    def enum_value(self, kind: str, name: str) -> int:
+        """The number of the planner's ``name`` of a strategy, chain or resource (``kind``):
+        the planner is the one vocabulary, nothing is retyped here."""
+        key = (kind, name)
+        v = self._enums.get(key)
+        if v is None:
+            out = _c_int(0)
+            self._check(self.lib.bgl_enf_enum_value(kind.encode(), name.encode(),
+                                                    ctypes.byref(out)), "enum_value")
+            v = self._enums[key] = out.value
+        return v
+
+    def set_strategy(self, handle: int, strategy: str) -> None:
+        """Records the plan's strategy (keep, recompute, offload, fp8) for the tensor."""
+        self._check(self.lib.bgl_enf_set_strategy(self.handle, handle,
+                                                  self.enum_value("strategy", strategy)),
+                    "set_strategy")
+
+    def set_graph_index(self, handle: int, producer_op: int, graph_tensor: int) -> None:
+        """Where the tensor is in the planner's stage graph (the issue order names those)."""
+        self._check(self.lib.bgl_enf_set_graph_index(self.handle, handle, producer_op,
+                                                     graph_tensor), "set_graph_index")
+
+    def set_need_order(self, handle: int, order: int) -> None:
+        """Reload order key: smaller is needed sooner (and evicted later)."""
+        self._check(self.lib.bgl_enf_set_need_order(self.handle, handle, order),
+                    "set_need_order")
+
+    def offloaded(self, handle: int) -> bool:
+        """Whether the tensor is in the pinned pool (its copy complete, or PyTorch may free the
+        source before it ends)."""
+        if self.query(handle).placement != PLACE_HOST:
+            return False
+        if not self.borrowed_free_is_safe:
+            self._check(self.lib.bgl_enf_wait_tensor(self.handle, handle), "offload")
+        return True
+
+    def take_offloaded(self) -> List[int]:
+        """Handles whose offload, issued by the stream scheduler, completed since the last
+        call (retires finished pieces and issues more first)."""
+        self._piece(self.lib.bgl_enf_schedule_poll(self.handle, None), "schedule_poll")
+        out: List[int] = []
+        buf = (_c_u64 * 256)()
+        n = _c_size(0)
+        while True:
+            self._check(self.lib.bgl_enf_take_offloaded(self.handle, buf, 256, ctypes.byref(n)),
+                        "take_offloaded")
+            out.extend(buf[i] for i in range(n.value))
+            if n.value < 256:
+                return out
+
+    # -- stream scheduler -------------------------------------------------------------------
+    def schedule_begin(self, order: Sequence[Dict[str, Any]], offload_micro_batch: int,
+                       recover_micro_batch: int) -> None:
+        """Loads a point's issue order (the plan's items: chain, stage, round, resource, first,
+        last); O pieces move tensors of ``offload_micro_batch``, R pieces bring back those of
+        ``recover_micro_batch`` (-1: none)."""
+        items = (_Item * max(len(order), 1))()
+        for i, it in enumerate(order):
+            items[i] = _Item(self.enum_value("chain", it["chain"]), int(it["stage"]),
+                             int(it["round"]), self.enum_value("resource", it["resource"]),
+                             int(it.get("first", -1)), int(it.get("last", -1)))
+        self._check(self.lib.bgl_enf_schedule_begin(self.handle, items, len(order),
+                                                    offload_micro_batch, recover_micro_batch),
+                    "schedule_begin")
+
+    def schedule_reached(self, chain: str, stage: int) -> None:
+        """Compute reached the start of ``stage`` of chain F or B."""
+        self._piece(self.lib.bgl_enf_schedule_reached(self.handle,
+                                                      self.enum_value("chain", chain), stage),
+                    "schedule_reached")
+
+    def schedule_finish(self) -> None:
+        """Issues what is left of the order and waits for it."""
+        self._piece(self.lib.bgl_enf_schedule_finish(self.handle), "schedule_finish")
+
+    def _piece(self, rc: int, what: str) -> None:
+        """A piece the scheduler could not carry out (no room for a reload, the pinned pool
+        full, a tensor that moved meanwhile) is skipped: its tensors stay where they are and
+        the backward's acquire brings them back. Counted, said once; anything else raises."""
+        if rc in _SKIPPED_PIECE:
+            self.skipped_pieces += 1
+            if self.skipped_pieces == 1:
+                log.info("bagualu: a scheduled piece was skipped (%s); its tensors stay where "
+                         "they are", self._error())
+            return
+        self._check(rc, what)
+
+    def prefetch(self, micro_batch: int) -> None:
+        """Reloads the micro-batch's offloaded tensors in need order, a bounded number ahead
+        of the backward (each acquire makes room for the next)."""
+        if self.destroyed:
+            return
+        rc = self.lib.bgl_enf_prefetch(self.handle, micro_batch, None)
+        if rc == _ERR_OUT_OF_MEMORY:  # no room yet: each acquire reloads what it needs
+            return
+        self._check(rc, "prefetch")
 
     def query(self, handle: int) -> _Info:
         info = _Info()
@@ -271,10 +392,6 @@ class Enforcer:
         when the enforcer next needs it."""
         self._check(self.lib.bgl_enf_drop(self.handle, handle), "drop")
         self.regenerators[handle] = regenerate
-
-    def prefetch(self, handle: int) -> None:
-        """Starts the reload on the H2D stream (a no-op when already issued)."""
-        self._check(self.lib.bgl_enf_reload(self.handle, handle), "reload")
 
     def acquire(self, handle: int, nbytes: int,
                 on_done: Callable[[], None]) -> torch.UntypedStorage:
@@ -320,6 +437,15 @@ class Enforcer:
                 raise
             poolmod.retry_after_eviction(attempt, nbytes, self.evict, e)
         return int(ptr.value or 0)
+
+    def give_back(self, needed: int) -> int:
+        """Gives back device memory the enforcer owns (reloads no consumer took yet; the data
+        stays on the host) until ``needed`` bytes; returns the bytes freed."""
+        if self.destroyed:
+            return 0
+        freed = _c_size(0)
+        self._check(self.lib.bgl_enf_evict(self.handle, needed, ctypes.byref(freed)), "evict")
+        return int(freed.value)
 
     def synchronize(self) -> None:
         """Waits for every queued copy (and so for the pinned memory they free)."""

@@ -111,7 +111,8 @@ class Governor:
                 remote.probe(PROBE_TIMEOUT_S)
             remote.register(self._model, self._options["capacity_bytes"],
                             self._options["pipeline_rank"], self.job_id, self.gpu_index,
-                            budget_step_bytes=self._options["budget_step_bytes"])
+                            budget_step_bytes=self._options["budget_step_bytes"],
+                            dual_batch=self._options["dual_batch"])
         except BaseException:
             remote.close()
             raise
@@ -146,7 +147,7 @@ class Governor:
 
     def register(self, model: Dict[str, Any], capacity_bytes: int, pipeline_rank: int,
                  allow_offload: bool = True, allow_fp8: bool = True,
-                 calibration: Optional[Dict[str, Any]] = None) -> None:
+                 calibration: Optional[Dict[str, Any]] = None, dual_batch: bool = True) -> None:
         """Describes the stage. The embedded planner is always created (the fallback).
 
         Both planners get the same plan-cache budget step (budget_step_bytes), sized from the
@@ -156,7 +157,7 @@ class Governor:
         self._model = model
         self._options = {"capacity_bytes": int(capacity_bytes), "pipeline_rank": pipeline_rank,
                          "allow_offload": allow_offload, "allow_fp8": allow_fp8,
-                         "dual_batch": False, "budget_step_bytes": step}
+                         "dual_batch": bool(dual_batch), "budget_step_bytes": step}
         if calibration:
             self._options["calibration"] = calibration
         self.embedded = plannermod.EmbeddedPlanner(model, self._options)

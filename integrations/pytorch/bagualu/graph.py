@@ -26,7 +26,8 @@ def in_layer_bytes(records: Iterable[Record]) -> int:
 
 
 def build_layer_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
-                      op_ms: Dict[str, float]) -> Dict[str, Any]:
+                      op_ms: Dict[str, float],
+                      tensor_names: Optional["TensorNames"] = None) -> Dict[str, Any]:
     """The layer_graph of layer ``ops[0].layer`` from its captured records.
 
     Storages are grouped by (producer, savers, dtype) so per-expert tensors become one graph
@@ -54,6 +55,8 @@ def build_layer_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
         if g is None:
             g = {"name": _tensor_name(key, len(groups)), "bytes": 0.0,
                  "dtype": _DTYPES.get(r.dtype, "fp32"), "consumers": list(savers)}
+            if tensor_names is not None and key != ("__block_input__",):
+                tensor_names.names[key] = g["name"]
             if key == ("__block_input__",):
                 g["block_input"] = True
             elif inside:
@@ -74,7 +77,8 @@ def build_layer_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
 
 
 def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
-                         op_ms: Dict[str, float], readers: Dict[int, Any]) -> Dict[str, Any]:
+                         op_ms: Dict[str, float], readers: Dict[int, Any],
+                         tensor_names: Optional["TensorNames"] = None) -> Dict[str, Any]:
     """The layer_graph of an unmodified model's layer ``ops[0].layer`` (strategies follow the
     producer, recompute.py): every storage the layer's operators made is one graph tensor per
     (producer, dtype), saved by its producer, read by the operators whose calls took it as
@@ -95,15 +99,15 @@ def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: flo
             x["bytes"] += r.nbytes
             x["dtype"] = _DTYPES.get(r.dtype, "fp32")
             continue
-        # Integer and boolean storages (indices, masks) are never cast: the planner's "fp8"
-        # dtype says so (an FP8 plan leaves them at their size, plus the scales' 3%).
-        dt = _DTYPES.get(r.dtype) or ("fp32" if r.dtype.is_floating_point else "fp8")
-        key = (p.name, dt)
+        key = _produced_key(r)
+        dt = key[1]
         g = groups.get(key)
         scales = kinds[p.name] in SCALING_KINDS
         if g is None:
             g = {"name": f"t{len(groups)}.{p.name}", "bytes": 0.0, "dtype": dt,
                  "producer": p.name, "consumers": [p.name], "readers": set()}
+            if tensor_names is not None:
+                tensor_names.names[key] = g["name"]
             if scales:
                 g["scales_with_load"] = True
             groups[key] = g
@@ -119,6 +123,38 @@ def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: flo
             del g["readers"]
         tensors.append(g)
     return {"operators": _operators(ops, op_ms), "tensors": tensors}
+
+
+def _produced_key(r: Record) -> Tuple[str, str]:
+    # Integer and boolean storages (indices, masks) are never cast: the planner's "fp8" dtype
+    # says so (an FP8 plan leaves them at their size, plus the scales' 3%).
+    return (r.producer.name,
+            _DTYPES.get(r.dtype) or ("fp32" if r.dtype.is_floating_point else "fp8"))
+
+
+class TensorNames:
+    """Which graph tensor of its layer a record of any micro-batch belongs to: the grouping the
+    graph builders used at capture, remembered by key (the plan's issue order names graph
+    tensors; issue.py maps records to them)."""
+
+    def __init__(self, produced: bool, ops: Sequence[Op]) -> None:
+        self.produced = produced
+        self.order = {op.name: i for i, op in enumerate(ops)}
+        self.names: Dict[Tuple[Any, ...], str] = {}
+
+    def locate(self, r: Record) -> Tuple[int, Optional[str]]:
+        """(layer, graph tensor name within it) of ``r``; name None when the graph has no
+        tensor for it."""
+        if self.produced:
+            return r.producer.layer, self.names.get(_produced_key(r))
+        if not r.consumers:
+            return -1, None
+        layer = r.consumers[0].layer
+        if any(c.layer != layer for c in r.consumers):
+            return -1, None
+        inside = r.producer.layer == layer and r.producer.name in self.order
+        savers = tuple(sorted({c.name for c in r.consumers}, key=self.order.get))
+        return layer, self.names.get((r.producer.name if inside else None, savers, str(r.dtype)))
 
 
 def _operators(ops: Sequence[Op], op_ms: Dict[str, float],

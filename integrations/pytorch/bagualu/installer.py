@@ -43,7 +43,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
             pipeline_rank: int = 0, pipeline_stages: int = 1, micro_batches: int = 8,
             log_iterations: bool = True, fp8_block: int = 128, strict: bool = False,
             deadline_s: float = 0.5, gc_freeze: bool = True,
-            pinned_capacity: Union[int, str] = "16GiB", chunks: int = 1) -> "runtime.Runtime":
+            pinned_capacity: Union[int, str] = "16GiB", chunks: int = 1,
+            issue_order: str = "dual-batch") -> "runtime.Runtime":
     """Installs bagualu in this process and returns its runtime.
 
     capacity: activation memory of the (simulated) device, bytes or '256MiB'. On CPU the host
@@ -59,8 +60,12 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
       step_point then name the chunk.
     pinned_capacity: page-locked host memory the enforcer may hold for offloaded activations
       (every offload goes to it).
+    issue_order: 'dual-batch' (default): plans carry the dual-batch issue order and offloads,
+      reloads and recomputes follow it; 'serial': the same plans in program order (for
+      comparison).
     """
     runtime.check_policy(policy)
+    runtime.check_issue_order(issue_order)
     if runtime.active() is not None:
         uninstall()
     dev = torch.device(device) if device is not None else (
@@ -82,7 +87,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
         device=dev, capacity=cap, policy=policy, pipeline_rank=pipeline_rank,
         pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         log_iterations=log_iterations, fp8_block=fp8_block,
-        pinned_capacity=runtime.parse_size(pinned_capacity), chunks=chunks, gc_freeze=gc_freeze)
+        pinned_capacity=runtime.parse_size(pinned_capacity), chunks=chunks, gc_freeze=gc_freeze,
+        issue_order=issue_order)
     rt = runtime.Runtime(settings, gov, pool)
     _active.runtime = rt
     return rt

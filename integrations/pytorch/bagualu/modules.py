@@ -241,6 +241,9 @@ class AutoLayers:
                 call = Call(op, module, args, kwargs, t.hold, t.packs_seen, rt.device)
                 t.calls.append(call)
         t.scope.append(op)
+        issuer = t.issuer
+        if issuer is not None and issuer.active:
+            issuer.forward_op(t.micro_batch, op)
         self.stack.append((op, call, time.perf_counter() if rt.capturing else 0.0))
 
     def _replayable(self, op: Op, args: Any, kwargs: Any) -> bool:

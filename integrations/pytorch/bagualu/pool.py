@@ -39,23 +39,9 @@ PressureFn = Callable[[int], int]
 _PRESSURE_CFUNC = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)
 
 
-class _AllocLib(ctypes.CDLL):
-    """libbgl_alloc.so. Transitional: the enforcer's C ABI moved to libbgl_enforce.so; until
-    every caller uses load_enforce(), a ``bgl_enf_*`` name looked up here comes from there."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("bgl_enf_"):
-            fn = getattr(load_enforce(), name)
-            setattr(self, name, fn)
-            return fn
-        return super().__getattr__(name)
-
-
 def _bind(lib: ctypes.CDLL) -> None:
     if getattr(lib, "_bgl_alloc_bound", False):
         return
-    if type(lib) is ctypes.CDLL:
-        lib.__class__ = _AllocLib
     c_void, c_size = ctypes.c_void_p, ctypes.c_size_t
     lib.bgl_alloc.argtypes = [c_size, ctypes.c_int, c_void]
     lib.bgl_alloc.restype = c_void

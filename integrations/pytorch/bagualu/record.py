@@ -16,7 +16,7 @@ import torch
 
 from .enforcer import fp8_supported
 from .errors import BagualuError
-from .strategy import Op
+from .strategy import OFFLOAD, RECOMPUTE, Op
 
 DEVICE, HOST, FP8_PLACE, DROPPED = "device", "host", "fp8", "dropped"
 
@@ -27,7 +27,7 @@ class Record:
     __slots__ = ("key", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
                  "placement", "storage", "block", "block_bytes", "refs", "pinned", "in_backward",
                  "tracker", "ref", "seq", "packs", "enf", "enf_block", "live_block", "released",
-                 "regen", "regenerating", "__weakref__")
+                 "regen", "regenerating", "planned", "__weakref__")
 
     def __init__(self, tracker: "Tracker", storage: torch.UntypedStorage, dtype: torch.dtype,
                  producer: Op, micro_batch: int, seq: int) -> None:
@@ -55,6 +55,7 @@ class Record:
         self.released = False    # every holder is gone
         self.regen: Any = None   # the recompute.Call that regenerates it while dropped
         self.regenerating = False
+        self.planned = False     # offload left to the plan's issue order (issue.py)
 
     def same_storage(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` is this record's storage (the original, even after it moved)."""
@@ -101,10 +102,32 @@ class Record:
             return 0  # e.g. CPU scalars saved by a CUDA forward are not device memory
         t = self.tracker
         try:
-            t.enforcer.offload(self.enf)
+            if not (self.planned and t.enforcer.offloaded(self.enf)):
+                t.enforcer.set_need_order(self.enf, self.need_order())
+                t.enforcer.offload(self.enf)
         except BagualuError as e:  # e.g. the pinned pool is full: the data stays
             t.enforcer_failed("offload", e)
             return 0
+        return self.left_for_host()
+
+    def plan_offload(self) -> None:
+        """The offload is left to the plan's issue order: the stream scheduler issues it when
+        compute reaches its round (left_for_host follows)."""
+        self.planned = True
+        enf = self.tracker.enforcer
+        enf.set_strategy(self.enf, OFFLOAD)
+        enf.set_need_order(self.enf, self.need_order())
+
+    def need_order(self) -> int:
+        """The enforcer's reload order key (smaller: needed sooner): within a micro-batch the
+        backward needs the last saved storage first."""
+        return (self.micro_batch << 32) + (1 << 31) - 1 - (self.seq % (1 << 31))
+
+    def left_for_host(self) -> int:
+        """The enforcer holds the data in its pinned pool now: let the device copy go; bytes
+        freed."""
+        t = self.tracker
+        self.planned = False
         self._leave_device()
         self.storage = None
         self.placement = HOST
@@ -120,6 +143,7 @@ class Record:
             return 0
         if self.enf:
             try:
+                self.tracker.enforcer.set_strategy(self.enf, RECOMPUTE)
                 self.tracker.enforcer.drop(self.enf, self._regenerate)
             except BagualuError as e:
                 self.tracker.enforcer_failed("drop", e)
@@ -230,6 +254,9 @@ class Record:
         self.storage = self.regen = None
         self.packs = None
         self.released = True
+        if self.planned:
+            self.planned = False
+            self.tracker.planned.pop(self.enf, None)
         if not self.live_block:  # else once PyTorch lets go of the enforcer's block
             self._retire()
         self.tracker.retire(self)
@@ -277,6 +304,9 @@ class Packed:
     def unpack(self) -> torch.Tensor:
         rec = self.rec
         rec.in_backward = True
+        issuer = rec.tracker.issuer
+        if issuer is not None and issuer.active:
+            issuer.backward_op(rec.micro_batch, rec.producer)
         if self.t is not None:
             return self.t
         storage = rec.materialize()

@@ -95,13 +95,14 @@ class RemoteGovernor:
         self.stub.ListSessions(self.pb.ListSessionsRequest(), timeout=timeout_s)
 
     def register(self, model: Dict[str, Any], capacity: int, rank: int, job_id: str,
-                 gpu_index: int, budget_step_bytes: int = 0) -> None:
-        """budget_step_bytes: the plan cache's budget bucket (0: the daemon's 64 MiB)."""
+                 gpu_index: int, budget_step_bytes: int = 0, dual_batch: bool = True) -> None:
+        """budget_step_bytes: the plan cache's budget bucket (0: the daemon's 64 MiB);
+        dual_batch False: plans issue in program order (serial)."""
         import json
         req = self.pb.RegisterRequest(
             gpu_uuid=f"host-{gpu_index}", gpu_index=gpu_index, pid=os.getpid(), job_id=job_id,
             pipeline_rank=rank, capacity_bytes=int(capacity), model_json=json.dumps(model),
-            disable_dual_batch=True, budget_step_bytes=int(budget_step_bytes))
+            disable_dual_batch=not dual_batch, budget_step_bytes=int(budget_step_bytes))
         resp = self.stub.Register(req, timeout=max(self.deadline, 2.0))
         self.session_id = resp.session_id
         self.operator_names = list(resp.operator_names)
@@ -125,7 +126,8 @@ class RemoteGovernor:
                              "chain": enum_name(pb.Chain, it.chain, "?")[:1].upper(),
                              "stage": it.stage,
                              "resource": enum_name(pb.Resource, it.resource, "?"),
-                             "duration_s": it.duration_s, "label": it.label}
+                             "duration_s": it.duration_s, "first": it.first, "last": it.last,
+                             "label": it.label}
                             for it in p.issue_order],
         }
 

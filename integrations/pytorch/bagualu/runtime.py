@@ -23,6 +23,7 @@ from . import _active
 from . import discover
 from . import pool as poolmod
 from . import graph as graphmod
+from . import issue as issuemod
 from .blocks import BlockPath
 from .enforcer import Enforcer
 from .errors import InstallError, InstrumentError, OutOfMemoryError, PolicyError
@@ -64,6 +65,16 @@ def check_policy(policy: str) -> str:
     return policy
 
 
+ISSUE_ORDERS = ("dual-batch", "serial")
+
+
+def check_issue_order(order: str) -> str:
+    """Returns the issue order or raises PolicyError naming the known ones."""
+    if order not in ISSUE_ORDERS:
+        raise PolicyError(f"unknown issue_order '{order}' (known: {', '.join(ISSUE_ORDERS)})")
+    return order
+
+
 @dataclass(frozen=True)
 class Settings:
     """What ``bagualu.install`` was asked for (validated there); immutable."""
@@ -79,6 +90,7 @@ class Settings:
     pinned_capacity: int = 16 << 30
     chunks: int = 1                # local stages of an interleaved schedule
     gc_freeze: bool = True
+    issue_order: str = "dual-batch"  # or "serial" (issue.py)
 
 
 class Runtime:
@@ -318,10 +330,14 @@ class Runtime:
             # Operators in the order of their first call (the block's own code first).
             ops = [Op(n, self.discovery.kinds[n], 0)
                    for n in self.auto.op_order(self.discovery.op_names)]
-            lg = graphmod.build_produced_graph(recs, ops, load0, self.op_ms, self.auto.readers)
+            self.tensor_names = graphmod.TensorNames(True, ops)
+            lg = graphmod.build_produced_graph(recs, ops, load0, self.op_ms, self.auto.readers,
+                                               self.tensor_names)
             outside = sum(r.nbytes for r in recs if r.consumers and r.producer.layer < 0)
         else:
-            lg = graphmod.build_layer_graph(recs, self.layer_ops[0], load0, self.op_ms)
+            self.tensor_names = graphmod.TensorNames(False, self.layer_ops[0])
+            lg = graphmod.build_layer_graph(recs, self.layer_ops[0], load0, self.op_ms,
+                                            self.tensor_names)
             # The graph is stated at r=1 for layer 0; learn which steps save each named tensor.
             self.block_path.learn_savers(recs)
             outside = sum(r.nbytes for r in recs if not r.consumers or
@@ -333,13 +349,28 @@ class Runtime:
         in_flight = max(self.pipeline_stages - self.pipeline_rank, 1)
         plan_capacity = int(self.capacity * 0.95) - outside * in_flight
         self.model_doc = doc
+        names = self.tensor_names
         self.governor.register(doc, plan_capacity, self.pipeline_rank,
                                allow_offload=self.policy == "bagualu",
-                               allow_fp8=self.policy == "bagualu")
+                               allow_fp8=self.policy == "bagualu",
+                               dual_batch=self.settings.issue_order == "dual-batch")
         self.description = self.governor.description
+        if self.policy == "bagualu" and self.description is not None:
+            index = issuemod.StageGraphIndex(self.description,
+                                             self.layer_count // max(self.chunks, 1))
+            self.tracker.issuer = issuemod.PointIssuer(self.enforcer, index,
+                                                       self.tracker.collect_offloaded)
+            self._locate = lambda r: self._graph_index(index, names, r)
         if self.policy == "static-under":
             self.static_strategies = self.governor.static_plan(
                 (self.description or {}).get("steps", []))
+
+    @staticmethod
+    def _graph_index(index: "issuemod.StageGraphIndex", names: "graphmod.TensorNames",
+                     rec: Any) -> Tuple[int, int]:
+        """(producer operator, graph tensor) of a record in the planner's stage graph."""
+        layer, name = names.locate(rec)
+        return index.op(rec.producer), index.tensor(layer, name)
 
     def _forward_steps(self) -> List[Dict[str, Any]]:
         d = self.description or {}
@@ -388,7 +419,25 @@ class Runtime:
         self.mb_strategies[key] = {self._global_name(o["name"], forward_chunk): o["strategy"]
                                    for o in plan["operators"]}
         self.iter["budget"] = min(self.iter["budget"], plan["budget_bytes"])
+        self._issue(plan, (forward_mb, forward_chunk),
+                    (backward_mb, backward_chunk) if backward_mb is not None else None)
         return plan
+
+    def _issue(self, plan: Dict[str, Any], forward: Tuple[int, int],
+               backward: Optional[Tuple[int, int]]) -> None:
+        """Hands the point's issue order to the enforcer's stream scheduler (issue.py); the
+        forward's planned offloads wait for a later point's O chain."""
+        issuer = self.tracker.issuer
+        if issuer is None or not plan.get("issue_order"):
+            return
+        steps = (self.description or {}).get("steps", [])
+        before, after = issuemod.neighbours(steps, forward, backward)
+        issuer.begin(plan["issue_order"], self.key(*forward),
+                     self.key(*backward) if backward is not None else -1,
+                     self.key(*before) if before is not None else -1,
+                     self.key(*after) if after is not None else -1)
+        if issuemod.has_later_forward(steps, forward):
+            self.tracker.scheduled.add(self.key(*forward))
 
     # -- micro-batch contexts ---------------------------------------------------------------
     @contextmanager
@@ -422,6 +471,8 @@ class Runtime:
             t.scope.clear()
             t.end_forward()
             t.capture = False
+            if mb in t.scheduled:
+                t.place_planned(mb, self._locate, later=True)
         loads = self.mb_loads.get(mb) or [self.last_load]
         load = sum(loads) / len(loads)
         self.last_load = load
@@ -481,6 +532,8 @@ class Runtime:
 
     def end_iteration(self) -> Dict[str, Any]:
         """Closes the iteration and logs its line; returns the line's fields."""
+        if self.tracker.issuer is not None:
+            self.tracker.issuer.finish()
         it = self.iter
         c0, c = it["counters0"], self.tracker.counters
         loads = it["loads"] or [1.0]

@@ -39,12 +39,11 @@ class Tracker:
     counters: Dict[str, int] = field(default_factory=lambda: {
         "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
         "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0, "drops": 0,
-        "recomputes": 0})
+        "recomputes": 0, "scheduled_offloads": 0})
     light_chunk: int = 0  # bytes per accounting block of light micro-batches (0: exact)
     enforcer: Any = None  # enforcer.Enforcer: every move of a record goes through it
     pool_backed: bool = False  # device_alloc gives pool blocks (CPU), not just a count
     device_type: str = "cpu"  # where activations live; only those are moved
-    reload_window: int = 4  # reloads issued ahead of the backward that needs them
     # Strategies follow the operator that produced a storage (unmodified models, recompute
     # callbacks) instead of the operator that saved it (OpBlock layers, checkpoint regions).
     by_producer: bool = False
@@ -63,8 +62,11 @@ class Tracker:
         # (a graph piece dropped during the forward).
         self.light: Optional[Dict[int, Tuple[Any, int]]] = None  # the current forward's
         self.light_sets: Dict[int, "LightSet"] = {}       # micro-batch -> its light set
-        self.reload_queue: Dict[int, List[Record]] = {}   # micro-batch -> not yet prefetched
-        self.prefetched: Dict[int, Set[int]] = {}         # micro-batch -> handles in flight
+        # Offloads left to the plan's issue order (issue.py): the micro-batches whose records
+        # wait for it, and those records by enforcer handle until the enforcer moved them.
+        self.scheduled: Set[int] = set()
+        self.planned: Dict[int, Record] = {}
+        self.issuer: Any = None  # issue.PointIssuer while plans carry an issue order
         self._enforcer_warned = False
         self.op_ids: Dict[Op, int] = {}            # the enforcer's operator numbers
         self.micro_batch = -1
@@ -242,9 +244,42 @@ class Tracker:
 
     def _apply(self, rec: Record, strategy: str) -> None:
         if strategy == OFFLOAD:
-            rec.offload()
+            if rec.micro_batch in self.scheduled and rec.movable():
+                rec.plan_offload()
+                self.planned[rec.enf] = rec
+            else:
+                rec.offload()
         elif strategy == FP8:
+            if rec.enf:
+                self.enforcer.set_strategy(rec.enf, FP8)
             rec.store_fp8()
+
+    # -- offloads in the plan's issue order -------------------------------------------------
+    def place_planned(self, micro_batch: int, locate: Callable[[Record], Tuple[int, int]],
+                      later: bool) -> None:
+        """The forward of ``micro_batch`` ended: its planned offloads are left to a later
+        point's O chain (``later``) for the records ``locate`` maps to the stage graph
+        (producer operator, graph tensor); the rest are offloaded now."""
+        self.scheduled.discard(micro_batch)
+        for h, rec in list(self.planned.items()):
+            if rec.micro_batch != micro_batch:
+                continue
+            op, tensor = locate(rec) if later else (-1, -1)
+            if tensor >= 0 and rec.movable():
+                self.enforcer.set_graph_index(rec.enf, op, tensor)
+                continue
+            del self.planned[h]
+            rec.offload()
+
+    def collect_offloaded(self) -> None:
+        """Lets go of the device copies whose scheduled offload completed."""
+        if not self.planned:
+            return
+        for h in self.enforcer.take_offloaded():
+            rec = self.planned.pop(h, None)
+            if rec is not None and rec.planned and rec.storage is not None:
+                rec.left_for_host()
+                self.counters["scheduled_offloads"] += 1
 
     def hold_inputs(self, tensors: List[torch.Tensor], op: Op) -> None:
         """Registers tensors a recompute region keeps alive (checkpoint inputs): they stay on
@@ -303,37 +338,16 @@ class Tracker:
 
     # -- reloads through the enforcer ------------------------------------------------------
     def begin_backward(self, micro_batch: int) -> None:
-        """Issues the first reloads of the micro-batch's offloaded records, in the order the
-        backward needs them (last produced first); each acquire issues the next."""
+        """The enforcer starts reloading the micro-batch's offloaded records in the order the
+        backward needs them (their need order); each acquire lets it issue the next."""
         if self.enforcer is None:
             return
-        recs = [r for r in self.by_mb.get(micro_batch, ()) if r.enf]
-        recs.sort(key=lambda r: r.seq)  # popped from the end: last produced first
-        self.reload_queue[micro_batch] = recs
-        self.prefetched[micro_batch] = set()
-        self._prefetch(micro_batch)
-
-    def _prefetch(self, micro_batch: int) -> None:
-        queue = self.reload_queue.get(micro_batch)
-        issued = self.prefetched.get(micro_batch)
-        while queue and issued is not None and len(issued) < self.reload_window:
-            rec = queue.pop()
-            if not rec.enf or rec.placement != HOST:
-                continue
-            try:
-                self.enforcer.prefetch(rec.enf)
-            except BagualuError as e:  # no room yet: the acquire reloads it when needed
-                log.debug("bagualu: prefetch stopped: %s", e)
-                queue.clear()
-                return
-            issued.add(rec.enf)
+        self.collect_offloaded()
+        self.enforcer.prefetch(micro_batch)
 
     def acquired(self, micro_batch: int, handle: int) -> None:
-        """The reload of ``handle`` was consumed: issue the next one."""
-        issued = self.prefetched.get(micro_batch)
-        if issued is not None and handle in issued:
-            issued.discard(handle)
-            self._prefetch(micro_batch)
+        """A reload of ``micro_batch`` was consumed: the enforcer may issue the next one."""
+        self.enforcer.prefetch(micro_batch)
 
     def enforcer_failed(self, what: str, error: Exception) -> None:
         """A move failed (e.g. the pinned pool is full): the activation stays on the device;
@@ -349,8 +363,6 @@ class Tracker:
         """Drops the checkpoint-input holders and the light set of a micro-batch whose
         backward finished."""
         self.pinned_holders.pop(micro_batch, None)
-        self.reload_queue.pop(micro_batch, None)
-        self.prefetched.pop(micro_batch, None)
         self.drop_light(micro_batch)
 
     def light_bytes(self, micro_batch: int, in_layer_only: bool = False) -> int:
@@ -409,6 +421,10 @@ class Tracker:
                 freed += got
                 self.counters["evictions"] += 1
                 self.counters["evicted_bytes"] += got
+        if freed < needed and self.enforcer is not None:
+            # Reloads issued ahead of the backward that no consumer took yet: needed soonest,
+            # so given back last (their data is still on the host).
+            freed += self.enforcer.give_back(needed - freed)
         return freed
 
 

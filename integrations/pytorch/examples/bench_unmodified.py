@@ -9,6 +9,10 @@ with room for everything (its plans keep every activation), alternating, on a mo
 times wider with ``--seq``-token micro-batches; per model the median over repeats of each
 run's median CPU time per iteration, and the overhead as the median (range) of the per-pair
 ratios.
+
+``--issue-order``: bagualu at half of keep-all's peak with the plans' dual-batch issue order
+carried out against the same plans issued in program order (serial), alternating; per model
+the median iteration time of each and the median (range) of the per-pair ratios.
 """
 from __future__ import annotations
 
@@ -30,12 +34,16 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--overhead", action="store_true",
                     help="measure the hook overhead with nothing to mitigate")
+    ap.add_argument("--issue-order", action="store_true",
+                    help="compare the dual-batch issue order with the serial one")
     ap.add_argument("--width", type=int, default=4, help="--overhead: model width factor")
     ap.add_argument("--seq", type=int, default=128, help="--overhead: tokens per sequence")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.overhead:
         return overhead(args)
+    if args.issue_order:
+        return issue_order(args)
     print("| model | capacity | plain | bagualu | checkpoint every block | save_on_cpu | "
           "bagualu strategies (last iteration) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -61,6 +69,37 @@ def main() -> int:
                     f"{statistics.median(v) / statistics.median(runs['plain']):.2f}x")
         print(f"| {name} | {cap / 2**20:.2f} MiB | {cell('plain')} | {cell('bagualu')} | "
               f"{cell('ckpt')} | {cell('cpu')} | {strat} |", flush=True)
+    return 0
+
+
+def issue_order(args: argparse.Namespace) -> int:
+    print("| model | capacity | dual-batch order ms/iteration | serial order | dual-batch / "
+          "serial, median (range) over pairs | pieces issued by the scheduler per iteration |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in args.models.split(","):
+        cap = u.keep_all_peak(name, ep=False) // 2
+        times: Dict[str, List[float]] = {"dual-batch": [], "serial": []}
+        ratios: List[float] = []
+        issued = 0
+        for _ in range(args.repeats):
+            one: Dict[str, float] = {}
+            for order in ("dual-batch", "serial"):
+                gc.collect()
+                r = u.train(name, "bagualu", capacity=cap, iterations=args.iterations, ep=False,
+                            issue_order=order)
+                assert r["oom"] is None, r["oom"]
+                one[order] = statistics.median(r["times_ms"][1:])  # first: warm-up
+                times[order].append(one[order])
+                if order == "dual-batch":
+                    issued = r["stats"]["enforcer"]["scheduled_issued"] // args.iterations
+            ratios.append(one["dual-batch"] / one["serial"])
+
+        def cell(k: str) -> str:
+            v = times[k]
+            return f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+        print(f"| {name} | {cap / 2**20:.2f} MiB | {cell('dual-batch')} | {cell('serial')} | "
+              f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
+              f"{issued} |", flush=True)
     return 0
 
 

@@ -174,13 +174,14 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           micro_batches: int = 8, stages: int = 4, forced: Optional[Dict[str, str]] = None,
           governor: str = "none", spike_every: int = 4, seed: int = 0,
           checkpoint_layers: bool = False, save_on_cpu: bool = False,
-          ep: bool = True, width: int = 1, seq: int = 32, device: str = "cpu"
-          ) -> Dict[str, Any]:
+          ep: bool = True, width: int = 1, seq: int = 32, device: str = "cpu",
+          issue_order: str = "dual-batch") -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
     ``save_on_cpu``: torch.autograd.graph.save_on_cpu). Returns losses, gradients, bagualu's
-    iteration lines and stats, and whether it ran out of memory. ``ep`` False: every expert
+    iteration lines and stats, and whether it ran out of memory (``issue_order``: bagualu's
+    install option, dual-batch or serial). ``ep`` False: every expert
     is computed here (the model exactly as plain PyTorch runs it). ``width`` and ``seq``: a
     larger model (``build``) and longer micro-batches. Per iteration: wall and CPU times
     (``device`` "cuda": wall time after a synchronize)."""
@@ -190,7 +191,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     if policy is not None:  # first: on CUDA install() swaps the allocator before any tensor
         bagualu.install(capacity=capacity, policy=policy, governor=governor, device=device,
                         pipeline_stages=stages, micro_batches=micro_batches,
-                        log_iterations=False)
+                        log_iterations=False, issue_order=issue_order)
     model = build(name, seed, ep_size=4 if ep else 1, width=width).to(device)
     xs = [x.to(device) for x in batches(micro_batches * iterations, spike_every=spike_every,
                                         seq=seq)]

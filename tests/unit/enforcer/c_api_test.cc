@@ -80,6 +80,24 @@ TEST_F(EnforceCApi, OffloadAcquireReleaseRoundTrip) {
   EXPECT_EQ(s.tracked, 0u);
 }
 
+TEST_F(EnforceCApi, EnumValuesAreThePlannersNames) {
+  int v = -1;
+  ASSERT_EQ(bgl_enf_enum_value("strategy", "fp8", &v), BGL_OK);
+  EXPECT_EQ(v, BGL_STRATEGY_FP8);
+  ASSERT_EQ(bgl_enf_enum_value("strategy", "offload", &v), BGL_OK);
+  EXPECT_EQ(v, BGL_STRATEGY_OFFLOAD);
+  ASSERT_EQ(bgl_enf_enum_value("chain", "R", &v), BGL_OK);
+  EXPECT_EQ(v, BGL_CHAIN_RECOVER);
+  ASSERT_EQ(bgl_enf_enum_value("resource", "h2d", &v), BGL_OK);
+  EXPECT_EQ(v, BGL_RES_H2D);
+  v = 7;
+  EXPECT_EQ(bgl_enf_enum_value("strategy", "swap", &v), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("'swap'"), std::string::npos);
+  EXPECT_EQ(bgl_enf_enum_value("colour", "red", &v), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bgl_enf_enum_value(nullptr, "fp8", &v), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(v, 7);  // unchanged on failure
+}
+
 TEST_F(EnforceCApi, ErrorsHaveCodesAndMessages) {
   std::vector<uint8_t> data;
   const uint64_t h = make(16 << 20, &data);  // larger than the 8 MiB pinned pool

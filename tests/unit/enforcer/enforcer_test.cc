@@ -271,5 +271,88 @@ TEST(Enforcer, EvictTakesLargestNeedOrderFirst) {
   EXPECT_EQ(bytes, 3u << 20);
 }
 
+TEST(Enforcer, PrefetchReloadsInNeedOrderWithinTheBound) {
+  Env env(std::size_t{256} << 20, 64 << 20, /*max_inflight=*/2);
+  std::vector<std::vector<std::uint8_t>> data(5);
+  std::vector<std::uint64_t> hs;
+  for (int i = 0; i < 5; ++i) {
+    hs.push_back(env.make(4096 + 64 * i, &data[i], i, 3));
+    ASSERT_EQ(env.enf->apply(hs[i], Strategy::kOffload), Status::kOk);
+    env.enf->set_need_order(hs[i], 10 - i);  // the last produced is needed first
+  }
+  std::size_t issued = 0;
+  ASSERT_EQ(env.enf->prefetch(3, &issued), Status::kOk);
+  EXPECT_EQ(issued, 2u);  // the bound
+  EXPECT_EQ(env.info(hs[4]).placement, BGL_PLACE_DEVICE);
+  EXPECT_EQ(env.info(hs[3]).placement, BGL_PLACE_DEVICE);
+  EXPECT_EQ(env.info(hs[2]).placement, BGL_PLACE_HOST);
+  ASSERT_EQ(env.enf->prefetch(3, &issued), Status::kOk);
+  EXPECT_EQ(issued, 0u);  // both still wait for their consumer
+  ASSERT_EQ(env.enf->prefetch(7, &issued), Status::kOk);
+  EXPECT_EQ(issued, 0u);  // another micro-batch has nothing offloaded
+  env.expect_data(hs[4], data[4]);  // taken: room for one more
+  ASSERT_EQ(env.enf->prefetch(3, &issued), Status::kOk);
+  EXPECT_EQ(issued, 1u);
+  EXPECT_EQ(env.info(hs[2]).placement, BGL_PLACE_DEVICE);
+  for (int i : {3, 2, 1, 0}) env.expect_data(hs[i], data[i]);
+}
+
+TEST(Enforcer, PressureGivesBackUntakenReloadsAndTheDataSurvives) {
+  Env env(std::size_t{256} << 20, 64 << 20, /*max_inflight=*/4);
+  std::vector<std::vector<std::uint8_t>> data(3);
+  std::vector<std::uint64_t> hs;
+  for (int i = 0; i < 3; ++i) {
+    hs.push_back(env.make(std::size_t{1} << 20, &data[i], i, 0));
+    ASSERT_EQ(env.enf->apply(hs[i], Strategy::kOffload), Status::kOk);
+  }
+  ASSERT_EQ(env.enf->prefetch(0, nullptr), Status::kOk);
+  env.expect_data(hs[0], data[0]);  // taken: not given back
+  std::size_t freed = 0;
+  ASSERT_EQ(env.enf->evict(std::size_t{2} << 20, &freed), Status::kOk);
+  EXPECT_GE(freed, std::size_t{2} << 20);
+  EXPECT_EQ(env.info(hs[0]).placement, BGL_PLACE_DEVICE);
+  EXPECT_EQ(env.info(hs[1]).placement, BGL_PLACE_HOST);
+  EXPECT_EQ(env.info(hs[2]).placement, BGL_PLACE_HOST);
+  EXPECT_EQ(env.enf->stats().unreloads, 2u);
+  for (int i : {1, 2}) env.expect_data(hs[i], data[i]);  // reloaded again from the pinned copy
+  EXPECT_EQ(env.enf->stats().reloads, 5u);
+}
+
+TEST(Enforcer, TakeOffloadedReturnsScheduledOffloadsOnceComplete) {
+  Env env(std::size_t{256} << 20, 64 << 20, /*max_inflight=*/4);
+  std::vector<std::vector<std::uint8_t>> data(3);
+  std::vector<std::uint64_t> hs;
+  for (int i = 0; i < 3; ++i) {
+    hs.push_back(env.make(8192, &data[i], i, 5));
+    ASSERT_EQ(env.enf->set_strategy(hs[i], i == 1 ? Strategy::kKeep : Strategy::kOffload),
+              Status::kOk);
+    ASSERT_EQ(env.enf->set_graph_index(hs[i], i, 10 + i), Status::kOk);
+  }
+  EXPECT_EQ(env.enf->set_graph_index(hs[0], -2, 0), Status::kInvalidArgument);
+  plan::IssueItem f, o;
+  f.chain = plan::Chain::kForward;
+  o.chain = plan::Chain::kOffload;
+  o.resource = plan::Resource::kD2H;
+  o.first = 10;
+  o.last = 12;
+  ASSERT_EQ(env.enf->schedule_begin({f, o}, 5, -1), Status::kOk);
+  std::uint64_t out[4];
+  std::size_t n = 9;
+  ASSERT_EQ(env.enf->take_offloaded(out, 4, &n), Status::kOk);
+  EXPECT_EQ(n, 0u);  // nothing issued before compute reached the round
+  ASSERT_EQ(env.enf->schedule_reached(plan::Chain::kForward, 0), Status::kOk);
+  ASSERT_EQ(env.enf->schedule_finish(), Status::kOk);
+  ASSERT_EQ(env.enf->take_offloaded(out, 1, &n), Status::kOk);  // one at a time
+  ASSERT_EQ(n, 1u);
+  EXPECT_EQ(out[0], hs[0]);
+  ASSERT_EQ(env.enf->take_offloaded(out, 4, &n), Status::kOk);
+  ASSERT_EQ(n, 1u);
+  EXPECT_EQ(out[0], hs[2]);
+  ASSERT_EQ(env.enf->take_offloaded(out, 4, &n), Status::kOk);
+  EXPECT_EQ(n, 0u);  // taken once
+  EXPECT_EQ(env.enf->take_offloaded(nullptr, 4, &n), Status::kInvalidArgument);
+  for (int i = 0; i < 3; ++i) env.expect_data(hs[i], data[i]);
+}
+
 }  // namespace
 }  // namespace bgl::alloc::testing
