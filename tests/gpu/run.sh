@@ -96,6 +96,9 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
     tests/gpu/test_bagualu_cuda.py
   run "bagualu overhead unmodified" timeout 600 python3 tests/gpu/bagualu_cuda.py overhead \
     --iterations 4 --json-out "$(dirname "$out")/bagualu-overhead.json"
+  # The plans' issue order against the same plans in program order (docs/benchmarks.md).
+  run "bagualu issue order" timeout 600 python3 tests/gpu/bagualu_cuda.py issue-order \
+    --iterations 4 --repeats 3 --json-out "$(dirname "$out")/bagualu-issue-order.json"
   for config in default large; do
     run "bagualu bench $config" timeout 300 python3 tests/gpu/bagualu_cuda.py bench \
       --config "$config" --iterations 6 --json-out "$(dirname "$out")/bagualu-bench-$config.json"
