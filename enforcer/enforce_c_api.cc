@@ -349,6 +349,11 @@ BGL_ALLOC_API int bgl_enf_prefetch(bgl_enforcer* enf, int micro_batch, size_t* i
   return code(e->prefetch(micro_batch, issued));
 }
 
+BGL_ALLOC_API int bgl_enf_set_pinned_capacity(bgl_enforcer* enf, size_t bytes) {
+  BGL_ENF_RESOLVE("bgl_enf_set_pinned_capacity");
+  return code(e->set_pinned_capacity(bytes));
+}
+
 BGL_ALLOC_API int bgl_enf_evict(bgl_enforcer* enf, size_t bytes_needed, size_t* freed) {
   BGL_ENF_RESOLVE("bgl_enf_evict");
   return code(e->evict(bytes_needed, freed));

@@ -782,6 +782,12 @@ Status Enforcer::prefetch(int micro_batch, std::size_t* issued) {
 
 // ---- pressure ---------------------------------------------------------------------------------
 
+Status Enforcer::set_pinned_capacity(std::size_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  pinned_->set_capacity(bytes);
+  return Status::kOk;
+}
+
 Status Enforcer::unreload_locked(TrackedTensor& t) {
   // The device block is freed after the H2D copy (stream order); the pinned copy is intact.
   pool_->deallocate(t.ptr, 0, options_.h2d);

@@ -89,6 +89,8 @@ class Enforcer final : private WorkIssuer {
   // many started. kOutOfMemory when the pool has no room (the acquire reloads it later).
   Status prefetch(int micro_batch, std::size_t* issued);
 
+  // Resizes the pinned host pool (see PinnedPool::set_capacity).
+  Status set_pinned_capacity(std::size_t bytes);
   // Frees device memory until `needed` bytes: offloads owned, idle, never-moved tensors, needed
   // last first, then gives back reloads no consumer took yet (their pinned copy is kept).
   Status evict(std::size_t needed, std::size_t* freed);

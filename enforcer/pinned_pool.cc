@@ -8,6 +8,14 @@ PinnedPool::PinnedPool(DeviceOps* ops, std::size_t capacity) : ops_(ops) {
   stats_.capacity = capacity;
 }
 
+void PinnedPool::set_capacity(std::size_t capacity) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.capacity = capacity;
+  reap(/*wait=*/false);
+  const std::size_t held = stats_.in_use + stats_.cached;
+  if (held > capacity) release_cached(held - capacity);
+}
+
 PinnedPool::~PinnedPool() {
   std::lock_guard<std::mutex> lock(mu_);
   reap(/*wait=*/true);

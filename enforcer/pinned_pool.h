@@ -38,6 +38,9 @@ class PinnedPool {
   void free_after(void* p, const Event& after);
   // Frees every cached block; returns the bytes released.
   std::size_t trim();
+  // A new capacity (the node's grant changed): cached blocks beyond it are freed at once; blocks
+  // in use above it stay until they come back, and allocations fail until the pool fits.
+  void set_capacity(std::size_t capacity);
   PinnedStats stats() const;
   // Size class a request of `bytes` is rounded to.
   static std::size_t round(std::size_t bytes);

@@ -299,6 +299,10 @@ BGL_ALLOC_API int bgl_enf_take_offloaded(bgl_enforcer* enf, uint64_t* handles, s
 BGL_ALLOC_API int bgl_enf_prefetch(bgl_enforcer* enf, int micro_batch, size_t* issued);
 
 /* --- memory pressure and statistics ---------------------------------------------------------- */
+/* Resizes the pinned host pool (the governor's host grant for this process changed): cached
+ * blocks beyond the new capacity are freed at once; copies in use above it stay until they come
+ * back, and offloads fail with BGL_ERR_PINNED_EXHAUSTED until the pool fits. */
+BGL_ALLOC_API int bgl_enf_set_pinned_capacity(bgl_enforcer* enf, size_t bytes);
 /* Frees device memory until bytes_needed are freed or nothing is left: offloads owned, idle,
  * never-moved tensors in need order (needed last first), then gives back reloads no consumer
  * took yet (their pinned copy is still there: the acquire reloads again). *freed (may be null)

@@ -125,6 +125,7 @@ def _bind(lib: ctypes.CDLL) -> None:
                                     ctypes.POINTER(_c_size)], _c_int),
         "bgl_enf_prefetch": ([_c_void, _c_int, ctypes.POINTER(_c_size)], _c_int),
         "bgl_enf_evict": ([_c_void, _c_size, ctypes.POINTER(_c_size)], _c_int),
+        "bgl_enf_set_pinned_capacity": ([_c_void, _c_size], _c_int),
         "bgl_enf_last_error": ([], ctypes.c_char_p),
     }
     for name, (args, res) in sigs.items():
@@ -437,6 +438,13 @@ class Enforcer:
                 raise
             poolmod.retry_after_eviction(attempt, nbytes, self.evict, e)
         return int(ptr.value or 0)
+
+    def set_pinned_capacity(self, nbytes: int) -> None:
+        """Resizes the pinned host pool (the node's grant changed); offloads that do not fit
+        fail and leave their activations on the device until copies come back."""
+        if not self.destroyed:
+            self._check(self.lib.bgl_enf_set_pinned_capacity(self.handle, int(nbytes)),
+                        "set_pinned_capacity")
 
     def give_back(self, needed: int) -> int:
         """Gives back device memory the enforcer owns (reloads no consumer took yet; the data

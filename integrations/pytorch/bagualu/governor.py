@@ -69,6 +69,10 @@ class Governor:
         self.clock = clock
         self._retry_at = math.inf  # when a plan point may next try the daemon
         self.registrations = 0     # successful registrations with a daemon (first and again)
+        # The node's arbitration (issue 14): this process's pinned host grant and its share of
+        # its host link's bandwidth, as the daemon last said; None: no grant (no daemon yet).
+        self.grant: Optional[int] = None
+        self.share = 1.0
         self._model: Optional[Dict[str, Any]] = None
         self._options: Dict[str, Any] = {}
 
@@ -90,6 +94,9 @@ class Governor:
         else:
             log.warning("bagualu: governor at %s; planning in-process (the embedded planner) "
                         "for good", what)
+        if self.grant is not None and self.kind == "remote":
+            log.warning("bagualu: keeping the node's last host grant (%d bytes) and bandwidth "
+                        "share (%.2f) while planning in-process", self.grant, self.share)
         self._drop_remote()
         self.kind = "embedded"
         self._retry_at = math.inf if retry_in is None else self.clock() + retry_in
@@ -119,6 +126,7 @@ class Governor:
         self._drop_remote()
         self.remote = remote
         self.kind = "remote"
+        self._note_grant(remote.host_grant, None)
         self.registrations += 1
         self.backoff.reset()
         self._retry_at = math.inf
@@ -202,13 +210,29 @@ class Governor:
         return getattr(self.embedded, what)(*args)
 
     def plan(self, point: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-        """Plans a scheduling point; first, after the backoff delay, retries a lost daemon."""
+        """Plans a scheduling point; first, after the backoff delay, retries a lost daemon.
+        With a grant from the node, the embedded planner plans within it (and within the
+        link's bandwidth share) too, so a fallback plan never asks for more than the node
+        gave."""
         self._maybe_reconnect()
+        if self.grant is not None:
+            point = dict(point, host_limit_bytes=int(self.grant), bandwidth_share=self.share)
         try:
-            return self._call("plan", point)
+            plan = self._call("plan", point)
         except PlannerError as e:
             log.warning("bagualu: planning failed (%s); keeping the previous strategies", e)
             return None
+        if plan is not None and self.kind == "remote":
+            self._note_grant(plan.get("host_grant_bytes"), plan.get("bandwidth_share"))
+        return plan
+
+    def _note_grant(self, grant: Optional[int], share: Optional[float]) -> None:
+        """The daemon's host grant and bandwidth share for this session (None: not sent)."""
+        if grant is not None and grant > 0 and grant != self.grant:
+            log.info("bagualu: the node grants %d bytes of pinned host memory", grant)
+            self.grant = int(grant)
+        if share is not None and share > 0:
+            self.share = float(share)
 
     def plan_after_gate(self, mb: int, chunk: int, layer: int, load: float) -> Optional[Dict]:
         try:

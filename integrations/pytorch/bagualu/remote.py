@@ -77,6 +77,7 @@ class RemoteGovernor:
         self.address = address
         self.deadline = deadline_s
         self.channel = grpc.insecure_channel(address)
+        self.host_grant: Optional[int] = None
         self.stub = pb_grpc.GovernorStub(self.channel)
         self.session_id = ""
         self.operator_names: List[str] = []
@@ -105,12 +106,18 @@ class RemoteGovernor:
             disable_dual_batch=not dual_batch, budget_step_bytes=int(budget_step_bytes))
         resp = self.stub.Register(req, timeout=max(self.deadline, 2.0))
         self.session_id = resp.session_id
+        # The node's pinned host grant (absent from daemons without node arbitration).
+        self.host_grant = int(getattr(resp, "host_grant_bytes", 0)) or None
         self.operator_names = list(resp.operator_names)
 
     def _plan(self, req: Any) -> Dict[str, Any]:
-        p = self.stub.Plan(req, timeout=self.deadline).plan
+        resp = self.stub.Plan(req, timeout=self.deadline)
+        p = resp.plan
         pb = self.pb
-        return {
+        # The node's arbitration, where the daemon has it (the response's or the plan's fields).
+        node = {k: getattr(resp, k, None) if hasattr(resp, k) else getattr(p, k, None)
+                for k in ("host_grant_bytes", "bandwidth_share")}
+        return {**{k: v for k, v in node.items() if v},
             "phase": enum_name(pb.Phase, p.phase, "unspecified"), "micro_batch": p.micro_batch,
             "chunk": p.chunk, "load_factor": p.load_factor, "budget_bytes": p.budget_bytes,
             "free_bytes": p.free_bytes, "k": p.k, "infeasible": p.infeasible,

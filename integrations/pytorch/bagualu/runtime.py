@@ -355,6 +355,7 @@ class Runtime:
                                allow_fp8=self.policy == "bagualu",
                                dual_batch=self.settings.issue_order == "dual-batch")
         self.description = self.governor.description
+        self._apply_grant()
         if self.policy == "bagualu" and self.description is not None:
             index = issuemod.StageGraphIndex(self.description,
                                              self.layer_count // max(self.chunks, 1))
@@ -414,6 +415,7 @@ class Runtime:
         plan = self.governor.plan(point)
         if plan is None:
             return None
+        self._apply_grant()
         key = self.key(forward_mb, forward_chunk)
         self.mb_plan[key] = plan
         self.mb_strategies[key] = {self._global_name(o["name"], forward_chunk): o["strategy"]
@@ -422,6 +424,17 @@ class Runtime:
         self._issue(plan, (forward_mb, forward_chunk),
                     (backward_mb, backward_chunk) if backward_mb is not None else None)
         return plan
+
+    def _apply_grant(self) -> None:
+        """Sizes the enforcer's pinned pool to the node's grant for this process (issue 14),
+        never above install(pinned_capacity=...)."""
+        grant = getattr(self.governor, "grant", None)
+        if grant is None:
+            return
+        size = min(int(grant), self.pinned_capacity)
+        if size != getattr(self, "_pinned_size", None):
+            self.enforcer.set_pinned_capacity(size)
+            self._pinned_size = size
 
     def _issue(self, plan: Dict[str, Any], forward: Tuple[int, int],
                backward: Optional[Tuple[int, int]]) -> None:

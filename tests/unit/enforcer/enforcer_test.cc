@@ -271,6 +271,21 @@ TEST(Enforcer, EvictTakesLargestNeedOrderFirst) {
   EXPECT_EQ(bytes, 3u << 20);
 }
 
+TEST(Enforcer, PinnedCapacityFollowsTheGrant) {
+  Env env(std::size_t{256} << 20, std::size_t{8} << 20);
+  std::vector<std::vector<std::uint8_t>> data(3);
+  std::vector<std::uint64_t> hs;
+  for (int i = 0; i < 3; ++i) hs.push_back(env.make(std::size_t{1} << 20, &data[i], i, 0));
+  ASSERT_EQ(env.enf->apply(hs[0], Strategy::kOffload), Status::kOk);
+  ASSERT_EQ(env.enf->set_pinned_capacity(std::size_t{3} << 19), Status::kOk);  // 1.5 MiB
+  EXPECT_EQ(env.enf->stats().pinned_capacity, std::size_t{3} << 19);
+  EXPECT_EQ(env.enf->apply(hs[1], Strategy::kOffload), Status::kPinnedExhausted);
+  EXPECT_EQ(env.info(hs[1]).placement, BGL_PLACE_DEVICE);  // stays where it was
+  ASSERT_EQ(env.enf->set_pinned_capacity(std::size_t{8} << 20), Status::kOk);
+  ASSERT_EQ(env.enf->apply(hs[1], Strategy::kOffload), Status::kOk);
+  for (int i : {0, 1, 2}) env.expect_data(hs[i], data[i]);
+}
+
 TEST(Enforcer, PrefetchReloadsInNeedOrderWithinTheBound) {
   Env env(std::size_t{256} << 20, 64 << 20, /*max_inflight=*/2);
   std::vector<std::vector<std::uint8_t>> data(5);
