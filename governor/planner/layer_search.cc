@@ -103,30 +103,33 @@ struct Terms {
   double local = 0;  // recompute + FP8 seconds
   double d2h = 0;    // offload copy seconds
   double h2d = 0;    // reload copy seconds
+  double host = 0;   // offloaded bytes (compared only under a host limit)
 };
 
 double Overhead(const Terms& t, double forward_s, double backward_s) {
   return t.local + std::max(0.0, t.d2h - forward_s) + std::max(0.0, t.h2d - backward_s);
 }
 
-bool Dominates(const Terms& a, const Terms& b) {
-  return a.mem <= b.mem && a.local <= b.local && a.d2h <= b.d2h && a.h2d <= b.h2d;
+bool Dominates(const Terms& a, const Terms& b, bool with_host) {
+  return a.mem <= b.mem && a.local <= b.local && a.d2h <= b.d2h && a.h2d <= b.h2d &&
+         (!with_host || a.host <= b.host);
 }
 
 // Keeps the items no other item dominates (one of equal ones). T has a `terms` member.
 template <typename T>
-void ParetoPrune(std::vector<T>& items) {
+void ParetoPrune(std::vector<T>& items, bool with_host) {
   std::sort(items.begin(), items.end(), [](const T& a, const T& b) {
     if (a.terms.mem != b.terms.mem) return a.terms.mem < b.terms.mem;
     if (a.terms.local != b.terms.local) return a.terms.local < b.terms.local;
     if (a.terms.d2h != b.terms.d2h) return a.terms.d2h < b.terms.d2h;
-    return a.terms.h2d < b.terms.h2d;
+    if (a.terms.h2d != b.terms.h2d) return a.terms.h2d < b.terms.h2d;
+    return a.terms.host < b.terms.host;
   });
   size_t kept = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     bool dominated = false;
     for (size_t k = 0; k < kept && !dominated; ++k) {
-      dominated = Dominates(items[k].terms, items[i].terms);
+      dominated = Dominates(items[k].terms, items[i].terms, with_host);
     }
     if (!dominated) {
       if (kept != i) items[kept] = std::move(items[i]);
@@ -183,6 +186,7 @@ class BlockTermsEvaluator {
       } else if (mask & (1u << static_cast<unsigned>(Strategy::kOffload))) {
         terms.d2h += y.d2h_s;
         terms.h2d += y.h2d_s;
+        terms.host += y.bytes;
       } else {
         terms.mem += y.fp8_bytes;
         terms.local += y.fp8_s;
@@ -244,8 +248,9 @@ std::vector<Candidate> BlockCandidates(const StageGraph& sub, const CostEvaluato
   std::vector<Candidate> out;
   auto add = [&](const Assignment& a) {
     const AssignmentCost c = eval.Evaluate(a, r);
-    if (c.conflict) return;
-    out.push_back({{c.device_bytes - m0, c.recompute_s + c.fp8_s, c.d2h_s, c.h2d_s}, a});
+    if (c.conflict || !options.HostFits(c.host_bytes)) return;
+    out.push_back(
+        {{c.device_bytes - m0, c.recompute_s + c.fp8_s, c.d2h_s, c.h2d_s, c.host_bytes}, a});
   };
   const size_t n = sub.ops.size();
   std::vector<std::vector<Strategy>> choices(n);
@@ -281,7 +286,8 @@ std::vector<Candidate> BlockCandidates(const StageGraph& sub, const CostEvaluato
     for (uint64_t visited = 0;; ++visited) {
       if ((visited & 255) == 0 && deadline != nullptr) deadline->Check();
       Terms t;
-      if (!conflict(a) && terms_of.Measure(a, t) && Overhead(t, forward_s, backward_s) < bound) {
+      if (!conflict(a) && terms_of.Measure(a, t) && options.HostFits(t.host) &&
+          Overhead(t, forward_s, backward_s) < bound) {
         out.push_back({t, a});
       }
       size_t o = 0;
@@ -338,7 +344,7 @@ void Reduce(std::vector<T>& items, double bound, double forward_s, double backwa
   std::erase_if(items, [&](const T& x) { return overhead(x) >= bound; });
   constexpr size_t kExactFront = 1024;
   if (items.size() <= kExactFront) {
-    ParetoPrune(items);
+    ParetoPrune(items, options.host_limit_bytes >= 0);
   } else {
     std::sort(items.begin(), items.end(), [&](const T& a, const T& b) {
       return a.terms.mem != b.terms.mem ? a.terms.mem < b.terms.mem : overhead(a) < overhead(b);
@@ -386,6 +392,8 @@ std::optional<Assignment> LayerSearch(const CostEvaluator& eval, double r, doubl
   // Bytes the blocks may hold beyond the block inputs, and the least the remaining blocks need.
   const double limit = budget - g.M0(r);
   const double slack = 1e-9 * std::max(1.0, budget);
+  const double host_limit = options.host_limit_bytes;
+  const double host_slack = 1e-9 * std::max(1.0, host_limit);
   std::vector<double> least_after(blocks.size() + 1, 0);
   for (size_t b = blocks.size(); b-- > 0;) {
     double least = candidates[b].front().terms.mem;
@@ -403,8 +411,10 @@ std::optional<Assignment> LayerSearch(const CostEvaluator& eval, double r, doubl
         const Terms& t = candidates[b][c].terms;
         State x;
         x.terms = {prev[s].terms.mem + t.mem, prev[s].terms.local + t.local,
-                   prev[s].terms.d2h + t.d2h, prev[s].terms.h2d + t.h2d};
+                   prev[s].terms.d2h + t.d2h, prev[s].terms.h2d + t.h2d,
+                   prev[s].terms.host + t.host};
         if (x.terms.mem + least_after[b + 1] > limit + slack ||
+            (options.host_limit_bytes >= 0 && x.terms.host > host_limit + host_slack) ||
             Overhead(x.terms, forward_s, backward_s) >= bound) {
           continue;
         }
@@ -436,7 +446,7 @@ std::optional<Assignment> LayerSearch(const CostEvaluator& eval, double r, doubl
       s = st.parent;
     }
     const AssignmentCost c = eval.Evaluate(a, r);
-    if (!c.conflict && c.device_bytes <= budget) return a;
+    if (!c.conflict && c.device_bytes <= budget && options.HostFits(c.host_bytes)) return a;
   }
   return std::nullopt;
 }

@@ -79,7 +79,8 @@ void Refine(const CostEvaluator& eval, double r, double budget, const Mitigation
           if (group) trial = Move(eval, partners, std::move(trial), o, s, /*keeping_only=*/false);
           const AssignmentCost c = eval.Evaluate(trial, r);
           const double saving = result.cost.exposed_s - c.exposed_s;
-          if (!c.conflict && c.device_bytes <= budget && saving > best_saving) {
+          if (!c.conflict && c.device_bytes <= budget && options.HostFits(c.host_bytes) &&
+              saving > best_saving) {
             improved = true;
             best_saving = saving;
             best_cost = c;
@@ -140,6 +141,8 @@ MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double bu
         if (dropped[o][static_cast<int>(s)]) continue;
         Assignment trial = move(result.assignment, o, s, /*keeping_only=*/true);
         const AssignmentCost c = eval.Evaluate(trial, r);
+        // Past the host limit the candidate is unavailable (issue 14).
+        if (!options.HostFits(c.host_bytes)) continue;
         const double gain = result.cost.device_bytes - c.device_bytes;
         const double overhead = std::max(0.0, c.exposed_s - result.cost.exposed_s);
         const double rate = gain / std::max(overhead, 1e-9);
@@ -218,7 +221,8 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
       MitigationResult alt = result;
       alt.assignment = std::move(*found);
       alt.cost = eval.Evaluate(alt.assignment, r);
-      if (!alt.cost.conflict && alt.cost.device_bytes <= budget) {
+      if (!alt.cost.conflict && alt.cost.device_bytes <= budget &&
+          options.HostFits(alt.cost.host_bytes)) {
         if (options.refine) Refine(eval, r, budget, options, FindPartners(eval.graph()), alt);
         if (alt.cost.exposed_s < result.cost.exposed_s) {
           result = std::move(alt);
@@ -233,7 +237,8 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
 }
 
 MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
-                                 int gate_layer, double observed_r, double budget) {
+                                 int gate_layer, double observed_r, double budget,
+                                 double host_limit_bytes) {
   const StageGraph& g = eval.graph();
   MitigationResult result;
   result.budget = budget;
@@ -243,6 +248,16 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
     for (size_t o = 0; o < g.ops.size(); ++o) {
       const Operator& op = g.ops[o];
       if (op.layer >= gate_layer && IsMoeBlock(op.kind) &&
+          eval.Allowed(static_cast<int>(o), Strategy::kRecompute)) {
+        result.assignment[o] = Strategy::kRecompute;
+      }
+    }
+    result.cost = eval.Evaluate(result.assignment, observed_r);
+    result.fallback_full_recompute = true;
+  }
+  if (host_limit_bytes >= 0 && result.cost.host_bytes > host_limit_bytes) {
+    for (size_t o = 0; o < g.ops.size(); ++o) {
+      if (g.ops[o].layer >= gate_layer && result.assignment[o] == Strategy::kOffload &&
           eval.Allowed(static_cast<int>(o), Strategy::kRecompute)) {
         result.assignment[o] = Strategy::kRecompute;
       }

@@ -30,6 +30,15 @@ struct MitigationOptions {
   // Chunks with more operators skip the layer search (its greedy runs per layer would take
   // several times the greedy's own time; a plan deadline would then refuse the plan).
   int max_layer_search_ops = 256;
+  // Pinned host bytes the assignment may offload (the session's grant, issue 14); negative: no
+  // limit. Offload candidates that would pass it are unavailable, so less host means more
+  // recompute/FP8.
+  double host_limit_bytes = -1;
+
+  // Whether `host_bytes` offloaded stays within host_limit_bytes.
+  bool HostFits(double host_bytes) const {
+    return host_limit_bytes < 0 || host_bytes <= host_limit_bytes;
+  }
 
   // Whether these options let an operator take `s` (keep always).
   bool Permits(Strategy s) const {
@@ -71,7 +80,10 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
 // Deferred planning: once the gate of `gate_layer` has run and the observed load factor is
 // known, re-checks `planned` against the budget; if it no longer fits, the MoE block of that layer
 // and later layers is downgraded to full recompute. Earlier layers are already executed.
+// With `host_limit_bytes` >= 0 and the revised plan's host bytes (at the observed load) over it,
+// the offloads of that layer and later layers are downgraded to recompute as well.
 MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
-                                 int gate_layer, double observed_r, double budget);
+                                 int gate_layer, double observed_r, double budget,
+                                 double host_limit_bytes = -1);
 
 }  // namespace bgl::plan

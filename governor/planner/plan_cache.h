@@ -18,9 +18,13 @@ struct MitigationKey {
   int chunk = 0;
   int64_t budget_bucket = 0;  // floor(budget / step)
   int64_t load_bucket = 0;    // ceil(r / bucket)
+  int64_t host_bucket = -1;   // floor(host limit / step); -1: no limit
+  int share_bucket = 0;       // bandwidth share in kShareSteps-ths (planner.h)
   bool valid = false;         // false: no such unit at this point
 
-  auto Tie() const { return std::tie(valid, phase, chunk, budget_bucket, load_bucket); }
+  auto Tie() const {
+    return std::tie(valid, phase, chunk, budget_bucket, load_bucket, host_bucket, share_bucket);
+  }
   bool operator<(const MitigationKey& o) const { return Tie() < o.Tie(); }
   bool operator==(const MitigationKey& o) const { return Tie() == o.Tie(); }
 };
@@ -36,8 +40,16 @@ struct UnitKey {
   bool operator<(const UnitKey& o) const { return Tie() < o.Tie(); }
 };
 
-// The four units of a point: F, B, O, R.
-using ScheduleKey = std::array<UnitKey, 4>;
+// The four units of a point (F, B, O, R) and the bandwidth share the copies run at.
+struct ScheduleKey {
+  std::array<UnitKey, 4> units;
+  int share_bucket = 0;
+
+  bool operator<(const ScheduleKey& o) const {
+    if (share_bucket != o.share_bucket) return share_bucket < o.share_bucket;
+    return units < o.units;
+  }
+};
 
 // Hit and miss counters of one cache.
 struct CacheCounters {

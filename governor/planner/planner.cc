@@ -1,5 +1,6 @@
 #include "governor/planner/planner.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "base/units.h"
@@ -121,6 +122,14 @@ Status StagePlanner::Validate(const SchedulePoint& p) const {
   if (p.bytes_in_use < -1 || p.bytes_in_use > (int64_t{1} << 50)) {
     return InvalidArgument("bytes_in_use: out of range: " + std::to_string(p.bytes_in_use));
   }
+  if (p.host_limit_bytes < -1 || p.host_limit_bytes > (int64_t{1} << 50)) {
+    return InvalidArgument("host_limit_bytes: out of range (-1 for none): " +
+                           std::to_string(p.host_limit_bytes));
+  }
+  if (!std::isfinite(p.bandwidth_share) || p.bandwidth_share <= 0 || p.bandwidth_share > 1) {
+    return InvalidArgument("bandwidth_share: must be in (0, 1], got " +
+                           std::to_string(p.bandwidth_share));
+  }
   if (p.forward_micro_batch >= 0 && p.forward_micro_batch == p.backward_micro_batch &&
       p.forward_chunk == p.backward_chunk) {
     return InvalidArgument(
@@ -142,6 +151,7 @@ int StagePlanner::Intern(Assignment assignment, double planned_r, bool fallback)
   entry.host_fixed = at0.host_bytes;
   entry.host_per_load = at1.host_bytes - at0.host_bytes;
   entry.exposed_s = eval_->Evaluate(assignment, planned_r).exposed_s;
+  entry.planned_r = planned_r;
   entry.fallback = fallback;
   entry.assignment = assignment;
   const int id = static_cast<int>(interned_.size());
@@ -156,17 +166,57 @@ int StagePlanner::AssignmentFor(const MitigationKey& key, bool& hit) {
     return *cached;
   }
   hit = false;
-  // Plan for the worst case of the bucket: the lowest budget and the highest load in it.
+  // Plan for the worst case of the bucket: the lowest budget, the highest load, the lowest host
+  // limit and the lowest bandwidth share in it.
   const double r_plan = static_cast<double>(key.load_bucket) * options_.load_bucket;
   const double budget_plan =
       std::max(graph_.M0(r_plan), static_cast<double>(key.budget_bucket) *
                                       static_cast<double>(options_.budget_step_bytes));
-  auto selected = SelectMitigation(*eval_, r_plan, budget_plan, options_.mitigation);
+  MitigationOptions mitigation = options_.mitigation;
+  if (key.host_bucket >= 0) {
+    mitigation.host_limit_bytes =
+        static_cast<double>(key.host_bucket) * static_cast<double>(options_.budget_step_bytes);
+  }
+  auto selected = SelectMitigation(EvaluatorFor(key.share_bucket), r_plan, budget_plan, mitigation);
   const int id = selected.ok() ? Intern(std::move(selected->assignment), r_plan,
                                         selected->fallback_full_recompute)
                                : Intern(FullRecompute(*eval_), r_plan, true);
   return mitigation_cache_.Insert(key, id);
 }
+
+CostEvaluator& StagePlanner::EvaluatorFor(int share_bucket) {
+  if (share_bucket >= kShareSteps) return *eval_;
+  std::unique_ptr<ShareModel>& model = share_models_[share_bucket];
+  if (!model) {
+    model = std::make_unique<ShareModel>();
+    model->hw = hw_;
+    const double share = static_cast<double>(share_bucket) / kShareSteps;
+    model->hw.offload.peak_bytes_per_s *= share;
+    model->hw.reload.peak_bytes_per_s *= share;
+    model->eval = std::make_unique<CostEvaluator>(graph_, model->hw);
+    model->eval->set_deadline(eval_->deadline());
+  }
+  return *model->eval;
+}
+
+double StagePlanner::ExposedAt(int id, int share_bucket) {
+  Interned& entry = interned_[id];
+  if (share_bucket >= kShareSteps) return entry.exposed_s;
+  auto it = entry.exposed_at_share.find(share_bucket);
+  if (it != entry.exposed_at_share.end()) return it->second;
+  const double exposed =
+      EvaluatorFor(share_bucket).Evaluate(entry.assignment, entry.planned_r).exposed_s;
+  entry.exposed_at_share.emplace(share_bucket, exposed);
+  return exposed;
+}
+
+namespace {
+
+int ShareBucket(double share) {
+  return std::clamp(static_cast<int>(std::floor(share * kShareSteps + 1e-9)), 1, kShareSteps);
+}
+
+}  // namespace
 
 template <typename F>
 Result<Plan> StagePlanner::WithDeadline(const Deadline& deadline, F&& plan) {
@@ -174,13 +224,17 @@ Result<Plan> StagePlanner::WithDeadline(const Deadline& deadline, F&& plan) {
   // Snapshots only when a deadline can fire, so the planner's own latency is unchanged.
   const BudgetTracker tracker = tracker_;
   const std::vector<UnitState> units = units_;
-  eval_->set_deadline(&deadline);
+  auto set_deadline = [&](const Deadline* d) {
+    eval_->set_deadline(d);
+    for (auto& [bucket, model] : share_models_) model->eval->set_deadline(d);
+  };
+  set_deadline(&deadline);
   try {
     Result<Plan> result = plan();
-    eval_->set_deadline(nullptr);
+    set_deadline(nullptr);
     return result;
   } catch (const detail::DeadlineExpired&) {
-    eval_->set_deadline(nullptr);
+    set_deadline(nullptr);
     tracker_ = tracker;
     units_ = units;
     return deadline.ToStatus();
@@ -189,6 +243,7 @@ Result<Plan> StagePlanner::WithDeadline(const Deadline& deadline, F&& plan) {
 
 Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point, const Deadline& deadline) {
   BGL_RETURN_IF_ERROR(Validate(point));
+  (void)EvaluatorFor(ShareBucket(point.bandwidth_share));  // created before the deadline is set
   return WithDeadline(deadline, [&] { return PlanPointUnchecked(point, deadline); });
 }
 
@@ -197,6 +252,8 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
   Plan plan;
   plan.m0_bytes = static_cast<int64_t>(graph_.M0(point.load_factor));
   plan.load_factor = point.load_factor;
+  const int share_bucket = ShareBucket(point.bandwidth_share);
+  plan.bandwidth_share = static_cast<double>(share_bucket) / kShareSteps;
   if (point.bytes_in_use >= 0) tracker_.Rebase(static_cast<double>(point.bytes_in_use));
   bool hit_mitigation = true;
   if (point.forward_micro_batch >= 0) {
@@ -218,6 +275,10 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
         std::floor(d.budget / static_cast<double>(options_.budget_step_bytes)));
     key.load_bucket =
         static_cast<int64_t>(std::ceil(point.load_factor / options_.load_bucket - 1e-9));
+    // Rounded down to the budget step: the plan never offloads more than the limit.
+    key.host_bucket =
+        point.host_limit_bytes < 0 ? -1 : point.host_limit_bytes / options_.budget_step_bytes;
+    key.share_bucket = share_bucket;
     // A budget that holds every saved tensor needs no mitigation; the bucket's floor (the
     // budget rounded down to the step) must not turn it into one.
     const Interned& keep_all = interned_[keep_all_];  // its memory line: keep-all at any r
@@ -230,20 +291,22 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
     const double predicted = a.device_fixed + a.device_per_load * point.load_factor;
     plan.predicted_bytes = static_cast<int64_t>(predicted);
     plan.host_bytes = static_cast<int64_t>(a.host_fixed + a.host_per_load * point.load_factor);
-    plan.overhead_s = a.exposed_s;
+    plan.overhead_s = ExposedAt(id, share_bucket);
     plan.keep_all_bytes = static_cast<int64_t>(graph_.KeepAllBytes(point.load_factor));
     UnitState& unit = units_[unit_index];
     unit.live = true;
     unit.assignment = id;
     unit.load = point.load_factor;
     unit.budget = d.budget;
+    unit.host_limit = static_cast<double>(point.host_limit_bytes);
+    unit.share_bucket = share_bucket;
     // The prediction stands in for the report until the real number arrives.
     tracker_.OnReport(point.forward_micro_batch, point.forward_chunk, predicted);
   } else {
     plan.phase = point.phase.value_or(Phase::kCooldown);
   }
   FillSchedule(plan, point.forward_micro_batch, point.forward_chunk, point.backward_micro_batch,
-               point.backward_chunk, /*use_cache=*/true, deadline);
+               point.backward_chunk, share_bucket, /*use_cache=*/true, deadline);
   plan.cache_hit = hit_mitigation && plan.cache_hit;
   if (point.backward_micro_batch >= 0) {
     tracker_.OnBackward(point.backward_micro_batch, point.backward_chunk);
@@ -253,13 +316,14 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
 }
 
 void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk,
-                                bool use_cache, const Deadline& deadline) {
+                                int share_bucket, bool use_cache, const Deadline& deadline) {
   // O is the forward before this one; R the backward after this one.
   const int f_unit = f_mb >= 0 ? UnitIndex(f_mb, f_chunk) : -1;
   const int b_unit = b_mb >= 0 ? UnitIndex(b_mb, b_chunk) : -1;
   const int units[kChainCount] = {f_unit, b_unit, f_unit >= 0 ? previous_forward_[f_unit] : -1,
                                   b_unit >= 0 ? next_backward_[b_unit] : -1};
   ScheduleKey key;
+  key.share_bucket = share_bucket;
   const Assignment* assignments[kChainCount] = {};
   double loads[kChainCount] = {1, 1, 1, 1};
   for (int c = 0; c < kChainCount; ++c) {
@@ -268,12 +332,13 @@ void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int
     // A unit this planner did not plan (e.g. it started mid-iteration) is assumed kept whole.
     const int id = u.live ? u.assignment : keep_all_;
     const double load = u.live ? u.load : 1.0;
-    key[c].chunk = static_cast<int>(units[c] % config_.Chunks());
-    key[c].assignment = id;
-    key[c].load_class = static_cast<int64_t>(std::ceil(load / options_.schedule_load_class - 1e-9));
+    key.units[c].chunk = static_cast<int>(units[c] % config_.Chunks());
+    key.units[c].assignment = id;
+    key.units[c].load_class =
+        static_cast<int64_t>(std::ceil(load / options_.schedule_load_class - 1e-9));
     assignments[c] = &interned_[id].assignment;
     // Durations are taken at the top of the load class, so a cached order is never optimistic.
-    loads[c] = static_cast<double>(key[c].load_class) * options_.schedule_load_class;
+    loads[c] = static_cast<double>(key.units[c].load_class) * options_.schedule_load_class;
   }
   const DualBatchSchedule* schedule = use_cache ? schedule_cache_.Find(key) : nullptr;
   plan.cache_hit = schedule != nullptr;
@@ -289,7 +354,7 @@ void StagePlanner::FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int
     point_units.offload_r = loads[2];
     point_units.recover = assignments[3];
     point_units.recover_r = loads[3];
-    const Chains chains = BuildChains(*eval_, point_units);
+    const Chains chains = BuildChains(EvaluatorFor(share_bucket), point_units);
     switch (options_.issue_policy) {
       case IssuePolicy::kDualBatch:
         computed = SolveDualBatch(chains, &deadline);
@@ -341,8 +406,10 @@ Result<Plan> StagePlanner::PlanAfterGateUnchecked(int micro_batch, int chunk, in
     return InvalidArgument("load_factor: must be in (0, 64], got " + std::to_string(observed_r));
   }
   UnitState& unit = units_[UnitIndex(micro_batch, chunk)];
-  const MitigationResult revised = ReplanAfterGate(*eval_, interned_[unit.assignment].assignment,
-                                                   gate_layer, observed_r, unit.budget);
+  CostEvaluator& eval = EvaluatorFor(unit.share_bucket);
+  const MitigationResult revised =
+      ReplanAfterGate(eval, interned_[unit.assignment].assignment, gate_layer, observed_r,
+                      unit.budget, unit.host_limit);
   unit.assignment = Intern(revised.assignment, observed_r, revised.fallback_full_recompute);
   unit.load = observed_r;
   tracker_.OnReport(micro_batch, chunk, revised.cost.device_bytes);
@@ -361,7 +428,8 @@ Result<Plan> StagePlanner::PlanAfterGateUnchecked(int micro_batch, int chunk, in
   plan.fallback_full_recompute = revised.fallback_full_recompute;
   plan.infeasible = !revised.fits;
   plan.deferred = true;
-  FillSchedule(plan, micro_batch, chunk, -1, 0, /*use_cache=*/false, deadline);
+  plan.bandwidth_share = static_cast<double>(unit.share_bucket) / kShareSteps;
+  FillSchedule(plan, micro_batch, chunk, -1, 0, unit.share_bucket, /*use_cache=*/false, deadline);
   return plan;
 }
 

@@ -52,7 +52,16 @@ struct SchedulePoint {
   int backward_chunk = 0;
   double load_factor = 1.0;   // predicted (or, after the gate, observed) r of the forward
   int64_t bytes_in_use = -1;  // activation bytes retained now as measured; -1: use reports
+  // Pinned host bytes the plan may offload (the session's grant); -1: none. Plan::host_bytes at
+  // the point's load never exceeds it.
+  int64_t host_limit_bytes = -1;
+  // The fraction of the host link's bandwidth this session's copies get, in (0, 1]: scales the
+  // offload/reload rooflines' peak for this plan (rounded down to 1/kShareSteps).
+  double bandwidth_share = 1.0;
 };
+
+// Bandwidth shares are planned in steps of 1/kShareSteps, rounded down (never optimistic).
+inline constexpr int kShareSteps = 16;
 
 // The planner's answer for one scheduling point; a plain value that hosts serialise.
 struct Plan {
@@ -76,6 +85,7 @@ struct Plan {
   bool fallback_full_recompute = false;
   bool deferred = false;  // produced by the post-gate call
   bool cache_hit = false;
+  double bandwidth_share = 1.0;  // the share the plan assumed (rounded down to 1/kShareSteps)
 };
 
 // Counters of both caches.
@@ -125,8 +135,15 @@ class StagePlanner {
     Assignment assignment;
     double device_fixed = 0, device_per_load = 0;
     double host_fixed = 0, host_per_load = 0;
-    double exposed_s = 0;  // at the load it was planned for
+    double exposed_s = 0;  // at the load it was planned for, at the full bandwidth
+    double planned_r = 1;
     bool fallback = false;
+    std::map<int, double> exposed_at_share;  // share bucket -> exposed_s at that share
+  };
+  // The hardware with the copy rooflines scaled to one bandwidth share, and its evaluator.
+  struct ShareModel {
+    HardwareProfile hw;
+    std::unique_ptr<CostEvaluator> eval;
   };
   // The forward of one (micro-batch, chunk) that has not run its backward yet.
   struct UnitState {
@@ -134,6 +151,8 @@ class StagePlanner {
     int assignment = -1;
     double load = 1;
     double budget = 0;
+    double host_limit = -1;
+    int share_bucket = kShareSteps;
   };
 
   StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOptions options, StageGraph graph,
@@ -148,8 +167,12 @@ class StagePlanner {
   Result<Plan> WithDeadline(const Deadline& deadline, F&& plan);
   int Intern(Assignment assignment, double planned_r, bool fallback);
   int AssignmentFor(const MitigationKey& key, bool& hit);
-  void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, bool use_cache,
-                    const Deadline& deadline);
+  void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, int share_bucket,
+                    bool use_cache, const Deadline& deadline);
+  // The evaluator for a share bucket (kShareSteps: eval_), created on first use.
+  CostEvaluator& EvaluatorFor(int share_bucket);
+  // Exposed overhead of interned assignment `id` at a share bucket.
+  double ExposedAt(int id, int share_bucket);
   int UnitIndex(int micro_batch, int chunk) const {
     return micro_batch * static_cast<int>(config_.Chunks()) + chunk;
   }
@@ -159,6 +182,7 @@ class StagePlanner {
   PlannerOptions options_;
   StageGraph graph_;
   std::unique_ptr<CostEvaluator> eval_;
+  std::map<int, std::unique_ptr<ShareModel>> share_models_;
   std::vector<Step> steps_;
   std::vector<int> forward_step_;      // unit -> index of its forward step
   std::vector<int> previous_forward_;  // unit -> unit whose forward precedes it (-1: none)

@@ -23,7 +23,7 @@ struct Optimum {
   double exposed_s = std::numeric_limits<double>::infinity();
 };
 
-Optimum Exhaustive(const CostEvaluator& eval, double r, double budget) {
+Optimum Exhaustive(const CostEvaluator& eval, double r, double budget, double host_limit = -1) {
   const size_t n = eval.graph().ops.size();
   Optimum best;
   Assignment a(n, Strategy::kKeep);
@@ -40,6 +40,7 @@ Optimum Exhaustive(const CostEvaluator& eval, double r, double budget) {
     if (!allowed) continue;
     const AssignmentCost c = eval.Evaluate(a, r);
     if (c.conflict || c.device_bytes > budget) continue;
+    if (host_limit >= 0 && c.host_bytes > host_limit) continue;
     best.feasible = true;
     best.exposed_s = std::min(best.exposed_s, c.exposed_s);
   }
@@ -66,7 +67,7 @@ class RatioCollector {
   // Checks the selection's properties against the optimum and records the ratio.
   void Add(const StageGraph& g, const CostEvaluator& eval, double r, double budget,
            const std::string& label, const MitigationOptions& options = {}) {
-    const Optimum opt = Exhaustive(eval, r, budget);
+    const Optimum opt = Exhaustive(eval, r, budget, options.host_limit_bytes);
     auto selected = SelectMitigation(eval, r, budget, options);
     ASSERT_TRUE(selected.ok()) << selected.status().message();
     // A feasible assignment always exists (full recompute meets any budget >= M0) ...
@@ -75,6 +76,8 @@ class RatioCollector {
     EXPECT_TRUE(selected->fits) << label;
     EXPECT_LE(selected->cost.device_bytes, budget) << label;
     EXPECT_FALSE(selected->cost.conflict) << label;
+    EXPECT_TRUE(options.HostFits(selected->cost.host_bytes))
+        << label << ": host " << selected->cost.host_bytes << " over " << options.host_limit_bytes;
     EXPECT_GE(selected->cost.exposed_s, opt.exposed_s - 1e-12) << label;
     if (options.layer_search) {
       // The greedy is the bound: the layer search never makes an answer worse.
@@ -144,7 +147,11 @@ constexpr double kWorstBound = 10.0;
 constexpr double kP90Bound = 1.5;
 
 // 240 random single-layer stages of 3 to 7 operators (test_graphs.h).
-RatioStats RandomStages(const MitigationOptions& options, const char* what) {
+// A host limit for one instance (issue 14): negative keeps `options`' own.
+using HostLimitFn = double (*)(const StageGraph& g, double r, std::mt19937& rng);
+
+RatioStats RandomStages(const MitigationOptions& options, const char* what,
+                        HostLimitFn host_limit = nullptr) {
   std::mt19937 rng(20261129);
   HardwareProfile hw = *HardwareProfileByName("h200");
   RatioCollector collector;
@@ -156,22 +163,27 @@ RatioStats RandomStages(const MitigationOptions& options, const char* what) {
     const double r = load(rng);
     std::uniform_real_distribution<double> where(0.0, 1.0);
     const double budget = g.M0(r) + where(rng) * (g.KeepAllBytes(r) - g.M0(r));
-    collector.Add(g, eval, r, budget, "random #" + std::to_string(instance), options);
+    MitigationOptions o = options;
+    if (host_limit) o.host_limit_bytes = host_limit(g, r, rng);
+    collector.Add(g, eval, r, budget, "random #" + std::to_string(instance), o);
   }
   return collector.Finish(what);
 }
 
 // Seeded edge cases (testing::RandomEdgeCase): budgets near M0 or exact fits, zero-cost
 // operators, tiny stages, ties, one to four layers of at most 8 operators in all.
-RatioStats EdgeCases(const MitigationOptions& options, const char* what) {
+RatioStats EdgeCases(const MitigationOptions& options, const char* what,
+                     HostLimitFn host_limit = nullptr) {
   std::mt19937 rng(20261130);
   HardwareProfile hw = *HardwareProfileByName("h200");
   RatioCollector collector;
   for (int instance = 0; instance < 1000; ++instance) {
     testing::EdgeCase e = testing::RandomEdgeCase(rng);
     CostEvaluator eval(e.graph, hw);
+    MitigationOptions o = options;
+    if (host_limit) o.host_limit_bytes = host_limit(e.graph, e.r, rng);
     collector.Add(e.graph, eval, e.r, e.budget,
-                  "edge #" + std::to_string(instance) + " (" + e.families + ")", options);
+                  "edge #" + std::to_string(instance) + " (" + e.families + ")", o);
   }
   return collector.Finish(what);
 }
@@ -211,6 +223,50 @@ TEST(SelectMitigation, AgainstExhaustiveSearchWithoutEnumeration) {
   const RatioStats edge = EdgeCases(options, "edge cases, no enumeration");
   EXPECT_LE(edge.p90, kP90Bound);
   EXPECT_LE(edge.worst, kWorstBound) << edge.worst_case;
+}
+
+// Host limits (issue 14): a limit of 0 (no offload at all), one near a small grant's floor (the
+// smallest saved tensor: at most one small offload), and a random share of what keep-all holds.
+// The exhaustive optimum is taken among assignments within the limit; the selection must stay
+// within it and meet the same bounds.
+double NoHost(const StageGraph&, double, std::mt19937&) { return 0; }
+double NearFloor(const StageGraph& g, double r, std::mt19937&) {
+  double least = g.KeepAllBytes(r);
+  for (const SavedTensor& t : g.tensors) {
+    if (!t.block_input && !t.savers.empty() && t.Bytes(r) > 0) least = std::min(least, t.Bytes(r));
+  }
+  return least * 1.01;
+}
+double RandomHost(const StageGraph& g, double r, std::mt19937& rng) {
+  return std::uniform_real_distribution<double>(0.0, 0.6)(rng) * g.KeepAllBytes(r);
+}
+
+TEST(SelectMitigation, HostLimitsAgainstExhaustiveSearch) {
+  for (HostLimitFn fn : {&NoHost, &NearFloor, &RandomHost}) {
+    const char* what = fn == &NoHost      ? "host limit 0"
+                       : fn == &NearFloor ? "host limit near floor"
+                                          : "random host limit";
+    const RatioStats random = RandomStages({}, what, fn);
+    EXPECT_LE(random.p90, kP90Bound) << what;
+    EXPECT_LE(random.worst, kWorstBound) << what << ": " << random.worst_case;
+    const RatioStats edge = EdgeCases({}, what, fn);
+    EXPECT_LE(edge.p90, kP90Bound) << what;
+    EXPECT_LE(edge.worst, kWorstBound) << what << ": " << edge.worst_case;
+  }
+}
+
+TEST(SelectMitigation, HostLimitZeroNeverOffloads) {
+  std::mt19937 rng(14);
+  HardwareProfile hw = *HardwareProfileByName("h200");
+  for (int i = 0; i < 50; ++i) {
+    StageGraph g = testing::RandomGraph(rng, 6);
+    CostEvaluator eval(g, hw);
+    MitigationOptions options;
+    options.host_limit_bytes = 0;
+    auto selected = SelectMitigation(eval, 1.5, g.M0(1.5), options);
+    ASSERT_TRUE(selected.ok());
+    EXPECT_EQ(selected->cost.host_bytes, 0);
+  }
 }
 
 TEST(SelectMitigation, BudgetBelowM0IsAnError) {

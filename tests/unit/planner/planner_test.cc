@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 
 #include "governor/planner/iteration.h"
@@ -107,6 +108,82 @@ TEST(StagePlanner, DualBatchOrderBeatsSerialAndLockstep) {
   }
   EXPECT_LE(total[0], total[1]);
   EXPECT_LE(total[0], total[2]);
+}
+
+// Issue 14: one forward under pressure, planned with a host limit and a bandwidth share.
+Plan PlanUnderPressure(int64_t host_limit, double share) {
+  auto p = Make("glm-423b-a30b.json", k64GB);
+  SchedulePoint point;
+  point.forward_micro_batch = 0;
+  point.load_factor = 2.6;
+  point.bytes_in_use = static_cast<int64_t>(p->activation_capacity() * 0.85);
+  point.host_limit_bytes = host_limit;
+  point.bandwidth_share = share;
+  EXPECT_TRUE(p->PlanPoint(point).ok());
+  // The second forward's point also runs the first one's offloads (chain O).
+  point.forward_micro_batch = 1;
+  point.bytes_in_use = -1;
+  auto plan = p->PlanPoint(point);
+  EXPECT_TRUE(plan.ok()) << plan.status().message();
+  return plan.ok() ? *plan : Plan{};
+}
+
+TEST(StagePlanner, HostLimitBoundsThePlansHostBytes) {
+  const Plan free = PlanUnderPressure(-1, 1.0);
+  ASSERT_GT(free.host_bytes, 0) << "the scenario must offload without a limit";
+  const int64_t step = PlannerOptions{}.budget_step_bytes;
+  for (int64_t limit : {int64_t{0}, step - 1, step, 4 * step, free.host_bytes / 2,
+                        free.host_bytes - 1, free.host_bytes + step}) {
+    const Plan limited = PlanUnderPressure(limit, 1.0);
+    EXPECT_LE(limited.host_bytes, limit) << "limit " << limit;
+    EXPECT_LE(limited.predicted_bytes, limited.budget_bytes) << "limit " << limit;
+    // Less host means more recompute/FP8: never a cheaper plan.
+    EXPECT_GE(limited.overhead_s, free.overhead_s - 1e-12) << "limit " << limit;
+  }
+  EXPECT_EQ(PlanUnderPressure(0, 1.0).host_bytes, 0);
+}
+
+TEST(StagePlanner, BandwidthShareSlowsTheCopies) {
+  const Plan full = PlanUnderPressure(-1, 1.0);
+  const Plan half = PlanUnderPressure(-1, 0.5);
+  EXPECT_EQ(full.bandwidth_share, 1.0);
+  EXPECT_EQ(half.bandwidth_share, 0.5);
+  EXPECT_GE(half.overhead_s, full.overhead_s - 1e-12);
+  double d2h_full = 0, d2h_half = 0;
+  for (const IssueItem& item : full.issue_order) {
+    if (item.resource == Resource::kD2H || item.resource == Resource::kH2D) {
+      d2h_full += item.duration_s;
+    }
+  }
+  for (const IssueItem& item : half.issue_order) {
+    if (item.resource == Resource::kD2H || item.resource == Resource::kH2D) {
+      d2h_half += item.duration_s;
+    }
+  }
+  ASSERT_GT(d2h_full, 0) << "the scenario must offload";
+  if (half.host_bytes == full.host_bytes) {
+    EXPECT_GT(d2h_half, d2h_full);
+  }
+  EXPECT_GE(half.serial_s, full.serial_s - 1e-12);
+  // Shares are rounded down to 1/16: 1/3 plans as 5/16.
+  EXPECT_DOUBLE_EQ(PlanUnderPressure(-1, 1.0 / 3).bandwidth_share, 5.0 / 16);
+}
+
+TEST(StagePlanner, BadHostLimitOrShareIsRejected) {
+  auto p = Make("glm-423b-a30b.json", k64GB);
+  SchedulePoint point;
+  point.forward_micro_batch = 0;
+  point.host_limit_bytes = -2;
+  auto bad = p->PlanPoint(point);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("host_limit_bytes"), std::string::npos);
+  point.host_limit_bytes = -1;
+  for (double share : {0.0, -1.0, 1.5, std::nan("")}) {
+    point.bandwidth_share = share;
+    auto b = p->PlanPoint(point);
+    ASSERT_FALSE(b.ok());
+    EXPECT_NE(b.status().message().find("bandwidth_share"), std::string::npos);
+  }
 }
 
 TEST(StagePlanner, BadPointsAreRejectedAndStateIsKept) {

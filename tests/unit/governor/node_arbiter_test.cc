@@ -1,0 +1,230 @@
+// NodeArbiter: grants within the node budget, floors, max-min fairness against brute force,
+// bad configs and requests naming the field, bandwidth shares per link.
+#include "governor/common/node_arbiter.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
+#include <random>
+
+namespace bgl::gov {
+namespace {
+
+NodeArbiter MakeArbiter(int64_t budget, int64_t floor, int max_sessions,
+                        std::vector<NodeLink> links = {}) {
+  NodeConfig config;
+  config.host_budget_bytes = budget;
+  config.host_floor_bytes = floor;
+  config.max_sessions = max_sessions;
+  config.links = std::move(links);
+  auto arbiter = NodeArbiter::Create(config);
+  EXPECT_TRUE(arbiter.ok()) << arbiter.status().message();
+  return std::move(arbiter).value();
+}
+
+int64_t Sum(const NodeArbiter& a) {
+  int64_t sum = 0;
+  for (const auto& [id, grant] : a.Grants()) sum += grant;
+  return sum;
+}
+
+TEST(NodeArbiter, RandomSequencesKeepGrantsWithinBudgetAndAboveFloor) {
+  std::mt19937_64 rng(14);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int max_sessions = 1 + static_cast<int>(rng() % 8);
+    const int64_t floor = static_cast<int64_t>(rng() % 1000);
+    const int64_t budget = floor * max_sessions + static_cast<int64_t>(rng() % 5000);
+    NodeArbiter a = MakeArbiter(budget, floor, max_sessions);
+    std::vector<uint64_t> live;
+    uint64_t next = 1;
+    uint64_t version = a.Version();
+    for (int step = 0; step < 60; ++step) {
+      if (!live.empty() && (rng() % 3 == 0 || static_cast<int>(live.size()) == max_sessions)) {
+        const size_t i = rng() % live.size();
+        a.Unregister(live[i]);
+        EXPECT_EQ(a.Grant(live[i]), 0);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+        EXPECT_GT(a.Version(), version);
+      } else {
+        const int64_t request = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % (budget + 1));
+        auto grant = a.Register(next, static_cast<int>(rng() % 8), request);
+        ASSERT_TRUE(grant.ok()) << grant.status().message();
+        EXPECT_EQ(*grant, a.Grant(next));
+        live.push_back(next++);
+      }
+      version = a.Version();
+      EXPECT_LE(Sum(a), budget);
+      for (const auto& [id, grant] : a.Grants()) EXPECT_GE(grant, floor) << "session " << id;
+    }
+  }
+}
+
+// Brute force: every integer allocation with floor <= g_i <= demand_i and sum <= budget; the
+// max-min fair one is the lexicographically largest sorted vector.
+std::vector<int64_t> BruteForce(const std::vector<int64_t>& requests, int64_t budget,
+                                int64_t floor) {
+  const size_t n = requests.size();
+  std::vector<int64_t> demand(n);
+  for (size_t i = 0; i < n; ++i) {
+    demand[i] = requests[i] == 0 ? budget : std::max(requests[i], floor);
+  }
+  std::vector<int64_t> best_sorted, best, g(n);
+  std::function<void(size_t, int64_t)> walk = [&](size_t i, int64_t left) {
+    if (i == n) {
+      std::vector<int64_t> sorted = g;
+      std::sort(sorted.begin(), sorted.end());
+      if (best.empty() || sorted > best_sorted ||
+          (sorted == best_sorted && std::accumulate(g.begin(), g.end(), int64_t{0}) >
+                                        std::accumulate(best.begin(), best.end(), int64_t{0}))) {
+        best_sorted = sorted;
+        best = g;
+      }
+      return;
+    }
+    for (int64_t v = floor; v <= std::min(demand[i], left); ++v) {
+      g[i] = v;
+      walk(i + 1, left - v);
+    }
+  };
+  walk(0, budget);
+  return best;
+}
+
+TEST(WaterFill, EqualsBruteForceMaxMinOnSmallInputs) {
+  int cases = 0;
+  for (int64_t floor = 0; floor <= 2; ++floor) {
+    for (int64_t budget = floor * 3; budget <= 9; ++budget) {
+      for (int n = 1; n <= 3; ++n) {
+        std::vector<int64_t> req(n, 0);
+        std::function<void(int)> each = [&](int i) {
+          if (i == n) {
+            const std::vector<int64_t> got = WaterFill(req, budget, floor);
+            const std::vector<int64_t> want = BruteForce(req, budget, floor);
+            std::vector<int64_t> gs = got, ws = want;
+            std::sort(gs.begin(), gs.end());
+            std::sort(ws.begin(), ws.end());
+            EXPECT_EQ(gs, ws) << "budget " << budget << " floor " << floor;
+            for (int k = 0; k < n; ++k) {
+              // Per session: no grant above what it asked (or the floor).
+              const int64_t cap = req[k] == 0 ? budget : std::max(req[k], floor);
+              EXPECT_LE(got[k], cap);
+              EXPECT_GE(got[k], floor);
+            }
+            EXPECT_LE(std::accumulate(got.begin(), got.end(), int64_t{0}), budget);
+            ++cases;
+            return;
+          }
+          for (int64_t r = 0; r <= budget; ++r) {
+            req[i] = r;
+            each(i + 1);
+          }
+        };
+        each(0);
+      }
+    }
+  }
+  EXPECT_GT(cases, 1000);
+}
+
+TEST(NodeArbiter, RebalancesOnRegisterAndUnregister) {
+  NodeArbiter a = MakeArbiter(1000, 100, 4);
+  EXPECT_EQ(*a.Register(1, 0, 0), 1000);
+  EXPECT_EQ(*a.Register(2, 1, 0), 500);
+  EXPECT_EQ(a.Grant(1), 500);
+  EXPECT_EQ(*a.Register(3, 2, 200), 200);
+  EXPECT_EQ(a.Grant(1), 400);
+  EXPECT_EQ(a.Grant(2), 400);
+  EXPECT_EQ(*a.Register(4, 3, 50), 100);  // the floor
+  EXPECT_EQ(a.Grant(1), 350);
+  a.Unregister(3);
+  EXPECT_EQ(a.Grant(1), 450);
+  EXPECT_EQ(a.Grant(3), 0);
+}
+
+TEST(NodeArbiter, BadConfigsNameTheField) {
+  auto err = [](NodeConfig c) {
+    auto a = NodeArbiter::Create(std::move(c));
+    EXPECT_FALSE(a.ok());
+    return a.status().message();
+  };
+  NodeConfig c;
+  c.host_budget_bytes = 799;
+  c.host_floor_bytes = 100;
+  c.max_sessions = 8;
+  EXPECT_NE(err(c).find("host_budget_bytes"), std::string::npos);
+  c.host_budget_bytes = -1;
+  EXPECT_NE(err(c).find("host_budget_bytes"), std::string::npos);
+  c.host_budget_bytes = 800;
+  c.host_floor_bytes = -1;
+  EXPECT_NE(err(c).find("host_floor_bytes"), std::string::npos);
+  c.host_floor_bytes = 100;
+  c.max_sessions = 0;
+  EXPECT_NE(err(c).find("max_sessions"), std::string::npos);
+  c.max_sessions = 8;
+  c.links = {{{0, 1}, 0}, {{2, 1}, 0}};
+  EXPECT_NE(err(c).find("links"), std::string::npos);
+  c.links = {{{0, -3}, 0}};
+  EXPECT_NE(err(c).find("links"), std::string::npos);
+  c.links = {{{}, 0}};
+  EXPECT_NE(err(c).find("links"), std::string::npos);
+  c.links = {{{0}, -5}};
+  EXPECT_NE(err(c).find("links[0].peak_bytes_per_s"), std::string::npos);
+  c.links = {{{0, 1}, 0}};
+  EXPECT_TRUE(NodeArbiter::Create(c).ok());
+}
+
+TEST(NodeArbiter, BadRequestsNameTheFieldAndLeaveOthersAlone) {
+  NodeArbiter a = MakeArbiter(1000, 100, 2);
+  ASSERT_TRUE(a.Register(1, 0, 0).ok());
+  auto over = a.Register(2, 0, 1001);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.status().message().find("host_request_bytes"), std::string::npos);
+  auto negative = a.Register(2, 0, -1);
+  ASSERT_FALSE(negative.ok());
+  EXPECT_NE(negative.status().message().find("host_request_bytes"), std::string::npos);
+  EXPECT_FALSE(a.Register(1, 0, 0).ok());  // twice
+  EXPECT_FALSE(a.Register(2, -1, 0).ok());
+  EXPECT_EQ(a.Grant(1), 1000);
+  ASSERT_TRUE(a.Register(2, 1, 0).ok());
+  auto full = a.Register(3, 2, 0);
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("host_request_bytes"), std::string::npos);
+  EXPECT_EQ(a.Grant(1), 500);
+  EXPECT_EQ(a.Grant(2), 500);
+}
+
+TEST(NodeArbiter, BandwidthSharesPerLink) {
+  NodeArbiter a = MakeArbiter(8000, 100, 8, {{{0, 1, 2, 3}, 0}, {{4, 5, 6, 7}, 0}});
+  EXPECT_EQ(a.LinkOf(2), 0);
+  EXPECT_EQ(a.LinkOf(5), 1);
+  EXPECT_EQ(a.LinkOf(9), -10);
+  for (uint64_t s = 0; s < 5; ++s) ASSERT_TRUE(a.Register(s, static_cast<int>(s), 0).ok());
+  ASSERT_TRUE(a.Register(9, 9, 0).ok());
+  EXPECT_EQ(a.BandwidthShare(0), 1.0);
+  a.SetOffloading(0, true);
+  EXPECT_EQ(a.BandwidthShare(0), 1.0);
+  EXPECT_EQ(a.BandwidthShare(1), 0.5);  // would offload beside session 0
+  a.SetOffloading(1, true);
+  a.SetOffloading(2, true);
+  EXPECT_EQ(a.OffloadingOnLink(0), 3);
+  EXPECT_DOUBLE_EQ(a.BandwidthShare(0), 1.0 / 3);
+  EXPECT_DOUBLE_EQ(a.BandwidthShare(3), 0.25);
+  // Other links are unaffected.
+  a.SetOffloading(4, true);
+  EXPECT_EQ(a.BandwidthShare(4), 1.0);
+  EXPECT_EQ(a.OffloadingOnLink(1), 1);
+  a.SetOffloading(9, true);
+  EXPECT_EQ(a.BandwidthShare(9), 1.0);
+  EXPECT_EQ(a.OffloadingOnLink(-10), 1);
+  a.Unregister(1);
+  EXPECT_EQ(a.BandwidthShare(0), 0.5);
+  a.SetOffloading(2, false);
+  EXPECT_EQ(a.BandwidthShare(0), 1.0);
+  EXPECT_EQ(a.BandwidthShare(12345), 1.0);
+}
+
+}  // namespace
+}  // namespace bgl::gov
