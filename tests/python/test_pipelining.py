@@ -431,8 +431,13 @@ def _torchrun(tmp_path: Any, *extra: str) -> str:
     return text
 
 
+# A loss printed as a hex float. torchrun's ranks share one stdout, unbuffered: a line's text
+# and its newline are separate writes, so another rank's line can follow the number directly.
+_HEX = r"(-?0x[0-9a-f]+(?:\.[0-9a-f]*)?p[+-]\d+)"
+
+
 def _exact_losses(text: str) -> List[str]:
-    return re.findall(r"rank 1 iteration \d+ loss \S+ exact (\S+)", text)
+    return re.findall(r"rank 1 iteration \d+ loss \S+ exact " + _HEX, text)
 
 
 def test_torch_schedules_on_two_ranks_against_the_daemon(daemon, tmp_path) -> None:
@@ -512,7 +517,7 @@ def test_unmodified_hf_model_on_two_ranks_against_the_daemon(daemon, tmp_path, s
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    losses = {what: re.findall(rf"rank 1 {what} iteration \d+ loss \S+ exact (\S+)", text)
+    losses = {what: re.findall(rf"rank 1 {what} iteration \d+ loss \S+ exact " + _HEX, text)
               for what in ("plain", "keep-all", "bagualu")}
     assert len(losses["plain"]) == 2, text[-4000:]
     assert losses["keep-all"] == losses["plain"] and losses["bagualu"] == losses["plain"], \

@@ -191,6 +191,11 @@ def run_distributed(args: argparse.Namespace, cfg: MoEConfig) -> None:
     st = bagualu.stats()
     print(f"rank {rank} finished {args.iterations} iterations governor={st['governor']} "
           f"ooms={st['ooms']}", flush=True)
+    grant = bagualu.current().governor.grant
+    enf = st["enforcer"]
+    print(f"rank {rank} host grant {grant if grant is not None else 'none'} pinned capacity "
+          f"{enf['pinned_capacity']} pinned peak {enf['pinned_peak']} offloads "
+          f"{enf['offloads']}", flush=True)
     dist.barrier()  # every rank is still registered here
     gov = bagualu.current().governor
     if rank == 0 and gov.remote is not None:
