@@ -197,7 +197,9 @@ char* bgl_planner_plan(bgl_planner* handle, const char* point_json) {
         !Optional(doc, "backward_micro_batch", point.backward_micro_batch, "point_json") ||
         !Optional(doc, "backward_chunk", point.backward_chunk, "point_json") ||
         !Optional(doc, "load_factor", point.load_factor, "point_json") ||
-        !Optional(doc, "bytes_in_use", point.bytes_in_use, "point_json")) {
+        !Optional(doc, "bytes_in_use", point.bytes_in_use, "point_json") ||
+        !Optional(doc, "host_limit_bytes", point.host_limit_bytes, "point_json") ||
+        !Optional(doc, "bandwidth_share", point.bandwidth_share, "point_json")) {
       return nullptr;
     }
     if (!phase.empty()) {

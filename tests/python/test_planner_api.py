@@ -40,3 +40,30 @@ def test_pool_capacity_is_real() -> None:
     pool.free(b, 600 << 10)
     assert pool.stats()["num_ooms"] >= 1
     pool.close()
+
+
+def test_embedded_plans_stay_within_the_nodes_grant() -> None:
+    """The point's host_limit_bytes (the node's grant, issue 14) bounds the plan's host bytes;
+    bandwidth_share is checked and reported."""
+    require_libs()
+    model = json.loads((ROOT / "models" / "tiny-moe.json").read_text())
+    point = {"phase": "warmup", "forward_micro_batch": 0, "load_factor": 2.0}
+    cap, plan, p = 4 << 30, None, None
+    while cap > 1 << 26:  # the largest capacity whose plan offloads
+        p = EmbeddedPlanner(model, {"capacity_bytes": cap})
+        plan = p.plan(dict(point))
+        if plan["host_bytes"] > 0:
+            break
+        p.close()
+        cap = cap * 3 // 4
+    assert plan is not None and plan["host_bytes"] > 0, "no capacity made the plan offload"
+    p.reset_iteration()
+    half = plan["host_bytes"] // 2
+    limited = p.plan(dict(point, host_limit_bytes=half, bandwidth_share=0.5))
+    assert limited["host_bytes"] <= half
+    p.reset_iteration()
+    none = p.plan(dict(point, host_limit_bytes=0))
+    assert none["host_bytes"] == 0
+    with pytest.raises(PlannerError, match="bandwidth_share"):
+        p.plan(dict(point, bandwidth_share=0.0))
+    p.close()
