@@ -55,15 +55,19 @@ Result<LoadTrace> GenerateLoads(const LoadSpec& spec, int iterations, int ranks,
     if (uniform(rng) >= spec.spike_prob) continue;
     trace.spike[it] = 1;
     // One skewed stretch of data: 1 to micro_batches/4 consecutive micro-batches, the first at
-    // the iteration's peak factor, the rest between normal_max and the peak.
-    const double peak =
-        spec.normal_max + (spec.spike_max - spec.normal_max) * std::sqrt(uniform(rng));
-    const int span = 1 + static_cast<int>(uniform(rng) * std::max(1, micro_batches / 4));
-    const int first = static_cast<int>(uniform(rng) * micro_batches);
-    for (int i = 0; i < span && first + i < micro_batches; ++i) {
-      const double factor =
-          i == 0 ? peak : spec.normal_max + (peak - spec.normal_max) * uniform(rng);
-      for (int rank = 0; rank < ranks; ++rank) trace.loads[it][rank][first + i] = factor;
+    // the iteration's peak factor, the rest between normal_max and the peak. Synchronized: the
+    // same stretch on every rank; otherwise one stretch drawn per rank.
+    for (int from = 0; from < ranks; from = spec.synchronized ? ranks : from + 1) {
+      const int to = spec.synchronized ? ranks : from + 1;
+      const double peak =
+          spec.normal_max + (spec.spike_max - spec.normal_max) * std::sqrt(uniform(rng));
+      const int span = 1 + static_cast<int>(uniform(rng) * std::max(1, micro_batches / 4));
+      const int first = static_cast<int>(uniform(rng) * micro_batches);
+      for (int i = 0; i < span && first + i < micro_batches; ++i) {
+        const double factor =
+            i == 0 ? peak : spec.normal_max + (peak - spec.normal_max) * uniform(rng);
+        for (int rank = from; rank < to; ++rank) trace.loads[it][rank][first + i] = factor;
+      }
     }
   }
   return trace;

@@ -18,6 +18,8 @@ struct LoadSpec {
   double spike_max = 2.6;     // the largest spike (paper: 2.6x)
   int gpus_per_stage = 64;    // GPUs whose maximum is the stage's load factor
   uint64_t seed = 1;
+  bool synchronized = true;  // a spike hits every rank at the same micro-batches (else: each
+                             // rank draws its own spike stretch in the same iteration)
 };
 
 // loads[iteration][rank][micro_batch], plus which iterations carry a spike.
@@ -33,7 +35,8 @@ struct LoadTrace {
 // Draws `iterations` iterations for `ranks` ranks of `micro_batches` each. Per GPU, a normal
 // micro-batch's load is 1 + |N(0, s)| with s chosen so that the stage maximum stays below
 // normal_max; in a spike iteration a few consecutive micro-batches concentrate tokens on one GPU
-// with a factor up to spike_max, on every rank (the skew comes from the data).
+// with a factor up to spike_max, on every rank (the skew comes from the data); with
+// `synchronized` false each rank gets its own stretch and peak.
 Result<LoadTrace> GenerateLoads(const LoadSpec& spec, int iterations, int ranks, int micro_batches);
 
 // Parses a router log: one iteration per line, its micro-batches' load factors separated by

@@ -1,5 +1,6 @@
 // bgl-sim: cluster-scale simulator of pipeline-parallel MoE training under activation-memory
 // policies, driven by the planner library the daemon runs (see docs/reproduction.md).
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -7,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tools/bgl-sim/node.h"
 #include "tools/bgl-sim/options.h"
 #include "tools/bgl-sim/progress.h"
 #include "tools/bgl-sim/report.h"
@@ -16,6 +18,86 @@ namespace {
 int Fail(const std::string& message) {
   std::fprintf(stderr, "bgl-sim: %s\n", message.c_str());
   return 2;
+}
+
+// --node: the node's GPUs under per-process planning and under node arbitration.
+int RunNode(const bgl::sim::SimOptions& options, const bgl::sim::SimConfig& config) {
+  using namespace bgl::sim;
+  auto node = LoadNodeSpec(options.node_path);
+  if (!node.ok()) return Fail(node.status().message());
+  const int mbs = static_cast<int>(config.model.MicroBatches());
+  LoadSpec spec = options.load;
+  spec.seed = options.seed;
+  spec.gpus_per_stage = static_cast<int>(config.model.gpus / config.model.pp);
+  auto trace = options.loads_path.empty()
+                   ? GenerateLoads(spec, options.iterations, node->gpus, mbs)
+                   : ReadLoadLog(options.loads_path, node->gpus, mbs, spec.normal_max);
+  if (!trace.ok()) return Fail(trace.status().message());
+  const int iterations = options.loads_path.empty() || !options.iterations_given
+                             ? trace->iterations()
+                             : std::min(trace->iterations(), options.iterations);
+  std::vector<NodeSummary> summaries;
+  std::vector<std::vector<NodeIteration>> records;
+  ProgressBar bar(options.progress || StderrIsTerminal(), 2L * iterations);
+  long done = 0;
+  for (NodeMode mode : {NodeMode::kPerProcess, NodeMode::kArbitrated}) {
+    auto sim = NodeSimulator::Create(config, *node, mode);
+    if (!sim.ok()) return Fail(sim.status().message());
+    for (int it = 0; it < iterations; ++it) {
+      auto rec = (*sim)->Step(*trace, it);
+      if (!rec.ok()) return Fail(rec.status().message());
+      bar.Update(++done, NodeModeName(mode));
+    }
+    summaries.push_back((*sim)->Summary());
+    records.push_back((*sim)->records());
+  }
+  bar.Finish();
+  int spikes = 0;
+  for (int i = 0; i < iterations; ++i) spikes += trace->spike[i] ? 1 : 0;
+  nlohmann::json j;
+  j["model"] = config.model.name;
+  j["gpu"] = config.hw.name;
+  j["node"] = options.node_path;
+  j["gpus"] = node->gpus;
+  j["iterations"] = iterations;
+  j["spike_iterations"] = spikes;
+  j["spikes"] = spec.synchronized ? "synchronized" : "independent";
+  j["seed"] = options.seed;
+  j["modes"] = NodeSummariesToJson(summaries);
+  if (!options.out_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(options.out_dir, ec);
+    if (ec) return Fail("--out: cannot create '" + options.out_dir + "': " + ec.message());
+    std::ofstream csv(std::filesystem::path(options.out_dir) / "node_iterations.csv");
+    csv << "mode,iteration,max_load,spike,time_s,run_s,planned_run_s,oom,wasted_s,restart_s,"
+           "failed_offloads,failed_bytes,host_demand_peak,host_pinned_peak,link_offloaders_max\n";
+    for (size_t m = 0; m < records.size(); ++m) {
+      for (const NodeIteration& r : records[m]) {
+        csv << NodeModeName(summaries[m].mode) << ',' << r.iteration << ',' << r.max_load << ','
+            << (r.spike ? 1 : 0) << ',' << r.time_s << ',' << r.run_s << ',' << r.planned_run_s
+            << ',' << (r.oom ? 1 : 0) << ',' << r.wasted_s << ',' << r.restart_s << ','
+            << r.failed_offloads << ',' << static_cast<int64_t>(r.failed_bytes) << ','
+            << static_cast<int64_t>(r.host_demand_peak) << ','
+            << static_cast<int64_t>(r.host_pinned_peak) << ',' << r.link_offloaders_max << '\n';
+      }
+    }
+    std::ofstream js(std::filesystem::path(options.out_dir) / "node_summary.json");
+    js << j.dump(2) << "\n";
+    if (!csv || !js) return Fail("--out: cannot write into '" + options.out_dir + "'");
+  }
+  if (options.json) {
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  std::printf(
+      "%s on one node of %d x %s (%zu links), PP %lld, %d micro-batches; %d iterations (%d with "
+      "%s spikes), seed %llu\n\n",
+      config.model.name.c_str(), node->gpus, config.hw.name.c_str(), node->links.size(),
+      static_cast<long long>(config.model.pp), mbs, iterations, spikes,
+      spec.synchronized ? "synchronized" : "independent",
+      static_cast<unsigned long long>(options.seed));
+  std::fputs(FormatNodeTable(summaries).c_str(), stdout);
+  return 0;
 }
 
 }  // namespace
@@ -30,6 +112,7 @@ int main(int argc, char** argv) {
   }
   auto config = BuildConfig(*options);
   if (!config.ok()) return Fail(config.status().message());
+  if (!options->node_path.empty()) return RunNode(*options, *config);
   const int pp = static_cast<int>(config->model.pp);
   const int ranks =
       options->ranks.empty() ? (pp > 1 ? 2 : 1) : static_cast<int>(options->ranks.size());

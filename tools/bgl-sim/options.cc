@@ -45,6 +45,12 @@ the planner library the daemon runs, and prints a summary per policy and the abl
   --trace-iteration I  iteration whose timeline and memory curve go to --out (default: the
                        one with the largest load)
   --progress           progress bar on stderr even when it is not a terminal
+  --spikes MODE        synchronized (default: a spike hits every rank at the same
+                       micro-batches) or independent (each rank draws its own)
+  --node FILE          node mode: the GPUs of one node (budget, floor, pinned pool, links,
+                       ranks; see tools/bgl-sim/examples/node-8gpu.yaml), each a stage
+                       running L4, with per-process planning and node arbitration side by
+                       side (--policy and --ranks do not apply)
   -h, --help           this text
 )";
 
@@ -151,6 +157,13 @@ Result<SimOptions> ParseOptions(const std::vector<std::string>& args) {
       if (!e.ok()) return e.status();
       o.exec = *e;
       o.exec_override = true;
+    } else if (a == "--node") {
+      o.node_path = v;
+    } else if (a == "--spikes") {
+      if (v != "synchronized" && v != "independent") {
+        return InvalidArgument("--spikes: '" + v + "' must be synchronized or independent");
+      }
+      o.load.synchronized = v == "synchronized";
     } else if (a == "--ranks") {
       std::stringstream in(v);
       std::string item;
@@ -165,6 +178,11 @@ Result<SimOptions> ParseOptions(const std::vector<std::string>& args) {
     }
   }
   if (o.model_path.empty()) return InvalidArgument("--model is required");
+  if (!o.node_path.empty() && !o.ranks.empty()) {
+    return InvalidArgument(
+        "--ranks: not used with --node (the node file's ranks say which stage "
+        "each GPU runs)");
+  }
   auto policies = ParsePolicies(o.policies_text);
   if (!policies.ok()) return policies.status();
   o.policies = *policies;

@@ -37,6 +37,7 @@ struct SimOptions {
   ExecModel exec = ExecModel::kSerial;
   int trace_iteration = -1;  // -1: the first iteration with the largest load
   bool progress = false;
+  std::string node_path;  // --node: simulate the GPUs of one node (node.h)
   bool help = false;
 };
 
