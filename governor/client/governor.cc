@@ -15,6 +15,7 @@ void RegistrationToProto(const Registration& r, bagualu::v1::RegisterRequest* ou
   *out->mutable_calibration() = r.calibration;
   out->set_disable_dual_batch(r.disable_dual_batch);
   out->set_budget_step_bytes(r.budget_step_bytes);
+  out->set_host_request_bytes(r.host_request_bytes);
 }
 
 SessionInfo SessionInfoFromProto(const bagualu::v1::RegisterResponse& in) {
@@ -27,6 +28,7 @@ SessionInfo SessionInfoFromProto(const bagualu::v1::RegisterResponse& in) {
   s.layers_per_chunk = in.layers_per_chunk();
   s.operator_names.assign(in.operator_names().begin(), in.operator_names().end());
   s.schedule = in.schedule();
+  s.host_grant_bytes = in.host_grant_bytes();
   return s;
 }
 

@@ -27,7 +27,8 @@ struct Registration {
   std::string model_json;                // a model document (docs/planner.md), layer_graph optional
   bagualu::v1::Calibration calibration;  // unset fields keep the profile's
   bool disable_dual_batch = false;
-  int64_t budget_step_bytes = 0;  // plan-cache budget bucket; 0: the planner's 64 MiB
+  int64_t budget_step_bytes = 0;   // plan-cache budget bucket; 0: the planner's 64 MiB
+  int64_t host_request_bytes = 0;  // pinned host bytes asked of the node; 0: a fair share
 };
 
 // What registration returns.
@@ -40,6 +41,7 @@ struct SessionInfo {
   int layers_per_chunk = 0;
   std::vector<std::string> operator_names;  // index i of Plan::strategies names operator i
   std::string schedule;                     // "1f1b" or "interleaved-1f1b"
+  int64_t host_grant_bytes = 0;             // the node's grant at registration (0: none)
 };
 
 // The gate of `gate_layer` (within the chunk) of a forward ran and saw this load factor.

@@ -131,6 +131,10 @@ Status ValidateRegisterRequest(const pb::RegisterRequest& req, const RequestLimi
   }
   // Rejected rather than clamped below 4 KiB: such a step makes nearly every budget its own
   // bucket, so the plan cache would stop working without the caller noticing.
+  if (req.host_request_bytes() < 0 || req.host_request_bytes() > (int64_t{1} << 50)) {
+    return InvalidArgument("host_request_bytes: must be in [0, 2^50] (0: a fair share), got " +
+                           std::to_string(req.host_request_bytes()));
+  }
   if (req.budget_step_bytes() != 0 && (req.budget_step_bytes() < kMinBudgetStepBytes ||
                                        req.budget_step_bytes() > (int64_t{1} << 50))) {
     return InvalidArgument("budget_step_bytes: must be 0 (the default, 64 MiB) or in [" +

@@ -23,6 +23,7 @@
 #include <mutex>
 #include <thread>
 
+#include "base/units.h"
 #include "governor/daemon/config.h"
 #include "governor/daemon/log.h"
 #include "governor/daemon/systemd_notify.h"
@@ -210,8 +211,13 @@ int Run(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  auto node = NodeArbiter::Create(NodeConfigOf(*config));
+  if (!node.ok()) {
+    std::fprintf(stderr, "bgl-governord: %s\n", node.status().message().c_str());
+    return 2;
+  }
   Metrics metrics;
-  GovernorCore core(&metrics, config->limits);
+  GovernorCore core(&metrics, config->limits, std::move(node).value());
   PeerRegistry peers;
   GovernorService service(&core, &peers);
   service.SetAdminGroup(admin_gid);
@@ -262,6 +268,11 @@ int Run(int argc, char** argv) {
       "serving on " + config->listen +
           (tcp_port ? " and tcp port " + std::to_string(tcp_port) : "") +
           (exposer ? "; metrics on port " + std::to_string(config->metrics_port) : ""));
+  Log(LogLevel::kInfo, "node: host budget " + FormatBytes(config->host_budget_bytes) + ", floor " +
+                           FormatBytes(config->host_floor_bytes) + " per session (" +
+                           std::to_string(config->node_max_sessions) + " sessions), " +
+                           std::to_string(config->links.size()) + " shared link(s) from " +
+                           config->links_source);
   NotifySystemd("READY=1\nSTATUS=serving");
 
   for (;;) {
@@ -287,6 +298,14 @@ int Run(int argc, char** argv) {
         if (fresh->listen != config->listen || fresh->tcp_listen != config->tcp_listen ||
             fresh->metrics_port != config->metrics_port) {
           Log(LogLevel::kWarning, "listen, tcp_listen and metrics_port change only on restart");
+        }
+        if (fresh->host_budget_bytes != config->host_budget_bytes ||
+            fresh->host_floor_bytes != config->host_floor_bytes ||
+            fresh->node_max_sessions != config->node_max_sessions ||
+            fresh->links.size() != config->links.size()) {
+          Log(LogLevel::kWarning,
+              "host_budget_bytes, host_floor_bytes, node_max_sessions and links change only on "
+              "restart (grants in force are kept)");
         }
         config = std::move(fresh);
         Log(LogLevel::kInfo, "configuration reloaded (max_sessions_per_uid " +

@@ -1,5 +1,6 @@
 #include "governor/service/governor_core.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -17,9 +18,7 @@ namespace pb = bagualu::v1;
 using grpc::StatusCode;
 
 grpc::Status Invalid(std::string msg) { return {StatusCode::INVALID_ARGUMENT, std::move(msg)}; }
-grpc::Status Exhausted(std::string msg) {
-  return {StatusCode::RESOURCE_EXHAUSTED, std::move(msg)};
-}
+grpc::Status Exhausted(std::string msg) { return {StatusCode::RESOURCE_EXHAUSTED, std::move(msg)}; }
 
 int64_t NowUnixMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -50,7 +49,8 @@ bool IsRejection(const grpc::Status& s) {
 }
 
 grpc::Status CheckNonNegative(int64_t v, const char* field) {
-  if (v < 0) return Invalid(std::string(field) + ": must be non-negative, got " + std::to_string(v));
+  if (v < 0)
+    return Invalid(std::string(field) + ": must be non-negative, got " + std::to_string(v));
   if (v > (int64_t{1} << 50)) {
     return Invalid(std::string(field) + ": out of range (> 2^50), got " + std::to_string(v));
   }
@@ -59,8 +59,53 @@ grpc::Status CheckNonNegative(int64_t v, const char* field) {
 
 }  // namespace
 
-GovernorCore::GovernorCore(Metrics* metrics, RequestLimits limits)
-    : metrics_(metrics), limits_(limits) {}
+GovernorCore::GovernorCore(Metrics* metrics, RequestLimits limits, std::optional<NodeArbiter> node)
+    : metrics_(metrics), limits_(limits), node_(std::move(node)) {}
+
+void GovernorCore::ReleaseGrant(uint64_t node_id) {
+  std::lock_guard<std::mutex> lock(node_mu_);
+  if (node_) node_->Unregister(node_id);
+}
+
+std::vector<std::pair<std::string, int64_t>> GovernorCore::HostGrants() const {
+  std::vector<std::pair<std::string, uint64_t>> ids;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    for (const auto& [id, s] : sessions_) ids.emplace_back(id, s->node_id);
+  }
+  std::vector<std::pair<std::string, int64_t>> out;
+  std::lock_guard<std::mutex> lock(node_mu_);
+  if (!node_) return out;
+  for (const auto& [id, node_id] : ids) out.emplace_back(id, node_->Grant(node_id));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+namespace {
+
+// The arbiter's view of a set of sessions, copied under node_mu_ so that no other lock is held
+// with it.
+struct NodeView {
+  bool arbitrated = false;
+  int64_t budget = 0;
+  std::map<uint64_t, int64_t> grants;
+  std::map<uint64_t, int> links;
+  std::vector<NodeLink> configured;
+};
+
+}  // namespace
+
+void GovernorCore::FillNodeFields(const Session& s, pb::Session* out) const {
+  {
+    std::lock_guard<std::mutex> lock(node_mu_);
+    if (node_) {
+      out->set_host_grant_bytes(node_->Grant(s.node_id));
+      out->set_link(node_->SessionLink(s.node_id));
+    } else {
+      out->set_link(-1 - s.info.gpu_index());
+    }
+  }
+}
 
 void GovernorCore::CancelPlans() { stopping_.store(true); }
 
@@ -106,9 +151,9 @@ grpc::Status GovernorCore::Find(const Caller& caller, const std::string& id, boo
     const bool owner = caller.uid == s.info.uid() &&
                        (caller.pid < 0 || s.info.pid() <= 0 || caller.pid == s.info.pid());
     if (!owner) {
-      return {StatusCode::PERMISSION_DENIED,
-              "session_id: belongs to process " + std::to_string(s.info.pid()) +
-                  "; only that process may change it"};
+      return {StatusCode::PERMISSION_DENIED, "session_id: belongs to process " +
+                                                 std::to_string(s.info.pid()) +
+                                                 "; only that process may change it"};
     }
   }
   *out = it->second;
@@ -131,10 +176,10 @@ grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequ
     int mine = 0;
     for (const auto& [id, s] : sessions_) mine += s->info.uid() == caller.uid ? 1 : 0;
     if (mine >= limits.max_sessions_per_uid) {
-      return Reject("Register", Exhausted("sessions: uid " + std::to_string(caller.uid) +
-                                          " already has " + std::to_string(mine) +
-                                          " sessions (limit " +
-                                          std::to_string(limits.max_sessions_per_uid) + ")"));
+      return Reject("Register",
+                    Exhausted("sessions: uid " + std::to_string(caller.uid) + " already has " +
+                              std::to_string(mine) + " sessions (limit " +
+                              std::to_string(limits.max_sessions_per_uid) + ")"));
     }
   }
   auto planner = CreatePlannerFromRequest(req, limits);
@@ -154,11 +199,23 @@ grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequ
   info.set_model((*planner)->config().name);
   info.set_capacity_bytes(req.capacity_bytes());
   info.set_created_unix_ms(NowUnixMs());
-  session->capacity_bytes = req.capacity_bytes() > 0 ? req.capacity_bytes()
-                                                      : (*planner)->hardware().memory_bytes;
+  session->capacity_bytes =
+      req.capacity_bytes() > 0 ? req.capacity_bytes() : (*planner)->hardware().memory_bytes;
   session->planner = std::move(planner).value();
+  int64_t grant = 0;
+  {
+    // The node's grant last: every check that can refuse the session has passed.
+    std::lock_guard<std::mutex> lock(node_mu_);
+    session->node_id = next_node_id_++;
+    if (node_) {
+      auto granted = node_->Register(session->node_id, req.gpu_index(), req.host_request_bytes());
+      if (!granted.ok()) return Reject("Register", ToGrpcStatus(granted.status()));
+      grant = *granted;
+    }
+  }
   FillRegisterResponse(*session->planner, resp);
   resp->set_session_id(id);
+  resp->set_host_grant_bytes(grant);
   // Without a caller pid (TCP) the pid is informational only: such sessions are never reaped.
   if (caller.pid < 0) info.set_pid(0);
   size_t count = 0;
@@ -183,6 +240,23 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
   }
   Result<plan::Plan> result = Status();
   std::optional<int64_t> bytes_in_use;
+  // The node's limits for this plan: the session's grant and its link's bandwidth share.
+  int64_t grant = -1;
+  double share = 1.0;
+  {
+    std::lock_guard<std::mutex> lock(node_mu_);
+    if (node_) {
+      grant = node_->Grant(session->node_id);
+      share = node_->BandwidthShare(session->node_id);
+      // A link with a measured peak: this session's part of it against its own copy roofline.
+      const int link = node_->SessionLink(session->node_id);
+      if (link >= 0 && link < static_cast<int>(node_->config().links.size())) {
+        const double peak = node_->config().links[link].peak_bytes_per_s;
+        const double own = session->planner->hardware().offload.peak_bytes_per_s;
+        if (peak > 0 && own > 0) share = std::clamp(share * peak / own, 1.0 / 64, 1.0);
+      }
+    }
+  }
   plan::CacheCounters cache;
   const int plan_timeout_ms = limits().plan_timeout_ms;
   if (req.has_gate()) {
@@ -212,6 +286,8 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
     auto point = PointFromProto(req);
     if (!point.ok()) return Reject("Plan", ToGrpcStatus(point.status()));
     if (point->bytes_in_use >= 0) bytes_in_use = point->bytes_in_use;
+    point->host_limit_bytes = grant;
+    point->bandwidth_share = share;
     // The planner's lock only: Watch and the housekeeping thread read the figures under `mu`.
     std::lock_guard<std::mutex> lock(session->planner_mu);
     result = session->planner->PlanPoint(*point, plan::Deadline(plan_timeout_ms, &stopping_));
@@ -219,6 +295,16 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
     cache = session->planner->cache_stats().mitigation;
   }
   const plan::Plan& p = *result;
+  bool offloading = p.host_bytes > 0;
+  for (const plan::IssueItem& item : p.issue_order) {
+    offloading |= item.resource == plan::Resource::kD2H || item.resource == plan::Resource::kH2D;
+  }
+  {
+    std::lock_guard<std::mutex> lock(node_mu_);
+    if (node_) node_->SetOffloading(session->node_id, offloading);
+  }
+  resp->set_host_grant_bytes(std::max<int64_t>(grant, 0));
+  resp->set_bandwidth_share(share);
   {
     std::lock_guard<std::mutex> lock(session->mu);
     session->plans++;
@@ -226,6 +312,9 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
     session->budget_bytes = p.budget_bytes;
     session->load_factor = p.load_factor;
     if (bytes_in_use) session->in_use_bytes = *bytes_in_use;
+    if (!session->host_used_reported) session->host_used_bytes = p.host_bytes;
+    session->bandwidth_share = share;
+    session->offloading = offloading;
     session->peak_bytes = std::max(session->peak_bytes, session->in_use_bytes);
     session->strategy_counts.clear();
     for (plan::Strategy s : p.strategies) session->strategy_counts[plan::StrategyName(s)]++;
@@ -262,7 +351,8 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
                           {st.reserved_bytes(), "stats.reserved_bytes"},
                           {st.peak_allocated_bytes(), "stats.peak_allocated_bytes"},
                           {st.oom_count(), "stats.oom_count"},
-                          {st.ooms_avoided(), "stats.ooms_avoided"}}) {
+                          {st.ooms_avoided(), "stats.ooms_avoided"},
+                          {st.host_used_bytes(), "stats.host_used_bytes"}}) {
     if (auto s = CheckNonNegative(v, field); !s.ok()) return Reject("Report", s);
   }
   if (!std::isfinite(st.fragmentation()) || st.fragmentation() < 0 || st.fragmentation() > 1) {
@@ -291,6 +381,10 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
           std::max({session->peak_bytes, st.peak_allocated_bytes(), st.allocated_bytes()});
       session->ooms_avoided = st.ooms_avoided();
       session->oom_count = st.oom_count();
+      if (st.host_used_bytes() > 0 || session->host_used_reported) {
+        session->host_used_bytes = st.host_used_bytes();
+        session->host_used_reported = true;
+      }
     } else {
       session->in_use_bytes = static_cast<int64_t>(planner_used);
       session->peak_bytes = std::max(session->peak_bytes, session->in_use_bytes);
@@ -317,18 +411,27 @@ grpc::Status GovernorCore::Unregister(const Caller& caller, const pb::Unregister
     sessions_.erase(req.session_id());
     count = sessions_.size();
   }
+  ReleaseGrant(session->node_id);  // the others rebalance
   if (metrics_ != nullptr) metrics_->SetSessions(count);
   return grpc::Status::OK;
 }
 
 grpc::Status GovernorCore::ListSessions(const Caller& caller, const pb::ListSessionsRequest&,
                                         pb::ListSessionsResponse* resp) {
-  std::map<std::string, const Session*> sorted;
-  std::shared_lock<std::shared_mutex> lock(mu_);
-  for (const auto& [id, s] : sessions_) {
-    if (Visible(caller, *s)) sorted.emplace(id, s.get());
+  std::map<std::string, std::shared_ptr<Session>> sorted;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    for (const auto& [id, s] : sessions_) {
+      if (Visible(caller, *s)) sorted.emplace(id, s);
+    }
   }
-  for (const auto& [id, s] : sorted) *resp->add_sessions() = s->info;
+  for (const auto& [id, s] : sorted) {
+    pb::Session* out = resp->add_sessions();
+    *out = s->info;
+    FillNodeFields(*s, out);
+    std::lock_guard<std::mutex> lock(s->mu);
+    out->set_host_used_bytes(s->host_used_bytes);
+  }
   return grpc::Status::OK;
 }
 
@@ -382,6 +485,21 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
     return a->info.gpu_index() != b->info.gpu_index() ? a->info.gpu_index() < b->info.gpu_index()
                                                       : a->info.pid() < b->info.pid();
   });
+  NodeView node;
+  {
+    std::lock_guard<std::mutex> lock(node_mu_);
+    if (node_) {
+      node.arbitrated = true;
+      node.budget = node_->config().host_budget_bytes;
+      node.configured = node_->config().links;
+      for (const auto& s : visible) {
+        node.grants[s->node_id] = node_->Grant(s->node_id);
+        node.links[s->node_id] = node_->SessionLink(s->node_id);
+      }
+    }
+  }
+  resp->set_host_budget_bytes(node.budget);
+  std::map<int, pb::LinkState> links;
   std::map<std::string, pb::GpuState*> gpus;
   for (const auto& s : visible) {
     pb::GpuState*& gpu = gpus[s->info.gpu_uuid()];
@@ -405,6 +523,28 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
     row->set_ooms_avoided(s->ooms_avoided);
     row->set_oom_count(s->oom_count);
     row->set_plans(s->plans);
+    const int64_t grant = node.arbitrated ? node.grants[s->node_id] : 0;
+    const int link = node.arbitrated ? node.links[s->node_id] : -1 - s->info.gpu_index();
+    row->set_host_grant_bytes(grant);
+    row->set_host_used_bytes(s->host_used_bytes);
+    row->set_bandwidth_share(s->bandwidth_share);
+    row->set_offloading(s->offloading);
+    row->mutable_session()->set_host_grant_bytes(grant);
+    row->mutable_session()->set_host_used_bytes(s->host_used_bytes);
+    row->mutable_session()->set_link(link);
+    pb::LinkState& l = links[link];
+    if (l.sessions() == 0) {
+      l.set_link(link);
+      if (link >= 0 && link < static_cast<int>(node.configured.size())) {
+        for (int gpu : node.configured[link].gpus) l.add_gpus(gpu);
+      } else {
+        l.add_gpus(-1 - link);
+      }
+    }
+    l.set_sessions(l.sessions() + 1);
+    l.set_offloading_sessions(l.offloading_sessions() + (s->offloading ? 1 : 0));
+    l.set_host_grant_bytes(l.host_grant_bytes() + grant);
+    l.set_host_used_bytes(l.host_used_bytes() + s->host_used_bytes);
     const plan::CacheCounters& cache = s->plan_cache;
     gpu->set_capacity_bytes(std::max(gpu->capacity_bytes(), s->capacity_bytes));
     gpu->set_in_use_bytes(gpu->in_use_bytes() + s->in_use_bytes);
@@ -415,6 +555,7 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
     gpu->set_plan_cache_misses(gpu->plan_cache_misses() + cache.misses);
     gpu->set_ooms_avoided(gpu->ooms_avoided() + s->ooms_avoided);
   }
+  for (auto& [link, state] : links) *resp->add_links() = std::move(state);
 }
 
 int GovernorCore::Reap(const std::function<bool(int32_t pid)>& alive) {
@@ -431,11 +572,18 @@ int GovernorCore::Reap(const std::function<bool(int32_t pid)>& alive) {
   }
   if (dead.empty()) return 0;
   size_t count = 0;
+  std::vector<uint64_t> released;
   {
     std::unique_lock<std::shared_mutex> lock(mu_);
-    for (const auto& id : dead) sessions_.erase(id);
+    for (const auto& id : dead) {
+      auto it = sessions_.find(id);
+      if (it == sessions_.end()) continue;
+      released.push_back(it->second->node_id);
+      sessions_.erase(it);
+    }
     count = sessions_.size();
   }
+  for (uint64_t node_id : released) ReleaseGrant(node_id);  // the others rebalance
   if (metrics_ != nullptr) {
     metrics_->OnReaped(static_cast<int>(dead.size()));
     metrics_->SetSessions(count);
@@ -454,6 +602,18 @@ void GovernorCore::PublishMetrics() {
         g.gpu_index(), g.gpu_uuid(),
         GpuFigures{g.capacity_bytes(), g.in_use_bytes(), g.reserved_bytes(), g.budget_bytes()});
   }
+  std::vector<SessionHostFigures> hosts;
+  for (const pb::GpuState& g : sample.gpus()) {
+    for (const pb::ProcessRow& row : g.processes()) {
+      hosts.push_back({row.session().session_id(), g.gpu_index(), row.session().job_id(),
+                       row.session().link(), row.host_grant_bytes(), row.host_used_bytes()});
+    }
+  }
+  std::vector<std::pair<int, int>> links;
+  for (const pb::LinkState& l : sample.links()) {
+    links.emplace_back(l.link(), l.offloading_sessions());
+  }
+  metrics_->SetNode(hosts, links);
   metrics_->SetSessions(session_count());
 }
 

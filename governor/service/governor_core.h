@@ -8,11 +8,16 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "bagualu/v1/governor.pb.h"
+#include "governor/common/node_arbiter.h"
 #include "governor/common/registration.h"
 #include "governor/service/caller.h"
 #include "governor/service/metrics.h"
@@ -23,7 +28,10 @@ namespace bgl::gov {
 class GovernorCore {
  public:
   // `metrics` may be null (tests); it must outlive the core.
-  explicit GovernorCore(Metrics* metrics = nullptr, RequestLimits limits = {});
+  // With `node`, sessions get pinned host grants and bandwidth shares from it (issue 14);
+  // without, plans have no host limit and full bandwidth.
+  explicit GovernorCore(Metrics* metrics = nullptr, RequestLimits limits = {},
+                        std::optional<NodeArbiter> node = std::nullopt);
 
   // Limits can change at run time (SIGHUP); existing sessions are kept.
   void SetLimits(const RequestLimits& limits);
@@ -51,9 +59,12 @@ class GovernorCore {
 
   // Removes the sessions of processes `alive` says are gone; returns how many.
   int Reap(const std::function<bool(int32_t pid)>& alive);
-  // Publishes per-GPU gauges and the session count.
+  // Publishes per-GPU gauges, per-session host grants and use, per-link offloading sessions and
+  // the session count.
   void PublishMetrics();
   size_t session_count() const;
+  // The node's grants now: (session id, grant), and the sum; empty without a NodeArbiter.
+  std::vector<std::pair<std::string, int64_t>> HostGrants() const;
 
  private:
   // The session `id` names, if `caller` may change it (owner uid and pid) or, with
@@ -62,12 +73,21 @@ class GovernorCore {
                     std::shared_ptr<Session>* out) const;
   grpc::Status Reject(const char* method, grpc::Status status);
   bool Visible(const Caller& caller, const Session& s) const;
+  // Returns `node_id`'s grant to the node (no-op without an arbiter).
+  void ReleaseGrant(uint64_t node_id);
+  // Fills the node fields of a Session message from `s` and the arbiter.
+  void FillNodeFields(const Session& s, bagualu::v1::Session* out) const;
 
   Metrics* metrics_;
   std::atomic<bool> stopping_{false};  // set by CancelPlans; read by every plan's Deadline
   mutable std::shared_mutex mu_;       // guards sessions_ and limits_
   RequestLimits limits_;
   std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+  // The node's grants and link shares. Guarded by node_mu_, which is taken alone (never while
+  // holding mu_, a planner's lock or a session's mu).
+  mutable std::mutex node_mu_;
+  std::optional<NodeArbiter> node_;
+  uint64_t next_node_id_ = 1;  // guarded by node_mu_
 };
 
 }  // namespace bgl::gov

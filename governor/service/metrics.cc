@@ -37,8 +37,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                        .Help("Time to answer a Plan request inside the daemon")
                        .Register(r)
                        .Add({}, prometheus::Histogram::BucketBoundaries{
-                                    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
-                                    5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1});
+                                    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+                                    1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1});
   invalid_ = &BuildCounter()
                   .Name("bagualu_invalid_requests_total")
                   .Help("Requests rejected by validation (INVALID_ARGUMENT, RESOURCE_EXHAUSTED)")
@@ -59,6 +59,61 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                      .Name("bagualu_gpu_budget_bytes")
                      .Help("Sum of the latest per-session activation budgets on the GPU")
                      .Register(r);
+  host_grant_ = &BuildGauge()
+                     .Name("bagualu_host_grant_bytes")
+                     .Help("Pinned host bytes the node grants the session (issue 14)")
+                     .Register(r);
+  host_used_ = &BuildGauge()
+                    .Name("bagualu_host_used_bytes")
+                    .Help(
+                        "Pinned host bytes the session's offloads hold, as reported (else the "
+                        "last plan's)")
+                    .Register(r);
+  link_offload_ = &BuildGauge()
+                       .Name("bagualu_link_offload_sessions")
+                       .Help("Sessions on the host link whose current plan offloads or reloads")
+                       .Register(r);
+}
+
+void Metrics::SetNode(const std::vector<SessionHostFigures>& sessions,
+                      const std::vector<std::pair<int, int>>& links) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::map<std::string, std::string>, std::pair<prometheus::Gauge*, prometheus::Gauge*>>
+      seen;
+  for (const SessionHostFigures& s : sessions) {
+    std::map<std::string, std::string> labels{{"session", s.session_id},
+                                              {"gpu", std::to_string(s.gpu)},
+                                              {"job", s.job_id},
+                                              {"link", std::to_string(s.link)}};
+    auto it = session_gauges_.find(labels);
+    std::pair<prometheus::Gauge*, prometheus::Gauge*> g =
+        it != session_gauges_.end()
+            ? it->second
+            : std::pair{&host_grant_->Add(labels), &host_used_->Add(labels)};
+    g.first->Set(static_cast<double>(s.grant_bytes));
+    g.second->Set(static_cast<double>(s.used_bytes));
+    seen.emplace(std::move(labels), g);
+  }
+  for (const auto& [labels, g] : session_gauges_) {
+    if (seen.count(labels) == 0) {
+      host_grant_->Remove(g.first);
+      host_used_->Remove(g.second);
+    }
+  }
+  session_gauges_ = std::move(seen);
+  std::map<int, prometheus::Gauge*> seen_links;
+  for (const auto& [link, n] : links) {
+    auto it = link_gauges_.find(link);
+    prometheus::Gauge* g = it != link_gauges_.end()
+                               ? it->second
+                               : &link_offload_->Add({{"link", std::to_string(link)}});
+    g->Set(n);
+    seen_links[link] = g;
+  }
+  for (const auto& [link, g] : link_gauges_) {
+    if (seen_links.count(link) == 0) link_offload_->Remove(g);
+  }
+  link_gauges_ = std::move(seen_links);
 }
 
 void Metrics::OnPlan(double seconds, bool cache_hit) {
@@ -84,8 +139,7 @@ void Metrics::OnOomsAvoided(int64_t n) {
 void Metrics::SetSessions(size_t n) { sessions_->Set(static_cast<double>(n)); }
 
 void Metrics::SetGpu(int index, const std::string& uuid, const GpuFigures& f) {
-  const std::map<std::string, std::string> labels{{"gpu", std::to_string(index)},
-                                                  {"uuid", uuid}};
+  const std::map<std::string, std::string> labels{{"gpu", std::to_string(index)}, {"uuid", uuid}};
   gpu_in_use_->Add(labels).Set(static_cast<double>(f.in_use_bytes));
   gpu_capacity_->Add(labels).Set(static_cast<double>(f.capacity_bytes));
   gpu_reserved_->Add(labels).Set(static_cast<double>(f.reserved_bytes));

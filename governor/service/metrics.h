@@ -12,6 +12,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace bgl::gov {
 
@@ -21,6 +23,17 @@ struct GpuFigures {
   int64_t in_use_bytes = 0;
   int64_t reserved_bytes = 0;
   int64_t budget_bytes = 0;
+};
+
+// One session's pinned host grant and use (issue 14), published as gauges labelled
+// {session, gpu, job, link}.
+struct SessionHostFigures {
+  std::string session_id;
+  int gpu = 0;
+  std::string job_id;
+  int link = 0;
+  int64_t grant_bytes = 0;
+  int64_t used_bytes = 0;
 };
 
 class Metrics {
@@ -35,6 +48,10 @@ class Metrics {
   void OnOomsAvoided(int64_t n);
   void SetSessions(size_t n);
   void SetGpu(int index, const std::string& uuid, const GpuFigures& figures);
+  // Replaces the per-session host gauges and the per-link offloading-session gauges (links as
+  // (link, offloading sessions)); sessions and links no longer listed are dropped.
+  void SetNode(const std::vector<SessionHostFigures>& sessions,
+               const std::vector<std::pair<int, int>>& links);
   // The registry in Prometheus text format (tests, debugging).
   std::string Text() const;
 
@@ -54,6 +71,13 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* gpu_budget_;
   std::mutex mu_;  // guards the label lookups below (Family::Add is itself locked)
   std::map<std::string, prometheus::Counter*> invalid_by_method_;
+  prometheus::Family<prometheus::Gauge>* host_grant_;
+  prometheus::Family<prometheus::Gauge>* host_used_;
+  prometheus::Family<prometheus::Gauge>* link_offload_;
+  // Gauges published by the last SetNode, by label set (guarded by mu_).
+  std::map<std::map<std::string, std::string>, std::pair<prometheus::Gauge*, prometheus::Gauge*>>
+      session_gauges_;
+  std::map<int, prometheus::Gauge*> link_gauges_;
 };
 
 }  // namespace bgl::gov

@@ -18,6 +18,7 @@ namespace bgl::gov {
 struct Session {
   bagualu::v1::Session info;   // identity; immutable after registration
   int64_t capacity_bytes = 0;  // effective: the request's or the GPU profile's
+  uint64_t node_id = 0;        // its key in the core's NodeArbiter; immutable
 
   // Guards the planner's mutable state; its graph, config and hardware are immutable after
   // registration and may be read without it.
@@ -34,6 +35,10 @@ struct Session {
   int64_t ooms_avoided = 0;
   int64_t oom_count = 0;
   uint64_t plans = 0;
+  int64_t host_used_bytes = 0;  // reported (stats.host_used_bytes), else the last plan's
+  bool host_used_reported = false;
+  double bandwidth_share = 1.0;    // as of its last plan
+  bool offloading = false;         // its last plan puts bytes on host
   plan::CacheCounters plan_cache;  // the planner's mitigation-cache counters after its last plan
   std::string snapshot_json;
   int64_t snapshot_unix_ms = 0;

@@ -195,6 +195,46 @@ TEST(FrameJson, CarriesGpusHistoryAndSortedProcesses) {
   EXPECT_EQ(json["sort"], "pid");
 }
 
+// Issue 14: the node line, each link's load and each session's host grant and use.
+TEST(FrameLayout, ShowsHostGrantsAndLinkLoad) {
+  auto frame = TwoGpuFrame();
+  frame.set_host_budget_bytes(16 * kGiB);
+  for (int g = 0; g < 2; ++g) {
+    auto* row = frame.mutable_gpus(g)->mutable_processes(0);
+    row->set_host_grant_bytes(8 * kGiB);
+    row->set_host_used_bytes((g + 1) * kGiB);
+    row->set_bandwidth_share(0.5);
+    row->set_offloading(true);
+    row->mutable_session()->set_link(0);
+  }
+  auto* link = frame.add_links();
+  link->set_link(0);
+  link->add_gpus(0);
+  link->add_gpus(1);
+  link->set_sessions(2);
+  link->set_offloading_sessions(2);
+  link->set_host_grant_bytes(16 * kGiB);
+  link->set_host_used_bytes(3 * kGiB);
+  History history;
+  history.Add(frame);
+  LayoutOptions options;
+  options.width = 100;
+  options.ascii = true;
+  const std::string text = ToPlainText(LayoutFrame(frame, history, options));
+  EXPECT_NE(text.find("host budget 16.0 GiB"), std::string::npos) << text;
+  EXPECT_NE(text.find("link 0 [GPU 0,1]"), std::string::npos) << text;
+  EXPECT_NE(text.find("2 offloading"), std::string::npos) << text;
+  EXPECT_NE(text.find("host 3.00 GiB/16.0 GiB"), std::string::npos) << text;
+  EXPECT_NE(text.find("host 2.00 GiB of grant 8.00 GiB  link 0  share 0.50"), std::string::npos)
+      << text;
+  const auto json = FrameToJson(frame, history, SortKey::kPid, false, "unix:///s");
+  EXPECT_EQ(json["host_budget_bytes"], 16 * kGiB);
+  ASSERT_EQ(json["links"].size(), 1u);
+  EXPECT_EQ(json["links"][0]["offloading_sessions"], 2);
+  EXPECT_EQ(json["processes"][0]["host_grant_bytes"], 8 * kGiB);
+  EXPECT_EQ(json["processes"][0]["bandwidth_share"], 0.5);
+}
+
 TEST(ShortBytes, ThreeSignificantDigitsAtMostThreeIntegerDigits) {
   EXPECT_EQ(ShortBytes(0), "0 B");
   EXPECT_EQ(ShortBytes(999), "999 B");

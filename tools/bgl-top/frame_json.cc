@@ -57,10 +57,30 @@ nlohmann::json FrameToJson(const bagualu::v1::WatchResponse& frame, const Histor
                          {"strategy_counts", Counts(r.strategy_counts())},
                          {"ooms_avoided", r.ooms_avoided()},
                          {"oom_count", r.oom_count()},
-                         {"plans", r.plans()}});
+                         {"plans", r.plans()},
+                         {"host_grant_bytes", r.host_grant_bytes()},
+                         {"host_used_bytes", r.host_used_bytes()},
+                         {"bandwidth_share", r.bandwidth_share()},
+                         {"offloading", r.offloading()},
+                         {"link", s.link()}});
   }
-  return {{"governor", address}, {"unix_ms", frame.unix_ms()}, {"sort", SortKeyName(sort)},
-          {"reverse", reverse},  {"gpus", std::move(gpus)},    {"processes", std::move(processes)}};
+  nlohmann::json links = nlohmann::json::array();
+  for (const auto& l : frame.links()) {
+    links.push_back({{"link", l.link()},
+                     {"gpus", std::vector<int>(l.gpus().begin(), l.gpus().end())},
+                     {"sessions", l.sessions()},
+                     {"offloading_sessions", l.offloading_sessions()},
+                     {"host_grant_bytes", l.host_grant_bytes()},
+                     {"host_used_bytes", l.host_used_bytes()}});
+  }
+  return {{"governor", address},
+          {"unix_ms", frame.unix_ms()},
+          {"sort", SortKeyName(sort)},
+          {"reverse", reverse},
+          {"gpus", std::move(gpus)},
+          {"processes", std::move(processes)},
+          {"host_budget_bytes", frame.host_budget_bytes()},
+          {"links", std::move(links)}};
 }
 
 }  // namespace bgl::top

@@ -157,7 +157,41 @@ void AddProcesses(const bagualu::v1::WatchResponse& frame, const LayoutOptions& 
                          std::to_string(r.ooms_avoided()), StrategyText(r.strategy_counts())},
                         o.width),
                     r.load_factor() > kSpikeLoadFactor ? Style::kSpike : Style::kNormal});
+    // Under a node grant (issue 14): the pinned host bytes in use against the grant, the link
+    // and the bandwidth share of its last plan.
+    if (r.host_grant_bytes() > 0) {
+      const bool over = r.host_used_bytes() > r.host_grant_bytes();
+      screen.Add().push_back(
+          {"    host " + Bytes(r.host_used_bytes()) + " of grant " + Bytes(r.host_grant_bytes()) +
+               "  link " + std::to_string(s.link()) + "  share " + Fixed(r.bandwidth_share(), 2) +
+               (r.offloading() ? "  offloading" : ""),
+           over ? Style::kSpike : Style::kDim});
+    }
   }
+}
+
+// The node's host budget and, per host link, its sessions, how many offload now, grants and use.
+void AddLinks(const bagualu::v1::WatchResponse& frame, const LayoutOptions& o, Screen& screen) {
+  if (frame.links().empty() && frame.host_budget_bytes() == 0) return;
+  int64_t granted = 0;
+  for (const auto& l : frame.links()) granted += l.host_grant_bytes();
+  PackGroups({{{"node", Style::kHeader}},
+              {{"host budget " + Bytes(frame.host_budget_bytes())}},
+              {{"granted " + Bytes(granted)}}},
+             o.width, screen);
+  for (const auto& l : frame.links()) {
+    std::string gpus;
+    for (int g : l.gpus()) gpus += (gpus.empty() ? "" : ",") + std::to_string(g);
+    const bool shared = l.offloading_sessions() > 1;
+    PackGroups({{{" link " + (l.link() >= 0 ? std::to_string(l.link()) : std::string("-")) +
+                  " [GPU " + gpus + "]"}},
+                {{Plural(static_cast<size_t>(l.sessions()), "session")}},
+                {{std::to_string(l.offloading_sessions()) + " offloading",
+                  shared ? Style::kSpike : Style::kNormal}},
+                {{"host " + Bytes(l.host_used_bytes()) + "/" + Bytes(l.host_grant_bytes())}}},
+               o.width, screen);
+  }
+  screen.Add();
 }
 
 }  // namespace
@@ -175,6 +209,7 @@ Screen LayoutFrame(const bagualu::v1::WatchResponse& frame, const History& histo
     AddGpu(gpu, history, options, screen);
     screen.Add();
   }
+  AddLinks(frame, options, screen);
   AddProcesses(frame, options, screen);
   if (!options.status_line.empty()) {
     screen.Add();
