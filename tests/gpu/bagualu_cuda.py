@@ -209,15 +209,20 @@ def scenario_unmodified() -> dict:
     return out
 
 
+def _timing_models() -> list:
+    """The models the timing scenarios run: two Hugging Face MoE models, or the package's own
+    example where transformers is not installed."""
+    try:
+        import transformers  # noqa: F401
+        return ["qwen3_moe", "mixtral"]
+    except ImportError:
+        return ["fused"]
+
+
 def scenario_overhead(iterations: int, repeats: int, json_out: str) -> dict:
     import unmodified as u
     out: dict = {"runs": {}}
-    try:
-        import transformers  # noqa: F401
-        names = ["qwen3_moe", "mixtral"]
-    except ImportError:
-        names = ["fused"]
-    for name in names:
+    for name in _timing_models():
         for width in (4, 8):
             plain, hooked, ratios = [], [], []
             for _ in range(repeats):
@@ -247,12 +252,7 @@ def scenario_issue_order(iterations: int, repeats: int, json_out: str) -> dict:
     compute for real."""
     import unmodified as u
     out: dict = {"runs": {}}
-    try:
-        import transformers  # noqa: F401
-        names = ["qwen3_moe", "mixtral"]
-    except ImportError:
-        names = ["fused"]
-    for name in names:
+    for name in _timing_models():
         kw = dict(ep=False, width=4, seq=512, device=DEVICE)
         cap = u.keep_all_peak(name, **kw) // 2
         times = {"dual-batch": [], "serial": []}
