@@ -356,16 +356,7 @@ Status Enforcer::offload_locked(TrackedTensor& t) {
   t.has_offload = true;
   // The device block goes back to the pool ordered after the copy: a free on another stream
   // than the allocation stream is reused only after an event on that stream (record_stream).
-  if (t.owned) {
-    pool_->deallocate(t.ptr, 0, d2h);
-  } else if (pool_->is_allocated(t.ptr)) {
-    pool_->record_stream(t.ptr, d2h);
-  }
-  if (t.has_ready) {
-    ops_->release(t.ready);
-    t.has_ready = false;
-  }
-  tracker_.set_ptr(t, nullptr);
+  leave_device(t, d2h);
   t.host = host;
   t.placement = Placement::kHost;
   t.applied = Strategy::kOffload;
@@ -435,16 +426,7 @@ Status Enforcer::fp8_locked(TrackedTensor& t) {
     return fail(Status::kBackendError, name + ": " + ops_->last_error());
   }
   // The full-precision copy goes as soon as the cast is queued (ordered after it on `s`).
-  if (t.owned) {
-    pool_->deallocate(t.ptr, 0, s);
-  } else if (pool_->is_allocated(t.ptr)) {
-    pool_->record_stream(t.ptr, s);
-  }
-  if (t.has_ready) {
-    ops_->release(t.ready);
-    t.has_ready = false;
-  }
-  tracker_.set_ptr(t, nullptr);
+  leave_device(t, s);
   t.fp8 = f;
   t.fp8_bytes = total;
   t.placement = Placement::kFp8;
@@ -782,6 +764,19 @@ Status Enforcer::prefetch(int micro_batch, std::size_t* issued) {
 
 // ---- pressure ---------------------------------------------------------------------------------
 
+void Enforcer::leave_device(TrackedTensor& t, Stream s) {
+  if (t.owned) {
+    pool_->deallocate(t.ptr, 0, s);
+  } else if (pool_->is_allocated(t.ptr)) {
+    pool_->record_stream(t.ptr, s);
+  }
+  if (t.has_ready) {
+    ops_->release(t.ready);
+    t.has_ready = false;
+  }
+  tracker_.set_ptr(t, nullptr);
+}
+
 Status Enforcer::set_pinned_capacity(std::size_t bytes) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   pinned_->set_capacity(bytes);
@@ -790,12 +785,7 @@ Status Enforcer::set_pinned_capacity(std::size_t bytes) {
 
 Status Enforcer::unreload_locked(TrackedTensor& t) {
   // The device block is freed after the H2D copy (stream order); the pinned copy is intact.
-  pool_->deallocate(t.ptr, 0, options_.h2d);
-  if (t.has_ready) {
-    ops_->release(t.ready);
-    t.has_ready = false;
-  }
-  tracker_.set_ptr(t, nullptr);
+  leave_device(t, options_.h2d);
   t.owned = false;
   t.placement = Placement::kHost;
   t.reload_unused = false;

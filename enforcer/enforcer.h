@@ -114,6 +114,9 @@ class Enforcer final : private WorkIssuer {
   Status drop_locked(TrackedTensor& t);
   Status recompute_locked(TrackedTensor& t, Stream s);
   Status unreload_locked(TrackedTensor& t);
+  // The device data leaves after `s`'s queued work: freed when owned, else marked used on `s`
+  // (borrowed pool memory); the ready event goes.
+  void leave_device(TrackedTensor& t, Stream s);
   void order_after_data(TrackedTensor& t, Stream s);
   void set_ready(TrackedTensor& t, Stream s);
   void retire_locked(TrackedTensor& t, Stream s);
