@@ -2,6 +2,7 @@
 // setuid another uid). Modes:
 //   register-exit ADDR MODEL_FILE          registers and exits without unregistering
 //   intrude ADDR SESSION_ID MODEL_FILE     tries to read and change someone else's session
+//   register-hold ADDR MODEL_FILE GPU      registers on GPU index GPU, then sleeps (to be killed)
 //   watch ADDR N HOLD_MS                   opens N Watch streams, prints each one's status
 //                                          (OK once its first sample arrived), holds them
 #include <cstdio>
@@ -59,6 +60,21 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::printf("session=%s\n", info->session_id.c_str());
+    return 0;
+  }
+  if (mode == "register-hold" && argc >= 5) {
+    bgl::gov::Registration reg = TinyRegistration(argv[3]);
+    reg.gpu_index = std::atoi(argv[4]);
+    reg.gpu_uuid = std::string("host-") + argv[4];
+    auto info = gov.Register(reg);
+    if (!info.ok()) {
+      std::printf("register=%s %s\n", CodeName(info.status()), info.status().message().c_str());
+      return 1;
+    }
+    std::printf("session=%s grant=%lld\n", info->session_id.c_str(),
+                static_cast<long long>(info->host_grant_bytes));
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::seconds(120));
     return 0;
   }
   if (mode == "watch" && argc >= 5) {

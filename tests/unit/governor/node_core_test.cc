@@ -1,0 +1,146 @@
+// Issue 14 in the service without transport: GovernorCore with a NodeArbiter publishes grants,
+// use and link load as gauges (and drops them with the session); the daemon's node settings
+// (links in both spellings, defaults from /proc/meminfo and /sys) name the field on bad input.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "governor/daemon/config.h"
+#include "governor/service/governor_core.h"
+#include "tests/unit/governor/tiny_model.h"
+
+namespace bgl::gov {
+namespace {
+
+namespace pb = bagualu::v1;
+
+Caller Me() {
+  Caller c;
+  c.uid = getuid();
+  c.pid = -1;
+  c.user = "me";
+  return c;
+}
+
+TEST(NodeCore, GrantsAndLinkLoadAreGaugesThatLeaveWithTheSession) {
+  NodeConfig node;
+  node.host_budget_bytes = int64_t{1} << 30;
+  node.host_floor_bytes = int64_t{64} << 20;
+  node.max_sessions = 4;
+  node.links = {{{0, 1}, 0}};
+  auto arbiter = NodeArbiter::Create(node);
+  ASSERT_TRUE(arbiter.ok());
+  Metrics metrics;
+  GovernorCore core(&metrics, RequestLimits{}, std::move(arbiter).value());
+  std::string ids[2];
+  for (int gpu = 0; gpu < 2; ++gpu) {
+    pb::RegisterRequest req;
+    req.set_gpu_uuid("host-" + std::to_string(gpu));
+    req.set_gpu_index(gpu);
+    req.set_job_id("j");
+    req.set_capacity_bytes(int64_t{1} << 30);
+    req.set_model_json(testing::TinyModel());
+    pb::RegisterResponse resp;
+    ASSERT_TRUE(core.Register(Me(), req, &resp).ok());
+    EXPECT_EQ(resp.host_grant_bytes(), (int64_t{1} << 30) / (gpu + 1));
+    ids[gpu] = resp.session_id();
+  }
+  core.PublishMetrics();
+  std::string text = metrics.Text();
+  EXPECT_NE(text.find("bagualu_host_grant_bytes{"), std::string::npos) << text;
+  EXPECT_NE(text.find("session=\"" + ids[1] + "\""), std::string::npos) << text;
+  EXPECT_NE(text.find("bagualu_host_used_bytes{"), std::string::npos) << text;
+  EXPECT_NE(text.find("bagualu_link_offload_sessions{link=\"0\"} 0"), std::string::npos) << text;
+  pb::ListSessionsResponse list;
+  ASSERT_TRUE(core.ListSessions(Me(), {}, &list).ok());
+  ASSERT_EQ(list.sessions_size(), 2);
+  EXPECT_EQ(list.sessions(0).host_grant_bytes(), int64_t{1} << 29);
+  EXPECT_EQ(list.sessions(0).link(), 0);
+  pb::UnregisterRequest un;
+  un.set_session_id(ids[1]);
+  pb::UnregisterResponse unresp;
+  Caller owner = Me();
+  ASSERT_TRUE(core.Unregister(owner, un, &unresp).ok());
+  core.PublishMetrics();
+  text = metrics.Text();
+  EXPECT_EQ(text.find("session=\"" + ids[1] + "\""), std::string::npos) << text;
+  EXPECT_EQ(core.HostGrants().size(), 1u);
+  EXPECT_EQ(core.HostGrants()[0].second, int64_t{1} << 30);
+}
+
+TEST(NodeConfigKeys, LinksSpellingsAndErrors) {
+  auto links = ParseLinks("0,1,2,3@25;4,5,6,7");
+  ASSERT_TRUE(links.ok()) << links.status().message();
+  ASSERT_EQ(links->size(), 2u);
+  EXPECT_EQ((*links)[0].gpus.size(), 4u);
+  EXPECT_EQ((*links)[0].peak_bytes_per_s, 25e9);
+  EXPECT_EQ((*links)[1].peak_bytes_per_s, 0);
+  EXPECT_TRUE(ParseLinks("none")->empty());
+  for (const char* bad : {"0,,1", "0;;1", "a", "0@x", "0@-1", "4096"}) {
+    auto r = ParseLinks(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().message().rfind("links", 0), 0u) << r.status().message();
+  }
+}
+
+// A fake /sys with NVIDIA GPUs on two NUMA nodes (and one other device), and a fake meminfo.
+TEST(NodeConfigKeys, DefaultsFromMeminfoAndSysfs) {
+  char tmpl[] = "/tmp/bgl-node-sysfs-XXXXXX";
+  const std::filesystem::path root = mkdtemp(tmpl);
+  auto device = [&](const std::string& bus, const std::string& vendor, const std::string& cls,
+                    const std::string& numa) {
+    const auto dir = root / "bus/pci/devices" / bus;
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir / "vendor") << vendor << "\n";
+    std::ofstream(dir / "class") << cls << "\n";
+    std::ofstream(dir / "numa_node") << numa << "\n";
+  };
+  device("0000:c1:00.0", "0x10de", "0x030200", "1");
+  device("0000:41:00.0", "0x10de", "0x030200", "0");
+  device("0000:42:00.0", "0x10de", "0x030000", "0");
+  device("0000:c2:00.0", "0x10de", "0x030200", "1");
+  device("0000:01:00.0", "0x8086", "0x020000", "0");
+  std::ofstream(root / "meminfo") << "MemTotal:       16777216 kB\nMemFree: 1 kB\n";
+  DaemonConfig c;
+  ASSERT_TRUE(ResolveNodeDefaults(c, root.string(), (root / "meminfo").string()).ok());
+  EXPECT_EQ(c.node_gpus, 4);
+  EXPECT_EQ(c.host_budget_bytes, int64_t{8} << 30);   // half of 16 GiB
+  EXPECT_EQ(c.host_floor_bytes, int64_t{128} << 20);  // 8 GiB / 64 sessions < 256 MiB
+  ASSERT_EQ(c.links.size(), 2u);                      // bus order: GPUs 0,1 on node 0; 2,3 on 1
+  EXPECT_EQ(c.links[0].gpus, (std::vector<int>{0, 1}));
+  EXPECT_EQ(c.links[1].gpus, (std::vector<int>{2, 3}));
+  EXPECT_NE(c.links_source.find("sysfs"), std::string::npos);
+  // No GPU (the host backend): no shared link; links naming GPUs twice or off the node fail.
+  DaemonConfig host;
+  ASSERT_TRUE(
+      ResolveNodeDefaults(host, (root / "none").string(), (root / "meminfo").string()).ok());
+  EXPECT_TRUE(host.links.empty());
+  EXPECT_NE(host.links_source.find("host backend"), std::string::npos);
+  DaemonConfig twice;
+  ASSERT_TRUE(ApplyConfigValue("links", "0,1;1", twice).ok());
+  EXPECT_EQ(ResolveNodeDefaults(twice, root.string(), (root / "meminfo").string())
+                .message()
+                .rfind("links:", 0),
+            0u);
+  DaemonConfig off;
+  ASSERT_TRUE(ApplyConfigValue("links", "0,7", off).ok());
+  Status s = ResolveNodeDefaults(off, root.string(), (root / "meminfo").string());
+  EXPECT_NE(s.message().find("GPU 7, which is not on this node (node_gpus 4)"), std::string::npos)
+      << s.message();
+  DaemonConfig small;
+  ASSERT_TRUE(ApplyConfigValue("host_budget_bytes", "1GiB", small).ok());
+  ASSERT_TRUE(ApplyConfigValue("host_floor_bytes", "256MiB", small).ok());
+  ASSERT_TRUE(ApplyConfigValue("node_max_sessions", "8", small).ok());
+  s = ResolveNodeDefaults(small, root.string(), (root / "meminfo").string());
+  EXPECT_EQ(s.message().rfind("host_budget_bytes", 0), 0u) << s.message();
+  DaemonConfig unreadable;
+  s = ResolveNodeDefaults(unreadable, root.string(), (root / "missing").string());
+  EXPECT_EQ(s.message().rfind("host_budget_bytes", 0), 0u) << s.message();
+  std::filesystem::remove_all(root);
+}
+
+}  // namespace
+}  // namespace bgl::gov
