@@ -3,10 +3,13 @@ bgl-governord on a temporary socket."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import List
 
 import pytest
 
@@ -25,26 +28,36 @@ def daemon_binary() -> Path:
     return found
 
 
-@pytest.fixture
-def daemon(tmp_path):
+def _start_daemon(tmp_path, *flags: str):
+    """bgl-governord on a temporary socket (its log in tmp_path/daemon.log)."""
     binary = daemon_binary()
     sock = tmp_path / "governor.sock"
     log = open(tmp_path / "daemon.log", "w")
-    proc = subprocess.Popen([str(binary), "--listen", f"unix://{sock}", "--metrics-port", "0"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([str(binary), "--listen", f"unix://{sock}", "--metrics-port", "0",
+                             *flags], stdout=log, stderr=subprocess.STDOUT)
     for _ in range(400):
         if sock.exists() or proc.poll() is not None:
             break
         time.sleep(0.025)
     if proc.poll() is not None or not sock.exists():
         pytest.fail(f"bgl-governord did not start: {(tmp_path / 'daemon.log').read_text()}")
-    yield f"unix://{sock}"
+    return proc, f"unix://{sock}", log
+
+
+def _stop_daemon(proc, log) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    proc, address, log = _start_daemon(tmp_path)
+    yield address
+    _stop_daemon(proc, log)
 
 
 def test_two_stage_pipeline_against_the_daemon(daemon, tmp_path) -> None:
@@ -61,3 +74,57 @@ def test_two_stage_pipeline_against_the_daemon(daemon, tmp_path) -> None:
     for rank in (0, 1):
         assert f"rank {rank} finished 2 iterations governor=remote ooms=0" in text, text[-4000:]
     assert "pipeline ranks [0, 1]" in text, text[-4000:]
+
+
+def test_four_ranks_share_a_small_node_budget(tmp_path) -> None:
+    """Issue 14: four CPU ranks under torchrun against one daemon whose node budget for pinned
+    host memory is small. Every rank gets a quarter (fair share, nothing requested), sizes its
+    pinned pool to it and never holds more; the run finishes; bgl-top shows the grants."""
+    require_libs()
+    budget, floor = 4 << 20, 256 << 10
+    proc, address, log = _start_daemon(tmp_path, f"--host-budget-bytes={budget}",
+                                       f"--host-floor-bytes={floor}", "--node-max-sessions=8")
+    top = _lib.find_file("bgl-top")
+    assert top is not None, "bgl-top is not built (target bgl-top)"
+    frames: List[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # the last bgl-top frame that saw all four sessions
+        while not stop.is_set():
+            r = subprocess.run([str(top), "--governor", address, "--once", "--width", "160"],
+                               capture_output=True, text=True, timeout=20)
+            if r.returncode == 0 and r.stdout.count("torchrun-") >= 4:
+                frames[:] = [r.stdout]
+            time.sleep(0.3)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        env = dict(os.environ, OMP_NUM_THREADS="1", BGL_CACHE_DIR=str(tmp_path / "cache"),
+                   PYTHONPATH=str(ROOT / "integrations" / "pytorch"))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "4",
+               str(ROOT / "integrations" / "pytorch" / "examples" / "moe_train.py"),
+               "--governor", address, "--iterations", "3", "--layers", "4",
+               "--micro-batches", "8", "--hidden", "64", "--seq-len", "32",
+               "--capacity", "4MiB", "--spike-every", "3"]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+        _stop_daemon(proc, log)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    found = re.findall(r"rank (\d) host grant (\d+) pinned capacity (\d+) pinned peak (\d+) "
+                       r"offloads (\d+)", text)
+    assert sorted(int(r[0]) for r in found) == [0, 1, 2, 3], text[-4000:]
+    for rank, grant, capacity, peak, _ in found:
+        assert int(grant) == budget // 4, (rank, grant)   # fair share of the node's budget
+        assert int(capacity) == int(grant)                 # the pinned pool follows it
+        assert int(peak) <= int(grant)                     # and no rank held more
+    assert sum(int(r[4]) for r in found) > 0, "the run must offload something"
+    for rank in range(4):
+        assert f"rank {rank} finished 3 iterations governor=remote ooms=0" in text, text[-4000:]
+    assert frames, "bgl-top never showed the four sessions"
+    (tmp_path / "bgl-top-frame.txt").write_text(frames[0])
+    assert "grant" in frames[0].lower(), frames[0]

@@ -19,6 +19,7 @@ _SUBDIRS = {
     "libbgl_alloc.so": ["", "allocator"],
     "libbgl_enforce.so": ["", "enforcer"],
     "bgl-governord": ["", "governor/daemon"],
+    "bgl-top": ["", "tools/bgl-top"],
 }
 _loaded: Dict[str, ctypes.CDLL] = {}
 

@@ -241,7 +241,11 @@ class Governor:
             log.warning("bagualu: deferred planning failed (%s)", e)
             return None
 
-    def report(self, mb: int, chunk: int, actual: int) -> None:
+    def report(self, mb: int, chunk: int, actual: int, host_used: int = 0) -> None:
+        """What a forward retained; ``host_used``: pinned host bytes this process holds now
+        (the daemon shows it beside the grant)."""
+        if self.remote is not None:
+            self.remote.host_used = host_used
         try:
             self._call("report", mb, chunk, int(actual))
         except PlannerError as e:

@@ -78,6 +78,7 @@ class RemoteGovernor:
         self.deadline = deadline_s
         self.channel = grpc.insecure_channel(address)
         self.host_grant: Optional[int] = None
+        self.host_used = 0  # pinned host bytes held now, sent with each report
         self.stub = pb_grpc.GovernorStub(self.channel)
         self.session_id = ""
         self.operator_names: List[str] = []
@@ -106,18 +107,17 @@ class RemoteGovernor:
             disable_dual_batch=not dual_batch, budget_step_bytes=int(budget_step_bytes))
         resp = self.stub.Register(req, timeout=max(self.deadline, 2.0))
         self.session_id = resp.session_id
-        # The node's pinned host grant (absent from daemons without node arbitration).
-        self.host_grant = int(getattr(resp, "host_grant_bytes", 0)) or None
+        self.host_grant = int(resp.host_grant_bytes) or None  # the node's pinned host grant
         self.operator_names = list(resp.operator_names)
 
     def _plan(self, req: Any) -> Dict[str, Any]:
         resp = self.stub.Plan(req, timeout=self.deadline)
         p = resp.plan
         pb = self.pb
-        # The node's arbitration, where the daemon has it (the response's or the plan's fields).
-        node = {k: getattr(resp, k, None) if hasattr(resp, k) else getattr(p, k, None)
-                for k in ("host_grant_bytes", "bandwidth_share")}
-        return {**{k: v for k, v in node.items() if v},
+        return {
+            # The node's arbitration (issue 14): 0 from a daemon without a node budget.
+            "host_grant_bytes": resp.host_grant_bytes or None,
+            "bandwidth_share": resp.bandwidth_share or None,
             "phase": enum_name(pb.Phase, p.phase, "unspecified"), "micro_batch": p.micro_batch,
             "chunk": p.chunk, "load_factor": p.load_factor, "budget_bytes": p.budget_bytes,
             "free_bytes": p.free_bytes, "k": p.k, "infeasible": p.infeasible,
@@ -156,8 +156,12 @@ class RemoteGovernor:
         return self._plan(self.pb.PlanRequest(session_id=self.session_id, gate=gate))
 
     def report(self, mb: int, chunk: int, actual: int) -> None:
+        """What the forward of (mb, chunk) retained, and the pinned host bytes this process
+        holds now (host_used, set by the caller) for the node's view of its grant."""
+        stats = self.pb.AllocatorStats(host_used_bytes=int(self.host_used))
         self.stub.Report(self.pb.ReportRequest(session_id=self.session_id, micro_batch=mb,
-                                               chunk=chunk, actual_bytes=int(actual)),
+                                               chunk=chunk, actual_bytes=int(actual),
+                                               stats=stats),
                          timeout=self.deadline)
 
     def reset_iteration(self) -> None:

@@ -503,7 +503,8 @@ class Runtime:
             self.accuracy.append((load, graphmod.keep_all_bytes(self.description, load),
                                   float(captured)))
         if self.governor is not None and self.governor.ready and mb in self.mb_plan:
-            self.governor.report(mb % CHUNK_STRIDE, chunk_of, t.retained_bytes(mb))
+            self.governor.report(mb % CHUNK_STRIDE, chunk_of, t.retained_bytes(mb),
+                                 self.enforcer.stats().get("pinned_in_use", 0))
         self._note_peak()
 
     @contextmanager
