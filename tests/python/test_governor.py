@@ -7,7 +7,7 @@ import json
 import logging
 import subprocess
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -101,7 +101,8 @@ class Daemon:
     """bgl-governord on one socket, which a test kills and starts again (a restarted daemon
     knows no session)."""
 
-    def __init__(self, tmp_path) -> None:
+    def __init__(self, tmp_path, flags: Sequence[str] = ()) -> None:
+        self.flags = list(flags)
         self.binary = daemon_binary()
         self.sock = tmp_path / "governor.sock"
         self.log = tmp_path / "daemon.log"
@@ -111,7 +112,7 @@ class Daemon:
     def start(self) -> None:
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen([str(self.binary), "--listen", self.address,
-                                          "--metrics-port", "0"],
+                                          "--metrics-port", "0", *self.flags],
                                          stdout=log, stderr=subprocess.STDOUT)
         for _ in range(200):  # up to ~10 s on a loaded machine
             if self.proc.poll() is not None:
@@ -547,3 +548,36 @@ def test_strategy_and_phase_names_come_from_the_proto(tmp_path, monkeypatch) -> 
     assert remote.enum_value(pb.Phase, "PHASE", "cooldown") == pb.PHASE_COOLDOWN
     assert remote.enum_value(pb.Phase, "PHASE", "nonsense") == 0
     assert remote.enum_name(pb.Chain, pb.CHAIN_RECOVER, "?")[:1].upper() == "R"
+
+
+def test_fallback_keeps_the_nodes_last_grant(tmp_path, monkeypatch, caplog) -> None:
+    """Issue 14: the daemon grants the node's pinned host budget (1 MiB, one session: all of
+    it); the enforcer's pinned pool follows; once the daemon is gone, the embedded planner
+    plans within the last grant and bandwidth share, and the process says so once."""
+    require_libs()
+    pytest.importorskip("grpc_tools")
+    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))
+    d = Daemon(tmp_path, ["--host-budget-bytes=1048576", "--host-floor-bytes=65536",
+                          "--node-max-sessions=8"])
+    d.start()
+    points: List[Dict[str, Any]] = []
+    real_plan = EmbeddedPlanner.plan
+    monkeypatch.setattr(EmbeddedPlanner, "plan",
+                        lambda planner, point: points.append(point) or real_plan(planner, point))
+    try:
+        with caplog.at_level(logging.INFO, logger="bagualu"):
+            t = Trainer(d.address, monkeypatch)
+            t.gov.clock = StepClock()
+            t.run(4)
+            assert t.gov.kind == "remote" and t.gov.grant == 1 << 20
+            assert bagualu.stats()["enforcer"]["pinned_capacity"] == 1 << 20
+            d.kill()
+            t.run(4)
+            assert t.gov.kind == "embedded"
+    finally:
+        d.stop()
+    after = [p for kind, p, _ in t.plans if kind == "embedded"]
+    assert after and all(p["host_bytes"] <= 1 << 20 for p in after)
+    limited = [p for p in points if "host_limit_bytes" in p]
+    assert limited and all(p["host_limit_bytes"] == 1 << 20 for p in limited)
+    assert len(_messages(caplog, "keeping the node's last host grant")) == 1
