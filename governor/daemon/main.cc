@@ -46,7 +46,8 @@ const char* kUsage =
     "      max_sessions max_sessions_per_uid max_model_json_bytes max_snapshot_json_bytes\n"
     "      max_json_depth max_operators_per_layer max_layers_per_chunk plan_timeout_ms\n"
     "      max_watch_streams max_watch_streams_per_uid reap_interval_ms drain_timeout_ms\n"
-    "      log_level\n";
+    "      log_level host_budget_bytes host_budget_fraction host_floor_bytes\n"
+    "      node_max_sessions node_gpus links (e.g. --links '0,1,2,3;4,5,6,7')\n";
 
 struct Flags {
   std::string config_file;

@@ -84,6 +84,7 @@ nlohmann::json PlanToJson(const Plan& plan, const StageGraph& g) {
   j["keep_all_bytes"] = plan.keep_all_bytes;
   j["predicted_bytes"] = plan.predicted_bytes;
   j["host_bytes"] = plan.host_bytes;
+  j["bandwidth_share"] = plan.bandwidth_share;
   j["overhead_s"] = plan.overhead_s;
   j["serial_s"] = plan.serial_s;
   j["overlapped_s"] = plan.overlapped_s;

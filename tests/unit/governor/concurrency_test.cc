@@ -20,8 +20,7 @@ namespace pb = bagualu::v1;
 
 using testing::TinyModel;
 
-TEST(GovernorCoreConcurrency, CallersDashboardsAndReaperAtOnce) {
-  GovernorCore core;
+void CallersDashboardsAndReaper(GovernorCore& core) {
   const std::string model = TinyModel();
   constexpr int kWorkers = 4;
   constexpr int kRounds = 3;
@@ -89,6 +88,27 @@ TEST(GovernorCoreConcurrency, CallersDashboardsAndReaperAtOnce) {
   observers.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(core.session_count(), 0u);
+}
+
+TEST(GovernorCoreConcurrency, CallersDashboardsAndReaperAtOnce) {
+  GovernorCore core;
+  CallersDashboardsAndReaper(core);
+}
+
+// The same with the node's arbiter (issue 14): grants, shares and offloading marks change under
+// every call while the dashboard, the metrics and the reaper read them.
+TEST(GovernorCoreConcurrency, WithTheNodesArbiter) {
+  NodeConfig node;
+  node.host_budget_bytes = int64_t{1} << 30;
+  node.host_floor_bytes = int64_t{16} << 20;
+  node.max_sessions = 8;
+  node.links = {{{0, 1}, 0}};
+  auto arbiter = NodeArbiter::Create(node);
+  ASSERT_TRUE(arbiter.ok());
+  Metrics metrics;
+  GovernorCore core(&metrics, RequestLimits{}, std::move(arbiter).value());
+  CallersDashboardsAndReaper(core);
+  EXPECT_TRUE(core.HostGrants().empty());
 }
 
 }  // namespace
