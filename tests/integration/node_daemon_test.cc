@@ -180,6 +180,43 @@ TEST(NodeDaemon, GrantsShareTheBudgetRebalanceAndBoundEveryPlan) {
   EXPECT_EQ(daemon.Stop(), 0);
 }
 
+// A grant below what a session would offload binds: its plans stay within it and mitigate with
+// recompute/FP8 instead.
+TEST(NodeDaemon, SmallGrantsPlanMoreRecompute) {
+  DaemonProcess daemon(
+      {"--host-budget-bytes", "64MiB", "--host-floor-bytes", "8MiB", "--node-max-sessions", "8"});
+  ASSERT_TRUE(daemon.Start()) << testing::ReadFile(daemon.dir() + "/daemon.log");
+  Client client(daemon);
+  auto plan_first = [&](int gpu, pb::PlanResponse* out) {
+    pb::RegisterResponse reg;
+    ASSERT_TRUE(client.Register(Request(gpu), &reg).ok());
+    ASSERT_TRUE(client.Plan(reg.session_id(), 0, kPressure, out).ok());
+  };
+  pb::PlanResponse alone;
+  plan_first(0, &alone);
+  EXPECT_EQ(alone.host_grant_bytes(), 64 * kMiB);
+  EXPECT_LE(alone.plan().host_bytes(), 64 * kMiB);
+  for (int gpu = 1; gpu < 7; ++gpu) {
+    pb::PlanResponse ignored;
+    plan_first(gpu, &ignored);
+  }
+  pb::PlanResponse crowded;
+  plan_first(7, &crowded);
+  EXPECT_EQ(crowded.host_grant_bytes(), 8 * kMiB);
+  EXPECT_LE(crowded.plan().host_bytes(), 8 * kMiB);
+  std::printf("host bytes alone %lld (grant 64 MiB), among 8 %lld (grant 8 MiB)\n",
+              static_cast<long long>(alone.plan().host_bytes()),
+              static_cast<long long>(crowded.plan().host_bytes()));
+  if (alone.plan().host_bytes() > 8 * kMiB) {
+    int offloaded_alone = 0, offloaded_crowded = 0;
+    for (int s : alone.plan().strategies()) offloaded_alone += s == pb::STRATEGY_OFFLOAD;
+    for (int s : crowded.plan().strategies()) offloaded_crowded += s == pb::STRATEGY_OFFLOAD;
+    EXPECT_LT(offloaded_crowded, offloaded_alone);
+    EXPECT_LE(crowded.plan().predicted_bytes(), crowded.plan().budget_bytes());
+  }
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
 // Sums the copy items' durations of a plan by (chain, first, last) tensor range.
 std::map<std::tuple<int, int, int>, double> CopyItems(const pb::Plan& plan) {
   std::map<std::tuple<int, int, int>, double> out;
