@@ -146,6 +146,30 @@ TEST(NodeDaemon, GrantsShareTheBudgetRebalanceAndBoundEveryPlan) {
     }
   }
   std::printf("plans that offload: %d of %zu\n", offloading_plans, 4 * ids.size());
+  // What a worker reports its offloads hold is what ListSessions (and bgl-top) show as used.
+  {
+    RemoteGovernor gov(Options(daemon));
+    pb::ReportRequest report;
+    report.set_session_id(ids[0]);
+    report.set_micro_batch(3);
+    report.set_actual_bytes(1 << 20);
+    report.mutable_stats()->set_allocated_bytes(1 << 20);
+    report.mutable_stats()->set_host_used_bytes(12345678);
+    pb::ReportResponse reported;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(gov.stub().Report(&ctx, report, &reported).ok());
+    auto list = gov.ListSessions();
+    ASSERT_TRUE(list.ok());
+    bool found = false;
+    for (const auto& s : list->sessions()) {
+      if (s.session_id() == ids[0]) {
+        found = true;
+        EXPECT_EQ(s.host_used_bytes(), 12345678);
+        EXPECT_EQ(s.link(), 0);  // GPU 0 is on link 0
+      }
+    }
+    EXPECT_TRUE(found);
+  }
   EXPECT_GT(offloading_plans, 0) << "the scenario must offload";
 
   // A seventh session (another process, killed later) takes its share from the others.
