@@ -197,7 +197,6 @@ class Record:
                 t.enforcer.recompute(self.enf)  # calls back into _regenerate
             else:
                 self.regen.regenerate()
-            t.counters["recomputes"] += 1
             return self.storage
         placement = self.placement
         self.storage = t.enforcer.acquire(self.enf, self.nbytes, self._block_died)
@@ -244,6 +243,7 @@ class Record:
                 f"where the forward saved {self.nbytes}; keep this operator")
         self._account(self.nbytes)
         self.storage, self.regen, self.placement = st, None, DEVICE
+        self.tracker.counters["recomputes"] += 1  # by the backward's need or the R chain
         if self.enf and not self.regenerating:
             # Made by the rerun of another record of the call: the enforcer takes it back too.
             self.tracker.enforcer.recompute(self.enf)
