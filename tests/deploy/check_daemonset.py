@@ -12,6 +12,7 @@ usage: check_daemonset.py [--mutations] [SAMPLE_CONFIG] DAEMONSET_YAML
   --mutations: check the checker: broken variants of the file must each be rejected
 """
 import copy as copy_module
+import re
 import sys
 
 import yaml
@@ -117,10 +118,25 @@ def check(docs):
     return c.problems
 
 
-def check_config_map(docs, sample_config):
-    """The ConfigMap's governord.yaml may only use keys the sample config documents."""
+# Keys whose value is a list (the daemon's loader takes YAML lists for them).
+LIST_KEYS = {"links"}
+
+
+def documented_keys(sample_config):
+    """Keys the sample config documents: set ones and commented-out examples (`# key: ...` at
+    the start of a line; the node's keys are commented there because their defaults come
+    from the machine)."""
     with open(sample_config, encoding="utf-8") as f:
-        known = set(yaml.safe_load(f))
+        text = f.read()
+    known = set(yaml.safe_load(text) or {})
+    known |= set(re.findall(r"^# ?([a-z][a-z0-9_]*):", text, flags=re.MULTILINE))
+    return known
+
+
+def check_config_map(docs, sample_config):
+    """The ConfigMap's governord.yaml may only use keys the sample config documents, with
+    scalar values except where the daemon takes a list (links)."""
+    known = documented_keys(sample_config)
     problems = []
     for doc in docs:
         if doc.get("kind") != "ConfigMap" or "governord.yaml" not in (doc.get("data") or {}):
@@ -132,12 +148,31 @@ def check_config_map(docs, sample_config):
         for key, value in config.items():
             if key not in known:
                 problems.append(f"ConfigMap governord.yaml: unknown key {key!r}")
-            if isinstance(value, (dict, list)):
+            if isinstance(value, dict) or (isinstance(value, list) and key not in LIST_KEYS):
                 problems.append(f"ConfigMap governord.yaml: {key} must be a scalar")
+            if key in LIST_KEYS and not isinstance(value, list):
+                problems.append(f"ConfigMap governord.yaml: {key} must be a list")
         if config.get("listen", "unix:///run/bagualu/governor.sock") != \
                 "unix:///run/bagualu/governor.sock":
             problems.append("ConfigMap governord.yaml: listen must match the hostPath socket")
     return problems
+
+
+def config_map_self_test(sample_config):
+    """Returns the config edits the ConfigMap check judged wrongly."""
+    def one(text):
+        return check_config_map([{"kind": "ConfigMap", "data": {"governord.yaml": text}}],
+                                sample_config)
+    wrong = []
+    for text in ("links: [[0, 1, 2, 3], [4, 5, 6, 7]]\nhost_floor_bytes: 256MiB\n",
+                 "links:\n  - {gpus: [0, 1], peak_gbps: 25}\nnode_max_sessions: 8\n"):
+        if one(text):
+            wrong.append(f"rejected {text!r}")
+    for text in ("metrics_port: [9478]\n", "no_such_key: 1\n", "links: 0,1\n",
+                 "log_level: {a: 1}\n"):
+        if not one(text):
+            wrong.append(f"accepted {text!r}")
+    return wrong
 
 
 def pod_of(docs):
@@ -183,6 +218,11 @@ def main():
             print("FAIL: the checker accepts a DaemonSet with", name)
         if not missed:
             print(f"ok: all {len(MUTATIONS)} broken variants are rejected")
+        if len(sys.argv) > 2 and not sys.argv[-2].startswith("--"):
+            wrong = config_map_self_test(sys.argv[-2])
+            for w in wrong:
+                print("FAIL: the ConfigMap check", w)
+            missed += wrong
         return 1 if missed else 0
     for doc in docs:
         if doc is not None and not (isinstance(doc, dict) and "kind" in doc
