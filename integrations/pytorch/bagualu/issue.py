@@ -17,12 +17,12 @@ while the training thread waits in backward()).
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .strategy import Op
 
-log = logging.getLogger("bagualu")
+Unit = Tuple[int, int]  # (micro-batch, chunk)
+
 
 class StageGraphIndex:
     """Operator and tensor indices of the planner's stage graph (one chunk), by name."""
@@ -50,29 +50,30 @@ class StageGraphIndex:
         return self.tensors.get(f"L{layer % self.layers_per_chunk}.{name}", -1)
 
 
-def neighbours(steps: Sequence[Dict[str, Any]], forward: Optional[Tuple[int, int]],
-               backward: Optional[Tuple[int, int]]) -> Tuple[Optional[Tuple[int, int]],
-                                                             Optional[Tuple[int, int]]]:
-    """(the forward before ``forward``, the backward after ``backward``) in this rank's
-    schedule: the units whose offloads (O) and reloads/recomputes (R) the point carries out,
-    as the planner chooses them. Units are (micro-batch, chunk)."""
-    fwd = [(s["micro_batch"], s.get("chunk", 0)) for s in steps if s["forward"]]
-    bwd = [(s["micro_batch"], s.get("chunk", 0)) for s in steps if not s["forward"]]
-    before = after = None
-    if forward is not None and forward in fwd:
-        i = fwd.index(forward)
-        before = fwd[i - 1] if i > 0 else None
-    if backward is not None and backward in bwd:
-        i = bwd.index(backward)
-        after = bwd[i + 1] if i + 1 < len(bwd) else None
-    return before, after
+class RankSchedule:
+    """This rank's forwards and backwards in schedule order (the description's steps), for
+    the units a point's O and R chains carry out, as the planner chooses them."""
 
+    def __init__(self, steps: Sequence[Dict[str, Any]]) -> None:
+        self.forwards: List[Unit] = [(s["micro_batch"], s.get("chunk", 0))
+                                     for s in steps if s["forward"]]
+        self.backwards: List[Unit] = [(s["micro_batch"], s.get("chunk", 0))
+                                      for s in steps if not s["forward"]]
+        self._f = {u: i for i, u in enumerate(self.forwards)}
+        self._b = {u: i for i, u in enumerate(self.backwards)}
 
-def has_later_forward(steps: Sequence[Dict[str, Any]], unit: Tuple[int, int]) -> bool:
-    """Whether a forward follows ``unit``'s in this rank's schedule (so a later point's O
-    chain offloads ``unit``'s activations)."""
-    fwd = [(s["micro_batch"], s.get("chunk", 0)) for s in steps if s["forward"]]
-    return unit in fwd and fwd.index(unit) + 1 < len(fwd)
+    def forward_before(self, unit: Unit) -> Optional[Unit]:
+        i = self._f.get(unit, 0)
+        return self.forwards[i - 1] if i > 0 else None
+
+    def backward_after(self, unit: Optional[Unit]) -> Optional[Unit]:
+        i = self._b.get(unit, len(self.backwards)) if unit is not None else len(self.backwards)
+        return self.backwards[i + 1] if i + 1 < len(self.backwards) else None
+
+    def has_later_forward(self, unit: Unit) -> bool:
+        """Whether a forward follows ``unit``'s (so a later point's O chain offloads it)."""
+        i = self._f.get(unit)
+        return i is not None and i + 1 < len(self.forwards)
 
 
 class PointIssuer:
@@ -89,15 +90,12 @@ class PointIssuer:
         self.b_stages: List[Tuple[int, int]] = []  # (first operator, stage), backward order
         self.f_next = 0
         self.b_next = 0
-        self.points = 0
-        self.reached = 0
 
     def begin(self, order: Sequence[Dict[str, Any]], forward_key: int, backward_key: int,
               offload_key: int, recover_key: int) -> None:
         """Loads a point's order (the previous point's pieces are finished first)."""
         self.enforcer.schedule_begin(order, offload_key, recover_key)
         self.active = True
-        self.points += 1
         self.forward_key, self.backward_key = forward_key, backward_key
         self.f_stages = sorted((it["first"], it["stage"]) for it in order if it["chain"] == "F")
         self.b_stages = sorted(((it["first"], it["stage"]) for it in order
@@ -111,12 +109,12 @@ class PointIssuer:
         i = self.index.op(op)
         if i < 0:
             return
-        stages = self.f_stages
+        stages, start = self.f_stages, self.f_next
         while self.f_next < len(stages) and stages[self.f_next][0] <= i:
             self.enforcer.schedule_reached("F", stages[self.f_next][1])
             self.f_next += 1
-            self.reached += 1
-        self.collect()
+        if self.f_next != start:  # completed offloads are looked for at stage boundaries only
+            self.collect()
 
     def backward_op(self, micro_batch: int, op: Op) -> None:
         """The backward of ``micro_batch`` needs an activation ``op`` produced."""
@@ -125,12 +123,12 @@ class PointIssuer:
         i = self.index.op(op)
         if i < 0:
             return
-        stages = self.b_stages
+        stages, start = self.b_stages, self.b_next
         while self.b_next < len(stages) and i <= stages[self.b_next][0]:
             self.enforcer.schedule_reached("B", stages[self.b_next][1])
             self.b_next += 1
-            self.reached += 1
-        self.collect()
+        if self.b_next != start:
+            self.collect()
 
     def finish(self) -> None:
         """Issues what is left of the point's order and waits for it."""

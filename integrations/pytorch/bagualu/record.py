@@ -203,7 +203,7 @@ class Record:
         self.live_block = True
         self._enforcer_bytes(self.nbytes)
         if placement == HOST:
-            t.acquired(self.micro_batch, self.enf)
+            t.acquired(self.micro_batch)
             t.counters["reloads"] += 1
             t.counters["bytes_h2d"] += self.nbytes
         else:

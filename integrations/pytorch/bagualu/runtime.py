@@ -361,6 +361,7 @@ class Runtime:
                                              self.layer_count // max(self.chunks, 1))
             self.tracker.issuer = issuemod.PointIssuer(self.enforcer, index,
                                                        self.tracker.collect_offloaded)
+            self.rank_schedule = issuemod.RankSchedule(self.description.get("steps", []))
             self._locate = lambda r: self._graph_index(index, names, r)
         if self.policy == "static-under":
             self.static_strategies = self.governor.static_plan(
@@ -443,13 +444,13 @@ class Runtime:
         issuer = self.tracker.issuer
         if issuer is None or not plan.get("issue_order"):
             return
-        steps = (self.description or {}).get("steps", [])
-        before, after = issuemod.neighbours(steps, forward, backward)
+        rank = self.rank_schedule
+        before, after = rank.forward_before(forward), rank.backward_after(backward)
         issuer.begin(plan["issue_order"], self.key(*forward),
                      self.key(*backward) if backward is not None else -1,
                      self.key(*before) if before is not None else -1,
                      self.key(*after) if after is not None else -1)
-        if issuemod.has_later_forward(steps, forward):
+        if rank.has_later_forward(forward):
             self.tracker.scheduled.add(self.key(*forward))
 
     # -- micro-batch contexts ---------------------------------------------------------------
@@ -503,8 +504,10 @@ class Runtime:
             self.accuracy.append((load, graphmod.keep_all_bytes(self.description, load),
                                   float(captured)))
         if self.governor is not None and self.governor.ready and mb in self.mb_plan:
-            self.governor.report(mb % CHUNK_STRIDE, chunk_of, t.retained_bytes(mb),
-                                 self.enforcer.stats().get("pinned_in_use", 0))
+            # Pinned use matters to the daemon only (its view of the grant).
+            host_used = (self.enforcer.stats().get("pinned_in_use", 0)
+                         if getattr(self.governor, "remote", None) is not None else 0)
+            self.governor.report(mb % CHUNK_STRIDE, chunk_of, t.retained_bytes(mb), host_used)
         self._note_peak()
 
     @contextmanager

@@ -345,7 +345,7 @@ class Tracker:
         self.collect_offloaded()
         self.enforcer.prefetch(micro_batch)
 
-    def acquired(self, micro_batch: int, handle: int) -> None:
+    def acquired(self, micro_batch: int) -> None:
         """A reload of ``micro_batch`` was consumed: the enforcer may issue the next one."""
         self.enforcer.prefetch(micro_batch)
 
