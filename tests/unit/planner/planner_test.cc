@@ -161,9 +161,10 @@ TEST(StagePlanner, BandwidthShareSlowsTheCopies) {
     }
   }
   ASSERT_GT(d2h_full, 0) << "the scenario must offload";
-  if (half.host_bytes == full.host_bytes) {
-    EXPECT_GT(d2h_half, d2h_full);
-  }
+  // Per byte on host, halving the bandwidth must lengthen the copies.
+  ASSERT_GT(half.host_bytes, 0) << "the shared plan must offload too";
+  EXPECT_GT(d2h_half / static_cast<double>(half.host_bytes),
+            d2h_full / static_cast<double>(full.host_bytes));
   EXPECT_GE(half.serial_s, full.serial_s - 1e-12);
   // Shares are rounded down to 1/16: 1/3 plans as 5/16.
   EXPECT_DOUBLE_EQ(PlanUnderPressure(-1, 1.0 / 3).bandwidth_share, 5.0 / 16);

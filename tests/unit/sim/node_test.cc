@@ -96,6 +96,7 @@ TEST(NodeTest, AmpleBudgetMeansNoFailures) {
     EXPECT_EQ(s.failed_offloads, 0) << NodeModeName(mode);
     EXPECT_EQ(s.ooms, 0) << NodeModeName(mode);
     EXPECT_LE(s.host_pinned_peak, s.host_budget_bytes);
+    EXPECT_GT(s.host_pinned_peak, 0) << NodeModeName(mode) << ": the scenario must offload";
   }
 }
 
