@@ -1,5 +1,9 @@
 #include "allocator/host_stream.h"
 
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <random>
 #include <unordered_set>
 
 namespace bgl::alloc {
@@ -12,6 +16,23 @@ std::mutex& registry_mu() {
 std::unordered_set<const void*>& registry() {
   static auto* set = new std::unordered_set<const void*>();
   return *set;
+}
+
+// BGL_HOST_STREAM_JITTER_US=N: every item waits a random 0..N microseconds before it runs, so
+// tests can shake out races between streams that a quiet machine never shows (0: off).
+int jitter_us() {
+  static const int us = [] {
+    const char* v = std::getenv("BGL_HOST_STREAM_JITTER_US");
+    return v == nullptr ? 0 : std::max(0, std::atoi(v));
+  }();
+  return us;
+}
+
+void jitter() {
+  const int us = jitter_us();
+  if (us == 0) return;
+  thread_local std::minstd_rand rng(std::random_device{}());
+  std::this_thread::sleep_for(std::chrono::microseconds(rng() % (us + 1)));
 }
 
 }  // namespace
@@ -80,6 +101,7 @@ void HostStream::run_front(std::unique_lock<std::mutex>& lock) const {
   queue_.pop_front();
   running_ = true;
   lock.unlock();
+  jitter();
   work();
   lock.lock();
   running_ = false;

@@ -339,6 +339,11 @@ Status Enforcer::offload_locked(TrackedTensor& t) {
   if (t.acquired > 0 || t.busy > 0) {
     return fail(Status::kInvalidState, name + ": a consumer or an operation is using it");
   }
+  if (t.reload_unused) {
+    // Reloaded ahead of a consumer that has not taken it: the pinned copy is still there, so
+    // offloading again only gives the device block back (a second copy would leak the first).
+    return unreload_locked(t);
+  }
   Busy busy(t);
   void* host = nullptr;
   std::string error;
@@ -720,8 +725,9 @@ Status Enforcer::take_offloaded(std::uint64_t* out, std::size_t cap, std::size_t
   for (std::uint64_t h : scheduled_offloads_) {
     TrackedTensor* t = tracker_.find(h);
     if (t == nullptr) continue;  // retired meanwhile
-    const bool copying = t->placement == Placement::kHost && t->has_offload &&
-                         !ops_->query(t->offload_done);
+    // Until the D2H copy ran, the source must stay: also when a reload was queued behind the
+    // copy meanwhile (the tensor is on the device again, but the pinned data is not there yet).
+    const bool copying = t->has_offload && !ops_->query(t->offload_done);
     if (copying || n == cap) {
       scheduled_offloads_[kept++] = h;
     } else {

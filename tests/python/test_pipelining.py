@@ -433,7 +433,8 @@ def _torchrun(tmp_path: Any, *extra: str) -> str:
 
 # A loss printed as a hex float. torchrun's ranks share one stdout, unbuffered: a line's text
 # and its newline are separate writes, so another rank's line can follow the number directly.
-_HEX = r"(-?0x[0-9a-f]+(?:\.[0-9a-f]*)?p[+-]\d+)"
+# A NaN or infinite loss is captured too, so that a run that diverged fails as a wrong loss.
+_HEX = r"(-?0x[0-9a-f]+(?:\.[0-9a-f]*)?p[+-]\d+|-?nan|-?inf)"
 
 
 def _exact_losses(text: str) -> List[str]:

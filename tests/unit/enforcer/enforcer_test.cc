@@ -370,4 +370,56 @@ TEST(Enforcer, TakeOffloadedReturnsScheduledOffloadsOnceComplete) {
 }
 
 }  // namespace
+TEST(Enforcer, ScheduledOffloadIsNotTakenBeforeItsCopyRanEvenWhenReloadedMeanwhile) {
+  // The package lets the source of a scheduled offload go when take_offloaded reports it. A
+  // reload queued behind the copy (the backward began) puts the tensor on the device again
+  // before the copy ran: reporting it then let PyTorch reuse the source under the copy, and the
+  // backward read what the reload copied back (a NaN loss in CI's interleaved pipeline test).
+  Env env(std::size_t{256} << 20, 64 << 20, /*max_inflight=*/4);
+  std::vector<std::uint8_t> data;
+  const std::uint64_t h = env.make(1 << 16, &data, 0, 5);
+  ASSERT_EQ(env.enf->set_strategy(h, Strategy::kOffload), Status::kOk);
+  ASSERT_EQ(env.enf->set_graph_index(h, 0, 10), Status::kOk);
+  plan::IssueItem f, o;
+  f.chain = plan::Chain::kForward;
+  o.chain = plan::Chain::kOffload;
+  o.resource = plan::Resource::kD2H;
+  o.first = o.last = 10;
+  ASSERT_EQ(env.enf->schedule_begin({f, o}, 5, -1), Status::kOk);
+  Gate gate(env.d2h);  // the D2H copy cannot run yet
+  ASSERT_EQ(env.enf->schedule_reached(plan::Chain::kForward, 0), Status::kOk);
+  ASSERT_EQ(env.info(h).placement, BGL_PLACE_HOST);
+  std::size_t issued = 0;
+  ASSERT_EQ(env.enf->prefetch(5, &issued), Status::kOk);
+  ASSERT_EQ(issued, 1u);
+  ASSERT_EQ(env.info(h).placement, BGL_PLACE_DEVICE);  // reloaded, behind the copy
+  std::uint64_t out[4];
+  std::size_t n = 9;
+  ASSERT_EQ(env.enf->take_offloaded(out, 4, &n), Status::kOk);
+  EXPECT_EQ(n, 0u);  // the source is still being read
+  gate.open();
+  env.d2h.synchronize();
+  ASSERT_EQ(env.enf->take_offloaded(out, 4, &n), Status::kOk);
+  ASSERT_EQ(n, 1u);
+  EXPECT_EQ(out[0], h);
+  ASSERT_EQ(env.enf->schedule_finish(), Status::kOk);
+  env.expect_data(h, data);
+}
+
+TEST(Enforcer, OffloadingAnUntakenReloadGivesTheBlockBackAndKeepsOnePinnedCopy) {
+  Env env(std::size_t{256} << 20, 64 << 20, /*max_inflight=*/4);
+  std::vector<std::uint8_t> data;
+  const std::uint64_t h = env.make(1 << 20, &data, 0, 2);
+  ASSERT_EQ(env.enf->offload(h), Status::kOk);
+  ASSERT_EQ(env.enf->prefetch(2, nullptr), Status::kOk);
+  ASSERT_EQ(env.info(h).placement, BGL_PLACE_DEVICE);
+  const std::size_t pinned = env.enf->stats().pinned_in_use;
+  ASSERT_EQ(env.enf->offload(h), Status::kOk);  // pressure before any consumer took it
+  EXPECT_EQ(env.info(h).placement, BGL_PLACE_HOST);
+  EXPECT_EQ(env.enf->stats().pinned_in_use, pinned);  // no second pinned copy
+  EXPECT_EQ(env.enf->stats().offloads, 1u);
+  EXPECT_EQ(env.enf->stats().unreloads, 1u);
+  env.expect_data(h, data);
+}
+
 }  // namespace bgl::alloc::testing
