@@ -78,9 +78,11 @@ Pool::~Pool() {
 void Pool::init_arena(Arena& a, bool small) {
   a.small = small;
   if (!expandable_) return;
-  // Virtual space is cheap: twice the limit (large) or the limit (small) leaves room for
-  // address-space fragmentation before anything must be unmapped.
-  std::size_t va = round_up(std::max(limit_, page_) * (small ? 1 : 2), page_);
+  // Virtual space is cheap: twice the limit leaves room for address-space fragmentation before
+  // anything must be unmapped. The small arena gets as much: under a small limit every request
+  // is small, and with only the limit's worth of addresses a request could fail while the pages
+  // it needs are free but scattered between live blocks.
+  std::size_t va = round_up(std::max(limit_, page_) * 2, page_);
   void* base = backend_->reserve(va);
   if (base == nullptr) {
     report_error(options_.log, "device " + std::to_string(backend_->device()) +

@@ -128,16 +128,44 @@ Result<int64_t> NodeArbiter::Register(uint64_t session, int gpu, int64_t request
 void NodeArbiter::Unregister(uint64_t session) {
   if (sessions_.erase(session) == 0) return;
   Rebalance();
-  ++version_;
+}
+
+void NodeArbiter::SetUsed(uint64_t session, int64_t used_bytes) {
+  auto it = sessions_.find(session);
+  if (it == sessions_.end() || used_bytes < 0 || it->second.used == used_bytes) return;
+  it->second.used = used_bytes;
+  Rebalance();
 }
 
 void NodeArbiter::Rebalance() {
   std::vector<int64_t> requests;
   requests.reserve(sessions_.size());
   for (const auto& [id, s] : sessions_) requests.push_back(s.requested);
-  const std::vector<int64_t> grants =
+  std::vector<int64_t> grants =
       WaterFill(requests, config_.host_budget_bytes, config_.host_floor_bytes);
+  // Sessions above their share still hold their use: the budget left after every session's
+  // max(share, use) is overdrawn by `excess`, taken from the headroom (share - use) of the
+  // sessions below their share, in proportion to it (rounded up: the sum never falls short).
+  int64_t claimed = 0;
+  int64_t headroom = 0;
   size_t i = 0;
+  for (const auto& [id, s] : sessions_) {
+    claimed += std::max(grants[i], s.used);
+    headroom += std::max<int64_t>(grants[i] - s.used, 0);
+    ++i;
+  }
+  const int64_t excess = claimed - config_.host_budget_bytes;
+  if (excess > 0 && headroom > 0) {
+    i = 0;
+    for (const auto& [id, s] : sessions_) {
+      const int64_t room = std::max<int64_t>(grants[i] - s.used, 0);
+      const auto cut = static_cast<int64_t>(
+          (static_cast<__int128>(std::min(excess, headroom)) * room + headroom - 1) / headroom);
+      grants[i] -= std::min(cut, room);
+      ++i;
+    }
+  }
+  i = 0;
   bool changed = false;
   for (auto& [id, s] : sessions_) {
     changed |= s.grant != grants[i];

@@ -43,6 +43,11 @@ class NodeArbiter {
   Result<int64_t> Register(uint64_t session, int gpu, int64_t requested_bytes);
   // Its grant returns to the node and the others rebalance. Unknown sessions are ignored.
   void Unregister(uint64_t session);
+  // The pinned bytes the session holds now (its reports). A session above its fair share gives
+  // memory back only as its copies come back: until then its use counts against the budget and
+  // the sessions below their share are granted what is left, so the node's pinned memory never
+  // exceeds the budget while grants shrink. Unknown sessions and negative values are ignored.
+  void SetUsed(uint64_t session, int64_t used_bytes);
   // The current grant (0: unknown session).
   int64_t Grant(uint64_t session) const;
   // (session, grant) in session order.
@@ -69,6 +74,7 @@ class NodeArbiter {
     int link = 0;
     int64_t requested = 0;
     int64_t grant = 0;
+    int64_t used = 0;
     bool offloading = false;
   };
 

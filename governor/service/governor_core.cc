@@ -364,6 +364,7 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
     return Reject("Report", Invalid("allocator_snapshot_json: not valid JSON"));
   }
   int64_t ooms_delta = 0;
+  int64_t host_used = -1;  // pinned bytes the process holds now, when it reports them
   double planner_used = 0;
   {
     std::lock_guard<std::mutex> lock(session->planner_mu);
@@ -384,6 +385,7 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
       if (st.host_used_bytes() > 0 || session->host_used_reported) {
         session->host_used_bytes = st.host_used_bytes();
         session->host_used_reported = true;
+        host_used = st.host_used_bytes();
       }
     } else {
       session->in_use_bytes = static_cast<int64_t>(planner_used);
@@ -393,6 +395,11 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
       session->snapshot_json = req.allocator_snapshot_json();
       session->snapshot_unix_ms = NowUnixMs();
     }
+  }
+  if (host_used >= 0) {
+    // Use above a shrunk grant still counts against the node: the others' grants follow it.
+    std::lock_guard<std::mutex> lock(node_mu_);
+    if (node_) node_->SetUsed(session->node_id, host_used);
   }
   if (metrics_ != nullptr && ooms_delta > 0) metrics_->OnOomsAvoided(ooms_delta);
   return grpc::Status::OK;

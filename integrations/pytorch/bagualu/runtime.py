@@ -119,7 +119,8 @@ class Runtime:
                                fp8_block=fp8_block,
                                light_chunk=max(capacity >> 10, 4 << 10) if pool is not None
                                else 0,
-                               pool_backed=pool is not None, device_type=device.type)
+                               pool_backed=pool is not None, device_type=device.type,
+                               evict_fp8=self.policy == "bagualu")
         self.tracker.enforcer = Enforcer(
             device, self.pinned_capacity,
             borrowed_free_is_safe=device.type == "cuda" and _active.cuda_allocator_swapped,

@@ -39,7 +39,7 @@ class Tracker:
     counters: Dict[str, int] = field(default_factory=lambda: {
         "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
         "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0, "drops": 0,
-        "recomputes": 0, "scheduled_offloads": 0})
+        "recomputes": 0, "scheduled_offloads": 0, "fp8_evictions": 0})
     light_chunk: int = 0  # bytes per accounting block of light micro-batches (0: exact)
     enforcer: Any = None  # enforcer.Enforcer: every move of a record goes through it
     pool_backed: bool = False  # device_alloc gives pool blocks (CPU), not just a count
@@ -47,6 +47,9 @@ class Tracker:
     # Strategies follow the operator that produced a storage (unmodified models, recompute
     # callbacks) instead of the operator that saved it (OpBlock layers, checkpoint regions).
     by_producer: bool = False
+    # Pressure eviction stores in FP8 what it cannot offload (the pinned pool is full at the
+    # node's grant): the policy allows FP8 and it beats running out of memory.
+    evict_fp8: bool = False
 
     @property
     def pin_memory(self) -> bool:
@@ -417,6 +420,13 @@ class Tracker:
             if freed >= needed:
                 break
             got = r.offload()
+            if not got and self.evict_fp8 and r.movable():
+                got = r.store_fp8()  # no pinned room left: a quarter or half the bytes stay
+                if got:
+                    if self.counters["fp8_evictions"] == 0:
+                        log.warning("bagualu: the pinned host pool is full (the node's grant): "
+                                    "pressure eviction stores activations in FP8 instead")
+                    self.counters["fp8_evictions"] += 1
             if got:
                 freed += got
                 self.counters["evictions"] += 1
