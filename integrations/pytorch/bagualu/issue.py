@@ -90,6 +90,9 @@ class PointIssuer:
         self.b_stages: List[Tuple[int, int]] = []  # (first operator, stage), backward order
         self.f_next = 0
         self.b_next = 0
+        # Set while the enforcer carries out pieces: a piece's recompute callback reruns module
+        # calls and unpacks their inputs, which must not reach more rounds from inside it.
+        self.issuing = False
 
     def begin(self, order: Sequence[Dict[str, Any]], forward_key: int, backward_key: int,
               offload_key: int, recover_key: int) -> None:
@@ -104,35 +107,47 @@ class PointIssuer:
 
     def forward_op(self, micro_batch: int, op: Op) -> None:
         """The forward of ``micro_batch`` enters ``op``."""
-        if micro_batch != self.forward_key or self.f_next >= len(self.f_stages):
+        if micro_batch != self.forward_key or self.f_next >= len(self.f_stages) or self.issuing:
             return
         i = self.index.op(op)
         if i < 0:
             return
         stages, start = self.f_stages, self.f_next
-        while self.f_next < len(stages) and stages[self.f_next][0] <= i:
-            self.enforcer.schedule_reached("F", stages[self.f_next][1])
-            self.f_next += 1
-        if self.f_next != start:  # completed offloads are looked for at stage boundaries only
-            self.collect()
+        self.issuing = True
+        try:
+            while self.f_next < len(stages) and stages[self.f_next][0] <= i:
+                self.f_next += 1
+                self.enforcer.schedule_reached("F", stages[self.f_next - 1][1])
+            if self.f_next != start:  # completed offloads are looked for at stage boundaries
+                self.collect()
+        finally:
+            self.issuing = False
 
     def backward_op(self, micro_batch: int, op: Op) -> None:
         """The backward of ``micro_batch`` needs an activation ``op`` produced."""
-        if micro_batch != self.backward_key or self.b_next >= len(self.b_stages):
+        if micro_batch != self.backward_key or self.b_next >= len(self.b_stages) or self.issuing:
             return
         i = self.index.op(op)
         if i < 0:
             return
         stages, start = self.b_stages, self.b_next
-        while self.b_next < len(stages) and i <= stages[self.b_next][0]:
-            self.enforcer.schedule_reached("B", stages[self.b_next][1])
-            self.b_next += 1
-        if self.b_next != start:
-            self.collect()
+        self.issuing = True
+        try:
+            while self.b_next < len(stages) and i <= stages[self.b_next][0]:
+                self.b_next += 1
+                self.enforcer.schedule_reached("B", stages[self.b_next - 1][1])
+            if self.b_next != start:
+                self.collect()
+        finally:
+            self.issuing = False
 
     def finish(self) -> None:
         """Issues what is left of the point's order and waits for it."""
         if self.active:
             self.active = False
-            self.enforcer.schedule_finish()
-            self.collect()
+            self.issuing = True
+            try:
+                self.enforcer.schedule_finish()
+                self.collect()
+            finally:
+                self.issuing = False

@@ -238,7 +238,7 @@ class AutoLayers:
                                                     set()).add(op.name)
             if ((defer and rt.may_defer) or rt.strategy_of(op, t.micro_batch) == RECOMPUTE) \
                     and self._replayable(op, args, kwargs):
-                call = Call(op, module, args, kwargs, t.hold, t.packs_seen, rt.device)
+                call = Call(op, module, args, kwargs, t.hold, t.packs_seen, rt.device, rt)
                 t.calls.append(call)
         t.scope.append(op)
         issuer = t.issuer

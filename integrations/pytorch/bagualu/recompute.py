@@ -37,13 +37,17 @@ class Call:
     """One forward call of an operator module whose activations are recomputed on demand."""
 
     __slots__ = ("op", "module", "spec", "leaves", "rng", "devices", "device_rng", "autocast",
-                 "start", "packs", "open", "outputs", "pending", "done", "__weakref__")
+                 "start", "packs", "open", "outputs", "pending", "done", "owner", "__weakref__")
 
     def __init__(self, op: Op, module: torch.nn.Module, args: Tuple[Any, ...],
                  kwargs: Dict[str, Any], hold: Callable[[torch.Tensor], Any], start: int,
-                 device: torch.device) -> None:
+                 device: torch.device, owner: Any = None) -> None:
         self.op = op
         self.module = module
+        # The runtime whose module hooks act while ``owner.forwarding``: a rerun is not a
+        # forward (the plan's R chain may rerun a call while another micro-batch's forward
+        # runs), so they stand aside during it.
+        self.owner = owner
         leaves, self.spec = pytree.tree_flatten((args, kwargs))
         # Tensors are held through the tracker (a Packed handle and requires_grad); the rest
         # (None, ints, a Cache object) as they are.
@@ -117,12 +121,20 @@ class Call:
             return None
 
         device_type, autocast, dtype = self.autocast
-        with torch.random.fork_rng(devices=self.devices, device_type=device_type):
-            torch.set_rng_state(self.rng)
-            set_device_states(self.devices, self.device_rng, device_type=device_type)
-            with torch.enable_grad(), torch.autocast(device_type, dtype, enabled=autocast), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
-                out = self.module(*a, **kw)
+        owner = self.owner
+        forwarding = owner is not None and owner.forwarding
+        if forwarding:
+            owner.forwarding = False
+        try:
+            with torch.random.fork_rng(devices=self.devices, device_type=device_type):
+                torch.set_rng_state(self.rng)
+                set_device_states(self.devices, self.device_rng, device_type=device_type)
+                with torch.enable_grad(), torch.autocast(device_type, dtype, enabled=autocast), \
+                        torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+                    out = self.module(*a, **kw)
+        finally:
+            if forwarding:
+                owner.forwarding = True
         leaves = pytree.tree_leaves(out)
         if len(saved) != self.packs:
             raise BagualuError(

@@ -91,9 +91,12 @@ class Record:
 
     # -- moves (all through the enforcer; the record follows where the data went) -----------
     def movable(self) -> bool:
-        """Whether the data is on the device, in a storage the enforcer tracks and may move."""
+        """Whether the data is on the device, in a storage the enforcer tracks and may move.
+        Not while the enforcer's recompute callback regenerates it: the record has its data
+        but the enforcer has it dropped until the callback returns (pressure eviction inside
+        the rerun must not pick it)."""
         return (self.placement == DEVICE and not self.pinned and self.storage is not None
-                and self.enf != 0)
+                and self.enf != 0 and not self.regenerating)
 
     def offload(self) -> int:
         """Copies the storage to the enforcer's pinned pool and lets the device copy go; bytes

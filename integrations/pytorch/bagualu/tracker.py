@@ -411,8 +411,7 @@ class Tracker:
     def evict(self, needed: int) -> int:
         """Offloads device-resident activations needed last until ``needed`` bytes are freed."""
         cands = [r for recs in self.by_mb.values() for r in recs
-                 if r.placement == DEVICE and not r.pinned and not r.in_backward
-                 and r.storage is not None and r.block_bytes > 0]
+                 if r.movable() and not r.in_backward and r.block_bytes > 0]
         # Later micro-batches first; within one, earlier records (their backward runs last).
         cands.sort(key=lambda r: (-r.micro_batch, r.seq))
         freed = 0
