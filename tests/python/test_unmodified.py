@@ -82,7 +82,9 @@ def test_the_router_downgrades_the_rest_of_its_layer() -> None:
     # is made for): three capacities, one downgrade.
     deferred = drops = recomputes = 0
     for cap in (peak * 3 // 5, peak // 2, peak * 2 // 5):
-        r = unmodified.train("mixtral", "bagualu", capacity=cap)
+        # The serial order: when a dual-batch offload completes moves the bytes in use a
+        # router's replan sees, and with them whether it must downgrade (about 1 run in 4).
+        r = unmodified.train("mixtral", "bagualu", capacity=cap, issue_order="serial")
         assert r["oom"] is None and r["losses"] == full["losses"]
         deferred += sum(line["deferred"] for line in r["lines"])
         drops += r["stats"]["tracker"]["drops"]
