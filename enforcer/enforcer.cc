@@ -752,10 +752,9 @@ Status Enforcer::prefetch(int micro_batch, std::size_t* issued) {
       host.push_back(&t);
     }
   }
-  std::stable_sort(host.begin(), host.end(),
-                   [](const TrackedTensor* a, const TrackedTensor* b) {
-                     return a->need_order < b->need_order;
-                   });
+  std::stable_sort(host.begin(), host.end(), [](const TrackedTensor* a, const TrackedTensor* b) {
+    return a->need_order < b->need_order;
+  });
   const std::size_t bound = static_cast<std::size_t>(std::max(options_.max_inflight, 1));
   std::size_t n = 0;
   for (TrackedTensor* t : host) {

@@ -93,7 +93,7 @@ NodeArbiter::NodeArbiter(NodeConfig config) : config_(std::move(config)) {
 
 int NodeArbiter::LinkOf(int gpu) const {
   auto it = link_of_gpu_.find(gpu);
-  return it != link_of_gpu_.end() ? it->second : -1 - gpu;
+  return it != link_of_gpu_.end() ? it->second : OwnLink(gpu);
 }
 
 Result<int64_t> NodeArbiter::Register(uint64_t session, int gpu, int64_t requested_bytes) {
@@ -186,9 +186,9 @@ std::vector<std::pair<uint64_t, int64_t>> NodeArbiter::Grants() const {
   return out;
 }
 
-int NodeArbiter::SessionLink(uint64_t session) const {
+int NodeArbiter::SessionLink(uint64_t session, int gpu) const {
   auto it = sessions_.find(session);
-  return it != sessions_.end() ? it->second.link : 0;
+  return it != sessions_.end() ? it->second.link : OwnLink(gpu);
 }
 
 void NodeArbiter::SetOffloading(uint64_t session, bool offloading) {
@@ -210,6 +210,20 @@ double NodeArbiter::BandwidthShare(uint64_t session) const {
     others += id != session && s.link == it->second.link && s.offloading ? 1 : 0;
   }
   return 1.0 / (others + 1);
+}
+
+double NodeArbiter::PlanShare(uint64_t session, double own_peak_bytes_per_s) const {
+  double share = BandwidthShare(session);
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) return share;
+  const int link = it->second.link;
+  if (link >= 0 && link < static_cast<int>(config_.links.size())) {
+    const double peak = config_.links[static_cast<size_t>(link)].peak_bytes_per_s;
+    if (peak > 0 && own_peak_bytes_per_s > 0) {
+      share = std::clamp(share * peak / own_peak_bytes_per_s, 1.0 / 64, 1.0);
+    }
+  }
+  return share;
 }
 
 }  // namespace bgl::gov

@@ -52,10 +52,13 @@ class NodeArbiter {
   int64_t Grant(uint64_t session) const;
   // (session, grant) in session order.
   std::vector<std::pair<uint64_t, int64_t>> Grants() const;
-  // Index into config().links, or -1 - gpu for a GPU that is a link of its own.
+  // The link number of a GPU that no configured link lists (a link of its own), and back.
+  static int OwnLink(int gpu) { return -1 - gpu; }
+  static int GpuOfOwnLink(int link) { return -1 - link; }
+  // Index into config().links, or OwnLink(gpu) for a GPU that is a link of its own.
   int LinkOf(int gpu) const;
-  // The link of a registered session (LinkOf(its gpu)); 0 for an unknown session.
-  int SessionLink(uint64_t session) const;
+  // The link of a registered session (LinkOf(its gpu)); OwnLink(gpu) for an unknown one.
+  int SessionLink(uint64_t session, int gpu) const;
   // Whether the session's current point offloads or reloads. Unknown sessions are ignored.
   void SetOffloading(uint64_t session, bool offloading);
   // Sessions on `link` that offload now.
@@ -63,6 +66,10 @@ class NodeArbiter {
   // 1 / (sessions on its link offloading now, counting itself as offloading); 1.0 alone or
   // unknown.
   double BandwidthShare(uint64_t session) const;
+  // The session's share against its own copy roofline (`own_peak_bytes_per_s`, the GPU's
+  // calibrated offload peak): BandwidthShare, times the link's measured peak over the GPU's own
+  // when the link has one, within [1/64, 1]. What a plan's `bandwidth_share` is.
+  double PlanShare(uint64_t session, double own_peak_bytes_per_s) const;
   // Bumps whenever any grant changes.
   uint64_t Version() const { return version_; }
   int sessions() const { return static_cast<int>(sessions_.size()); }

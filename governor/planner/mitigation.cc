@@ -244,26 +244,24 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
   result.budget = budget;
   result.assignment = planned;
   result.cost = eval.Evaluate(planned, observed_r);
-  if (result.cost.device_bytes > budget) {
+  // Operators of the gate's layer and after that `pick` selects go to recompute.
+  auto downgrade = [&](auto pick) {
     for (size_t o = 0; o < g.ops.size(); ++o) {
-      const Operator& op = g.ops[o];
-      if (op.layer >= gate_layer && IsMoeBlock(op.kind) &&
+      if (g.ops[o].layer >= gate_layer && pick(o) &&
           eval.Allowed(static_cast<int>(o), Strategy::kRecompute)) {
         result.assignment[o] = Strategy::kRecompute;
       }
     }
     result.cost = eval.Evaluate(result.assignment, observed_r);
+  };
+  if (result.cost.device_bytes > budget) {
+    downgrade([&](size_t o) { return IsMoeBlock(g.ops[o].kind); });
     result.fallback_full_recompute = true;
   }
+  // Over the node's host grant: the rest of the layer's offloads recompute instead (not a
+  // full-recompute fallback: only offloads change).
   if (host_limit_bytes >= 0 && result.cost.host_bytes > host_limit_bytes) {
-    for (size_t o = 0; o < g.ops.size(); ++o) {
-      if (g.ops[o].layer >= gate_layer && result.assignment[o] == Strategy::kOffload &&
-          eval.Allowed(static_cast<int>(o), Strategy::kRecompute)) {
-        result.assignment[o] = Strategy::kRecompute;
-      }
-    }
-    result.cost = eval.Evaluate(result.assignment, observed_r);
-    result.fallback_full_recompute = true;
+    downgrade([&](size_t o) { return result.assignment[o] == Strategy::kOffload; });
   }
   result.fits = result.cost.device_bytes <= budget;
   return result;

@@ -100,9 +100,9 @@ void GovernorCore::FillNodeFields(const Session& s, pb::Session* out) const {
     std::lock_guard<std::mutex> lock(node_mu_);
     if (node_) {
       out->set_host_grant_bytes(node_->Grant(s.node_id));
-      out->set_link(node_->SessionLink(s.node_id));
+      out->set_link(node_->SessionLink(s.node_id, s.info.gpu_index()));
     } else {
-      out->set_link(-1 - s.info.gpu_index());
+      out->set_link(NodeArbiter::OwnLink(s.info.gpu_index()));
     }
   }
 }
@@ -247,14 +247,8 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
     std::lock_guard<std::mutex> lock(node_mu_);
     if (node_) {
       grant = node_->Grant(session->node_id);
-      share = node_->BandwidthShare(session->node_id);
-      // A link with a measured peak: this session's part of it against its own copy roofline.
-      const int link = node_->SessionLink(session->node_id);
-      if (link >= 0 && link < static_cast<int>(node_->config().links.size())) {
-        const double peak = node_->config().links[link].peak_bytes_per_s;
-        const double own = session->planner->hardware().offload.peak_bytes_per_s;
-        if (peak > 0 && own > 0) share = std::clamp(share * peak / own, 1.0 / 64, 1.0);
-      }
+      share =
+          node_->PlanShare(session->node_id, session->planner->hardware().offload.peak_bytes_per_s);
     }
   }
   plan::CacheCounters cache;
@@ -501,7 +495,7 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
       node.configured = node_->config().links;
       for (const auto& s : visible) {
         node.grants[s->node_id] = node_->Grant(s->node_id);
-        node.links[s->node_id] = node_->SessionLink(s->node_id);
+        node.links[s->node_id] = node_->SessionLink(s->node_id, s->info.gpu_index());
       }
     }
   }
@@ -531,9 +525,8 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
     row->set_oom_count(s->oom_count);
     row->set_plans(s->plans);
     const int64_t grant = node.arbitrated ? node.grants[s->node_id] : 0;
-    const int link = node.arbitrated ? node.links[s->node_id] : -1 - s->info.gpu_index();
-    row->set_host_grant_bytes(grant);
-    row->set_host_used_bytes(s->host_used_bytes);
+    const int link =
+        node.arbitrated ? node.links[s->node_id] : NodeArbiter::OwnLink(s->info.gpu_index());
     row->set_bandwidth_share(s->bandwidth_share);
     row->set_offloading(s->offloading);
     row->mutable_session()->set_host_grant_bytes(grant);
@@ -545,7 +538,7 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
       if (link >= 0 && link < static_cast<int>(node.configured.size())) {
         for (int gpu : node.configured[link].gpus) l.add_gpus(gpu);
       } else {
-        l.add_gpus(-1 - link);
+        l.add_gpus(NodeArbiter::GpuOfOwnLink(link));
       }
     }
     l.set_sessions(l.sessions() + 1);
@@ -613,7 +606,8 @@ void GovernorCore::PublishMetrics() {
   for (const pb::GpuState& g : sample.gpus()) {
     for (const pb::ProcessRow& row : g.processes()) {
       hosts.push_back({row.session().session_id(), g.gpu_index(), row.session().job_id(),
-                       row.session().link(), row.host_grant_bytes(), row.host_used_bytes()});
+                       row.session().link(), row.session().host_grant_bytes(),
+                       row.session().host_used_bytes()});
     }
   }
   std::vector<std::pair<int, int>> links;

@@ -201,8 +201,8 @@ TEST(FrameLayout, ShowsHostGrantsAndLinkLoad) {
   frame.set_host_budget_bytes(16 * kGiB);
   for (int g = 0; g < 2; ++g) {
     auto* row = frame.mutable_gpus(g)->mutable_processes(0);
-    row->set_host_grant_bytes(8 * kGiB);
-    row->set_host_used_bytes((g + 1) * kGiB);
+    row->mutable_session()->set_host_grant_bytes(8 * kGiB);
+    row->mutable_session()->set_host_used_bytes((g + 1) * kGiB);
     row->set_bandwidth_share(0.5);
     row->set_offloading(true);
     row->mutable_session()->set_link(0);

@@ -301,10 +301,10 @@ Result<NodeIteration> NodeSimulator::Step(const LoadTrace& trace, int iteration)
       plans[g] = plan::Plan{};
       if (i >= gpu.points.size()) continue;
       const PointRef& p = gpu.points[i];
-      const double share =
-          mode_ == NodeMode::kPerProcess
-              ? 1.0
-              : gpu.link_factor * arbiter_->BandwidthShare(static_cast<uint64_t>(g + 1));
+      const double share = mode_ == NodeMode::kPerProcess
+                               ? 1.0
+                               : arbiter_->PlanShare(static_cast<uint64_t>(g + 1),
+                                                     config_.hw.offload.peak_bytes_per_s);
       const double actual_share =
           moving[g] ? gpu.link_factor / static_cast<double>(on_link[gpu.link]) : 1.0;
       plan::SchedulePoint point;

@@ -58,8 +58,8 @@ nlohmann::json FrameToJson(const bagualu::v1::WatchResponse& frame, const Histor
                          {"ooms_avoided", r.ooms_avoided()},
                          {"oom_count", r.oom_count()},
                          {"plans", r.plans()},
-                         {"host_grant_bytes", r.host_grant_bytes()},
-                         {"host_used_bytes", r.host_used_bytes()},
+                         {"host_grant_bytes", s.host_grant_bytes()},
+                         {"host_used_bytes", s.host_used_bytes()},
                          {"bandwidth_share", r.bandwidth_share()},
                          {"offloading", r.offloading()},
                          {"link", s.link()}});

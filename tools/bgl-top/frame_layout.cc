@@ -159,10 +159,10 @@ void AddProcesses(const bagualu::v1::WatchResponse& frame, const LayoutOptions& 
                     r.load_factor() > kSpikeLoadFactor ? Style::kSpike : Style::kNormal});
     // Under a node grant (issue 14): the pinned host bytes in use against the grant, the link
     // and the bandwidth share of its last plan.
-    if (r.host_grant_bytes() > 0) {
-      const bool over = r.host_used_bytes() > r.host_grant_bytes();
+    if (s.host_grant_bytes() > 0) {
+      const bool over = s.host_used_bytes() > s.host_grant_bytes();
       screen.Add().push_back(
-          {"    host " + Bytes(r.host_used_bytes()) + " of grant " + Bytes(r.host_grant_bytes()) +
+          {"    host " + Bytes(s.host_used_bytes()) + " of grant " + Bytes(s.host_grant_bytes()) +
                "  link " + std::to_string(s.link()) + "  share " + Fixed(r.bandwidth_share(), 2) +
                (r.offloading() ? "  offloading" : ""),
            over ? Style::kSpike : Style::kDim});

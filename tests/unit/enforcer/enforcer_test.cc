@@ -304,7 +304,7 @@ TEST(Enforcer, PrefetchReloadsInNeedOrderWithinTheBound) {
   ASSERT_EQ(env.enf->prefetch(3, &issued), Status::kOk);
   EXPECT_EQ(issued, 0u);  // both still wait for their consumer
   ASSERT_EQ(env.enf->prefetch(7, &issued), Status::kOk);
-  EXPECT_EQ(issued, 0u);  // another micro-batch has nothing offloaded
+  EXPECT_EQ(issued, 0u);            // another micro-batch has nothing offloaded
   env.expect_data(hs[4], data[4]);  // taken: room for one more
   ASSERT_EQ(env.enf->prefetch(3, &issued), Status::kOk);
   EXPECT_EQ(issued, 1u);

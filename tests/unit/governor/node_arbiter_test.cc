@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <functional>
-#include <numeric>
 #include <map>
+#include <numeric>
 #include <random>
 
 namespace bgl::gov {
@@ -128,8 +128,8 @@ TEST(NodeArbiter, ANewcomerGetsWhatTheFirstSessionGivesBack) {
   a.SetUsed(1, 400);
   EXPECT_EQ(a.Grant(1), 500);
   EXPECT_EQ(a.Grant(2), 500);
-  a.SetUsed(7, 10);   // unknown session: ignored
-  a.SetUsed(2, -1);   // negative: ignored
+  a.SetUsed(7, 10);  // unknown session: ignored
+  a.SetUsed(2, -1);  // negative: ignored
   EXPECT_EQ(a.Grant(2), 500);
 }
 
@@ -296,6 +296,27 @@ TEST(NodeArbiter, BandwidthSharesPerLink) {
   a.SetOffloading(2, false);
   EXPECT_EQ(a.BandwidthShare(0), 1.0);
   EXPECT_EQ(a.BandwidthShare(12345), 1.0);
+  EXPECT_EQ(a.SessionLink(0, 0), 0);
+  EXPECT_EQ(a.SessionLink(12345, 6), NodeArbiter::OwnLink(6));  // unknown: the GPU's own link
+  EXPECT_EQ(NodeArbiter::GpuOfOwnLink(NodeArbiter::OwnLink(6)), 6);
+}
+
+TEST(NodeArbiter, PlanShareScalesByTheLinksMeasuredPeak) {
+  // Link 0 measured at 20 GB/s; link 1 without a peak; GPU 7 a link of its own.
+  NodeArbiter a = MakeArbiter(8000, 100, 8, {{{0, 1}, 20e9}, {{2, 3}, 0}});
+  for (uint64_t s = 0; s < 4; ++s) ASSERT_TRUE(a.Register(s, static_cast<int>(s), 0).ok());
+  ASSERT_TRUE(a.Register(7, 7, 0).ok());
+  const double own = 50e9;                     // each GPU's calibrated copy peak
+  EXPECT_DOUBLE_EQ(a.PlanShare(0, own), 0.4);  // alone: the link's peak over its own
+  a.SetOffloading(1, true);
+  EXPECT_DOUBLE_EQ(a.PlanShare(0, own), 0.2);        // and halved beside an offloading session
+  EXPECT_DOUBLE_EQ(a.PlanShare(0, 10e9), 1.0);       // half of a link twice as fast: its own peak
+  EXPECT_DOUBLE_EQ(a.PlanShare(0, 0), 0.5);          // no calibrated peak: the plain share
+  EXPECT_DOUBLE_EQ(a.PlanShare(0, 1e15), 1.0 / 64);  // never below 1/64
+  a.SetOffloading(3, true);
+  EXPECT_DOUBLE_EQ(a.PlanShare(2, own), 0.5);  // no measured peak: the plain share
+  EXPECT_DOUBLE_EQ(a.PlanShare(7, own), 1.0);
+  EXPECT_DOUBLE_EQ(a.PlanShare(12345, own), 1.0);
 }
 
 }  // namespace

@@ -361,5 +361,34 @@ TEST(ReplanAfterGate, DowngradesTheMoeBlockOnASpike) {
   EXPECT_LT(spiked.cost.device_bytes, eval.Evaluate(planned->assignment, 2.6).device_bytes);
 }
 
+TEST(ReplanAfterGate, OverTheHostGrantOnlyTheLayersOffloadsRecompute) {
+  auto c = LoadModelConfig(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json");
+  HardwareProfile hw = *HardwareProfileByName("paper");
+  StageGraph g = *BuildStageGraph(*c, hw);
+  CostEvaluator eval(g, hw);
+  // A plan that offloads in every layer, within a budget that the spike does not break.
+  Assignment planned(g.ops.size(), Strategy::kKeep);
+  for (size_t o = 0; o < g.ops.size(); ++o) {
+    if (eval.Allowed(static_cast<int>(o), Strategy::kOffload)) planned[o] = Strategy::kOffload;
+  }
+  const double budget = eval.Evaluate(planned, 1.0).device_bytes * 4;
+  const double host = eval.Evaluate(planned, 1.0).host_bytes;
+  ASSERT_GT(host, 0);
+  auto r = ReplanAfterGate(eval, planned, 1, 1.0, budget, host / 2);
+  EXPECT_FALSE(r.fallback_full_recompute);  // not a full-recompute fallback
+  bool changed = false;
+  for (size_t o = 0; o < g.ops.size(); ++o) {
+    if (g.ops[o].layer < 1 || planned[o] != Strategy::kOffload ||
+        !eval.Allowed(static_cast<int>(o), Strategy::kRecompute)) {
+      EXPECT_EQ(r.assignment[o], planned[o]) << g.ops[o].name;
+    } else {
+      EXPECT_EQ(r.assignment[o], Strategy::kRecompute) << g.ops[o].name;
+      changed = true;
+    }
+  }
+  EXPECT_TRUE(changed);
+  EXPECT_LT(r.cost.host_bytes, host);
+}
+
 }  // namespace
 }  // namespace bgl::plan
