@@ -71,6 +71,60 @@ TEST(NodeCore, GrantsAndLinkLoadAreGaugesThatLeaveWithTheSession) {
   EXPECT_EQ(core.HostGrants()[0].second, int64_t{1} << 30);
 }
 
+// A session's reported pinned use above its shrunk grant holds the newcomer's grant back until
+// the use comes back (NodeArbiter::SetUsed through Report).
+TEST(NodeCore, ReportedUseAboveAShrunkGrantHoldsTheNewcomerBack) {
+  NodeConfig node;
+  node.host_budget_bytes = int64_t{1} << 30;
+  node.host_floor_bytes = int64_t{16} << 20;
+  node.max_sessions = 4;
+  auto arbiter = NodeArbiter::Create(node);
+  ASSERT_TRUE(arbiter.ok());
+  GovernorCore core(nullptr, RequestLimits{}, std::move(arbiter).value());
+  auto reg = [&](int gpu) {
+    pb::RegisterRequest req;
+    req.set_gpu_uuid("host-" + std::to_string(gpu));
+    req.set_gpu_index(gpu);
+    req.set_capacity_bytes(int64_t{1} << 30);
+    req.set_model_json(testing::TinyModel());
+    pb::RegisterResponse resp;
+    EXPECT_TRUE(core.Register(Me(), req, &resp).ok());
+    return resp;
+  };
+  auto report = [&](const std::string& id, int64_t used) {
+    pb::PlanRequest plan;  // a report is about a planned micro-batch
+    plan.set_session_id(id);
+    plan.set_forward_micro_batch(0);
+    plan.set_load_factor(1.0);
+    pb::PlanResponse planned;
+    const grpc::Status p = core.Plan(Me(), plan, &planned);
+    EXPECT_TRUE(p.ok()) << p.error_message();
+    pb::ReportRequest req;
+    req.set_session_id(id);
+    req.mutable_stats()->set_host_used_bytes(used);
+    pb::ReportResponse resp;
+    const grpc::Status s = core.Report(Me(), req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  };
+  auto grant = [&](const std::string& id) {
+    pb::ListSessionsResponse list;
+    EXPECT_TRUE(core.ListSessions(Me(), {}, &list).ok());
+    for (const auto& s : list.sessions()) {
+      if (s.session_id() == id) return s.host_grant_bytes();
+    }
+    return int64_t{-1};
+  };
+  const pb::RegisterResponse a = reg(0);
+  EXPECT_EQ(a.host_grant_bytes(), int64_t{1} << 30);
+  report(a.session_id(), int64_t{900} << 20);  // A pins 900 MiB under its whole-node grant
+  const pb::RegisterResponse b = reg(1);
+  EXPECT_EQ(grant(a.session_id()), int64_t{512} << 20);  // told to shrink
+  EXPECT_EQ(b.host_grant_bytes(), int64_t{124} << 20);   // only what is free now
+  EXPECT_EQ(grant(b.session_id()), int64_t{124} << 20);
+  report(a.session_id(), int64_t{100} << 20);  // A's copies came back
+  EXPECT_EQ(grant(b.session_id()), int64_t{512} << 20);
+}
+
 TEST(NodeConfigKeys, LinksSpellingsAndErrors) {
   auto links = ParseLinks("0,1,2,3@25;4,5,6,7");
   ASSERT_TRUE(links.ok()) << links.status().message();
