@@ -2,12 +2,16 @@
 
 #include <fcntl.h>
 #include <grp.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -41,11 +45,32 @@ DaemonProcess::~DaemonProcess() {
   (void)std::system(cmd.c_str());
 }
 
+namespace {
+
+// Whether a Unix socket at `path` accepts a connection now.
+bool Accepts(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return ok;
+}
+
+}  // namespace
+
 bool DaemonProcess::Start() {
   std::vector<std::string> args = {BGL_GOVERNORD, "--listen",           address_, "--metrics-port",
                                    "0",           "--drain-timeout-ms", "1000"};
   args.insert(args.end(), extra_.begin(), extra_.end());
   const std::string log = dir_ + "/daemon.log";
+  // Everything the child needs is made before fork: it only opens, dups and execs.
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
   pid_ = fork();
   if (pid_ == 0) {
     int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
@@ -53,38 +78,42 @@ bool DaemonProcess::Start() {
       dup2(fd, 1);
       dup2(fd, 2);
     }
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
     execv(argv[0], argv.data());
     _exit(127);
   }
-  // Wait for the socket first: a channel whose first connect failed backs off before retrying.
-  const std::string path = dir_ + "/governor.sock";
-  for (int i = 0; i < 1000; ++i) {
-    struct stat st {};
-    if (stat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) break;
+  // A loaded machine (CI runs two suites at once) can take seconds to start a process: wait by
+  // the clock, not by a count of quick refusals.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  std::string why = "still starting after 60 s";
+  auto exited = [&] {
     int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == pid_) {
-      pid_ = -1;
-      return false;
-    }
+    if (waitpid(pid_, &status, WNOHANG) != pid_) return false;
+    why = "exited with status " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    pid_ = -1;
+    return true;
+  };
+  auto fail = [&] {
+    std::fprintf(stderr, "DaemonProcess: bgl-governord at %s %s; its log:\n%s\n", address_.c_str(),
+                 why.c_str(), ReadFile(log).c_str());
+    return false;
+  };
+  // Wait until the socket accepts a connection first (a socket file alone may be one a killed
+  // daemon left): a gRPC channel whose first connect failed backs off before retrying.
+  const std::string path = dir_ + "/governor.sock";
+  while (std::chrono::steady_clock::now() < deadline && !Accepts(path)) {
+    if (exited()) return fail();
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   RemoteOptions options;
   options.address = address_;
   options.reconnect = false;
   RemoteGovernor probe(options);
-  for (int i = 0; i < 500; ++i) {
+  while (std::chrono::steady_clock::now() < deadline) {
     if (probe.Health(std::chrono::milliseconds(200)).ok()) return true;
-    int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == pid_) {
-      pid_ = -1;
-      return false;
-    }
+    if (exited()) return fail();
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return false;
+  return fail();
 }
 
 void DaemonProcess::Signal(int sig) {
