@@ -28,6 +28,24 @@ Result<int64_t> ParseInt(const std::string& key, const std::string& value, int64
   return static_cast<int64_t>(v);
 }
 
+// A link's peak in GB/s (`field` names it in errors) as bytes per second.
+Result<double> PeakBytesPerS(double gbps, const std::string& field) {
+  if (!std::isfinite(gbps) || gbps <= 0 || gbps > 1e4) {
+    return InvalidArgument("links: " + field + ": peak must be GB/s in (0, 1e4]");
+  }
+  return gbps * 1e9;
+}
+
+// A GPU index of a link (`field` names it in errors).
+Result<int> LinkGpu(const std::string& text, const std::string& field) {
+  auto v = ParseInt("links", text, 0, 4095);
+  if (!v.ok()) {
+    return InvalidArgument("links: " + field + ": expected GPU indices in [0, 4095], got '" + text +
+                           "'");
+  }
+  return static_cast<int>(*v);
+}
+
 // `links:` as a YAML list: of GPU lists ([[0,1],[2,3]]) or of maps ({gpus: [0,1], peak_gbps: 25}).
 Result<std::vector<NodeLink>> LinksFromYaml(const YAML::Node& list) {
   std::vector<NodeLink> links;
@@ -51,10 +69,9 @@ Result<std::vector<NodeLink>> LinksFromYaml(const YAML::Node& list) {
         } catch (const std::exception&) {
           return InvalidArgument("links: " + field + ".peak_gbps: expected a number");
         }
-        if (!std::isfinite(gbps) || gbps <= 0 || gbps > 1e4) {
-          return InvalidArgument("links: " + field + ".peak_gbps: must be in (0, 1e4]");
-        }
-        link.peak_bytes_per_s = gbps * 1e9;
+        auto peak = PeakBytesPerS(gbps, field + ".peak_gbps");
+        if (!peak.ok()) return peak.status();
+        link.peak_bytes_per_s = *peak;
       }
     }
     if (!gpus || !gpus.IsSequence()) {
@@ -62,12 +79,9 @@ Result<std::vector<NodeLink>> LinksFromYaml(const YAML::Node& list) {
     }
     for (const auto& g : gpus) {
       if (!g.IsScalar()) return InvalidArgument("links: " + field + ": expected GPU indices");
-      auto v = ParseInt("links", g.as<std::string>(), 0, 4095);
-      if (!v.ok()) {
-        return InvalidArgument("links: " + field + ": expected GPU indices in [0, 4095], got '" +
-                               g.as<std::string>() + "'");
-      }
-      link.gpus.push_back(static_cast<int>(*v));
+      auto gpu = LinkGpu(g.as<std::string>(), field);
+      if (!gpu.ok()) return gpu.status();
+      link.gpus.push_back(*gpu);
     }
     if (link.gpus.empty()) return InvalidArgument("links: " + field + " lists no GPU");
     links.push_back(std::move(link));
@@ -272,21 +286,17 @@ Result<std::vector<NodeLink>> ParseLinks(const std::string& text) {
       const std::string peak = group.substr(at + 1);
       char* end = nullptr;
       const double gbps = std::strtod(peak.c_str(), &end);
-      if (peak.empty() || *end != '\0' || !std::isfinite(gbps) || gbps <= 0 || gbps > 1e4) {
-        return InvalidArgument("links: " + field +
-                               ": peak after '@' must be GB/s in (0, 1e4], got '" + peak + "'");
-      }
-      link.peak_bytes_per_s = gbps * 1e9;
+      auto bytes = PeakBytesPerS(peak.empty() || *end != '\0' ? -1 : gbps,
+                                 field + " (after '@', got '" + peak + "')");
+      if (!bytes.ok()) return bytes.status();
+      link.peak_bytes_per_s = *bytes;
     }
     std::stringstream items(gpus);
     std::string item;
     while (std::getline(items, item, ',')) {
-      auto v = ParseInt("links", item, 0, 4095);
-      if (!v.ok()) {
-        return InvalidArgument("links: " + field + ": expected GPU indices in [0, 4095], got '" +
-                               item + "'");
-      }
-      link.gpus.push_back(static_cast<int>(*v));
+      auto gpu = LinkGpu(item, field);
+      if (!gpu.ok()) return gpu.status();
+      link.gpus.push_back(*gpu);
     }
     if (link.gpus.empty()) return InvalidArgument("links: " + field + " lists no GPU");
     links.push_back(std::move(link));
@@ -365,7 +375,6 @@ Status ResolveNodeDefaults(DaemonConfig& c, const std::string& sysfs_root,
                                ": host backend, every GPU index a link of its own)"
                          : "sysfs (NUMA nodes of " + std::to_string(numa.size()) + " NVIDIA GPUs)";
   }
-  std::set<int> seen;
   for (size_t i = 0; i < c.links.size(); ++i) {
     for (int gpu : c.links[i].gpus) {
       if (c.node_gpus > 0 && gpu >= c.node_gpus) {
@@ -373,14 +382,10 @@ Status ResolveNodeDefaults(DaemonConfig& c, const std::string& sysfs_root,
                                std::to_string(gpu) + ", which is not on this node (node_gpus " +
                                std::to_string(c.node_gpus) + ")");
       }
-      if (!seen.insert(gpu).second) {
-        return InvalidArgument("links: GPU " + std::to_string(gpu) +
-                               " is in more than one link (again in links[" + std::to_string(i) +
-                               "])");
-      }
     }
   }
-  // The arbiter's own checks (budget against the floors, peaks) name their fields too.
+  // The arbiter's own checks (budget against the floors, a GPU in two links, peaks) name their
+  // fields too.
   auto arbiter = NodeArbiter::Create(NodeConfigOf(c));
   if (!arbiter.ok()) return arbiter.status();
   return OkStatus();

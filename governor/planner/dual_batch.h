@@ -15,6 +15,8 @@ namespace bgl::plan {
 enum class Resource : uint8_t { kCompute, kComm, kD2H, kH2D };
 constexpr int kResourceCount = 4;
 const char* ResourceName(Resource r);
+// The host link's engines: what offloads and reloads occupy.
+constexpr bool IsHostCopy(Resource r) { return r == Resource::kD2H || r == Resource::kH2D; }
 
 // F: forward of x; B: backward of y; O: offloads of x-1; R: reloads/recomputes of y+1.
 enum class Chain : uint8_t { kForward, kBackward, kOffload, kRecover };

@@ -307,9 +307,10 @@ Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& so
   }
 }
 
-Result<ModelConfig> LoadModelConfig(const std::string& path, int max_depth) {
+Result<nlohmann::json> LoadJsonOrYaml(const std::string& path, const std::string& what,
+                                      int max_depth) {
   std::ifstream in(path);
-  if (!in) return NotFound("model file '" + path + "' cannot be opened");
+  if (!in) return NotFound(what + " '" + path + "' cannot be opened");
   std::stringstream buffer;
   buffer << in.rdbuf();
   const std::string text = buffer.str();
@@ -324,7 +325,13 @@ Result<ModelConfig> LoadModelConfig(const std::string& path, int max_depth) {
     doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (doc.is_discarded()) return InvalidArgument(path + ": not valid JSON");
   }
-  return ModelConfigFromJson(doc, path, max_depth);
+  return doc;
+}
+
+Result<ModelConfig> LoadModelConfig(const std::string& path, int max_depth) {
+  auto doc = LoadJsonOrYaml(path, "model file", max_depth);
+  if (!doc.ok()) return doc.status();
+  return ModelConfigFromJson(*doc, path, max_depth);
 }
 
 }  // namespace bgl::plan

@@ -75,6 +75,10 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& doc, const std::st
                                         int max_depth = kDefaultMaxJsonDepth);
 // Reads a .json, .yaml or .yml model file; the nesting is checked on the text before parsing.
 Result<ModelConfig> LoadModelConfig(const std::string& path, int max_depth = kDefaultMaxJsonDepth);
+// A JSON or YAML file (by its extension) as JSON, nesting checked; NotFound when it cannot be
+// opened ("<what> '<path>' cannot be opened").
+Result<nlohmann::json> LoadJsonOrYaml(const std::string& path, const std::string& what,
+                                      int max_depth = kDefaultMaxJsonDepth);
 // Converts YAML text to the equivalent JSON document (nesting checked first).
 Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& source,
                                   int max_depth = kDefaultMaxJsonDepth);

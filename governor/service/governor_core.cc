@@ -81,29 +81,13 @@ std::vector<std::pair<std::string, int64_t>> GovernorCore::HostGrants() const {
   return out;
 }
 
-namespace {
-
-// The arbiter's view of a set of sessions, copied under node_mu_ so that no other lock is held
-// with it.
-struct NodeView {
-  bool arbitrated = false;
-  int64_t budget = 0;
-  std::map<uint64_t, int64_t> grants;
-  std::map<uint64_t, int> links;
-  std::vector<NodeLink> configured;
-};
-
-}  // namespace
-
 void GovernorCore::FillNodeFields(const Session& s, pb::Session* out) const {
-  {
-    std::lock_guard<std::mutex> lock(node_mu_);
-    if (node_) {
-      out->set_host_grant_bytes(node_->Grant(s.node_id));
-      out->set_link(node_->SessionLink(s.node_id, s.info.gpu_index()));
-    } else {
-      out->set_link(NodeArbiter::OwnLink(s.info.gpu_index()));
-    }
+  std::lock_guard<std::mutex> lock(node_mu_);
+  if (node_) {
+    out->set_host_grant_bytes(node_->Grant(s.node_id));
+    out->set_link(node_->SessionLink(s.node_id, s.info.gpu_index()));
+  } else {
+    out->set_link(NodeArbiter::OwnLink(s.info.gpu_index()));
   }
 }
 
@@ -291,7 +275,7 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
   const plan::Plan& p = *result;
   bool offloading = p.host_bytes > 0;
   for (const plan::IssueItem& item : p.issue_order) {
-    offloading |= item.resource == plan::Resource::kD2H || item.resource == plan::Resource::kH2D;
+    offloading |= plan::IsHostCopy(item.resource);
   }
   {
     std::lock_guard<std::mutex> lock(node_mu_);
@@ -486,20 +470,14 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
     return a->info.gpu_index() != b->info.gpu_index() ? a->info.gpu_index() < b->info.gpu_index()
                                                       : a->info.pid() < b->info.pid();
   });
-  NodeView node;
+  std::vector<NodeLink> configured;  // the node's links, copied so no other lock is held
   {
     std::lock_guard<std::mutex> lock(node_mu_);
     if (node_) {
-      node.arbitrated = true;
-      node.budget = node_->config().host_budget_bytes;
-      node.configured = node_->config().links;
-      for (const auto& s : visible) {
-        node.grants[s->node_id] = node_->Grant(s->node_id);
-        node.links[s->node_id] = node_->SessionLink(s->node_id, s->info.gpu_index());
-      }
+      resp->set_host_budget_bytes(node_->config().host_budget_bytes);
+      configured = node_->config().links;
     }
   }
-  resp->set_host_budget_bytes(node.budget);
   std::map<int, pb::LinkState> links;
   std::map<std::string, pb::GpuState*> gpus;
   for (const auto& s : visible) {
@@ -509,9 +487,10 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
       gpu->set_gpu_uuid(s->info.gpu_uuid());
       gpu->set_gpu_index(s->info.gpu_index());
     }
-    std::lock_guard<std::mutex> lock(s->mu);
     pb::ProcessRow* row = gpu->add_processes();
     *row->mutable_session() = s->info;
+    FillNodeFields(*s, row->mutable_session());  // before s->mu: one lock at a time
+    std::lock_guard<std::mutex> lock(s->mu);
     row->set_in_use_bytes(s->in_use_bytes);
     row->set_peak_bytes(s->peak_bytes);
     row->set_reserved_bytes(s->reserved_bytes);
@@ -524,19 +503,16 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
     row->set_ooms_avoided(s->ooms_avoided);
     row->set_oom_count(s->oom_count);
     row->set_plans(s->plans);
-    const int64_t grant = node.arbitrated ? node.grants[s->node_id] : 0;
-    const int link =
-        node.arbitrated ? node.links[s->node_id] : NodeArbiter::OwnLink(s->info.gpu_index());
+    const int64_t grant = row->session().host_grant_bytes();
+    const int link = row->session().link();
     row->set_bandwidth_share(s->bandwidth_share);
     row->set_offloading(s->offloading);
-    row->mutable_session()->set_host_grant_bytes(grant);
     row->mutable_session()->set_host_used_bytes(s->host_used_bytes);
-    row->mutable_session()->set_link(link);
     pb::LinkState& l = links[link];
     if (l.sessions() == 0) {
       l.set_link(link);
-      if (link >= 0 && link < static_cast<int>(node.configured.size())) {
-        for (int gpu : node.configured[link].gpus) l.add_gpus(gpu);
+      if (link >= 0 && link < static_cast<int>(configured.size())) {
+        for (int gpu : configured[link].gpus) l.add_gpus(gpu);
       } else {
         l.add_gpus(NodeArbiter::GpuOfOwnLink(link));
       }

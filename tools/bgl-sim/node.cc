@@ -45,10 +45,6 @@ Result<std::vector<int>> IntList(const nlohmann::json& v, const std::string& fie
   return out;
 }
 
-bool MovesBytes(const plan::IssueItem& item) {
-  return item.resource == plan::Resource::kD2H || item.resource == plan::Resource::kH2D;
-}
-
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -147,22 +143,9 @@ Result<NodeSpec> NodeSpecFromJson(const nlohmann::json& doc, const std::string& 
 }
 
 Result<NodeSpec> LoadNodeSpec(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return NotFound("--node: cannot read '" + path + "'");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  const std::string text = buffer.str();
-  nlohmann::json doc;
-  if (path.ends_with(".yaml") || path.ends_with(".yml")) {
-    auto converted = plan::YamlToJson(text, path);
-    if (!converted.ok()) return converted.status();
-    doc = std::move(converted).value();
-  } else {
-    BGL_RETURN_IF_ERROR(plan::CheckJsonNesting(text, plan::kDefaultMaxJsonDepth, path));
-    doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (doc.is_discarded()) return InvalidArgument(path + ": not valid JSON");
-  }
-  return NodeSpecFromJson(doc, path);
+  auto doc = plan::LoadJsonOrYaml(path, "--node: node file");
+  if (!doc.ok()) return doc.status();
+  return NodeSpecFromJson(*doc, path);
 }
 
 const char* NodeModeName(NodeMode m) {
@@ -174,7 +157,6 @@ struct NodeSimulator::Gpu {
   std::unique_ptr<plan::StagePlanner> planner;
   std::vector<PointRef> points;
   int link = 0;                             // index into the node's links
-  double link_factor = 1;                   // link peak over the GPU's own offload peak, at most 1
   std::vector<double> host;                 // per unit: host bytes pinned now (accepted offloads)
   std::vector<std::vector<double>> device;  // [mb][chunk] retained on the device
   std::vector<PointSchedule> actual, planned;
@@ -209,7 +191,6 @@ Result<std::unique_ptr<NodeSimulator>> NodeSimulator::Create(const SimConfig& co
   auto arbiter = gov::NodeArbiter::Create(nc);
   if (!arbiter.ok()) return InvalidArgument(node.source + ": " + arbiter.status().message());
   sim->arbiter_ = std::make_unique<gov::NodeArbiter>(std::move(*arbiter));
-  const double gpu_peak = config.hw.offload.peak_bytes_per_s;
   for (int g = 0; g < node.gpus; ++g) {
     const int rank = node.ranks.empty() ? g % pp : node.ranks[g];
     if (rank >= pp) {
@@ -228,8 +209,6 @@ Result<std::unique_ptr<NodeSimulator>> NodeSimulator::Create(const SimConfig& co
     gpu->planner = std::move(*planner);
     gpu->points = GroupPoints(gpu->planner->steps());
     gpu->link = link_of[g];
-    const double link_peak = sim->node_.links[gpu->link].peak_bytes_per_s;
-    gpu->link_factor = link_peak > 0 ? std::min(1.0, link_peak / gpu_peak) : 1.0;
     // Every process asks for the pool it would have had alone (the arbiter refuses requests
     // over the whole budget, so at most that).
     auto grant = sim->arbiter_->Register(static_cast<uint64_t>(g + 1), g,
@@ -305,8 +284,12 @@ Result<NodeIteration> NodeSimulator::Step(const LoadTrace& trace, int iteration)
                                ? 1.0
                                : arbiter_->PlanShare(static_cast<uint64_t>(g + 1),
                                                      config_.hw.offload.peak_bytes_per_s);
-      const double actual_share =
-          moving[g] ? gpu.link_factor / static_cast<double>(on_link[gpu.link]) : 1.0;
+      // What its copies really get: the link among the GPUs that move bytes at this point
+      // (the arbiter knows them all, whatever the mode planned with).
+      const double actual_share = moving[g]
+                                      ? arbiter_->PlanShare(static_cast<uint64_t>(g + 1),
+                                                            config_.hw.offload.peak_bytes_per_s)
+                                      : 1.0;
       plan::SchedulePoint point;
       point.forward_micro_batch = p.f_mb;
       point.forward_chunk = p.f_chunk;
@@ -326,7 +309,7 @@ Result<NodeIteration> NodeSimulator::Step(const LoadTrace& trace, int iteration)
       // planner's share step); in reality they get the link's share at this point.
       std::vector<plan::IssueItem> items = plan.issue_order;
       for (plan::IssueItem& item : items) {
-        if (MovesBytes(item)) item.duration_s *= plan.bandwidth_share / actual_share;
+        if (plan::IsHostCopy(item.resource)) item.duration_s *= plan.bandwidth_share / actual_share;
       }
       gpu.planned.push_back(ScheduleRounds(plan.issue_order, false));
       gpu.actual.push_back(ScheduleRounds(items, false));

@@ -127,9 +127,6 @@ PointSchedule ScheduleSerial(const plan::Chains& chains, bool keep_intervals) {
     if (keep_intervals) out.intervals.push_back({0, chain, stage, s.resource, start, end});
     return end;
   };
-  auto is_copy = [](plan::Resource r) {
-    return r == plan::Resource::kD2H || r == plan::Resource::kH2D;
-  };
   const auto& f = chains[static_cast<int>(plan::Chain::kForward)];
   for (size_t i = 0; i < f.size(); ++i) place(plan::Chain::kForward, static_cast<int>(i), 0, true);
   out.forward_end_s = stream;
@@ -143,7 +140,8 @@ PointSchedule ScheduleSerial(const plan::Chains& chains, bool keep_intervals) {
   ready = 0;
   const auto& r = chains[static_cast<int>(plan::Chain::kRecover)];
   for (size_t i = 0; i < r.size(); ++i) {
-    ready = place(plan::Chain::kRecover, static_cast<int>(i), ready, !is_copy(r[i].resource));
+    ready =
+        place(plan::Chain::kRecover, static_cast<int>(i), ready, !plan::IsHostCopy(r[i].resource));
   }
   const auto& b = chains[static_cast<int>(plan::Chain::kBackward)];
   for (size_t i = 0; i < b.size(); ++i) place(plan::Chain::kBackward, static_cast<int>(i), 0, true);

