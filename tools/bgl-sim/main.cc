@@ -20,22 +20,40 @@ int Fail(const std::string& message) {
   return 2;
 }
 
-// --node: the node's GPUs under per-process planning and under node arbitration.
-int RunNode(const bgl::sim::SimOptions& options, const bgl::sim::SimConfig& config) {
+// The load trace of `ranks` ranks (generated, or read from --loads) and the iterations to run.
+bgl::Result<bgl::sim::LoadTrace> MakeTrace(const bgl::sim::SimOptions& options,
+                                           const bgl::sim::SimConfig& config, int ranks,
+                                           int* iterations) {
   using namespace bgl::sim;
-  auto node = LoadNodeSpec(options.node_path);
-  if (!node.ok()) return Fail(node.status().message());
   const int mbs = static_cast<int>(config.model.MicroBatches());
   LoadSpec spec = options.load;
   spec.seed = options.seed;
   spec.gpus_per_stage = static_cast<int>(config.model.gpus / config.model.pp);
   auto trace = options.loads_path.empty()
-                   ? GenerateLoads(spec, options.iterations, node->gpus, mbs)
-                   : ReadLoadLog(options.loads_path, node->gpus, mbs, spec.normal_max);
+                   ? GenerateLoads(spec, options.iterations, ranks, mbs)
+                   : ReadLoadLog(options.loads_path, ranks, mbs, spec.normal_max);
+  if (!trace.ok()) return trace.status();
+  *iterations = options.loads_path.empty() || !options.iterations_given
+                    ? trace->iterations()
+                    : std::min(trace->iterations(), options.iterations);
+  return trace;
+}
+
+// Iterations among the first `n` with a routing spike.
+int Spikes(const bgl::sim::LoadTrace& trace, int n) {
+  int spikes = 0;
+  for (int i = 0; i < n; ++i) spikes += trace.spike[i] ? 1 : 0;
+  return spikes;
+}
+
+// --node: the node's GPUs under per-process planning and under node arbitration.
+int RunNode(const bgl::sim::SimOptions& options, const bgl::sim::SimConfig& config) {
+  using namespace bgl::sim;
+  auto node = LoadNodeSpec(options.node_path);
+  if (!node.ok()) return Fail(node.status().message());
+  int iterations = 0;
+  auto trace = MakeTrace(options, config, node->gpus, &iterations);
   if (!trace.ok()) return Fail(trace.status().message());
-  const int iterations = options.loads_path.empty() || !options.iterations_given
-                             ? trace->iterations()
-                             : std::min(trace->iterations(), options.iterations);
   std::vector<NodeSummary> summaries;
   std::vector<std::vector<NodeIteration>> records;
   ProgressBar bar(options.progress || StderrIsTerminal(), 2L * iterations);
@@ -52,8 +70,7 @@ int RunNode(const bgl::sim::SimOptions& options, const bgl::sim::SimConfig& conf
     records.push_back((*sim)->records());
   }
   bar.Finish();
-  int spikes = 0;
-  for (int i = 0; i < iterations; ++i) spikes += trace->spike[i] ? 1 : 0;
+  const int spikes = Spikes(*trace, iterations);
   nlohmann::json j;
   j["model"] = config.model.name;
   j["gpu"] = config.hw.name;
@@ -61,7 +78,7 @@ int RunNode(const bgl::sim::SimOptions& options, const bgl::sim::SimConfig& conf
   j["gpus"] = node->gpus;
   j["iterations"] = iterations;
   j["spike_iterations"] = spikes;
-  j["spikes"] = spec.synchronized ? "synchronized" : "independent";
+  j["spikes"] = options.load.synchronized ? "synchronized" : "independent";
   j["seed"] = options.seed;
   j["modes"] = NodeSummariesToJson(summaries);
   if (!options.out_dir.empty()) {
@@ -93,8 +110,8 @@ int RunNode(const bgl::sim::SimOptions& options, const bgl::sim::SimConfig& conf
       "%s on one node of %d x %s (%zu links), PP %lld, %d micro-batches; %d iterations (%d with "
       "%s spikes), seed %llu\n\n",
       config.model.name.c_str(), node->gpus, config.hw.name.c_str(), node->links.size(),
-      static_cast<long long>(config.model.pp), mbs, iterations, spikes,
-      spec.synchronized ? "synchronized" : "independent",
+      static_cast<long long>(config.model.pp), static_cast<int>(config.model.MicroBatches()),
+      iterations, spikes, options.load.synchronized ? "synchronized" : "independent",
       static_cast<unsigned long long>(options.seed));
   std::fputs(FormatNodeTable(summaries).c_str(), stdout);
   return 0;
@@ -117,16 +134,9 @@ int main(int argc, char** argv) {
   const int ranks =
       options->ranks.empty() ? (pp > 1 ? 2 : 1) : static_cast<int>(options->ranks.size());
   const int mbs = static_cast<int>(config->model.MicroBatches());
-  LoadSpec spec = options->load;
-  spec.seed = options->seed;
-  spec.gpus_per_stage = static_cast<int>(config->model.gpus / config->model.pp);
-  auto trace = options->loads_path.empty()
-                   ? GenerateLoads(spec, options->iterations, ranks, mbs)
-                   : ReadLoadLog(options->loads_path, ranks, mbs, spec.normal_max);
+  int iterations = 0;
+  auto trace = MakeTrace(*options, *config, ranks, &iterations);
   if (!trace.ok()) return Fail(trace.status().message());
-  const int iterations = options->loads_path.empty() || !options->iterations_given
-                             ? trace->iterations()
-                             : std::min(trace->iterations(), options->iterations);
   int traced = options->trace_iteration;
   if (traced >= iterations) return Fail("--trace-iteration: beyond the last iteration");
   if (traced < 0) {
@@ -185,8 +195,7 @@ int main(int argc, char** argv) {
     std::cout << j.dump(2) << "\n";
     return 0;
   }
-  int spikes = 0;
-  for (int i = 0; i < iterations; ++i) spikes += trace->spike[i] ? 1 : 0;
+  const int spikes = Spikes(*trace, iterations);
   std::printf(
       "%s on %lld x %s, PP %lld (%lld chunk(s)), %lld micro-batches, seq %lld; "
       "%d iterations (%d with spikes), seed %llu\n\n",
