@@ -571,6 +571,13 @@ def test_fallback_keeps_the_nodes_last_grant(tmp_path, monkeypatch, caplog) -> N
             t.run(4)
             assert t.gov.kind == "remote" and t.gov.grant == 1 << 20
             assert bagualu.stats()["enforcer"]["pinned_capacity"] == 1 << 20
+            # The reports carry the process's allocator figures, not just its pinned use (a
+            # report's stats are the process's state to the daemon: a missing field reads 0).
+            remote = t.gov.remote
+            frame = next(iter(remote.stub.Watch(remote.pb.WatchRequest(max_samples=1),
+                                                timeout=10)))
+            row = frame.gpus[0].processes[0]
+            assert row.in_use_bytes > 0 and row.reserved_bytes >= row.in_use_bytes, row
             d.kill()
             t.run(4)
             assert t.gov.kind == "embedded"

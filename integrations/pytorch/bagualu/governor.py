@@ -241,11 +241,12 @@ class Governor:
             log.warning("bagualu: deferred planning failed (%s)", e)
             return None
 
-    def report(self, mb: int, chunk: int, actual: int, host_used: int = 0) -> None:
-        """What a forward retained; ``host_used``: pinned host bytes this process holds now
-        (the daemon shows it beside the grant)."""
+    def report(self, mb: int, chunk: int, actual: int,
+               stats: Optional[Dict[str, Any]] = None) -> None:
+        """What a forward retained; ``stats``: the process's allocator figures now
+        (AllocatorStats fields: the daemon shows them, and its grants follow host_used_bytes)."""
         if self.remote is not None:
-            self.remote.host_used = host_used
+            self.remote.stats = dict(stats or {})
         try:
             self._call("report", mb, chunk, int(actual))
         except PlannerError as e:

@@ -78,7 +78,9 @@ class RemoteGovernor:
         self.deadline = deadline_s
         self.channel = grpc.insecure_channel(address)
         self.host_grant: Optional[int] = None
-        self.host_used = 0  # pinned host bytes held now, sent with each report
+        # The process's AllocatorStats figures, sent whole with each report: the daemon takes
+        # a report's stats as the process's state, so a field left out would read as zero.
+        self.stats: Dict[str, Any] = {}
         self.stub = pb_grpc.GovernorStub(self.channel)
         self.session_id = ""
         self.operator_names: List[str] = []
@@ -156,9 +158,9 @@ class RemoteGovernor:
         return self._plan(self.pb.PlanRequest(session_id=self.session_id, gate=gate))
 
     def report(self, mb: int, chunk: int, actual: int) -> None:
-        """What the forward of (mb, chunk) retained, and the pinned host bytes this process
-        holds now (host_used, set by the caller) for the node's view of its grant."""
-        stats = self.pb.AllocatorStats(host_used_bytes=int(self.host_used))
+        """What the forward of (mb, chunk) retained, with the process's allocator figures
+        (``stats``, set by the caller; none: the daemon counts the planner's bytes)."""
+        stats = self.pb.AllocatorStats(**self.stats) if self.stats else None
         self.stub.Report(self.pb.ReportRequest(session_id=self.session_id, micro_batch=mb,
                                                chunk=chunk, actual_bytes=int(actual),
                                                stats=stats),

@@ -505,11 +505,24 @@ class Runtime:
             self.accuracy.append((load, graphmod.keep_all_bytes(self.description, load),
                                   float(captured)))
         if self.governor is not None and self.governor.ready and mb in self.mb_plan:
-            # Pinned use matters to the daemon only (its view of the grant).
-            host_used = (self.enforcer.stats().get("pinned_in_use", 0)
-                         if getattr(self.governor, "remote", None) is not None else 0)
-            self.governor.report(mb % CHUNK_STRIDE, chunk_of, t.retained_bytes(mb), host_used)
+            # The allocator's figures matter to the daemon only (bgl-top, the node's grants).
+            stats = (self._report_stats()
+                     if getattr(self.governor, "remote", None) is not None else None)
+            self.governor.report(mb % CHUNK_STRIDE, chunk_of, t.retained_bytes(mb), stats)
         self._note_peak()
+
+    def _report_stats(self) -> Dict[str, Any]:
+        """This process's AllocatorStats for a report: the pool's figures (the tracker's count
+        of activation bytes where PyTorch's allocator is not the pool), OOMs, pinned use."""
+        st = self.pool.stats() if self.pool is not None else {}
+        in_use = int(st.get("allocated_bytes_current", self.tracker.device_bytes()))
+        return {"allocated_bytes": in_use,
+                "reserved_bytes": int(st.get("reserved_bytes_current", in_use)),
+                "peak_allocated_bytes": int(st.get("allocated_bytes_peak",
+                                                   max(self._peak, in_use))),
+                "fragmentation": float(st.get("fragmentation", 0.0)),
+                "oom_count": self.oom_count,
+                "host_used_bytes": int(self.enforcer.stats().get("pinned_in_use", 0))}
 
     @contextmanager
     def backward(self, mb: int, chunk: int = 0) -> Iterator[None]:
