@@ -20,6 +20,23 @@ using grpc::StatusCode;
 grpc::Status Invalid(std::string msg) { return {StatusCode::INVALID_ARGUMENT, std::move(msg)}; }
 grpc::Status Exhausted(std::string msg) { return {StatusCode::RESOURCE_EXHAUSTED, std::move(msg)}; }
 
+// Counts a plan in bagualu_plans_in_progress while the planner works on it (after the
+// session's planner lock is taken).
+class PlanInProgress {
+ public:
+  explicit PlanInProgress(Metrics* metrics) : metrics_(metrics) {
+    if (metrics_ != nullptr) metrics_->OnPlanStarted();
+  }
+  ~PlanInProgress() {
+    if (metrics_ != nullptr) metrics_->OnPlanEnded();
+  }
+  PlanInProgress(const PlanInProgress&) = delete;
+  PlanInProgress& operator=(const PlanInProgress&) = delete;
+
+ private:
+  Metrics* metrics_;
+};
+
 int64_t NowUnixMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -248,6 +265,7 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
                                     std::to_string(r)));
     }
     std::lock_guard<std::mutex> lock(session->planner_mu);
+    const PlanInProgress in_progress(metrics_);
     const plan::Deadline deadline(plan_timeout_ms, &stopping_);
     result =
         session->planner->PlanAfterGate(g.micro_batch(), g.chunk(), g.gate_layer(), r, deadline);
@@ -268,6 +286,7 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
     point->bandwidth_share = share;
     // The planner's lock only: Watch and the housekeeping thread read the figures under `mu`.
     std::lock_guard<std::mutex> lock(session->planner_mu);
+    const PlanInProgress in_progress(metrics_);
     result = session->planner->PlanPoint(*point, plan::Deadline(plan_timeout_ms, &stopping_));
     if (!result.ok()) return Reject("Plan", ToGrpcStatus(result.status()));
     cache = session->planner->cache_stats().mitigation;

@@ -11,6 +11,11 @@ using prometheus::BuildHistogram;
 Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   auto& r = *registry_;
   plans_ = &BuildCounter().Name("bagualu_plans_total").Help("Plans answered").Register(r).Add({});
+  plans_in_progress_ = &BuildGauge()
+                            .Name("bagualu_plans_in_progress")
+                            .Help("Plan requests the planner is working on now")
+                            .Register(r)
+                            .Add({});
   cache_hits_ = &BuildCounter()
                      .Name("bagualu_plan_cache_hits_total")
                      .Help("Plans served from the plan cache")
@@ -115,6 +120,10 @@ void Metrics::SetNode(const std::vector<SessionHostFigures>& sessions,
   }
   link_gauges_ = std::move(seen_links);
 }
+
+void Metrics::OnPlanStarted() { plans_in_progress_->Increment(); }
+
+void Metrics::OnPlanEnded() { plans_in_progress_->Decrement(); }
 
 void Metrics::OnPlan(double seconds, bool cache_hit) {
   plans_->Increment();

@@ -42,6 +42,9 @@ class Metrics {
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
   void OnPlan(double seconds, bool cache_hit);
+  // A plan's planner work starts and ends (bagualu_plans_in_progress).
+  void OnPlanStarted();
+  void OnPlanEnded();
   void OnInvalidRequest(const std::string& method);
   void OnRegister();
   void OnReaped(int n);
@@ -58,6 +61,7 @@ class Metrics {
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Counter* plans_;
+  prometheus::Gauge* plans_in_progress_;
   prometheus::Counter* cache_hits_;
   prometheus::Counter* registrations_;
   prometheus::Counter* reaped_;

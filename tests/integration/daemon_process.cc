@@ -1,13 +1,16 @@
 #include "tests/integration/daemon_process.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -63,8 +66,15 @@ bool Accepts(const std::string& path) {
 }  // namespace
 
 bool DaemonProcess::Start() {
-  std::vector<std::string> args = {BGL_GOVERNORD, "--listen",           address_, "--metrics-port",
-                                   "0",           "--drain-timeout-ms", "1000"};
+  std::vector<std::string> args = {BGL_GOVERNORD,
+                                   "--listen",
+                                   address_,
+                                   "--metrics-port",
+                                   std::to_string(std::max(metrics_port_, 0)),
+                                   "--metrics-address",
+                                   "127.0.0.1",
+                                   "--drain-timeout-ms",
+                                   "1000"};
   args.insert(args.end(), extra_.begin(), extra_.end());
   const std::string log = dir_ + "/daemon.log";
   // Everything the child needs is made before fork: it only opens, dups and execs.
@@ -114,6 +124,67 @@ bool DaemonProcess::Start() {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return fail();
+}
+
+bool DaemonProcess::StartWithMetrics() {
+  const std::string log = dir_ + "/daemon.log";
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    metrics_port_ = FreeTcpPort();
+    if (metrics_port_ <= 0) return false;
+    const size_t logged = ReadFile(log).size();
+    if (Start()) return true;
+    // Only a port taken meanwhile is worth another try.
+    if (ReadFile(log).find("metrics_port: cannot listen", logged) == std::string::npos) break;
+    std::fprintf(stderr, "DaemonProcess: metrics port %d was taken; trying another\n",
+                 metrics_port_);
+  }
+  return false;
+}
+
+std::string DaemonProcess::ScrapeMetrics() const {
+  return metrics_port_ > 0 ? HttpGet(metrics_port_, "/metrics") : "";
+}
+
+int FreeTcpPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+      char buf[8192];
+      ssize_t n;
+      while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return out;
+}
+
+double MetricValue(const std::string& scrape, const std::string& name) {
+  const std::string key = "\n" + name + " ";
+  const size_t at = scrape.find(key);
+  return at == std::string::npos ? -1 : std::strtod(scrape.c_str() + at + key.size(), nullptr);
 }
 
 void DaemonProcess::Signal(int sig) {

@@ -19,6 +19,14 @@ class DaemonProcess {
 
   // Starts (or restarts) the daemon; true once it answers on the socket.
   bool Start();
+  // Starts it with its metrics endpoint on a free loopback port. The port is picked by binding
+  // port 0 and closing it, so another process may take it before the daemon binds it: the
+  // daemon then cannot listen and exits, and another port is tried. Restarts keep the port.
+  bool StartWithMetrics();
+  // The metrics port (-1 before StartWithMetrics) and one scrape of /metrics ("" when nothing
+  // answers).
+  int metrics_port() const { return metrics_port_; }
+  std::string ScrapeMetrics() const;
   void Signal(int sig);
   // Sends SIGKILL and reaps it.
   void Kill();
@@ -37,11 +45,18 @@ class DaemonProcess {
   std::vector<std::string> extra_;
   std::string dir_;
   std::string address_;
+  int metrics_port_ = -1;
   pid_t pid_ = -1;
 };
 
 // Reads a file into a string ("" when missing).
 std::string ReadFile(const std::string& path);
+// A loopback TCP port that was free a moment ago (bound to port 0, then closed), or -1.
+int FreeTcpPort();
+// GET `path` from 127.0.0.1:`port`; the whole response, or "" when nothing answers.
+std::string HttpGet(int port, const std::string& path);
+// The value of an unlabelled metric in a Prometheus text scrape, or -1 when absent.
+double MetricValue(const std::string& scrape, const std::string& name);
 // A registration of the tiny model the tests use.
 std::string TinyModelJson();
 // Runs `argv` (argv[0] a path), optionally as another uid/gid, capturing stdout; returns the

@@ -494,6 +494,28 @@ std::string LastHeapLine(const DaemonProcess& daemon) {
   return at == std::string::npos ? "" : log.substr(at, log.find('\n', at) - at);
 }
 
+// How many "heap: ..." lines the daemon has logged: one after each housekeeping trim.
+int HeapLines(const DaemonProcess& daemon) {
+  const std::string log = testing::ReadFile(daemon.dir() + "/daemon.log");
+  int n = 0;
+  for (size_t at = log.find("heap: "); at != std::string::npos; at = log.find("heap: ", at + 1)) {
+    ++n;
+  }
+  return n;
+}
+
+// Waits until the daemon has run a whole trim that began after this call: two more heap lines
+// (the first may end a trim already under way). By evidence, not by the clock; false if the
+// daemon stopped logging them (the bound only keeps a broken daemon from hanging the test).
+bool WaitForTrim(const DaemonProcess& daemon) {
+  const int before = HeapLines(daemon);
+  for (int i = 0; i < 6000; ++i) {
+    if (HeapLines(daemon) >= before + 2) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 TEST(GovernorDaemonFuzz, EveryRpcRefusesBadInputAndMemoryReturns) {
   const char* seconds_env = std::getenv("BGL_FUZZ_SECONDS");
   const char* seed_env = std::getenv("BGL_FUZZ_SEED");
@@ -525,7 +547,9 @@ TEST(GovernorDaemonFuzz, EveryRpcRefusesBadInputAndMemoryReturns) {
   options.deadline = std::chrono::milliseconds(30000);
   RemoteGovernor gov(options);
   WarmUp(gov);
-  std::this_thread::sleep_for(std::chrono::seconds(6));  // one housekeeping trim, "heap:" logged
+  // A housekeeping trim after the warm-up, so the start figure is the trimmed one.
+  ASSERT_TRUE(WaitForTrim(daemon)) << "no heap line: the daemon does not trim\n"
+                                   << testing::ReadFile(daemon.dir() + "/daemon.log");
   const int64_t rss_start = daemon.RssBytes();
   const std::string heap_start = LastHeapLine(daemon);
 
@@ -560,8 +584,10 @@ TEST(GovernorDaemonFuzz, EveryRpcRefusesBadInputAndMemoryReturns) {
   left = gov.ListSessions();
   ASSERT_TRUE(left.ok());
   EXPECT_EQ(left->sessions_size(), 0);
-  // The housekeeper returns free memory to the OS every few seconds.
-  std::this_thread::sleep_for(std::chrono::seconds(6));
+  // The housekeeper returns free memory to the OS every few seconds: wait for a trim that
+  // began after the sessions ended.
+  ASSERT_TRUE(WaitForTrim(daemon)) << "no heap line after the run\n"
+                                   << testing::ReadFile(daemon.dir() + "/daemon.log");
   const int64_t rss_end = daemon.RssBytes();
   std::printf(
       "fuzz: %d calls (%d OK); daemon RSS %.1f MiB after warm-up, peak %.1f MiB, "

@@ -222,17 +222,30 @@ TEST(GovernorDaemon, KilledDaemonFailsFastAndTheSessionIsReRegistered) {
   ASSERT_TRUE(WaitFor([&] { return gov.Plan(info->session_id, Forward(0)).ok(); }));
 
   daemon.Kill();
-  double worst_ms = 0;
+  // Failing fast, by what happens rather than by the clock: a call that reaches the dead
+  // daemon's socket is refused (UNAVAILABLE; a 20 ms deadline may run out first on a loaded
+  // machine, but then the next call is refused), which marks the daemon down; from then on
+  // every call is answered in the client without an RPC ("reconnecting") until the background
+  // thread gets the daemon back.
+  int sent = 0;
+  bool refused = false;
   for (int i = 0; i < 50; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
     auto plan = gov.Plan(info->session_id, Forward(i % 8));
-    worst_ms = std::max(
-        worst_ms,
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     ASSERT_FALSE(plan.ok());
+    const StatusCode code = plan.status().code();
+    if (plan.status().message().find("daemon unavailable (reconnecting)") != std::string::npos) {
+      EXPECT_EQ(code, StatusCode::kUnavailable);
+      continue;
+    }
+    ++sent;
+    EXPECT_FALSE(refused) << "call " << i << " went to the daemon after it was refused: "
+                          << plan.status().message();
+    EXPECT_EQ(code, StatusCode::kUnavailable) << plan.status().message();
+    refused |= plan.status().message().find("Deadline Exceeded") == std::string::npos;
   }
-  std::printf("worst plan latency with the daemon dead: %.2f ms\n", worst_ms);
-  EXPECT_LT(worst_ms, 1000.0);
+  std::printf("daemon dead: %d of 50 calls sent, the rest answered in the client\n", sent);
+  EXPECT_TRUE(refused) << "no call was refused by the dead daemon's socket";
+  EXPECT_FALSE(gov.connected());
 
   ASSERT_TRUE(daemon.Start());  // same socket: the stale one is removed
   ASSERT_TRUE(WaitFor([&] { return gov.reregistrations() >= 1; }));

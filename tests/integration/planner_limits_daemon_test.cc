@@ -116,7 +116,7 @@ TEST(PlannerLimitsDaemon, PlanPastItsLimitIsRefused) {
 TEST(PlannerLimitsDaemon, SigtermDrainsWithinItsTimeWhileAPlanRuns) {
   // A plan limit far beyond the drain: only the drain's cancellation can end the plan in time.
   DaemonProcess daemon({"--plan-timeout-ms", "600000", "--drain-timeout-ms", "1000"});
-  ASSERT_TRUE(daemon.Start()) << testing::ReadFile(daemon.dir() + "/daemon.log");
+  ASSERT_TRUE(daemon.StartWithMetrics()) << testing::ReadFile(daemon.dir() + "/daemon.log");
   RemoteOptions options = Options(daemon);
   options.deadline = std::chrono::seconds(60);
   RemoteGovernor gov(options);
@@ -127,13 +127,22 @@ TEST(PlannerLimitsDaemon, SigtermDrainsWithinItsTimeWhileAPlanRuns) {
   ASSERT_TRUE(info.ok()) << info.status().message();
   Result<plan::Plan> plan = Status();
   std::thread client([&] { plan = gov.Plan(info->session_id, Forward0()); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the plan is running
+  // SIGTERM only once the planner works on the plan, by the daemon's own gauge, not after a
+  // sleep that might end before the plan starts (then the drain would have nothing to cancel).
+  // The bound only ends a hung test.
+  bool running = false;
+  for (int i = 0; i < 6000 && !running; ++i) {
+    running = testing::MetricValue(daemon.ScrapeMetrics(), "bagualu_plans_in_progress") >= 1;
+    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   // Generous against a 1 s drain (sanitizer builds are slow), far below the minutes the plan
   // would take: a daemon that waited for it is killed and reported as hung (-2).
   const int status = StopWithin(daemon, 10000);
   client.join();
+  ASSERT_TRUE(running) << "the plan never started";
   EXPECT_EQ(status, 0) << testing::ReadFile(daemon.dir() + "/daemon.log");
-  EXPECT_FALSE(plan.ok());
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::kUnavailable) << plan.status().message();
 }
 
 TEST(PlannerLimitsDaemon, EmbeddedFallbackHasTheSamePlanTimeLimit) {

@@ -42,6 +42,13 @@ class FakeNotifySocket {
   }
   bool ok() const { return ok_; }
 
+  // Discards the messages already queued (sent before this call).
+  void Drain() {
+    char buf[4096];
+    while (recv(fd_, buf, sizeof(buf), MSG_DONTWAIT) > 0) {
+    }
+  }
+
   // Every message received within `ms` until one contains `needle`; empty if none did.
   std::vector<std::string> ReceiveUntil(const std::string& needle, int ms) {
     std::vector<std::string> got;
@@ -85,39 +92,21 @@ class ScopedEnv {
   bool had_ = false;
 };
 
-int FreeTcpPort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
-// GET `path` from 127.0.0.1:`port`; the whole response, or "" when nothing answers.
-std::string HttpGet(int port, const std::string& path) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-    if (send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
-      char buf[8192];
-      ssize_t n;
-      while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<std::size_t>(n));
+// Waits until the daemon's planner is working on a plan, by its bagualu_plans_in_progress
+// gauge (the bound only keeps a broken daemon from hanging the test). Keeps reading `notify`
+// meanwhile: a full notification queue would block the daemon's sd_notify.
+bool WaitForRunningPlan(const DaemonProcess& daemon, FakeNotifySocket* notify) {
+  for (int i = 0; i < 600; ++i) {
+    if (testing::MetricValue(daemon.ScrapeMetrics(), "bagualu_plans_in_progress") >= 1) {
+      return true;
+    }
+    if (notify != nullptr) {
+      notify->ReceiveUntil("never sent", 100);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }
-  close(fd);
-  return out;
+  return false;
 }
 
 TEST(GovernorSystemd, NotifiesReadyStatusWatchdogAndStopping) {
@@ -147,49 +136,55 @@ TEST(GovernorSystemd, WatchdogPingsContinueWhileAPlanRuns) {
   GTEST_SKIP() << "bgl-governord was built without libsystemd";
 #endif
   // Issue 12 item 2: the housekeeping thread that pings the watchdog used to sample the sessions
-  // under the lock a plan holds, so a long plan starved systemd's watchdog.
-  DaemonProcess daemon({"--plan-timeout-ms", "4000"});
+  // under the lock a plan holds, so a long plan starved systemd's watchdog. The plan here runs
+  // for minutes and only the drain ends it, so everything seen between its start (the daemon's
+  // plans-in-progress gauge) and SIGTERM happened while it ran.
+  DaemonProcess daemon({"--plan-timeout-ms", "600000"});
   FakeNotifySocket notify(daemon.dir() + "/notify.sock");
   ASSERT_TRUE(notify.ok());
   ScopedEnv socket_env("NOTIFY_SOCKET", daemon.dir() + "/notify.sock");
   ScopedEnv watchdog_env("WATCHDOG_USEC", "200000");  // a ping at least every 100 ms
-  ASSERT_TRUE(daemon.Start());
+  ASSERT_TRUE(daemon.StartWithMetrics()) << testing::ReadFile(daemon.dir() + "/daemon.log");
   ASSERT_FALSE(notify.ReceiveUntil("READY=1", 5000).empty());
   RemoteOptions options;
   options.address = daemon.address();
-  options.deadline = std::chrono::seconds(30);
+  options.deadline = std::chrono::seconds(120);
   RemoteGovernor gov(options);
   Registration heavy;
   heavy.model_json = testing::HeavyModelJson();
   heavy.capacity_bytes = int64_t{1} << 30;
   auto info = gov.Register(heavy);
   ASSERT_TRUE(info.ok()) << info.status().message();
-  std::atomic<bool> done{false};
+  Result<plan::Plan> planned = Status();
   std::thread client([&] {
     plan::SchedulePoint point;
     point.forward_micro_batch = 0;
-    (void)gov.Plan(info->session_id, point);
-    done = true;
+    planned = gov.Plan(info->session_id, point);
   });
-  // Past the first publish (every second) inside the plan, then pings must still arrive.
-  notify.ReceiveUntil("never sent", 1500);
-  const auto pings = notify.ReceiveUntil("WATCHDOG=1", 1000);
-  const bool plan_running = !done;
-  // Keep reading: a full notification queue would block the daemon's sd_notify.
-  while (!done) notify.ReceiveUntil("never sent", 100);
-  client.join();
-  EXPECT_TRUE(plan_running) << "the plan ended before the check; the test proves nothing";
-  EXPECT_FALSE(pings.empty()) << "no watchdog ping while a plan ran";
+  const bool running = WaitForRunningPlan(daemon, &notify);
+  notify.Drain();  // what follows was sent after the plan started
+  // A whole housekeeping round inside the plan: the publish (its STATUS line comes after the
+  // sample and the gauges), then a watchdog ping after it. The bounds only end a hung test.
+  const bool published = running && !notify.ReceiveUntil("STATUS=serving", 30000).empty();
+  const bool pinged = published && !notify.ReceiveUntil("WATCHDOG=1", 30000).empty();
+  const double in_progress =
+      testing::MetricValue(daemon.ScrapeMetrics(), "bagualu_plans_in_progress");
   daemon.Signal(SIGTERM);
-  EXPECT_FALSE(notify.ReceiveUntil("STOPPING=1", 5000).empty());
-  EXPECT_EQ(daemon.Stop(), 0);
+  const bool stopping = !notify.ReceiveUntil("STOPPING=1", 30000).empty();
+  EXPECT_EQ(daemon.StopWithin(30000), 0) << testing::ReadFile(daemon.dir() + "/daemon.log");
+  client.join();
+  ASSERT_TRUE(running) << "the plan never started";
+  EXPECT_TRUE(published) << "no publish (STATUS line) while a plan ran";
+  EXPECT_TRUE(pinged) << "no watchdog ping after the publish while a plan ran";
+  EXPECT_EQ(in_progress, 1) << "the plan ended before the check; the test proves nothing";
+  EXPECT_TRUE(stopping) << "no STOPPING=1 after SIGTERM";
+  EXPECT_FALSE(planned.ok()) << "the plan finished on its own instead of by the drain";
 }
 
 TEST(GovernorMetrics, ScrapedOverHttpWithSessionCounts) {
-  const int port = FreeTcpPort();
-  ASSERT_GT(port, 0);
-  DaemonProcess daemon({"--metrics-port", std::to_string(port), "--metrics-address", "127.0.0.1"});
-  ASSERT_TRUE(daemon.Start());
+  DaemonProcess daemon;
+  ASSERT_TRUE(daemon.StartWithMetrics()) << testing::ReadFile(daemon.dir() + "/daemon.log");
+  const int port = daemon.metrics_port();
   RemoteOptions o;
   o.address = daemon.address();
   o.deadline = std::chrono::milliseconds(500);
@@ -201,10 +196,10 @@ TEST(GovernorMetrics, ScrapedOverHttpWithSessionCounts) {
   reg.capacity_bytes = int64_t{8} << 30;
   auto info = gov.Register(reg);
   ASSERT_TRUE(info.ok()) << info.status().message();
-  // The housekeeper publishes once a second.
+  // The housekeeper publishes once a second (the bound only ends a hung test).
   std::string body;
-  for (int i = 0; i < 50; ++i) {
-    body = HttpGet(port, "/metrics");
+  for (int i = 0; i < 300; ++i) {
+    body = testing::HttpGet(port, "/metrics");
     if (body.find("bagualu_sessions 1") != std::string::npos) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

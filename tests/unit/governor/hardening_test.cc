@@ -7,9 +7,11 @@
 #include <atomic>
 #include <chrono>
 #include <nlohmann/json.hpp>
+#include <string>
 #include <thread>
 
 #include "governor/service/governor_core.h"
+#include "governor/service/metrics.h"
 #include "tests/unit/governor/tiny_model.h"
 #include "tests/unit/planner/heavy_graph.h"
 
@@ -166,44 +168,71 @@ TEST(GovernorHardening, PlanPastTheTimeLimitIsRefusedAndTheSessionSurvives) {
             grpc::StatusCode::RESOURCE_EXHAUSTED);
 }
 
+// The plans the planner is working on now, as the core's metrics count them.
+double PlansInProgress(const Metrics& metrics) {
+  const std::string text = metrics.Text();
+  const std::string key = "\nbagualu_plans_in_progress ";
+  const size_t at = text.find(key);
+  return at == std::string::npos ? -1 : std::stod(text.substr(at + key.size()));
+}
+
+// Waits until a plan is running, by the core's own count, not by the clock (the bound only
+// keeps a broken core from hanging the test).
+bool WaitForRunningPlan(const Metrics& metrics) {
+  for (int i = 0; i < 60000; ++i) {
+    if (PlansInProgress(metrics) >= 1) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
 TEST(GovernorHardening, WatchAndMetricsNeverWaitForARunningPlan) {
+  // The heavy plan runs for minutes; only CancelPlans (below, after the sample) ends it in this
+  // test. If the sample waited for the plan, the 60 s limit would end the plan first and it
+  // would come back RESOURCE_EXHAUSTED instead of UNAVAILABLE.
   RequestLimits limits;
-  limits.plan_timeout_ms = 2000;
-  GovernorCore core(nullptr, limits);
+  limits.plan_timeout_ms = 60000;
+  Metrics metrics;
+  GovernorCore core(&metrics, limits);
   const std::string heavy = Register(core, Request(HeavyModel(), int64_t{1} << 30), User());
-  std::atomic<bool> started{false}, done{false};
   grpc::Status planned;
-  std::thread planner([&] {
-    started = true;
-    planned = PlanFirstForward(core, heavy, User());
-    done = true;
-  });
-  while (!started) std::this_thread::yield();
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // well inside the plan
+  std::thread planner([&] { planned = PlanFirstForward(core, heavy, User()); });
+  const bool running = WaitForRunningPlan(metrics);
   Caller admin;
   admin.admin = true;
   pb::WatchResponse sample;
-  core.Sample(admin, &sample);  // what Watch streams and the housekeeping thread run
-  core.PublishMetrics();
-  const bool plan_still_running = !done;
+  if (running) {
+    core.Sample(admin, &sample);  // what Watch streams and the housekeeping thread run
+    core.PublishMetrics();
+  }
+  const double in_progress = PlansInProgress(metrics);
+  core.CancelPlans();
   planner.join();
-  EXPECT_TRUE(plan_still_running) << "the sample waited for the plan";
+  ASSERT_TRUE(running) << "the plan never started";
+  EXPECT_EQ(in_progress, 1) << "the plan ended before the sample returned";
+  EXPECT_EQ(planned.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << "the sample waited for the plan: " << planned.error_message();
   ASSERT_EQ(sample.gpus_size(), 1);
   EXPECT_EQ(sample.gpus(0).processes_size(), 1);
-  EXPECT_EQ(planned.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(PlansInProgress(metrics), 0);
 }
 
 TEST(GovernorHardening, CancelPlansEndsARunningPlanForTheDrain) {
   RequestLimits limits;
   limits.plan_timeout_ms = 600000;
-  GovernorCore core(nullptr, limits);
+  Metrics metrics;
+  GovernorCore core(&metrics, limits);
   const std::string heavy = Register(core, Request(HeavyModel(), int64_t{1} << 30), User());
   grpc::Status planned;
   std::thread planner([&] { planned = PlanFirstForward(core, heavy, User()); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Cancelled while the planner works on it, not before it started (a plan refused at its
+  // start would also come back UNAVAILABLE).
+  const bool running = WaitForRunningPlan(metrics);
   core.CancelPlans();
   planner.join();
+  ASSERT_TRUE(running) << "the plan never started";
   EXPECT_EQ(planned.error_code(), grpc::StatusCode::UNAVAILABLE) << planned.error_message();
+  EXPECT_EQ(PlansInProgress(metrics), 0);
 }
 
 }  // namespace

@@ -134,7 +134,9 @@ TEST(NodeArbiter, ANewcomerGetsWhatTheFirstSessionGivesBack) {
 }
 
 // Brute force: every integer allocation with floor <= g_i <= demand_i and sum <= budget; the
-// max-min fair one is the lexicographically largest sorted vector.
+// max-min fair one is the lexicographically largest sorted vector, then the largest sum. Ties
+// (the bytes a level leaves over) go to the sessions in order, as WaterFill documents: among
+// the fair allocations, the lexicographically largest in session order.
 std::vector<int64_t> BruteForce(const std::vector<int64_t>& requests, int64_t budget,
                                 int64_t floor) {
   const size_t n = requests.size();
@@ -147,9 +149,10 @@ std::vector<int64_t> BruteForce(const std::vector<int64_t>& requests, int64_t bu
     if (i == n) {
       std::vector<int64_t> sorted = g;
       std::sort(sorted.begin(), sorted.end());
+      const int64_t sum = std::accumulate(g.begin(), g.end(), int64_t{0});
+      const int64_t best_sum = std::accumulate(best.begin(), best.end(), int64_t{0});
       if (best.empty() || sorted > best_sorted ||
-          (sorted == best_sorted && std::accumulate(g.begin(), g.end(), int64_t{0}) >
-                                        std::accumulate(best.begin(), best.end(), int64_t{0}))) {
+          (sorted == best_sorted && (sum > best_sum || (sum == best_sum && g > best)))) {
         best_sorted = sorted;
         best = g;
       }
@@ -174,10 +177,12 @@ TEST(WaterFill, EqualsBruteForceMaxMinOnSmallInputs) {
           if (i == n) {
             const std::vector<int64_t> got = WaterFill(req, budget, floor);
             const std::vector<int64_t> want = BruteForce(req, budget, floor);
-            std::vector<int64_t> gs = got, ws = want;
-            std::sort(gs.begin(), gs.end());
-            std::sort(ws.begin(), ws.end());
-            EXPECT_EQ(gs, ws) << "budget " << budget << " floor " << floor;
+            // Per session, not as multisets: a grant given to the wrong session fails.
+            ASSERT_EQ(got.size(), want.size());
+            for (int k = 0; k < n; ++k) {
+              EXPECT_EQ(got[k], want[k])
+                  << "session " << k << " of " << n << ", budget " << budget << " floor " << floor;
+            }
             for (int k = 0; k < n; ++k) {
               // Per session: no grant above what it asked (or the floor).
               const int64_t cap = req[k] == 0 ? budget : std::max(req[k], floor);
