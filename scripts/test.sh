@@ -8,7 +8,25 @@ bash scripts/setup.sh
 bash scripts/setup-python.sh
 jobs=${BGL_JOBS:-$(nproc)}
 
+allow=.ci/allowed-skips.txt
+
+# check_skips SUITE XML...: fails when a test that should run here was skipped (ctest counts a
+# GTEST_SKIP as passed, and a pytest run with skips is one passing ctest test).
+check_skips() {
+  local suite=$1 args=()
+  shift
+  for xml in "$@"; do
+    case $xml in
+      *pytest*) args+=(--pytest "$xml") ;;
+      *) args+=(--ctest "$xml") ;;
+    esac
+  done
+  python3 .ci/check_skips.py --suite "$suite" --allow "$allow" "${args[@]}"
+}
+
 # run_suite NAME DIR "CMAKE ARGS" "BUILD TARGETS (empty: all)" CTEST ARGS...
+# Writes DIR/ctest-junit.xml (and DIR/pytest-junit.xml where the Python suite runs) and checks
+# the skips in both.
 run_suite() {
   local name=$1 dir=$2 cmake_args=$3 targets=$4
   shift 4
@@ -18,12 +36,42 @@ run_suite() {
   # shellcheck disable=SC2086
   cmake --build "$dir" -j "$jobs" ${targets:+--target $targets}
   echo "=== ${name}: ctest"
-  (cd "$dir" && ctest --output-on-failure -j "$jobs" "$@")
+  rm -f "$dir/ctest-junit.xml" "$dir/pytest-junit.xml"
+  (cd "$dir" && PYTEST_ADDOPTS="--junitxml=$PWD/pytest-junit.xml -rs" \
+    ctest --output-on-failure -j "$jobs" --output-junit "$PWD/ctest-junit.xml" "$@")
+  local results=("$dir/ctest-junit.xml")
+  [[ -f $dir/pytest-junit.xml ]] && results+=("$dir/pytest-junit.xml")
+  check_skips "$name" "${results[@]}"
+}
+
+# The Python tests that load the C libraries, against the ASan+UBSan build's libraries and
+# daemon: the uninstrumented Python needs the ASan runtime preloaded; LeakSanitizer is off (the
+# interpreter and torch keep memory on purpose until exit).
+run_python_asan() {
+  local dir=build-asan cxx asan_rt
+  cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$dir/CMakeCache.txt")
+  asan_rt=$("$cxx" -print-file-name=libasan.so)
+  echo "=== asan+ubsan: the Python suite against ${dir}'s libraries (${asan_rt})"
+  # The package looks in BGL_LIB_DIR first but falls back to build/: all must be here.
+  local f
+  for f in governor/planner/libbgl_planner.so allocator/libbgl_alloc.so enforcer/libbgl_enforce.so \
+    governor/daemon/bgl-governord; do
+    [[ -f $dir/$f ]] || { echo "run_python_asan: $dir/$f is missing" >&2; return 1; }
+  done
+  rm -f "$dir/pytest-junit.xml"
+  BGL_LIB_DIR=$dir BGL_GOVERNORD=$dir/governor/daemon/bgl-governord PYTHONDONTWRITEBYTECODE=1 \
+    LD_PRELOAD=$asan_rt \
+    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
+    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    timeout 900 .venv/bin/python -m pytest -q -rs -p no:cacheprovider \
+    --junitxml="$dir/pytest-junit.xml" ${BGL_ASAN_PYTEST_ARGS:-tests/python}
+  check_skips asan-python "$dir/pytest-junit.xml"
 }
 
 run_suite "release" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
 run_suite "asan+ubsan" build-asan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=address" "" -LE no_asan
-run_suite "tsan" build-tsan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=thread" \
-  "bgl_alloc_tests bgl_alloc_concurrency_tests bgl_enforcer_concurrency_tests bgl_enforcer_issue_order_tests governor_concurrency_tests" \
-  -L tsan
+run_python_asan
+# bgl_tsan_suite is every test program registered with bgl_tsan_gtest (tests/CMakeLists.txt),
+# and those are exactly the tests labelled tsan: what the TSan build compiles, it runs.
+run_suite "tsan" build-tsan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=thread" bgl_tsan_suite -L tsan
 echo "=== all test suites passed"
