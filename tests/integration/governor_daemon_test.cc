@@ -290,11 +290,19 @@ TEST(GovernorDaemon, SighupReloadsLimits) {
   // A broken file is refused and the daemon keeps serving with the old settings.
   std::ofstream(config) << "max_sessions_per_uid: [oops\n";
   daemon.Signal(SIGHUP);
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Serving after the refused reload, not before it: wait for the refusal in the log.
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return testing::ReadFile(daemon.dir() + "/daemon.log").find("reload failed") !=
+               std::string::npos;
+      },
+      30000))
+      << testing::ReadFile(daemon.dir() + "/daemon.log");
   EXPECT_TRUE(gov.Health().ok());
+  // The old limit (3) still holds: a fourth session is refused.
+  EXPECT_TRUE(gov.Register(TinyRegistration()).ok());
+  EXPECT_FALSE(gov.Register(TinyRegistration()).ok());
   EXPECT_EQ(daemon.Stop(), 0);
-  EXPECT_NE(testing::ReadFile(daemon.dir() + "/daemon.log").find("reload failed"),
-            std::string::npos);
   (void)std::system(("rm -rf '" + dir + "'").c_str());
 }
 
