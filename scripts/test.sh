@@ -45,12 +45,13 @@ run_suite() {
 }
 
 # The Python tests that load the C libraries, against the ASan+UBSan build's libraries and
-# daemon: the uninstrumented Python needs the ASan runtime preloaded; LeakSanitizer is off (the
-# interpreter and torch keep memory on purpose until exit).
+# daemon: the uninstrumented Python needs the ASan runtime preloaded, and libstdc++ with it (else
+# ASan's __cxa_throw interceptor finds no real one: a C++ exception through torch aborts);
+# LeakSanitizer is off (the interpreter and torch keep memory on purpose until exit).
 run_python_asan() {
   local dir=build-asan cxx asan_rt
   cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$dir/CMakeCache.txt")
-  asan_rt=$("$cxx" -print-file-name=libasan.so)
+  asan_rt="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-name=libstdc++.so.6)"
   echo "=== asan+ubsan: the Python suite against ${dir}'s libraries (${asan_rt})"
   # The package looks in BGL_LIB_DIR first but falls back to build/: all must be here.
   local f
@@ -60,7 +61,7 @@ run_python_asan() {
   done
   rm -f "$dir/pytest-junit.xml"
   BGL_LIB_DIR=$dir BGL_GOVERNORD=$dir/governor/daemon/bgl-governord PYTHONDONTWRITEBYTECODE=1 \
-    LD_PRELOAD=$asan_rt \
+    LD_PRELOAD="$asan_rt" \
     ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     timeout 900 .venv/bin/python -m pytest -q -rs -p no:cacheprovider \
