@@ -23,7 +23,7 @@ targets=(bgl_alloc_gpu_tests bgl_alloc_tests bgl_alloc_c_api_tests bgl_alloc_con
   bgl_alloc_nccl_tests bgl_replay_tests bgl_preload bgl_preload_probe bgl_alloc bgl-replay
   bgl_alloc_bench bgl_enforcer_gpu_tests bgl_enforcer_tests bgl_enforcer_concurrency_tests
   bgl_enforcer_c_api_tests bgl_enforcer_gpu_timing bgl_enforcer_bench bgl_plan_bench bgl_planner
-  planner_tests bgl-plan)
+  planner_tests bgl-plan bgl_python)
 available=$(ninja -C "$build" -t targets all 2>/dev/null | cut -d: -f1)
 present=()
 for t in "${targets[@]}"; do
@@ -39,7 +39,7 @@ mapfile -t files < <(find "$build" -type f \( -perm -u+x -o -name '*.so' -o -nam
   ! -path '*/CMakeFiles/*' ! -name '*.sh' \
   \( -path "$build/tests/unit/allocator/*" -o -path "$build/tests/unit/enforcer/*" \
      -o -path "$build/tests/unit/planner/*" -o -path "$build/bench/*" -o -path "$build/allocator/*" \
-     -o -path "$build/governor/planner/*" -o -path "$build/kernels/*" \
+     -o -path "$build/governor/planner/*" -o -path "$build/kernels/*" -o -path "$build/enforcer/*" \
      -o -path "$build/tools/bgl-replay/*" -o -path "$build/tools/bgl-plan/*" \))
 for f in "${files[@]}"; do
   mkdir -p "$stage/$(dirname "$f")"

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "integrations" / "pytorch" / "examples"))
 torch.set_num_threads(1)
 
 import bagualu  # noqa: E402
-from bagualu import _lib  # noqa: E402
+from bagualu.native import libs as _lib  # noqa: E402
 from moe_model import MoEConfig  # noqa: E402
 
 

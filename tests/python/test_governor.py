@@ -12,9 +12,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pytest
 
 import bagualu
-from bagualu.governor import Backoff, Governor, budget_step_bytes
-from bagualu.planner import EmbeddedPlanner
-from bagualu.remote import RemoteGovernor
+from bagualu.planning.governor import Backoff, Governor, budget_step_bytes
+from bagualu.planning.embedded import EmbeddedPlanner
+from bagualu.planning.remote import RemoteGovernor
 from conftest import require_libs, small_config, small_stage_forward
 from test_torchrun import daemon, daemon_binary  # noqa: F401  (daemon: the fixture)
 
@@ -30,7 +30,7 @@ def model_doc() -> Dict[str, Any]:
     with bagualu.backward(0):
         loss.backward()
     bagualu.end_iteration()
-    doc = rt.model_doc
+    doc = bagualu.model_document()
     bagualu.uninstall()
     gc.collect()
     assert doc is not None, "the runtime did not describe the model"
@@ -461,7 +461,7 @@ class FakeRpcError(Exception):
 
 
 def test_failed_calls_are_classified() -> None:
-    from bagualu.remote import classify
+    from bagualu.planning.remote import error_kind
     cases = {("UNAVAILABLE", "failed to connect"): "outage",
              ("DEADLINE_EXCEEDED", "Deadline Exceeded"): "outage",
              ("INVALID_ARGUMENT", "load_factor: must be in (0, 64]"): "refused",
@@ -470,9 +470,9 @@ def test_failed_calls_are_classified() -> None:
              ("RESOURCE_EXHAUSTED", "sessions: uid 1000 already has 64 sessions"): "quota",
              ("RESOURCE_EXHAUSTED", "model_json: 5000000 bytes exceed the limit"): "exhausted"}
     for (code, details), kind in cases.items():
-        assert classify(FakeRpcError(code, details)) == (kind, details)
-    assert classify(TimeoutError("no connection within 2 s"))[0] == "outage"
-    assert classify(ImportError("No module named 'grpc'"))[0] == "outage"
+        assert error_kind(FakeRpcError(code, details)) == (kind, details)
+    assert error_kind(TimeoutError("no connection within 2 s"))[0] == "outage"
+    assert error_kind(ImportError("No module named 'grpc'"))[0] == "outage"
 
 
 @pytest.mark.parametrize("details, retried", [
@@ -536,8 +536,8 @@ def test_strategy_and_phase_names_come_from_the_proto(tmp_path, monkeypatch) -> 
     """One vocabulary: the package's strategy names are the proto's enum names, and the
     remote client reads every enum through the generated module (nothing retyped)."""
     pytest.importorskip("grpc_tools")
-    from bagualu import remote
-    from bagualu.strategy import STRATEGIES
+    from bagualu.planning import remote
+    from bagualu.vocabulary import STRATEGIES
     monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path))
     pb, _ = remote.load_stubs()
     names = {v.number: v.name for v in pb.Strategy.DESCRIPTOR.values}

@@ -1,6 +1,6 @@
-"""The package's modules import each other in one direction: no cycles among the imports
-that run at import time (imports inside functions and under TYPE_CHECKING are deferred and
-do not count)."""
+"""The package's modules import each other in one direction: no cycles among any imports,
+those under TYPE_CHECKING and inside functions included; every module says what it holds in
+its first line; the examples use only the public API (``bagualu.<name>`` of ``__all__``)."""
 from __future__ import annotations
 
 import ast
@@ -10,37 +10,44 @@ from typing import Dict, List, Set
 from conftest import ROOT
 
 PKG = ROOT / "integrations" / "pytorch" / "bagualu"
+EXAMPLES = ROOT / "integrations" / "pytorch" / "examples"
 
 
-def _eager_imports(path: Path) -> Set[str]:
-    """Sibling modules that ``path`` imports when it is imported."""
+def module_name(path: Path, root: Path = PKG) -> str:
+    """'capture.tracker' for capture/tracker.py, 'capture' for capture/__init__.py."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path, mods: Set[str], root: Path = PKG) -> Set[str]:
+    """The package's modules ``path`` imports anywhere in it (relative imports; ``from . import
+    x`` names module x when x is one)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: Set[str] = set()
-
-    def visit(nodes: List[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                if node.module:
-                    out.add(node.module.split(".")[0])
-                else:
-                    out.update(a.name for a in node.names)
-            elif isinstance(node, ast.If):
-                test = ast.unparse(node.test)
-                if "TYPE_CHECKING" not in test:
-                    visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-                for h in node.handlers:
-                    visit(h.body)
-
-    visit(ast.parse(path.read_text()).body)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        base = package.split(".") if package else []
+        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+        target = ".".join(base + ([node.module] if node.module else []))
+        for a in node.names:
+            sub = f"{target}.{a.name}" if target else a.name
+            if sub in mods:
+                out.add(sub)
+            elif target in mods:
+                out.add(target)
     return out
 
 
-def graph() -> Dict[str, Set[str]]:
-    mods = {p.stem: p for p in PKG.glob("*.py")}
-    return {name: {m for m in _eager_imports(p) if m in mods and m != name}
-            for name, p in mods.items() if name != "__init__"}
+def graph(root: Path = PKG) -> Dict[str, Set[str]]:
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+    mods = set(files)
+    # The package's own __init__ is the facade: it imports the rest and nothing imports it.
+    return {m: {n for n in imports(p, mods, root) if n != m and n != ""}
+            for m, p in files.items() if m != ""}
 
 
 def find_cycle(g: Dict[str, Set[str]]) -> List[str]:
@@ -72,14 +79,50 @@ def find_cycle(g: Dict[str, Set[str]]) -> List[str]:
 
 def test_no_import_cycles() -> None:
     g = graph()
-    assert len(g) > 10, g
+    assert len(g) > 20, g
+    assert "capture.tracker" in g and "record" in g["capture.tracker"]
     assert find_cycle(g) == [], "import cycle: " + " -> ".join(find_cycle(g))
 
 
 def test_the_check_sees_a_cycle(tmp_path) -> None:
-    (tmp_path / "a.py").write_text("from . import b\n")
-    (tmp_path / "b.py").write_text("from .a import x\nif TYPE_CHECKING:\n    from .c import y\n")
-    g = {"a": _eager_imports(tmp_path / "a.py"), "b": _eager_imports(tmp_path / "b.py")}
-    assert g == {"a": {"b"}, "b": {"a"}}
-    assert find_cycle(g) == ["a", "b", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) == []
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("from .sub import b\n")
+    (tmp_path / "sub" / "__init__.py").write_text('"""sub"""\n')
+    (tmp_path / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n")
+    g = graph(tmp_path)
+    assert g["a"] == {"sub.b"} and g["sub.b"] == {"a"}
+    assert find_cycle(g) == ["a", "sub.b", "a"]
+    (tmp_path / "sub" / "b.py").write_text("def f():\n    from .. import a\n")
+    assert find_cycle(graph(tmp_path)) == ["a", "sub.b", "a"]
+    (tmp_path / "sub" / "b.py").write_text("x = 1\n")
+    assert find_cycle(graph(tmp_path)) == []
+
+
+def test_every_module_says_what_it_holds() -> None:
+    for p in sorted(PKG.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(p.read_text()))
+        assert doc and len(doc.splitlines()[0]) > 20, f"{p.relative_to(PKG)}: no docstring"
+
+
+def test_examples_use_only_the_public_api() -> None:
+    import bagualu
+    public = set(bagualu.__all__)
+    for p in sorted(EXAMPLES.glob("*.py")):
+        tree = ast.parse(p.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.startswith("bagualu"):
+                assert node.module == "bagualu" and all(a.name in public for a in node.names), \
+                    f"{p.name}:{node.lineno}: from {node.module} import ..."
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    assert a.name == "bagualu" or not a.name.startswith("bagualu"), \
+                        f"{p.name}:{node.lineno}: import {a.name}"
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id == "bagualu":
+                assert node.attr in public, f"{p.name}:{node.lineno}: bagualu.{node.attr}"
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call) and \
+                    isinstance(node.value.func, ast.Attribute) and \
+                    node.value.func.attr == "current":
+                raise AssertionError(f"{p.name}:{node.lineno}: bagualu.current().{node.attr}")

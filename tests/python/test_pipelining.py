@@ -28,8 +28,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B)
 
 import bagualu
-from bagualu import accumulate, pipelining
-from bagualu.schedule import interleaved_one_f_one_b, one_f_one_b
+from bagualu.loops import accumulate, pipelining
+from bagualu.loops.schedule import interleaved_one_f_one_b, one_f_one_b
 from conftest import ROOT, require_libs, small_config
 from moe_model import DriftingCorpus, MoEStage
 from moe_train import _build_stage
@@ -119,7 +119,7 @@ def test_wrapped_1f1b_matches_plain_schedule_bitwise(world_of_one) -> None:
     assert pipe.points == one_f_one_b(MB, 1, 0)
     assert pipe.plans == MB  # every forward point planned (the embedded planner)
     assert pipe.line is not None and pipe.line["iteration"] == 1
-    mitigated = sum(ln["offloads"] + ln["recomputed_ops"] for ln in bagualu.current().history)
+    mitigated = sum(ln["offloads"] + ln["recomputed_ops"] for ln in bagualu.history())
     assert mitigated > 0  # 512 KiB is tight: the plans were carried out, losses still bitwise
     pipe.unwrap()
     assert "forward_one_chunk" not in schedule._stage.__dict__
@@ -263,7 +263,7 @@ def test_wrapped_interleaved_matches_plain_schedule_bitwise(world_of_one) -> Non
     assert pipe.points == points
     assert pipe.plans == sum(1 for p in points if p[1] is not None)  # every forward planned
     assert pipe.line is not None and pipe.line["iteration"] == 1
-    mitigated = sum(ln["offloads"] + ln["recomputed_ops"] for ln in bagualu.current().history)
+    mitigated = sum(ln["offloads"] + ln["recomputed_ops"] for ln in bagualu.history())
     assert mitigated > 0
 
 
@@ -356,7 +356,7 @@ def test_accumulate_gradients_matches_plain_pytorch_bitwise(monkeypatch) -> None
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or
                                                          torch.equal(p.grad, q.grad)), name
-    history = bagualu.current().history
+    history = bagualu.history()
     assert len(history) == 1 and history[0]["offloads"] + history[0]["recomputed_ops"] > 0
 
     # the loop form: the same gradients again (accumulated on top), its line and plans
@@ -618,9 +618,9 @@ def test_unmodified_hf_model_under_torch_schedules(world_of_one, cls) -> None:
                     micro_batches=mb, log_iterations=False)
     schedule, lm = build()
     bagualu.instrument(lm)
-    bagualu.current().force_strategies({})
+    bagualu.force_strategies({})
     run(bagualu.pipelining.wrap_schedule(schedule), lm)
-    peak = max(line["peak_bytes"] for line in bagualu.current().history)
+    peak = max(line["peak_bytes"] for line in bagualu.history())
     bagualu.uninstall()
     del schedule, lm
     bagualu.install(capacity=peak // 2, policy="bagualu",

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT, require_libs
 from bagualu.errors import OutOfMemoryError, PlannerError
-from bagualu.planner import EmbeddedPlanner
+from bagualu.planning.embedded import EmbeddedPlanner
 
 
 def test_plans_the_demo_model() -> None:
@@ -30,7 +30,7 @@ def test_bad_model_gives_the_planners_message() -> None:
 
 def test_pool_capacity_is_real() -> None:
     require_libs()
-    from bagualu.pool import DevicePool
+    from bagualu.enforce.pool import DevicePool
     pool = DevicePool(1 << 20)
     a = pool.alloc(600 << 10)
     with pytest.raises(OutOfMemoryError, match="out of memory"):

@@ -14,7 +14,7 @@ from typing import List
 import pytest
 
 from conftest import ROOT, require_libs
-from bagualu import _lib
+from bagualu.native import libs as _lib
 
 
 def daemon_binary() -> Path:

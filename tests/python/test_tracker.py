@@ -44,7 +44,7 @@ def install_tiny(capacity="1MiB"):
 
 def run(strategies=None, capacity="1MiB"):
     rt, m, x = install_tiny(capacity)
-    rt.force_strategies(strategies)
+    bagualu.force_strategies(strategies)
     with bagualu.forward(0):
         y = m(x).square().sum()
     recs = list(rt.tracker.by_mb[0])
@@ -66,7 +66,7 @@ def test_storage_saved_by_several_operators_is_one_record() -> None:
 def test_offload_moves_bytes_and_frees_the_original() -> None:
     require_libs()
     rt, m, x = install_tiny()
-    rt.force_strategies({n: bagualu.OFFLOAD for n in
+    bagualu.force_strategies({n: bagualu.OFFLOAD for n in
                          ("attn_norm", "qkv_proj", "out_proj", "expert_act", "combine")})
     with bagualu.forward(0):
         y = m(x).square().sum()
@@ -78,7 +78,7 @@ def test_offload_moves_bytes_and_frees_the_original() -> None:
     st = rt.enforcer.stats()
     assert st["offloads"] == len(offloaded) and st["registered"] == len(recs)
     assert st["pinned_in_use"] >= sum(r.nbytes for r in offloaded)
-    assert all(r.block_bytes == 0 for r in offloaded)
+    assert all(r.pool_bytes == 0 for r in offloaded)
     gc.collect()
     inner = [r for r in offloaded if r.producer.layer >= 0]  # x is still held by the caller
     assert inner and all(r.ref() is None for r in inner), "device copies must be freed"
@@ -104,7 +104,7 @@ def test_offload_and_recompute_are_bitwise(strategy: str) -> None:
     gc.collect()
     rt, _, y1, g1 = run({n: strategy for n in ("qkv_proj", "out_proj", "expert_act")})
     moved = rt.tracker.counters["offloads"] if strategy == bagualu.OFFLOAD \
-        else rt.iter["recompute_ops"]
+        else rt.log.recompute_ops
     assert moved > 0
     assert torch.equal(y0, y1)
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
@@ -127,14 +127,14 @@ def test_fp8_roundtrip_through_the_enforcer(dtype: torch.dtype) -> None:
     """The enforcer's cast (kernels/' host twin on CPU) keeps each element within e4m3's
     relative precision of its block's scale, and frees nothing PyTorch still holds."""
     require_libs()
-    from bagualu.enforcer import Enforcer, PLACE_FP8
+    from bagualu.enforce.enforcer import Enforcer
     enf = Enforcer(torch.device("cpu"), 1 << 20, borrowed_free_is_safe=False)
     x = (torch.randn(1000) * torch.linspace(0.01, 100, 1000)).to(dtype)
     st = x.untyped_storage()
     h = enf.register(st, dtype, producer_op=0, micro_batch=0)
     fp8_bytes = enf.store_fp8(h)
     blocks = (1000 + 127) // 128
-    assert enf.query(h).placement == PLACE_FP8
+    assert enf.vocab.placement[enf.query(h).placement] == "fp8"
     assert fp8_bytes == (1000 + 15) // 16 * 16 + blocks * 4  # e4m3 data, padding, scales
     done = []
     back = enf.acquire(h, x.nbytes, lambda: done.append(1))
@@ -160,7 +160,7 @@ def test_pressure_eviction_offloads_what_is_needed_last() -> None:
     rt = bagualu.install(capacity="1MiB", policy="bagualu", governor="none",
                          log_iterations=False)
     bagualu.instrument(m)
-    rt.force_strategies({})  # keep everything: only pressure may move data
+    bagualu.force_strategies({})  # keep everything: only pressure may move data
     outs = []
     for mb in range(2):
         with bagualu.forward(mb):
@@ -182,7 +182,7 @@ def test_uninstall_keeps_offloaded_activations_reloadable() -> None:
     goes away once nothing needs it, and a new install works."""
     require_libs()
     rt, m, x = install_tiny()
-    rt.force_strategies({n: bagualu.OFFLOAD for n in ("attn_norm", "qkv_proj", "out_proj")})
+    bagualu.force_strategies({n: bagualu.OFFLOAD for n in ("attn_norm", "qkv_proj", "out_proj")})
     with bagualu.forward(0):
         y = m(x).square().sum()
     enf = rt.enforcer
@@ -213,19 +213,22 @@ def test_failed_forward_frees_its_light_accounting() -> None:
     with pytest.raises(bagualu.OutOfMemoryError):
         forward(8192)  # light (keep-all) and too large for 1 MiB
     gc.collect()
-    assert rt.pool.stats()["allocated_bytes_current"] == 0
+    assert rt.memory.pool.stats()["allocated_bytes_current"] == 0
     assert 0 not in rt.tracker.light_sets
     y = forward(32)
     assert 0 < rt.tracker.light_bytes(0) < 64 << 10
     with bagualu.backward(0):
         y.backward()
-    assert rt.pool.stats()["allocated_bytes_current"] == 0
+    assert rt.memory.pool.stats()["allocated_bytes_current"] == 0
 
 
 def test_light_capture_tells_a_reused_pointer_from_the_dead_storage() -> None:
-    from bagualu.tracker import Op, Tracker
-    tr = Tracker(lambda n: 1, lambda b, n: None, lambda op, mb: bagualu.KEEP)
-    tr.micro_batch = 0
+    from bagualu.capture.tracker import Tracker
+    from bagualu.enforce.device import DeviceMemory
+    from bagualu.vocabulary import Op
+    memory = DeviceMemory(torch.device("cpu"), None, None)  # counts only
+    tr = Tracker(memory, None, lambda op, mb: bagualu.KEEP)
+    tr.begin_forward(0, capture=False)
     tr.scope.append(Op("qkv_proj", "linear", 0))
     tr.begin_light(0)
     a = torch.empty(48 << 10, dtype=torch.uint8)

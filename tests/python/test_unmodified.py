@@ -118,7 +118,7 @@ def test_a_kv_cache_keeps_the_calls_that_change_it(caplog) -> None:
     model = unmodified.build("mixtral")
     bagualu.install(capacity="64MiB", policy="keep-all", governor="none", log_iterations=False)
     bagualu.instrument(model)
-    bagualu.current().force_strategies({"self_attn": "recompute"})
+    bagualu.force_strategies({"self_attn": "recompute"})
     bagualu.begin_iteration()
     with caplog.at_level("WARNING", logger="bagualu"):
         with bagualu.forward(0):
@@ -153,7 +153,7 @@ def test_a_call_that_does_not_repeat_itself_is_a_clear_error() -> None:
     model = torch.nn.Sequential(_Counting(), _Counting())
     bagualu.install(capacity="64MiB", policy="keep-all", governor="none", log_iterations=False)
     bagualu.instrument(model)
-    bagualu.current().force_strategies({"block": "recompute"})
+    bagualu.force_strategies({"block": "recompute"})
     bagualu.begin_iteration()
     with bagualu.forward(0):
         loss = model(torch.randn(4, 8, requires_grad=True)).sum()

@@ -1,4 +1,5 @@
-"""BaGuaLu for PyTorch: per-micro-batch activation memory planning for MoE training.
+"""BaGuaLu for PyTorch, the public API: per-micro-batch activation memory planning for MoE
+training (docs/pytorch.md opens with the map of the package).
 
     import bagualu
     bagualu.install(capacity="256MiB", policy="bagualu")   # before the first CUDA allocation
@@ -16,26 +17,27 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch as _torch
 
+from . import runtime as _runtime
+from .discovery.opblock import OpBlock, Step
 from .errors import (BagualuError, InstallError, InstrumentError, LibraryNotFound,
                      OutOfMemoryError, PlannerError, PolicyError)
-from .ops import OpBlock, Step
-from .runtime import POLICIES
-from .strategy import FP8, KEEP, OFFLOAD, RECOMPUTE
 from .installer import install, uninstall
-from . import runtime as _runtime
-from . import pipelining, schedule
-from .accumulate import accumulate_gradients, micro_batches
+from .loops import pipelining, schedule
+from .loops.accumulate import accumulate_gradients, micro_batches
+from .settings import POLICIES, parse_size
+from .vocabulary import FP8, KEEP, OFFLOAD, RECOMPUTE
 
-__all__ = ["install", "uninstall", "instrument", "describe", "step_point", "forward", "backward",
-           "begin_iteration", "end_iteration", "stats", "dump_snapshot", "OpBlock", "Step",
-           "POLICIES", "KEEP", "OFFLOAD", "FP8", "RECOMPUTE", "BagualuError", "InstallError",
-           "InstrumentError", "LibraryNotFound", "OutOfMemoryError", "PlannerError",
-           "PolicyError", "current", "pipelining", "schedule", "micro_batches",
-           "accumulate_gradients"]
+__all__ = ["install", "uninstall", "instrument", "describe", "operators", "layers", "step_point", "forward",
+           "backward", "begin_iteration", "end_iteration", "history", "stats", "dump_snapshot",
+           "force_strategies", "model_document", "stage_graph", "sessions", "parse_size",
+           "OpBlock", "Step", "POLICIES", "KEEP", "OFFLOAD", "FP8", "RECOMPUTE",
+           "BagualuError", "InstallError", "InstrumentError", "LibraryNotFound",
+           "OutOfMemoryError", "PlannerError", "PolicyError", "current", "pipelining",
+           "schedule", "micro_batches", "accumulate_gradients"]
 
 
 MIN_TORCH = (2, 6)  # the oldest torch the tests run on (docs/pytorch.md, "Supported torch")
@@ -79,8 +81,23 @@ def describe(model: Any, layers: Optional[Union[str, Sequence[str]]] = None,
              ops: Optional[Dict[str, str]] = None) -> str:
     """The layers and operators bagualu finds in ``model`` (what ``instrument`` would plan),
     as text; needs no install(). Raises InstrumentError as ``instrument`` would."""
-    from . import discover
+    from .discovery import find as discover
     return discover.find(model, layers, ops).describe()
+
+
+def operators(model: Any, layers: Optional[Union[str, Sequence[str]]] = None,
+              ops: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The operators of one planned layer of ``model`` (name -> kind, in module order), as
+    ``instrument`` would plan them; needs no install()."""
+    from .discovery import find as discover
+    return dict(discover.find(model, layers, ops).kinds)
+
+
+def layers(model: Any, layers: Optional[Union[str, Sequence[str]]] = None) -> List[Any]:
+    """The repeated blocks (transformer layers) bagualu finds in ``model``, in order; needs no
+    install(). Raises InstrumentError when there are none."""
+    from .discovery import find as discover
+    return list(discover.find_blocks(model, layers)[1])
 
 
 def step_point(phase: str, forward_mb: Optional[int], backward_mb: Optional[int],
@@ -122,3 +139,34 @@ def stats() -> Dict[str, Any]:
 def dump_snapshot(path: str) -> None:
     """Writes the allocator snapshot pickle that pytorch.org/memory_viz opens."""
     current().dump_snapshot(path)
+
+
+def history() -> List[Dict[str, Any]]:
+    """The lines of every iteration ended so far (see end_iteration)."""
+    return list(current().history)
+
+
+def force_strategies(strategies: Optional[Dict[str, str]]) -> None:
+    """Overrides every plan (tests, debugging, comparisons): operator name ('expert_fc1', in
+    every layer) or qualified name ('L0.expert_fc1') -> 'keep', 'offload', 'fp8' or
+    'recompute'; other operators keep. None returns to the policy. PolicyError on an unknown
+    strategy."""
+    current().strategies.force(strategies)
+
+
+def model_document() -> Optional[Dict[str, Any]]:
+    """The model document registered with the governor after the capture micro-batch
+    (docs/planner.md), or None before it."""
+    return current().planning.model_doc
+
+
+def stage_graph() -> Optional[Dict[str, Any]]:
+    """The planner's stage graph of this rank (its description of the registered model:
+    operators, tensors, steps), or None before the capture."""
+    return current().planning.description
+
+
+def sessions() -> List[Dict[str, Any]]:
+    """The daemon's sessions (job, pipeline rank, GPU, grants) as dicts; [] while planning
+    in-process."""
+    return current().governor.sessions()

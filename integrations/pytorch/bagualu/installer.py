@@ -1,16 +1,18 @@
-"""bagualu.install(): the allocator, the simulated device on CPU, the governor connection."""
+"""bagualu.install() and uninstall(): the allocator swap on CUDA, the simulated device on CPU,
+the governor connection, and the runtime that composes them."""
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from . import _active, _lib, runtime
+from . import _active, runtime
+from .enforce.pool import DevicePool
 from .errors import InstallError
-from .governor import Governor
-from .pool import DevicePool
+from .native import libs as _lib
+from .planning.governor import Governor
+from .settings import Settings, check_issue_order, check_policy, parse_size
 
 log = logging.getLogger("bagualu")
 
@@ -64,13 +66,14 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
       reloads and recomputes follow it; 'serial': the same plans in program order (for
       comparison).
     """
-    runtime.check_policy(policy)
-    runtime.check_issue_order(issue_order)
+    check_policy(policy)
+    check_issue_order(issue_order)
     if runtime.active() is not None:
         uninstall()
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    cap = runtime.parse_size(capacity)
+    cap = parse_size(capacity, "capacity")
+    pinned = parse_size(pinned_capacity, "pinned_capacity")
     pool = None
     if dev.type == "cuda":
         try:
@@ -83,11 +86,11 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
         pool = DevicePool(cap)
     gov = Governor(governor, deadline_s=deadline_s,
                    gpu_index=(dev.index or 0) if dev.type == "cuda" else pipeline_rank)
-    settings = runtime.Settings(
+    settings = Settings(
         device=dev, capacity=cap, policy=policy, pipeline_rank=pipeline_rank,
         pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         log_iterations=log_iterations, fp8_block=fp8_block,
-        pinned_capacity=runtime.parse_size(pinned_capacity), chunks=chunks, gc_freeze=gc_freeze,
+        pinned_capacity=pinned, chunks=chunks, gc_freeze=gc_freeze,
         issue_order=issue_order)
     rt = runtime.Runtime(settings, gov, pool)
     _active.runtime = rt

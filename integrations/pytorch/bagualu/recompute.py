@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .errors import BagualuError
-from .strategy import Op
+from .vocabulary import Op
 
 Key = Tuple[str, int]  # ("pack", index within the call) or ("out", index of the output leaf)
 

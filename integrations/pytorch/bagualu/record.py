@@ -1,38 +1,57 @@
-"""Where one saved storage lives: its record (on the simulated device, on the host, in FP8,
+"""One saved storage and where its data is: its record (on the simulated device, on the host, in FP8,
 or dropped for recompute, with its producer and the operators that saved it) and what autograd
 keeps for each saved tensor of it (``Packed``: the tensor itself while the data is on the device,
 else the view to rebuild on whatever storage holds the data then).
 
-Hook capture, accounting and pressure eviction over many records are the tracker's
-(tracker.py). Not thread-safe: records are used from the training thread, like autograd's
+Hook capture over many records is the tracker's (capture/tracker.py), which owns the records
+through the ``Owner`` protocol below; every move of the data goes through the enforcer
+(enforce/enforcer.py). Not thread-safe: records are used from the training thread, like autograd's
 hooks.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
-from .enforcer import fp8_supported
+from .enforce.enforcer import fp8_supported
 from .errors import BagualuError
-from .strategy import OFFLOAD, RECOMPUTE, Op
+from .vocabulary import OFFLOAD, RECOMPUTE, Op
 
-DEVICE, HOST, FP8_PLACE, DROPPED = "device", "host", "fp8", "dropped"
+DEVICE, HOST, FP8_PLACE, DROPPED = "device", "host", "fp8", "dropped"  # placements
+
+
+class Owner(Protocol):
+    """What a record needs from the tracker that owns it (capture/tracker.py)."""
+
+    enforcer: Any                      # enforce.enforcer.Enforcer
+    issuer: Any                        # enforce.order.PointIssuer, or None
+    counters: Dict[str, int]
+    pool_backed: bool
+    planned: Dict[int, "Record"]
+    device_alloc: Callable[[int], int]
+    device_free: Callable[[int, int], None]
+
+    def enforcer_failed(self, what: str, error: Exception) -> None: ...
+
+    def acquired(self, micro_batch: int) -> None: ...
+
+    def retire(self, rec: "Record") -> None: ...
 
 
 class Record:
     """One saved storage of one micro-batch."""
 
-    __slots__ = ("key", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
-                 "placement", "storage", "block", "block_bytes", "refs", "pinned", "in_backward",
+    __slots__ = ("ptr", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
+                 "placement", "storage", "pool_block", "pool_bytes", "refs", "held", "in_backward",
                  "tracker", "ref", "seq", "packs", "enf", "enf_block", "live_block", "released",
                  "regen", "regenerating", "planned", "__weakref__")
 
-    def __init__(self, tracker: "Tracker", storage: torch.UntypedStorage, dtype: torch.dtype,
+    def __init__(self, tracker: Owner, storage: torch.UntypedStorage, dtype: torch.dtype,
                  producer: Op, micro_batch: int, seq: int) -> None:
         self.tracker = tracker
-        self.key = storage.data_ptr()
+        self.ptr = storage.data_ptr()
         self.nbytes = storage.nbytes()
         self.dtype = dtype
         self.device = storage.device
@@ -42,10 +61,10 @@ class Record:
         self.placement = DEVICE
         self.storage: Optional[torch.UntypedStorage] = storage
         self.ref: Any = None  # weakref to the original storage once the data left it
-        self.block = 0
-        self.block_bytes = 0
+        self.pool_block = 0
+        self.pool_bytes = 0
         self.refs = 0
-        self.pinned = False
+        self.held = False
         self.in_backward = False
         self.seq = seq
         self.packs: Optional[List[Any]] = None  # weakrefs to Packed holding the tensor
@@ -55,7 +74,7 @@ class Record:
         self.released = False    # every holder is gone
         self.regen: Any = None   # the recompute.Call that regenerates it while dropped
         self.regenerating = False
-        self.planned = False     # offload left to the plan's issue order (issue.py)
+        self.planned = False     # offload left to the plan's issue order
 
     def same_storage(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` is this record's storage (the original, even after it moved)."""
@@ -75,19 +94,19 @@ class Record:
     # -- accounting -------------------------------------------------------------------------
     def _account(self, nbytes: int) -> None:
         self._unaccount()
-        self.block = self.tracker.device_alloc(nbytes)
-        self.block_bytes = nbytes
+        self.pool_block = self.tracker.device_alloc(nbytes)
+        self.pool_bytes = nbytes
 
     def _unaccount(self) -> None:
         if self.enf_block:  # the enforcer frees it when PyTorch lets go of the storage
-            self.block_bytes, self.enf_block = 0, False
+            self.pool_bytes, self.enf_block = 0, False
             return
-        if self.block:
-            self.tracker.device_free(self.block, self.block_bytes)
-            self.block, self.block_bytes = 0, 0
+        if self.pool_block:
+            self.tracker.device_free(self.pool_block, self.pool_bytes)
+            self.pool_block, self.pool_bytes = 0, 0
 
     def device_bytes(self) -> int:
-        return self.block_bytes
+        return self.pool_bytes
 
     # -- moves (all through the enforcer; the record follows where the data went) -----------
     def movable(self) -> bool:
@@ -95,7 +114,7 @@ class Record:
         Not while the enforcer's recompute callback regenerates it: the record has its data
         but the enforcer has it dropped until the callback returns (pressure eviction inside
         the rerun must not pick it)."""
-        return (self.placement == DEVICE and not self.pinned and self.storage is not None
+        return (self.placement == DEVICE and not self.held and self.storage is not None
                 and self.enf != 0 and not self.regenerating)
 
     def offload(self) -> int:
@@ -134,7 +153,7 @@ class Record:
         self._leave_device()
         self.storage = None
         self.placement = HOST
-        freed = self.block_bytes
+        freed = self.pool_bytes
         self._unaccount()
         t.counters["offloads"] += 1
         t.counters["bytes_d2h"] += self.nbytes
@@ -142,7 +161,7 @@ class Record:
 
     def drop(self, call: Any, key: Any) -> int:
         """Lets the data go; ``call`` regenerates it at ``key`` when it is needed; bytes freed."""
-        if self.placement != DEVICE or self.pinned or self.storage is None:
+        if self.placement != DEVICE or self.held or self.storage is None:
             return 0
         if self.enf:
             try:
@@ -156,7 +175,7 @@ class Record:
         self.placement = DROPPED
         self.regen = call
         call.add(key, self)
-        freed = self.block_bytes
+        freed = self.pool_bytes
         self._unaccount()
         self.tracker.counters["drops"] += 1
         return freed
@@ -173,19 +192,19 @@ class Record:
             t.enforcer_failed("fp8 cast", e)
             return 0
         self._leave_device()
-        before = self.block_bytes
+        before = self.pool_bytes
         self._enforcer_bytes(fp8_bytes)
         self.storage = None
         self.placement = FP8_PLACE
         t.counters["fp8_casts"] += 1
-        return max(before - self.block_bytes, 0)
+        return max(before - self.pool_bytes, 0)
 
     def _enforcer_bytes(self, nbytes: int) -> None:
         """The device data is now ``nbytes`` the enforcer allocated: in the pool already (the
         simulated device), else counted here."""
         if self.tracker.pool_backed:
             self._unaccount()
-            self.block_bytes, self.enf_block = nbytes, True
+            self.pool_bytes, self.enf_block = nbytes, True
         else:
             self._account(nbytes)
 

@@ -54,7 +54,7 @@ def overhead(cfg: MoEConfig, args: argparse.Namespace) -> List[str]:
     """Plain and hooked iterations alternate in one process on one model, so both see the
     same machine load; CPU time of the process per iteration, medians."""
     import bagualu
-    from bagualu.schedule import one_f_one_b
+    one_f_one_b = bagualu.schedule.one_f_one_b
     from moe_model import DriftingCorpus, MoEStage
     torch.manual_seed(0)
     model = MoEStage(cfg)

@@ -87,7 +87,7 @@ class MoELayer(bagualu.OpBlock):
             S("core_attn", "attention", self._attention, ("qkv",), ("a",)),
             S("out_proj", "linear", self._out_proj, ("a", "x"), ("h",)),
             S("moe_norm", "norm", self.moe_norm, ("h",), ("m",)),
-            S("router", "router", self._route, ("m", "spike"), ("w", "idx", "load"), gate=True),
+            S("router", "router", self._route, ("m", "spike"), ("w", "idx", "load"), router=True),
             S("shared_fc1", "shared_linear", self.shared_fc1, ("m",), ("s1",)),
             S("shared_act", "shared_activation", swiglu, ("s1",), ("s2",)),
             S("shared_fc2", "shared_linear", self.shared_fc2, ("s2",), ("s3",)),

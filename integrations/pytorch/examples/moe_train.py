@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bagualu  # noqa: E402
-from bagualu.schedule import P2PStage, one_f_one_b  # noqa: E402
 from moe_model import DriftingCorpus, MoEConfig, MoEStage  # noqa: E402
 
 POLICIES = ["keep-all", "static-under", "static-over", "bagualu"]
@@ -59,7 +58,7 @@ def train(cfg: MoEConfig, policy: str, iterations: int = 4, micro_batches: int =
     if use:
         bagualu.instrument(model, cfg.info())
         if force is not None:
-            bagualu.current().force_strategies(force)
+            bagualu.force_strategies(force)
     result: Dict[str, Any] = {"policy": policy, "losses": [], "iteration_s": [],
                               "iteration_cpu_s": [], "lines": [],
                               "finished": 0, "oom": None, "grads": []}
@@ -72,7 +71,7 @@ def train(cfg: MoEConfig, policy: str, iterations: int = 4, micro_batches: int =
             opt.zero_grad(set_to_none=True)
             if use:
                 bagualu.begin_iteration()
-            for phase, f, b in one_f_one_b(micro_batches, stages, 0):
+            for phase, f, b in bagualu.schedule.one_f_one_b(micro_batches, stages, 0):
                 if use:
                     bagualu.step_point(phase, f, b)
                 if f is not None:
@@ -166,7 +165,7 @@ def run_distributed(args: argparse.Namespace, cfg: MoEConfig) -> None:
     corpus = DriftingCorpus(cfg, seed=args.seed + 1)
     opt = torch.optim.SGD(stage.parameters(), lr=0.05)
     shape = (cfg.micro_batch_size, cfg.seq_len, cfg.hidden)
-    runner = P2PStage(rank, world, args.micro_batches, shape, device=device)
+    runner = bagualu.schedule.P2PStage(rank, world, args.micro_batches, shape, device=device)
     gmb = 0
     for it in range(args.iterations):
         data = [corpus.batch(it) for _ in range(args.micro_batches)]
@@ -191,16 +190,15 @@ def run_distributed(args: argparse.Namespace, cfg: MoEConfig) -> None:
     st = bagualu.stats()
     print(f"rank {rank} finished {args.iterations} iterations governor={st['governor']} "
           f"ooms={st['ooms']}", flush=True)
-    grant = bagualu.current().governor.grant
+    grant = st["grant_bytes"]
     enf = st["enforcer"]
     print(f"rank {rank} host grant {grant if grant is not None else 'none'} pinned capacity "
           f"{enf['pinned_capacity']} pinned peak {enf['pinned_peak']} offloads "
           f"{enf['offloads']}", flush=True)
     dist.barrier()  # every rank is still registered here
-    gov = bagualu.current().governor
-    if rank == 0 and gov.remote is not None:
-        job = gov.job_id
-        ranks = sorted(s.pipeline_rank for s in gov.remote.list_sessions() if s.job_id == job)
+    if rank == 0 and st["governor"] == "remote":
+        job = st["job_id"]
+        ranks = sorted(int(s["pipeline_rank"]) for s in bagualu.sessions() if s["job_id"] == job)
         print(f"governor sessions of job {job}: pipeline ranks {ranks}", flush=True)
     dist.barrier()
     bagualu.uninstall()
@@ -360,6 +358,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="governor address (unix:///path); 'none': embedded planner")
     p.add_argument("--json-out", default="", help="write the results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no per-iteration log lines")
+    p.add_argument("--require-finish", default="",
+                   help="comma-separated policies that must finish every iteration (exit "
+                        "status 1 otherwise), e.g. bagualu,static-over")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--pipeline", choices=("p2p", "torch"), default="p2p",
                    help="under torchrun: bagualu.schedule.P2PStage (send/recv) or a "
@@ -401,6 +402,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump([{k: v for k, v in r.items() if k not in ("losses", "grads")} |
                        {"losses": [float(x) for x in r["losses"]]} for r in results], f,
                       indent=1, default=str)
+    required = [x for x in args.require_finish.split(",") if x]
+    failed = [x for x in required if by.get(x, {}).get("finished", 0) < args.iterations]
+    if failed:
+        print(f"error: {', '.join(failed)} did not finish all {args.iterations} iterations",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bagualu  # noqa: E402
-from bagualu.schedule import one_f_one_b  # noqa: E402
 from moe_model import DriftingCorpus, MoEConfig, MoEStage  # noqa: E402
 
 VARIANTS = ("plain", "identity-hooks", "bagualu")
@@ -57,7 +56,7 @@ def main() -> int:
         c0 = time.process_time()
         if hooked:
             bagualu.begin_iteration()
-        for phase, f, b in one_f_one_b(8, 4, 0):
+        for phase, f, b in bagualu.schedule.one_f_one_b(8, 4, 0):
             if hooked:
                 bagualu.step_point(phase, f, b)
             if f is not None:

@@ -186,7 +186,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     larger model (``build``) and longer micro-batches. Per iteration: wall and CPU times
     (``device`` "cuda": wall time after a synchronize)."""
     import bagualu
-    from bagualu.schedule import one_f_one_b
+    one_f_one_b = bagualu.schedule.one_f_one_b
     cuda = device.startswith("cuda")
     if policy is not None:  # first: on CUDA install() swaps the allocator before any tensor
         bagualu.install(capacity=capacity, policy=policy, governor=governor, device=device,
@@ -200,7 +200,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     if policy is not None:
         bagualu.instrument(model, **(instrument_kwargs(name) if ep else {}))
         if forced is not None:
-            bagualu.current().force_strategies(forced)
+            bagualu.force_strategies(forced)
     elif checkpoint_layers:
         _checkpoint_blocks(model)
     try:
@@ -242,8 +242,9 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
                     if p.grad is not None}
     if policy is not None:
         out["stats"] = bagualu.stats()
-        out["description"] = bagualu.current().description
-        out["accuracy"] = list(bagualu.current().accuracy)  # (load, predicted, captured)
+        out["description"] = bagualu.stage_graph()
+        # (load, predicted, captured) of every forward nothing was mitigated in
+        out["accuracy"] = out["stats"].get("memory_model", {}).get("points", [])
         bagualu.uninstall()
     return out
 
@@ -251,9 +252,9 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
 def mixed_strategies(name: str, with_fp8: bool) -> Dict[str, str]:
     """All four strategies in one layer of ``name``: attention and norms recomputed,
     projections and the experts offloaded, the expert activation in FP8 (or recomputed)."""
-    from bagualu import discover
+    import bagualu
     out = {}
-    kinds = discover.find(build(name)).kinds
+    kinds = bagualu.operators(build(name))
     fp8_kind = "expert_activation" if "expert_activation" in kinds.values() else "expert_linear"
     for op, kind in kinds.items():
         if with_fp8 and kind == fp8_kind:
@@ -265,7 +266,7 @@ def mixed_strategies(name: str, with_fp8: bool) -> Dict[str, str]:
             out[op] = "offload"
         elif kind == "expert_activation":
             out[op] = "fp8" if with_fp8 else "recompute"
-        elif op == discover.BLOCK_OP and name == "fused":
+        elif op == "block" and name == "fused":  # the block's own code
             out[op] = "recompute"  # the block's own code has the dropout
     return out
 
@@ -273,8 +274,9 @@ def mixed_strategies(name: str, with_fp8: bool) -> Dict[str, str]:
 def _checkpoint_blocks(model: nn.Module) -> None:
     """What users do today: torch.utils.checkpoint around every block."""
     from torch.utils.checkpoint import checkpoint
-    from bagualu.discover import find_blocks
-    _, blocks = find_blocks(model)
+
+    import bagualu
+    blocks = bagualu.layers(model)
     for blk in blocks:
         fwd = blk.forward
 

@@ -83,7 +83,7 @@ def train(args: argparse.Namespace, rank: int, world: int, policy: Optional[str]
     if policy is not None:
         bagualu.instrument(modules[0] if chunks == 1 else nn.ModuleList(modules))
         if policy == "keep-all":
-            bagualu.current().force_strategies({})  # one block per storage: an exact peak
+            bagualu.force_strategies({})  # one block per storage: an exact peak
     cfg = modules[0].lm.config
     xs = unmodified.batches(n_mb * args.iterations, spike_every=args.spike_every,
                             vocab=cfg.vocab_size)
@@ -125,12 +125,12 @@ def train(args: argparse.Namespace, rank: int, world: int, policy: Optional[str]
         if policy is not None:
             out["plans"] += schedule.plans
     if policy is not None:
-        run = bagualu.current()
-        out["peak"] = max(line["peak_bytes"] for line in run.history)
+        history = bagualu.history()
+        out["peak"] = max(line["peak_bytes"] for line in history)
         out["stats"] = bagualu.stats()
-        out["strategies"] = run.history[-1]["strategies"]
+        out["strategies"] = history[-1]["strategies"]
         out["mitigated"] = sum(ln["offloads"] + ln["recomputed_ops"] + ln["fp8_casts"]
-                               for ln in run.history)
+                               for ln in history)
         dist.barrier()  # every rank is still registered here
         bagualu.uninstall()
     dist.barrier()

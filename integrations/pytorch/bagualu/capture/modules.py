@@ -1,6 +1,6 @@
 """Hooks that make an unmodified model's operators visible to the tracker.
 
-For every operator module found by discover.py: a forward pre-hook enters the operator's scope
+For every operator module found by discovery/find.py: a forward pre-hook enters the operator's scope
 (its saved tensors and the storages its own code makes belong to it), notes which tensors it
 receives from the enclosing operator, and opens a recompute call (recompute.py) when the
 micro-batch's plan recomputes it; a forward hook leaves the scope, names the operator the
@@ -10,9 +10,8 @@ outside the layers). Routers report the micro-batch's load factor for this proce
 (deferred planning), and under ``expert_parallel`` this process computes only its own experts,
 as one rank of expert parallelism would.
 
-The runtime passed in is duck-typed (``forwarding``, ``tracker``, ``strategy_of``,
-``capturing``, ``op_time``, ``observe_gate``, ``device``, ``may_defer``) so that this module
-does not import runtime.py. Not thread-safe; hooks run on the training thread.
+The runtime is seen through the Host protocol (capture/host.py), so that this module does not
+import runtime.py. Not thread-safe; hooks run on the training thread.
 """
 from __future__ import annotations
 
@@ -25,10 +24,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .discover import Discovery, expert_count, top_k_of
-from .errors import InstrumentError
-from .recompute import Call
-from .strategy import OUTSIDE, RECOMPUTE, Op
+from ..discovery.find import Discovery, expert_count, top_k_of
+from ..errors import InstrumentError
+from ..recompute import Call
+from ..vocabulary import OUTSIDE, RECOMPUTE, Op
+from .host import Host
 
 log = logging.getLogger("bagualu")
 DEFERRABLE = frozenset({"dispatch", "combine", "expert_linear", "expert_activation",
@@ -124,7 +124,7 @@ class _Router:
 class AutoLayers:
     """The hooks of one instrumented unmodified model (see the module docstring)."""
 
-    def __init__(self, rt: Any, model: nn.Module, found: Discovery,
+    def __init__(self, rt: Host, model: nn.Module, found: Discovery,
                  ep: ExpertParallel) -> None:
         self.rt = rt
         self.found = found
@@ -324,7 +324,7 @@ class AutoLayers:
             r = self.routers.get(m)
             if r is not None:
                 idx, _ = r.indices(out)
-                if idx is not None and rt.observe_gate(op.layer, r.load(idx)):
+                if idx is not None and rt.observe_router(op.layer, r.load(idx)):
                     rt.tracker.end_light()
             return None
         return hook

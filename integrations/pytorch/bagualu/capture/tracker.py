@@ -1,25 +1,28 @@
-"""Saved-activation capture and enforcement over many records (record.py: one storage, with its
-producer and every operator that saved it, placed on the (simulated) device, on the host, or in
-FP8): the saved-tensor hooks, accounting in the device pool, pressure eviction.
+"""The saved-tensor hooks and the records of the micro-batches in flight (record.py: one
+storage, with its producer and every operator that saved it, and where its data is): pack,
+unpack, operator scopes and producers, the plan's strategy applied at pack time, light capture.
 
 The pack hook of torch.autograd.graph.saved_tensors_hooks receives only a tensor; the operator
-that saves it is the innermost operator scope (see scopes in runtime.py). Tensors are
+that saves it is the innermost operator scope (pushed by the hooks of capture/modules.py and
+capture/blocks.py). Tensors are
 deduplicated by storage: a view of a larger storage shares its base's record, and the unpack
 hook rebuilds the view (offset, sizes, strides) on whatever storage holds the data then.
 """
 from __future__ import annotations
 
 import logging
-import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from .errors import BagualuError, OutOfMemoryError
-from .record import DEVICE, FP8_PLACE, HOST, Packed, Record, _Plain
-from .strategy import FP8, OFFLOAD, OUTSIDE, RECOMPUTE, Op
+from ..enforce import eviction
+from ..enforce.device import DeviceMemory
+from ..enforce.enforcer import Enforcer
+from ..enforce.order import PointIssuer
+from ..record import DEVICE, FP8_PLACE, Packed, Record, _Plain
+from ..vocabulary import FP8, OFFLOAD, OUTSIDE, RECOMPUTE, Op
+from .light import LightSet
 
 log = logging.getLogger("bagualu")
 
@@ -27,36 +30,36 @@ log = logging.getLogger("bagualu")
 StrategyFn = Callable[[Op, int], str]
 
 
-@dataclass
 class Tracker:
-    """Captures saved activations of the micro-batches in flight and applies strategies."""
+    """Captures saved activations of the micro-batches in flight and applies strategies.
+    Collaborators are given at construction; the model's facts (``set_model``) at instrument,
+    the issuer (``set_issuer``) once plans carry an issue order."""
 
-    device_alloc: Callable[[int], int]
-    device_free: Callable[[int, int], None]
-    strategy_of: StrategyFn
-    fp8_block: int = 128
-    param_keys: Set[int] = field(default_factory=set)
-    counters: Dict[str, int] = field(default_factory=lambda: {
-        "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
-        "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0, "drops": 0,
-        "recomputes": 0, "scheduled_offloads": 0, "fp8_evictions": 0})
-    light_chunk: int = 0  # bytes per accounting block of light micro-batches (0: exact)
-    enforcer: Any = None  # enforcer.Enforcer: every move of a record goes through it
-    pool_backed: bool = False  # device_alloc gives pool blocks (CPU), not just a count
-    device_type: str = "cpu"  # where activations live; only those are moved
-    # Strategies follow the operator that produced a storage (unmodified models, recompute
-    # callbacks) instead of the operator that saved it (OpBlock layers, checkpoint regions).
-    by_producer: bool = False
-    # Pressure eviction stores in FP8 what it cannot offload (the pinned pool is full at the
-    # node's grant): the policy allows FP8 and it beats running out of memory.
-    evict_fp8: bool = False
-
-    @property
-    def pin_memory(self) -> bool:
-        """Host copies are page-locked when the activations are on a GPU."""
-        return self.device_type == "cuda"
-
-    def __post_init__(self) -> None:
+    def __init__(self, memory: DeviceMemory, enforcer: Optional[Enforcer],
+                 strategy_of: StrategyFn, fp8_block: int = 128, light_grain: int = 0,
+                 evict_fp8: bool = False) -> None:
+        self.memory = memory
+        self.device_alloc: Callable[[int], int] = memory.alloc
+        self.device_free: Callable[[int, int], None] = memory.free
+        self.pool_backed = memory.pool_backed  # device_alloc gives pool blocks (CPU)
+        self.device_type = memory.device.type  # where activations live; only those move
+        self.enforcer = enforcer  # every move of a record goes through it
+        self.strategy_of = strategy_of
+        self.fp8_block = fp8_block
+        # Bytes per accounting block of light micro-batches (0: exact).
+        self.light_grain = light_grain
+        # Pressure eviction stores in FP8 what it cannot offload (the pinned pool is full at
+        # the node's grant): the policy allows FP8 and it beats running out of memory.
+        self.evict_fp8 = evict_fp8
+        self.counters: Dict[str, int] = {
+            "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
+            "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0, "drops": 0,
+            "recomputes": 0, "scheduled_offloads": 0, "fp8_evictions": 0}
+        # Set by set_model at instrument: storages of parameters and buffers (never
+        # activations), and whether strategies follow the operator that produced a storage
+        # (unmodified models, recompute calls) or the one that saved it (OpBlock layers).
+        self.param_keys: Set[int] = set()
+        self.by_producer = False
         self.scope: List[Op] = []
         # Light capture: a micro-batch whose strategies are all keep needs no records. Saved
         # storages are only counted (storage ptr -> (weakref, nbytes), nbytes negative once a
@@ -64,19 +67,19 @@ class Tracker:
         # backward ends. The weakref tells a storage from a dead one whose pointer was reused
         # (a graph piece dropped during the forward).
         self.light: Optional[Dict[int, Tuple[Any, int]]] = None  # the current forward's
-        self.light_sets: Dict[int, "LightSet"] = {}       # micro-batch -> its light set
-        # Offloads left to the plan's issue order (issue.py): the micro-batches whose records
+        self.light_sets: Dict[int, LightSet] = {}         # unit -> its light set
+        # Offloads left to the plan's issue order (enforce/order.py): the units whose records
         # wait for it, and those records by enforcer handle until the enforcer moved them.
         self.scheduled: Set[int] = set()
         self.planned: Dict[int, Record] = {}
-        self.issuer: Any = None  # issue.PointIssuer while plans carry an issue order
+        self.issuer: Optional[PointIssuer] = None
         self._enforcer_warned = False
         self.op_ids: Dict[Op, int] = {}            # the enforcer's operator numbers
-        self.micro_batch = -1
+        self.micro_batch = -1                      # the unit whose forward runs (or ran last)
         self.live: Dict[int, Record] = {}          # storage ptr -> record (dedupe)
-        self.by_mb: Dict[int, Set[Record]] = {}    # micro-batch -> its live records
-        self.producers: Dict[int, Tuple[Any, Op]] = {}  # storage ptr -> (weakref, producer)
-        self.pinned_holders: Dict[int, List[Packed]] = {}
+        self.by_mb: Dict[int, Set[Record]] = {}    # unit -> its live records
+        self.producers: Dict[int, Tuple[Any, Op, Any]] = {}  # storage ptr -> (weakref, op, call)
+        self.held_inputs: Dict[int, List[Packed]] = {}  # unit -> checkpoint-region inputs
         self.packs_seen = 0                        # pack calls outside light capture
         self.calls: List[Any] = []                 # recompute.Call objects open now
         # storage ptr -> weakref: tensors that enter a layer from outside it (rotary tables,
@@ -85,7 +88,26 @@ class Tracker:
         self.captured: List[Record] = []           # filled while capture is on
         self.capture = False
         self._seq = 0
-        self.enabled = True
+
+    @property
+    def pin_memory(self) -> bool:
+        """Host copies are page-locked when the activations are on a GPU."""
+        return self.device_type == "cuda"
+
+    def set_model(self, param_keys: Set[int], by_producer: bool) -> None:
+        """The instrumented model's parameter and buffer storages, and whose strategy a
+        storage follows (see __init__)."""
+        self.param_keys = set(param_keys)
+        self.by_producer = by_producer
+
+    def set_issuer(self, issuer: Optional[PointIssuer]) -> None:
+        """The stream scheduler's driver once plans carry an issue order."""
+        self.issuer = issuer
+
+    def begin_forward(self, unit: int, capture: bool) -> None:
+        """The forward of ``unit`` starts (the capture micro-batch when ``capture``)."""
+        self.micro_batch = unit
+        self.capture = capture
 
     # -- scopes -----------------------------------------------------------------------------
     def current_op(self) -> Op:
@@ -146,7 +168,7 @@ class Tracker:
                 if key in self.param_keys:
                     light[key] = (weakref.ref(st), 0)  # the next lookup is the only cost
                     return t
-                if not self.enabled or t.numel() == 0:
+                if t.numel() == 0:
                     return t
                 n = st.nbytes()
                 self.light_sets[self.micro_batch].grow(n)
@@ -162,7 +184,7 @@ class Tracker:
                     light[key] = (seen[0], -seen[1])
             return t
         self.packs_seen += 1  # recompute calls find their saved tensors by this count
-        if not self.enabled or self.micro_batch < 0 or t.numel() == 0 or t.is_sparse:
+        if self.micro_batch < 0 or t.numel() == 0 or t.is_sparse:
             return t
         st = t.untyped_storage()
         key = st.data_ptr()
@@ -195,7 +217,7 @@ class Tracker:
         if s != RECOMPUTE:
             self._apply(rec, s)
         elif call is not None:
-            k = call.key_for(rec.key, pack_index)
+            k = call.key_for(rec.ptr, pack_index)
             if k is not None:
                 rec.drop(call, k)
         return rec
@@ -205,7 +227,7 @@ class Tracker:
         its producer's strategy) when it is an activation, else the tensor itself. A storage
         made inside a call still running is not being packed, so that call's rerun cannot
         find it: it stays on the device."""
-        if t.numel() == 0 or t.is_sparse or self.micro_batch < 0 or not self.enabled:
+        if t.numel() == 0 or t.is_sparse or self.micro_batch < 0:
             return _Plain(t)
         st = t.untyped_storage()
         if st.data_ptr() in self.param_keys:
@@ -225,7 +247,7 @@ class Tracker:
         if self.enforcer is not None and st.device.type == self.device_type:
             rec.enf = self.enforcer.register(st, dtype, self.op_id(producer), self.micro_batch)
         rec._account(rec.nbytes)
-        self.live[rec.key] = rec
+        self.live[rec.ptr] = rec
         self.by_mb.setdefault(rec.micro_batch, set()).add(rec)
         self.counters["records"] += 1
         if self.capture:
@@ -287,7 +309,7 @@ class Tracker:
     def hold_inputs(self, tensors: List[torch.Tensor], op: Op) -> None:
         """Registers tensors a recompute region keeps alive (checkpoint inputs): they stay on
         the device until the micro-batch's backward ends."""
-        holders = self.pinned_holders.setdefault(self.micro_batch, [])
+        holders = self.held_inputs.setdefault(self.micro_batch, [])
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_sparse:
                 continue
@@ -302,14 +324,14 @@ class Tracker:
                 rec = self.new_record(st, t.dtype, self._producer(st, op))
             if rec.placement != DEVICE:
                 rec.materialize()
-            rec.pinned = True
+            rec.held = True
             if op not in rec.consumers:
                 self.add_consumer(rec, op)
             holders.append(Packed(rec, t))
 
     def retire(self, rec: Record) -> None:
-        if self.live.get(rec.key) is rec:
-            del self.live[rec.key]
+        if self.live.get(rec.ptr) is rec:
+            del self.live[rec.ptr]
         recs = self.by_mb.get(rec.micro_batch)
         if recs is not None:
             recs.discard(rec)
@@ -318,7 +340,7 @@ class Tracker:
         """Light capture for the forward of ``micro_batch`` (see __post_init__). A set left by
         an earlier forward of the same id whose backward never ran is dropped first."""
         self.drop_light(micro_batch)
-        ls = self.light_sets[micro_batch] = LightSet(self, micro_batch)
+        ls = self.light_sets[micro_batch] = LightSet(self.device_alloc, self.device_free, self.light_grain, micro_batch)
         self.light = ls.sizes
 
     def drop_light(self, micro_batch: int) -> None:
@@ -333,7 +355,10 @@ class Tracker:
         self.light = None
 
     def end_forward(self) -> None:
-        """Forgets producers of the finished forward (their pointers may be reused)."""
+        """The forward ended: forgets its scopes and producers (their pointers may be
+        reused)."""
+        self.scope.clear()
+        self.capture = False
         self.producers.clear()
         self.external.clear()
         self.calls.clear()
@@ -365,7 +390,7 @@ class Tracker:
     def end_backward(self, micro_batch: int) -> None:
         """Drops the checkpoint-input holders and the light set of a micro-batch whose
         backward finished."""
-        self.pinned_holders.pop(micro_batch, None)
+        self.held_inputs.pop(micro_batch, None)
         self.drop_light(micro_batch)
 
     def light_bytes(self, micro_batch: int, in_layer_only: bool = False) -> int:
@@ -379,7 +404,7 @@ class Tracker:
     def release_all(self) -> None:
         """Gives every block back to the pool (uninstall, or after a failed iteration whose
         graphs may still be referenced); records keep their data but are no longer counted."""
-        self.pinned_holders.clear()
+        self.held_inputs.clear()
         self.light = None
         for ls in self.light_sets.values():
             ls.free()
@@ -396,85 +421,22 @@ class Tracker:
     # -- queries and pressure --------------------------------------------------------------
     def device_bytes(self, micro_batch: Optional[int] = None) -> int:
         if micro_batch is None:
-            return (sum(r.block_bytes for recs in self.by_mb.values() for r in recs)
+            return (sum(r.pool_bytes for recs in self.by_mb.values() for r in recs)
                     + sum(ls.reserved for ls in self.light_sets.values()))
         ls = self.light_sets.get(micro_batch)
-        return (sum(r.block_bytes for r in self.by_mb.get(micro_batch, ()))
+        return (sum(r.pool_bytes for r in self.by_mb.get(micro_batch, ()))
                 + (ls.reserved if ls is not None else 0))
 
     def retained_bytes(self, micro_batch: int) -> int:
         """Bytes of the micro-batch's activations on the device (storage sizes)."""
         return sum(r.nbytes if r.placement == DEVICE else
-                   (r.block_bytes if r.placement == FP8_PLACE else 0)
+                   (r.pool_bytes if r.placement == FP8_PLACE else 0)
                    for r in self.by_mb.get(micro_batch, ())) + self.light_bytes(micro_batch)
 
     def evict(self, needed: int) -> int:
-        """Offloads device-resident activations needed last until ``needed`` bytes are freed."""
-        cands = [r for recs in self.by_mb.values() for r in recs
-                 if r.movable() and not r.in_backward and r.block_bytes > 0]
-        # Later micro-batches first; within one, earlier records (their backward runs last).
-        cands.sort(key=lambda r: (-r.micro_batch, r.seq))
-        freed = 0
-        for r in cands:
-            if freed >= needed:
-                break
-            got = r.offload()
-            if not got and self.evict_fp8 and r.movable():
-                got = r.store_fp8()  # no pinned room left: a quarter or half the bytes stay
-                if got:
-                    if self.counters["fp8_evictions"] == 0:
-                        log.warning("bagualu: the pinned host pool is full (the node's grant): "
-                                    "pressure eviction stores activations in FP8 instead")
-                    self.counters["fp8_evictions"] += 1
-            if got:
-                freed += got
-                self.counters["evictions"] += 1
-                self.counters["evicted_bytes"] += got
-        if freed < needed and self.enforcer is not None:
-            # Reloads issued ahead of the backward that no consumer took yet: needed soonest,
-            # so given back last (their data is still on the host).
-            freed += self.enforcer.give_back(needed - freed)
-        return freed
-
-
-class LightSet:
-    """The storages one light micro-batch saved, accounted in blocks of the tracker's
-    light_chunk bytes (one allocator call per chunk instead of two per storage)."""
-
-    __slots__ = ("tracker", "micro_batch", "sizes", "used", "reserved", "blocks")
-
-    def __init__(self, tracker: Tracker, micro_batch: int) -> None:
-        self.tracker = tracker
-        self.micro_batch = micro_batch
-        self.sizes: Dict[int, Tuple[Any, int]] = {}  # see Tracker.__post_init__
-        self.used = 0
-        self.reserved = 0
-        self.blocks: List[Tuple[int, int]] = []
-
-    def holds(self, key: int, storage: torch.UntypedStorage) -> bool:
-        """Whether ``storage`` (at pointer ``key``) was counted here."""
-        seen = self.sizes.get(key)
-        return seen is not None and seen[0]() is storage
-
-    def grow(self, nbytes: int) -> None:
-        """Counts ``nbytes`` more; OutOfMemoryError (nothing counted) as for a record."""
-        used = self.used + nbytes
-        if used > self.reserved:
-            size = max(used - self.reserved, self.tracker.light_chunk)
-            block = self.tracker.device_alloc(size)
-            self.blocks.append((block, size))
-            self.reserved += size
-        self.used = used
-
-    def forget(self, nbytes: int) -> None:
-        """A counted storage died before backward (its blocks stay until the set is freed)."""
-        self.used -= nbytes
-
-    def free(self) -> None:
-        for block, size in self.blocks:
-            self.tracker.device_free(block, size)
-        self.blocks.clear()
-        self.reserved = 0
+        """Pressure eviction (enforce/eviction.py) over the live records of every unit."""
+        records = [r for recs in self.by_mb.values() for r in recs]
+        return eviction.evict(records, needed, self.enforcer, self.counters, self.evict_fp8)
 
 
 def param_storages(model: torch.nn.Module) -> Set[int]:
@@ -483,6 +445,3 @@ def param_storages(model: torch.nn.Module) -> Set[int]:
     params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     return params
 
-
-def now() -> float:
-    return time.perf_counter()

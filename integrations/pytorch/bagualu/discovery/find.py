@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .errors import InstrumentError
-from .strategy import KINDS, SCALING_KINDS
+from ..errors import InstrumentError
+from ..vocabulary import KINDS, SCALING_KINDS
 
 Layers = Optional[Union[str, Sequence[str]]]  # instrument(layers=): one path or several
 BLOCK_OP = "block"  # the operator of a block's own code (residual adds and the like)

@@ -1,59 +1,15 @@
-"""Operator scopes: how modules map to the planner's operators, and OpBlock, a layer written as
-a chain of operators over named tensors so that recompute regions can be formed per
-micro-batch (a run of recompute operators becomes one non-reentrant checkpoint)."""
+"""OpBlock, the layer DSL: a layer written as a chain of operators (``Step``) over named
+tensors, so that recompute regions can be formed per micro-batch (a run of recompute
+operators becomes one non-reentrant checkpoint, capture/blocks.py)."""
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
-from .strategy import KINDS, SCALING_KINDS  # noqa: F401
-
-
-# (pattern on the module's attribute path, on its class name) -> kind, first match wins.
-_RULES: List[Tuple[str, str]] = [
-    (r"(^|\.)(router|gate)$", "router"),
-    (r"shared.*(fc1|w1|up|gate_proj)", "shared_linear"),
-    (r"shared.*(fc2|w2|down)", "shared_linear"),
-    (r"shared.*act", "shared_activation"),
-    (r"expert.*(fc1|w1|up|fc2|w2|down)", "expert_linear"),
-    (r"expert.*act", "expert_activation"),
-    (r"(^|\.)dispatch", "dispatch"),
-    (r"(^|\.)combine", "combine"),
-    (r"(attn|attention)$", "attention"),
-    (r"(norm|ln_?\d*)$", "norm"),
-]
-_CLASS_RULES: List[Tuple[type, str]] = [
-    (nn.LayerNorm, "norm"),
-    (nn.MultiheadAttention, "attention"),
-    (nn.Linear, "linear"),
-]
-
-
-def classify(path: str, module: nn.Module) -> Optional[str]:
-    """The operator kind of a module from its attribute path and class, or None."""
-    low = path.lower()
-    for pattern, kind in _RULES:
-        if re.search(pattern, low):
-            return kind
-    cname = type(module).__name__.lower()
-    if "rmsnorm" in cname or "layernorm" in cname:
-        return "norm"
-    for cls, kind in _CLASS_RULES:
-        if isinstance(module, cls):
-            return kind
-    return None
-
-
-def layer_of(path: str) -> int:
-    """The layer index in a path like 'layers.3.attn' (the first numeric component), or -1."""
-    for part in path.split("."):
-        if part.isdigit():
-            return int(part)
-    return -1
+from ..vocabulary import KINDS
 
 
 @dataclass
@@ -65,7 +21,7 @@ class Step:
     fn: Callable[..., Any]
     inputs: Tuple[str, ...]
     outputs: Tuple[str, ...]
-    gate: bool = False  # a router: its output named 'load' is the observed load factor
+    router: bool = False  # its output named 'load' is the observed load factor
 
 
 class OpBlock(nn.Module):
@@ -99,9 +55,9 @@ class OpBlock(nn.Module):
         return self._steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from . import _active
+        from .. import _active
         rt = _active.runtime
-        if rt is not None and rt.block_path.instrumented(self):
+        if rt is not None and rt.block_path is not None and rt.block_path.instrumented(self):
             return rt.block_path.run_block(self, x)
         env: Dict[str, Any] = {self.input_name: x, **self.block_env()}
         for s in self.op_steps():
@@ -143,19 +99,3 @@ def recompute_closure(steps: Sequence[Step], chosen: Set[int], savers: Dict[str,
                     rec.add(p)
                     changed = True
     return rec
-
-
-def regions(recompute: Set[int], start: int, n: int) -> List[Tuple[int, int]]:
-    """Maximal runs [i, j] of consecutive recompute steps from ``start`` on."""
-    out: List[Tuple[int, int]] = []
-    i = start
-    while i < n:
-        if i in recompute:
-            j = i
-            while j + 1 < n and j + 1 in recompute:
-                j += 1
-            out.append((i, j))
-            i = j + 1
-        else:
-            i += 1
-    return out

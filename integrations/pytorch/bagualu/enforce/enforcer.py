@@ -21,118 +21,19 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import pool as poolmod
-from .errors import BagualuError, OutOfMemoryError
+from ..native import enforce as native
+from ..native.enforce import HOLDER
+from ..errors import BagualuError, OutOfMemoryError
+from .pool import retry_after_eviction
 
 log = logging.getLogger("bagualu")
 
-_c_void, _c_size, _c_int, _c_u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64
-_ERR_OUT_OF_MEMORY = 2
-_ERR_DUPLICATE = 12
-_ERR_CALLBACK = 16
-# bgl_status values of a piece the scheduler skipped: out of memory, invalid state, conflict,
-# pinned pool exhausted.
-_SKIPPED_PIECE = (_ERR_OUT_OF_MEMORY, 13, 14, 15)
-# bgl_dtype: the element types the FP8 cast accepts; anything else is moved as bytes.
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_BYTES = 3
-# bgl_placement
-PLACE_DEVICE, PLACE_HOST, PLACE_FP8, PLACE_DROPPED = 0, 1, 2, 3
-# The consumer every registration gets first: the package's record itself. The enforcer retires
-# a tensor when all its consumers released it; this one is released only when the record is
-# gone, so a reloaded block is never freed while a consumer of the record may still need it.
-HOLDER = (1 << 31) - 1
+FP8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # bgl_dtype's element types
 
 
 def fp8_supported(dtype: torch.dtype) -> bool:
     """Whether the enforcer can store a tensor of ``dtype`` in FP8."""
-    return dtype in _DTYPE_CODES
-
-
-class _Options(ctypes.Structure):
-    _fields_ = [("device", _c_int), ("pinned_capacity", _c_size), ("fp8_block", _c_size),
-                ("max_inflight", _c_int), ("d2h_stream", _c_void), ("h2d_stream", _c_void),
-                ("pressure_eviction", _c_int), ("log", _c_int)]
-
-
-class _Desc(ctypes.Structure):
-    _fields_ = [("ptr", _c_void), ("bytes", _c_size), ("dtype", _c_int), ("producer_op", _c_int),
-                ("graph_tensor", _c_int), ("micro_batch", _c_int), ("stream", _c_void),
-                ("flags", ctypes.c_uint32)]
-
-
-class _Info(ctypes.Structure):
-    _fields_ = [("placement", _c_int), ("applied", _c_int), ("planned", _c_int),
-                ("pending", _c_int), ("num_consumers", _c_int), ("num_released", _c_int),
-                ("bytes", _c_size), ("device_ptr", _c_void), ("host_ptr", _c_void),
-                ("fp8_ptr", _c_void), ("fp8_bytes", _c_size), ("need_order", ctypes.c_int64)]
-
-
-_STAT_FIELDS = ("tracked", "registered", "retired", "offloads", "reloads", "fp8_casts",
-                "fp8_uncasts", "drops", "recomputes", "bytes_d2h", "bytes_h2d", "bytes_fp8_saved",
-                "evictions", "evicted_bytes", "pressure_calls", "unreloads", "scheduled_issued",
-                "scheduled_max_inflight", "device_bytes", "host_bytes", "fp8_bytes",
-                "pinned_in_use", "pinned_cached", "pinned_peak", "pinned_capacity",
-                "pinned_allocs", "pinned_hits", "pinned_failures")
-
-
-class _Item(ctypes.Structure):
-    _fields_ = [("chain", _c_int), ("stage", _c_int), ("round", _c_int), ("resource", _c_int),
-                ("first", _c_int), ("last", _c_int)]
-
-
-class _Stats(ctypes.Structure):
-    _fields_ = [(name, _c_u64) for name in _STAT_FIELDS]
-
-
-_RECOMPUTE_FN = ctypes.CFUNCTYPE(_c_int, _c_u64, _c_int, _c_int, _c_void,
-                                 ctypes.POINTER(_c_void))
-
-
-def _bind(lib: ctypes.CDLL) -> None:
-    if getattr(lib, "_bgl_enf_bound", False):
-        return
-    handle_p = ctypes.POINTER(_c_void)
-    h = [_c_void, _c_u64]
-    sigs = {
-        "bgl_enf_default_options": ([ctypes.POINTER(_Options)], None),
-        "bgl_enf_create": ([ctypes.POINTER(_Options), handle_p], _c_int),
-        "bgl_enf_destroy": ([_c_void], _c_int),
-        "bgl_enf_register": ([_c_void, ctypes.POINTER(_Desc), ctypes.POINTER(_c_u64)], _c_int),
-        "bgl_enf_add_consumer": (h + [_c_int], _c_int),
-        "bgl_enf_set_strategy": (h + [_c_int], _c_int),
-        "bgl_enf_query": (h + [ctypes.POINTER(_Info)], _c_int),
-        "bgl_enf_offload": (h, _c_int),
-        "bgl_enf_store_fp8": (h, _c_int),
-        "bgl_enf_drop": (h, _c_int),
-        "bgl_enf_set_recompute_callback": ([_c_void, _RECOMPUTE_FN, _c_void], _c_int),
-        "bgl_enf_acquire": (h + [_c_int, _c_void, handle_p], _c_int),
-        "bgl_enf_release": (h + [_c_int, _c_void], _c_int),
-        "bgl_enf_unregister": (h, _c_int),
-        "bgl_enf_wait_tensor": (h, _c_int),
-        "bgl_enf_synchronize": ([_c_void], _c_int),
-        "bgl_enf_get_stats": ([_c_void, ctypes.POINTER(_Stats)], _c_int),
-        "bgl_enf_enum_value": ([ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(_c_int)],
-                               _c_int),
-        "bgl_enf_set_graph_index": (h + [_c_int, _c_int], _c_int),
-        "bgl_enf_set_need_order": (h + [ctypes.c_int64], _c_int),
-        "bgl_enf_schedule_begin": ([_c_void, ctypes.POINTER(_Item), _c_size, _c_int, _c_int],
-                                   _c_int),
-        "bgl_enf_schedule_reached": ([_c_void, _c_int, _c_int], _c_int),
-        "bgl_enf_schedule_poll": ([_c_void, ctypes.POINTER(_c_size)], _c_int),
-        "bgl_enf_schedule_finish": ([_c_void], _c_int),
-        "bgl_enf_take_offloaded": ([_c_void, ctypes.POINTER(_c_u64), _c_size,
-                                    ctypes.POINTER(_c_size)], _c_int),
-        "bgl_enf_prefetch": ([_c_void, _c_int, ctypes.POINTER(_c_size)], _c_int),
-        "bgl_enf_evict": ([_c_void, _c_size, ctypes.POINTER(_c_size)], _c_int),
-        "bgl_enf_set_pinned_capacity": ([_c_void, _c_size], _c_int),
-        "bgl_enf_last_error": ([], ctypes.c_char_p),
-    }
-    for name, (args, res) in sigs.items():
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = res
-    lib._bgl_enf_bound = True
+    return dtype in FP8_DTYPES
 
 
 class _Block:
@@ -170,9 +71,8 @@ class Enforcer:
 
     def __init__(self, device: torch.device, pinned_capacity: int, borrowed_free_is_safe: bool,
                  evict: Optional[Callable[[int], int]] = None, fp8_block: int = 128) -> None:
-        poolmod.load()  # the allocator first: the enforcer binds to its pool
-        self.lib = poolmod.load_enforce()
-        _bind(self.lib)
+        self.lib = native.load()
+        self.vocab = native.vocabulary(self.lib)
         self.device = device
         self.cuda = device.type == "cuda"
         # With libbgl_alloc.so as PyTorch's allocator, the enforcer marks borrowed blocks used on
@@ -180,20 +80,20 @@ class Enforcer:
         # outlive the copy (foreign memory rule in bgl/enforce.h).
         self.borrowed_free_is_safe = borrowed_free_is_safe
         self.evict = evict  # frees device bytes when a reload finds no room (may be None)
-        opts = _Options()
+        opts = native.Options()
         self.lib.bgl_enf_default_options(ctypes.byref(opts))
         opts.device = (device.index or 0) if self.cuda else 0
         opts.pinned_capacity = int(pinned_capacity)
         opts.fp8_block = int(fp8_block)
         opts.pressure_eviction = 0  # the runtime's pressure callback decides what moves
-        handle = _c_void()
+        handle = ctypes.c_void_p()
         self._check(self.lib.bgl_enf_create(ctypes.byref(opts), ctypes.byref(handle)), "create")
         self.handle = handle.value
         # handle -> function regenerating a dropped tensor; returns its data pointer
         self.regenerators: Dict[int, Callable[[], int]] = {}
         self._callback_error: Optional[BaseException] = None
         self._enums: Dict[Tuple[str, str], int] = {}
-        self._callback = _RECOMPUTE_FN(self._recompute)  # kept alive as long as the enforcer
+        self._callback = native.RECOMPUTE_FN(self._recompute)  # kept alive as long as the enforcer
         self._check(self.lib.bgl_enf_set_recompute_callback(self.handle, self._callback, None),
                     "set_recompute_callback")
         self.skipped_pieces = 0  # scheduled pieces that could not be carried out
@@ -210,11 +110,11 @@ class Enforcer:
     def _check(self, rc: int, what: str) -> None:
         if rc == 0:
             return
-        if rc == _ERR_CALLBACK and self._callback_error is not None:
+        if rc == self.vocab.callback and self._callback_error is not None:
             err, self._callback_error = self._callback_error, None
             raise err
         text = f"enforcer {what}: {self._error()}"
-        if rc == _ERR_OUT_OF_MEMORY:
+        if rc == self.vocab.out_of_memory:
             raise OutOfMemoryError(text)
         raise BagualuError(text)
 
@@ -242,13 +142,13 @@ class Enforcer:
         when another record tracks the storage already (one storage saved by two micro-batches,
         e.g. a chunk's output that the next chunk of this rank saves too: it stays where it
         is)."""
-        desc = _Desc(ptr=storage.data_ptr(), bytes=storage.nbytes(),
-                     dtype=_DTYPE_CODES.get(dtype, _BYTES), producer_op=producer_op,
+        desc = native.Desc(ptr=storage.data_ptr(), bytes=storage.nbytes(),
+                     dtype=self.vocab.dtype.get(dtype, self.vocab.dtype_bytes), producer_op=producer_op,
                      graph_tensor=graph_tensor, micro_batch=micro_batch, stream=self._stream(),
                      flags=0)
-        h = _c_u64(0)
+        h = ctypes.c_uint64(0)
         rc = self.lib.bgl_enf_register(self.handle, ctypes.byref(desc), ctypes.byref(h))
-        if rc == _ERR_DUPLICATE:
+        if rc == self.vocab.duplicate:
             return 0
         self._check(rc, "register")
         self.tracked += 1
@@ -258,19 +158,16 @@ class Enforcer:
     def add_consumer(self, handle: int, op: int) -> None:
         """Operator ``op`` saved the tensor too."""
         rc = self.lib.bgl_enf_add_consumer(self.handle, handle, op)
-        if rc != 0 and rc != _ERR_DUPLICATE:  # already a consumer
+        if rc != 0 and rc != self.vocab.duplicate:  # already a consumer
             self._check(rc, "add_consumer")
 
     def enum_value(self, kind: str, name: str) -> int:
-        """The number of the planner's ``name`` of a strategy, chain or resource (``kind``):
-        the planner is the one vocabulary, nothing is retyped here."""
+        """The number of ``name`` of an enum of the ABI (``kind``: strategy, chain, resource,
+        placement, dtype, status): the library is the one vocabulary, nothing is retyped."""
         key = (kind, name)
         v = self._enums.get(key)
         if v is None:
-            out = _c_int(0)
-            self._check(self.lib.bgl_enf_enum_value(kind.encode(), name.encode(),
-                                                    ctypes.byref(out)), "enum_value")
-            v = self._enums[key] = out.value
+            v = self._enums[key] = self.vocab.value(kind, name)
         return v
 
     def set_strategy(self, handle: int, strategy: str) -> None:
@@ -292,7 +189,7 @@ class Enforcer:
     def offloaded(self, handle: int) -> bool:
         """Whether the tensor is in the pinned pool (its copy complete, or PyTorch may free the
         source before it ends)."""
-        if self.query(handle).placement != PLACE_HOST:
+        if self.query(handle).placement != self.vocab.place_host:
             return False
         if not self.borrowed_free_is_safe:
             self._check(self.lib.bgl_enf_wait_tensor(self.handle, handle), "offload")
@@ -303,8 +200,8 @@ class Enforcer:
         call (retires finished pieces and issues more first)."""
         self._piece(self.lib.bgl_enf_schedule_poll(self.handle, None), "schedule_poll")
         out: List[int] = []
-        buf = (_c_u64 * 256)()
-        n = _c_size(0)
+        buf = (ctypes.c_uint64 * 256)()
+        n = ctypes.c_size_t(0)
         while True:
             self._check(self.lib.bgl_enf_take_offloaded(self.handle, buf, 256, ctypes.byref(n)),
                         "take_offloaded")
@@ -318,9 +215,9 @@ class Enforcer:
         """Loads a point's issue order (the plan's items: chain, stage, round, resource, first,
         last); O pieces move tensors of ``offload_micro_batch``, R pieces bring back those of
         ``recover_micro_batch`` (-1: none)."""
-        items = (_Item * max(len(order), 1))()
+        items = (native.Item * max(len(order), 1))()
         for i, it in enumerate(order):
-            items[i] = _Item(self.enum_value("chain", it["chain"]), int(it["stage"]),
+            items[i] = native.Item(self.enum_value("chain", it["chain"]), int(it["stage"]),
                              int(it["round"]), self.enum_value("resource", it["resource"]),
                              int(it.get("first", -1)), int(it.get("last", -1)))
         self._check(self.lib.bgl_enf_schedule_begin(self.handle, items, len(order),
@@ -341,7 +238,7 @@ class Enforcer:
         """A piece the scheduler could not carry out (no room for a reload, the pinned pool
         full, a tensor that moved meanwhile) is skipped: its tensors stay where they are and
         the backward's acquire brings them back. Counted, said once; anything else raises."""
-        if rc in _SKIPPED_PIECE:
+        if rc in self.vocab.skipped_piece:
             self.skipped_pieces += 1
             if self.skipped_pieces == 1:
                 log.info("bagualu: a scheduled piece was skipped (%s); its tensors stay where "
@@ -355,12 +252,12 @@ class Enforcer:
         if self.destroyed:
             return
         rc = self.lib.bgl_enf_prefetch(self.handle, micro_batch, None)
-        if rc == _ERR_OUT_OF_MEMORY:  # no room yet: each acquire reloads what it needs
+        if rc == self.vocab.out_of_memory:  # no room yet: each acquire reloads what it needs
             return
         self._check(rc, "prefetch")
 
-    def query(self, handle: int) -> _Info:
-        info = _Info()
+    def query(self, handle: int) -> native.Info:
+        info = native.Info()
         self._check(self.lib.bgl_enf_query(self.handle, handle, ctypes.byref(info)), "query")
         return info
 
@@ -426,7 +323,7 @@ class Enforcer:
     def _acquire(self, handle: int, nbytes: int) -> int:
         if self.destroyed:
             raise BagualuError("enforcer acquire: the enforcer was destroyed")
-        ptr = _c_void()
+        ptr = ctypes.c_void_p()
 
         def attempt() -> None:
             self._check(self.lib.bgl_enf_acquire(self.handle, handle, -1, self._stream(),
@@ -436,7 +333,7 @@ class Enforcer:
         except OutOfMemoryError as e:  # no room for the reload or uncast: evict, try again
             if self.evict is None:
                 raise
-            poolmod.retry_after_eviction(attempt, nbytes, self.evict, e)
+            retry_after_eviction(attempt, nbytes, self.evict, e)
         return int(ptr.value or 0)
 
     def set_pinned_capacity(self, nbytes: int) -> None:
@@ -451,7 +348,7 @@ class Enforcer:
         stays on the host) until ``needed`` bytes; returns the bytes freed."""
         if self.destroyed:
             return 0
-        freed = _c_size(0)
+        freed = ctypes.c_size_t(0)
         self._check(self.lib.bgl_enf_evict(self.handle, needed, ctypes.byref(freed)), "evict")
         return int(freed.value)
 
@@ -464,9 +361,9 @@ class Enforcer:
     def stats(self) -> Dict[str, int]:
         if self.destroyed:
             return {}
-        s = _Stats()
+        s = native.Stats()
         self._check(self.lib.bgl_enf_get_stats(self.handle, ctypes.byref(s)), "stats")
-        return {name: int(getattr(s, name)) for name in _STAT_FIELDS}
+        return {name: int(getattr(s, name)) for name in native.STAT_FIELDS}
 
     def close(self) -> None:
         """Destroys the enforcer once nothing it holds is still needed: graphs built before

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .strategy import Op
+from ..vocabulary import Op
 
 Unit = Tuple[int, int]  # (micro-batch, chunk)
 

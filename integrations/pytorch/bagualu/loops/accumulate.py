@@ -33,7 +33,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
-from .errors import BagualuError
+from ..errors import BagualuError
 
 __all__ = ["micro_batches", "accumulate_gradients", "MicroBatches", "MicroBatch"]
 

@@ -42,7 +42,7 @@ import sys
 from contextlib import ExitStack
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .errors import BagualuError
+from ..errors import BagualuError
 from .schedule import Point, interleaved_one_f_one_b, one_f_one_b
 
 __all__ = ["wrap_schedule", "PipelinedSchedule", "schedule_points", "points_from_actions",

@@ -32,7 +32,7 @@ def interleaved_one_f_one_b(micro_batches: int, stages: int, rank: int,
     one point, except the same micro-batch of the same chunk (the last rank's last chunk),
     which is two. Interleaving needs ``micro_batches`` divisible by ``stages``; bad arguments
     raise ValueError."""
-    from .planner import schedule_steps
+    from ..planning.embedded import schedule_steps
     steps = schedule_steps(stages, rank, micro_batches, chunks)
     points: List[ChunkPoint] = []
     i = 0

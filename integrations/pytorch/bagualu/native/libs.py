@@ -12,8 +12,10 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .errors import LibraryNotFound
+from ..errors import LibraryNotFound
 
+# The shared libraries the package loads: CMake's target bgl_python builds exactly these.
+LIBRARIES = ("libbgl_planner.so", "libbgl_alloc.so", "libbgl_enforce.so")
 _SUBDIRS = {
     "libbgl_planner.so": ["", "governor/planner"],
     "libbgl_alloc.so": ["", "allocator"],
@@ -25,8 +27,8 @@ _loaded: Dict[str, ctypes.CDLL] = {}
 
 
 def repo_root() -> Path:
-    """The repository root (integrations/pytorch/bagualu/../../..)."""
-    return Path(__file__).resolve().parents[3]
+    """The repository root (integrations/pytorch/bagualu/native/../../../..)."""
+    return Path(__file__).resolve().parents[4]
 
 
 def _candidate_dirs() -> List[Path]:

@@ -1,4 +1,4 @@
-"""The embedded planner: ctypes over libbgl_planner.so (governor/planner/include/bgl/planner.h).
+"""The embedded planner: libbgl_planner.so in this process (native/planner.py binds it).
 
 Every document is JSON (docs/planner.md). Errors become PlannerError with the planner's text.
 """
@@ -9,46 +9,16 @@ import json
 import threading
 from typing import Any, Dict, Optional
 
-from . import _lib
-from .errors import PlannerError
+from ..native import planner as native
+from ..errors import PlannerError
 
 Json = Dict[str, Any]
-
-
-def _bind(lib: ctypes.CDLL) -> None:
-    if getattr(lib, "_bgl_bound", False):
-        return
-    c_str, c_void = ctypes.c_char_p, ctypes.c_void_p
-    lib.bgl_planner_create.argtypes = [c_str, c_str]
-    lib.bgl_planner_create.restype = c_void
-    lib.bgl_planner_destroy.argtypes = [c_void]
-    lib.bgl_planner_destroy.restype = None
-    for fn in ("bgl_planner_describe",):
-        getattr(lib, fn).argtypes = [c_void]
-        getattr(lib, fn).restype = c_void
-    lib.bgl_planner_schedule.argtypes = [ctypes.c_int] * 4
-    lib.bgl_planner_schedule.restype = c_void
-    lib.bgl_planner_plan.argtypes = [c_void, c_str]
-    lib.bgl_planner_plan.restype = c_void
-    lib.bgl_planner_plan_after_gate.argtypes = [c_void, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                                ctypes.c_double]
-    lib.bgl_planner_plan_after_gate.restype = c_void
-    lib.bgl_planner_report.argtypes = [c_void, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-    lib.bgl_planner_report.restype = ctypes.c_int
-    lib.bgl_planner_reset_iteration.argtypes = [c_void]
-    lib.bgl_planner_reset_iteration.restype = None
-    lib.bgl_planner_last_error.argtypes = []
-    lib.bgl_planner_last_error.restype = c_str
-    lib.bgl_planner_free_string.argtypes = [c_void]
-    lib.bgl_planner_free_string.restype = None
-    lib._bgl_bound = True
 
 
 def schedule_steps(stages: int, rank: int, micro_batches: int, chunks: int = 1) -> list:
     """The planner's step order of pipeline rank ``rank`` (no model needed): a list of
     {"forward", "micro_batch", "chunk", "phase"}; ValueError naming a bad argument."""
-    lib = _lib.load("libbgl_planner.so")
-    _bind(lib)
+    lib = native.load()
     ptr = lib.bgl_planner_schedule(int(stages), int(rank), int(micro_batches), int(chunks))
     if not ptr:
         msg = lib.bgl_planner_last_error()
@@ -63,8 +33,7 @@ class EmbeddedPlanner:
     """One stage's planner in this process. Thread safe (calls are serialised)."""
 
     def __init__(self, model: Json, options: Optional[Json] = None) -> None:
-        self._lib = _lib.load("libbgl_planner.so")
-        _bind(self._lib)
+        self._lib = native.load()
         self._mutex = threading.Lock()
         opts = json.dumps(options).encode() if options else None
         handle = self._lib.bgl_planner_create(json.dumps(model).encode(), opts)

@@ -13,9 +13,9 @@ import random
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from . import planner as plannermod
-from .errors import PlannerError
-from .remote import RemoteGovernor, classify
+from . import embedded as plannermod
+from ..errors import PlannerError
+from .remote import RemoteGovernor, error_kind
 
 log = logging.getLogger("bagualu")
 DEFAULT_ADDRESS = "unix:///run/bagualu/governor.sock"
@@ -132,7 +132,7 @@ class Governor:
         self._retry_at = math.inf
 
     def _registration_failed(self, error: Exception, first: bool) -> None:
-        kind, text = classify(error)
+        kind, text = error_kind(error)
         if kind in ("refused", "exhausted"):  # the model or the options: refused again
             self._to_embedded(f"{self.address} refused the model ({text[:300]})", None)
         elif first:
@@ -188,7 +188,7 @@ class Governor:
             try:
                 out = getattr(self.remote, what)(*args)
             except Exception as e:
-                kind, text = classify(e)
+                kind, text = error_kind(e)
                 if kind == "refused":
                     # The daemon understood and refused: a planning error, not an outage.
                     raise PlannerError(f"governor: {text}") from e
@@ -278,6 +278,16 @@ class Governor:
                 best = plan
         p.close()
         return {o["name"]: o["strategy"] for o in (best or {}).get("operators", [])}
+
+    def sessions(self) -> List[Dict[str, Any]]:
+        """The daemon's sessions as dicts (protobuf field names); [] while planning
+        in-process."""
+        if self.remote is None:
+            return []
+        from google.protobuf.json_format import MessageToDict
+        return [MessageToDict(s, preserving_proto_field_name=True,
+                              always_print_fields_with_no_presence=True)
+                for s in self.remote.list_sessions()]
 
     def close(self) -> None:
         self._retry_at = math.inf

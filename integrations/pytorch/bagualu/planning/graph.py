@@ -8,8 +8,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .strategy import SCALING_KINDS, Op
-from .record import Record
+from ..vocabulary import SCALING_KINDS, Op
+from ..record import Record
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -112,7 +112,7 @@ def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: flo
                 g["scales_with_load"] = True
             groups[key] = g
         g["bytes"] += r.nbytes / (load if scales and load > 0 else 1.0)
-        g["readers"].update(n for n in readers.get(r.key, ()) if n in kinds and n != p.name
+        g["readers"].update(n for n in readers.get(r.ptr, ()) if n in kinds and n != p.name
                             and order[n] > order[p.name])
     x["bytes"] = int(round(x["bytes"]))
     tensors = [x]

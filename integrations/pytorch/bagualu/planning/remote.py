@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _lib
+from ..native import libs
 
 
 
@@ -35,7 +35,7 @@ def enum_value(enum: Any, prefix: str, name: str) -> int:
 
 
 def proto_path() -> Path:
-    return _lib.repo_root() / "proto" / "bagualu" / "v1" / "governor.proto"
+    return libs.repo_root() / "proto" / "bagualu" / "v1" / "governor.proto"
 
 
 def load_stubs() -> Tuple[Any, Any]:
@@ -183,7 +183,7 @@ class RemoteGovernor:
         self.channel.close()
 
 
-def classify(error: BaseException) -> Tuple[str, str]:
+def error_kind(error: BaseException) -> Tuple[str, str]:
     """What a failed call means, and the daemon's message (or the error's text):
 
     - "refused": the daemon understood and refused the request (INVALID_ARGUMENT,

@@ -1,0 +1,40 @@
+"""Pressure eviction: the fallback when an allocation finds no room. Offloads the movable
+device-resident records needed last (later micro-batches first; within one, the earliest saved,
+whose backward runs last), stores in FP8 what the full pinned pool cannot take (when allowed),
+and gives back reloads no consumer took yet. Each move goes through the record (and so the
+enforcer). Not thread-safe: runs on the allocating thread."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable
+
+log = logging.getLogger("bagualu")
+
+
+def evict(records: Iterable[Any], needed: int, enforcer: Any, counters: Dict[str, int],
+          fp8_fallback: bool) -> int:
+    """Frees at least ``needed`` device bytes if it can; returns the bytes freed. ``records``
+    are record.Record objects; ``counters`` the tracker's counters it adds to."""
+    cands = [r for r in records if r.movable() and not r.in_backward and r.pool_bytes > 0]
+    cands.sort(key=lambda r: (-r.micro_batch, r.seq))
+    freed = 0
+    for r in cands:
+        if freed >= needed:
+            break
+        got = r.offload()
+        if not got and fp8_fallback and r.movable():
+            got = r.store_fp8()  # no pinned room left: a quarter or half the bytes stay
+            if got:
+                if counters["fp8_evictions"] == 0:
+                    log.warning("bagualu: the pinned host pool is full (the node's grant): "
+                                "pressure eviction stores activations in FP8 instead")
+                counters["fp8_evictions"] += 1
+        if got:
+            freed += got
+            counters["evictions"] += 1
+            counters["evicted_bytes"] += got
+    if freed < needed and enforcer is not None:
+        # Reloads issued ahead of the backward that no consumer took yet: needed soonest, so
+        # given back last (their data is still on the host).
+        freed += enforcer.give_back(needed - freed)
+    return freed

@@ -1,0 +1,88 @@
+"""One line per iteration (load, budget, peak, strategies, moves, overhead) and the memory
+model's accuracy samples; what ``bagualu.end_iteration`` logs and returns and part of
+``bagualu.stats``. Not thread-safe: the training thread."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+log = logging.getLogger("bagualu")
+
+
+class IterationLog:
+    """The iterations of one process under ``policy``."""
+
+    def __init__(self, policy: str, capacity: int, log_lines: bool) -> None:
+        self.policy = policy
+        self.capacity = capacity
+        self.log_lines = log_lines
+        self.iteration = 0
+        self.history: List[Dict[str, Any]] = []
+        # (load, the planner's keep-all bytes at that load, the bytes PyTorch saved) of every
+        # forward nothing was mitigated in
+        self.accuracy: List[Tuple[float, float, float]] = []
+        self.loads: List[float] = []
+        self.recompute_ms = 0.0
+        self.recompute_ops = 0
+        self._t0 = time.perf_counter()
+        self._counters0: Dict[str, int] = {}
+        self._ooms0 = 0
+
+    def begin(self, counters: Dict[str, int], ooms: int) -> None:
+        self.loads = []
+        self.recompute_ms = 0.0
+        self.recompute_ops = 0
+        self._t0 = time.perf_counter()
+        self._counters0 = dict(counters)
+        self._ooms0 = ooms
+
+    def note_recompute(self, ms: float, ops: int) -> None:
+        """A checkpoint region of ``ops`` operators ran its forward in ``ms``."""
+        self.recompute_ms += ms
+        self.recompute_ops += ops
+
+    def end(self, counters: Dict[str, int], ooms: int, budget: float, peak: int,
+            strategies: Dict[str, int], deferred: int) -> Dict[str, Any]:
+        """Closes the iteration and logs its line; returns the line's fields."""
+        c0, c = self._counters0, counters
+        loads = self.loads or [1.0]
+        elapsed = (time.perf_counter() - self._t0) * 1e3
+        line = {
+            "iteration": self.iteration, "policy": self.policy,
+            "load_factor": sum(loads) / len(loads), "max_load_factor": max(loads),
+            "budget_bytes": None if budget == math.inf else int(budget),
+            "peak_bytes": peak, "capacity_bytes": self.capacity, "strategies": strategies,
+            "offloads": c["offloads"] - c0.get("offloads", 0),
+            "fp8_casts": c["fp8_casts"] - c0.get("fp8_casts", 0),
+            "recomputed_ops": self.recompute_ops,
+            "evictions": c["evictions"] - c0.get("evictions", 0),
+            "deferred": deferred, "overhead_ms": self.recompute_ms, "iteration_ms": elapsed,
+            "ooms": ooms - self._ooms0,
+        }
+        self.history.append(line)
+        if self.log_lines:
+            budget_text = "-" if line["budget_bytes"] is None else _mib(line["budget_bytes"])
+            strat = " ".join(f"{k}={v}" for k, v in strategies.items() if v)
+            log.info("bagualu: iter %d policy %s load %.2f (max %.2f) budget %s peak %s/%s "
+                     "strategies %s offloads %d fp8 %d recomputed %d evictions %d deferred %d "
+                     "overhead %.1fms (%.1f%%)", line["iteration"], self.policy,
+                     line["load_factor"], line["max_load_factor"], budget_text, _mib(peak),
+                     _mib(self.capacity), strat or "keep", line["offloads"], line["fp8_casts"],
+                     line["recomputed_ops"], line["evictions"], line["deferred"],
+                     line["overhead_ms"], 100 * line["overhead_ms"] / max(elapsed, 1e-9))
+        self.iteration += 1
+        return line
+
+    def memory_model(self) -> Optional[Dict[str, Any]]:
+        """The memory model's error over the accuracy samples, or None without samples."""
+        if not self.accuracy:
+            return None
+        errs = [abs(p - c) / c for _, p, c in self.accuracy if c > 0]
+        return {"samples": len(errs), "mean_error": sum(errs) / len(errs),
+                "worst_error": max(errs), "points": list(self.accuracy)}
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.1f}MiB"

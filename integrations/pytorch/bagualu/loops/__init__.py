@@ -1,0 +1,2 @@
+"""The loops: pipeline schedules as scheduling points, the adapter for
+torch.distributed.pipelining schedules, and gradient accumulation."""

@@ -1,0 +1,213 @@
+"""The plans of this process: registering the captured model with the governor, planning each
+scheduling point, the deferred replan after a router, reports, the node's grant for the pinned
+pool, and handing each plan's issue order to the enforcer's stream scheduler.
+
+Not thread-safe: the training thread."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..capture.tracker import Tracker
+from ..enforce import order
+from ..enforce.enforcer import Enforcer
+from ..record import Record
+from ..settings import Settings
+from . import graph
+from .governor import Governor
+from .strategies import Strategies
+
+UNIT_STRIDE = 1 << 20  # unit id = micro-batch + chunk * UNIT_STRIDE
+
+
+def unit_id(mb: int, chunk: int) -> int:
+    """The id of micro-batch ``mb`` of local stage ``chunk`` (interleaved schedules run each
+    micro-batch once per chunk): what the tracker and the plans are keyed by."""
+    return mb + chunk * UNIT_STRIDE
+
+
+class Planning:
+    """Plans for one process's forwards; ``governor`` None plans nothing (keep-all)."""
+
+    def __init__(self, settings: Settings, governor: Optional[Governor],
+                 strategies: Strategies, tracker: Tracker, enforcer: Enforcer) -> None:
+        self.settings = settings
+        self.governor = governor
+        self.strategies = strategies
+        self.tracker = tracker
+        self.enforcer = enforcer
+        self.layer_count = 0               # planned layers of this rank (all chunks)
+        self.model_doc: Optional[Dict[str, Any]] = None    # what was registered
+        self.description: Optional[Dict[str, Any]] = None  # the planner's stage graph
+        self.tensor_names: Optional[graph.TensorNames] = None
+        self.plans: Dict[int, Dict[str, Any]] = {}     # unit -> its forward's plan
+        self.loads: Dict[int, List[float]] = {}        # unit -> its routers' load factors
+        self.last_load = 1.0
+        self.rank_schedule: Optional[order.RankSchedule] = None
+        self.index: Optional[order.StageGraphIndex] = None
+        self._pinned_size: Optional[int] = None
+        self.budget = math.inf   # the iteration's smallest budget
+        self.deferred = 0        # the iteration's deferred replans
+
+    @property
+    def ready(self) -> bool:
+        return self.governor is not None and self.governor.ready
+
+    def wants_capture(self) -> bool:
+        """Whether the next forward is the capture micro-batch."""
+        return self.governor is not None and not self.governor.ready and self.layer_count > 0
+
+    # -- after the capture ------------------------------------------------------------------
+    def register(self, layer_graph: Dict[str, Any], names: graph.TensorNames,
+                 outside_bytes: int, model_info: Dict[str, Any]) -> None:
+        """Describes the captured model to the governor (capacity less what stays outside the
+        layers for every micro-batch in flight) and sets up the issue order."""
+        s = self.settings
+        doc = graph.model_document(layer_graph, self.layer_count, s.pipeline_stages,
+                                   s.micro_batches, model_info,
+                                   vp=self.layer_count // s.chunks if s.chunks > 1 else 0)
+        in_flight = max(s.pipeline_stages - s.pipeline_rank, 1)
+        plan_capacity = int(s.capacity * 0.95) - outside_bytes * in_flight
+        self.model_doc = doc
+        self.tensor_names = names
+        bagualu = s.policy == "bagualu"
+        self.governor.register(doc, plan_capacity, s.pipeline_rank, allow_offload=bagualu,
+                               allow_fp8=bagualu, dual_batch=s.issue_order == "dual-batch")
+        self.description = self.governor.description
+        self.apply_grant()
+        if bagualu and self.description is not None:
+            self.index = order.StageGraphIndex(self.description,
+                                               self.layer_count // max(s.chunks, 1))
+            self.tracker.set_issuer(order.PointIssuer(self.enforcer, self.index,
+                                                      self.tracker.collect_offloaded))
+            self.rank_schedule = order.RankSchedule(self.description.get("steps", []))
+        if s.policy == "static-under":
+            self.strategies.static = self.governor.static_plan(
+                (self.description or {}).get("steps", []))
+
+    def locate(self, rec: Record) -> Tuple[int, int]:
+        """(producer operator, graph tensor) of a record in the planner's stage graph."""
+        layer, name = self.tensor_names.locate(rec)
+        return self.index.op(rec.producer), self.index.tensor(layer, name)
+
+    # -- points -----------------------------------------------------------------------------
+    def _global_name(self, name: str, chunk: int) -> str:
+        """A plan names layers within its chunk ('L0.x' of chunk 1); this rank numbers them
+        over all its chunks."""
+        chunks = self.settings.chunks
+        if chunks == 1 or not name.startswith("L"):
+            return name
+        layer, _, rest = name[1:].partition(".")
+        if not layer.isdigit():
+            return name
+        return f"L{int(layer) + chunk * (self.layer_count // chunks)}.{rest}"
+
+    def step_point(self, phase: str, forward_mb: Optional[int], backward_mb: Optional[int],
+                   forward_chunk: int, backward_chunk: int) -> Optional[Dict[str, Any]]:
+        """Plans the forward of ``forward_mb`` of local stage ``forward_chunk`` (if any)."""
+        if phase not in ("warmup", "steady", "cooldown"):
+            raise ValueError(f"unknown phase '{phase}' (warmup, steady, cooldown)")
+        if forward_mb is None or self.settings.policy != "bagualu" or not self.ready:
+            return None
+        point: Dict[str, Any] = {"phase": phase, "forward_micro_batch": int(forward_mb),
+                                 "load_factor": max(self.last_load, 0.05),
+                                 "bytes_in_use": int(self.tracker.device_bytes())}
+        if backward_mb is not None:
+            point["backward_micro_batch"] = int(backward_mb)
+        if self.settings.chunks > 1:
+            point["forward_chunk"] = int(forward_chunk)
+            point["backward_chunk"] = int(backward_chunk)
+        plan = self.governor.plan(point)
+        if plan is None:
+            return None
+        self.apply_grant()
+        unit = unit_id(forward_mb, forward_chunk)
+        self.plans[unit] = plan
+        self.strategies.set_plan(unit, {self._global_name(o["name"], forward_chunk):
+                                        o["strategy"] for o in plan["operators"]})
+        self.budget = min(self.budget, plan["budget_bytes"])
+        self._issue(plan, (forward_mb, forward_chunk),
+                    (backward_mb, backward_chunk) if backward_mb is not None else None)
+        return plan
+
+    def apply_grant(self) -> None:
+        """Sizes the enforcer's pinned pool to the node's grant for this process, never above
+        install(pinned_capacity=...)."""
+        grant = getattr(self.governor, "grant", None)
+        if grant is None:
+            return
+        size = min(int(grant), self.settings.pinned_capacity)
+        if size != self._pinned_size:
+            self.enforcer.set_pinned_capacity(size)
+            self._pinned_size = size
+
+    def _issue(self, plan: Dict[str, Any], forward: Tuple[int, int],
+               backward: Optional[Tuple[int, int]]) -> None:
+        """Hands the point's issue order to the enforcer's stream scheduler (enforce/order.py);
+        the forward's planned offloads wait for a later point's O chain."""
+        issuer = self.tracker.issuer
+        if issuer is None or not plan.get("issue_order"):
+            return
+        rank = self.rank_schedule
+        before, after = rank.forward_before(forward), rank.backward_after(backward)
+        issuer.begin(plan["issue_order"], unit_id(*forward),
+                     unit_id(*backward) if backward is not None else -1,
+                     unit_id(*before) if before is not None else -1,
+                     unit_id(*after) if after is not None else -1)
+        if rank.has_later_forward(forward):
+            self.tracker.scheduled.add(unit_id(*forward))
+
+    # -- during a forward -------------------------------------------------------------------
+    def note_load(self, unit: int, load: float) -> None:
+        """A router of ``unit``'s forward ran with load factor ``load``."""
+        self.loads.setdefault(unit, []).append(load)
+
+    def observe_router(self, unit: int, layer: int, load: float) -> bool:
+        """The router of ``layer`` ran with load factor ``load``; returns True when deferred
+        planning changed the strategies of the rest of the forward."""
+        self.note_load(unit, load)
+        if self.settings.policy != "bagualu" or self.governor is None or unit not in self.plans:
+            return False
+        if load <= self.plans[unit].get("load_factor", 0.0) * 1.02:
+            return False  # the plan was made for at least this load: it still fits
+        chunks = self.settings.chunks
+        plan = self.governor.plan_after_gate(unit % UNIT_STRIDE, unit // UNIT_STRIDE,
+                                             layer % max(self.layer_count // chunks, 1), load)
+        if not plan or not plan.get("deferred"):
+            return False
+        if not self.strategies.set_plan(unit, {o["name"]: o["strategy"]
+                                               for o in plan["operators"]}):
+            return False
+        self.deferred += 1
+        return True
+
+    def forward_ended(self, unit: int) -> float:
+        """The forward of ``unit`` ended: its mean load factor (the last one's when it has no
+        router), which the next point plans with."""
+        loads = self.loads.get(unit) or [self.last_load]
+        self.last_load = sum(loads) / len(loads)
+        return self.last_load
+
+    def report(self, unit: int, retained: int, stats: Optional[Dict[str, Any]]) -> None:
+        """What the forward of ``unit`` retained on the device, to the governor."""
+        if self.ready and unit in self.plans:
+            self.governor.report(unit % UNIT_STRIDE, unit // UNIT_STRIDE, retained, stats)
+
+    def backward_ended(self, unit: int) -> None:
+        self.plans.pop(unit, None)
+
+    def begin_iteration(self) -> None:
+        self.strategies.clear()
+        self.plans.clear()
+        self.budget = math.inf
+        self.deferred = 0
+        if self.ready:
+            self.governor.reset_iteration()
+
+    def end_iteration(self) -> None:
+        if self.tracker.issuer is not None:
+            self.tracker.issuer.finish()
+
+    def close(self) -> None:
+        if self.governor is not None:
+            self.governor.close()

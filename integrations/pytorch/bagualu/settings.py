@@ -1,0 +1,69 @@
+"""What ``bagualu.install`` was asked for: the Settings, the policies and issue orders, and
+byte sizes as users write them. Immutable values; safe from any thread."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import PolicyError
+
+POLICIES = ("keep-all", "static-under", "static-over", "bagualu")
+ISSUE_ORDERS = ("dual-batch", "serial")
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """Bytes from an int or a string like '512MiB', '2GiB', '1.5GB' (docs/operations.md,
+    "Sizes": binary units for powers of 1024, decimal for powers of 1000; a bare 'G' is
+    refused). ValueError naming ``what`` otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: {value!r} is not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what}: size must be non-negative, got {value}")
+        return value
+    if isinstance(value, float):
+        if not value >= 0 or value != value or value == float("inf"):
+            raise ValueError(f"{what}: size must be non-negative and finite, got {value}")
+        return int(round(value))
+    from .native import alloc
+    return alloc.parse_bytes(str(value), what)
+
+
+def check_policy(policy: str) -> str:
+    """Returns the policy or raises PolicyError naming the known ones."""
+    if policy not in POLICIES:
+        raise PolicyError(f"unknown policy '{policy}' (known: {', '.join(POLICIES)})")
+    return policy
+
+
+def check_issue_order(order: str) -> str:
+    """Returns the issue order or raises PolicyError naming the known ones."""
+    if order not in ISSUE_ORDERS:
+        raise PolicyError(f"unknown issue_order '{order}' (known: {', '.join(ISSUE_ORDERS)})")
+    return order
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``bagualu.install`` was asked for (validated there); immutable."""
+
+    device: torch.device
+    capacity: int                  # bytes of activation memory
+    policy: str
+    pipeline_rank: int = 0
+    pipeline_stages: int = 1
+    micro_batches: int = 1
+    log_iterations: bool = True
+    fp8_block: int = 128
+    pinned_capacity: int = 16 << 30
+    chunks: int = 1                # local stages of an interleaved schedule
+    gc_freeze: bool = True
+    issue_order: str = "dual-batch"  # or "serial" (enforce/order.py)
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy)
+        check_issue_order(self.issue_order)
+        if self.chunks < 1:
+            raise ValueError(f"chunks must be at least 1, got {self.chunks}")

@@ -1,0 +1,32 @@
+"""The build gives the package what it loads: CMake's target bgl_python depends on every
+shared library of native/libs.py's LIBRARIES, and the demo, the test suite's CMake and
+tests/gpu/bundle.sh build that target."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+
+
+def test_the_demo_and_the_gpu_bundle_build_what_the_package_loads() -> None:
+    for script in ("scripts/demo.sh", "tests/gpu/bundle.sh"):
+        text = (ROOT / script).read_text()
+        assert re.search(r"--target[^\n]*\bbgl_python\b|\bbgl_python\)", text), script
+
+
+def test_bgl_python_builds_every_library_the_package_loads() -> None:
+    from bagualu.native import libs
+    build = ROOT / "build"
+    if not (build / "build.ninja").is_file() or shutil.which("ninja") is None:
+        pytest.fail("needs the ninja build in build/ (scripts/test.sh makes it)")
+    out = subprocess.run(["ninja", "-C", str(build), "-t", "query", "bgl_python"],
+                         capture_output=True, text=True, check=True).stdout
+    inputs = out.split("outputs:")[0]
+    names = {line.strip().rsplit("/", 1)[-1] for line in inputs.splitlines()}
+    missing = [lib for lib in libs.LIBRARIES if lib not in names]
+    assert not missing, f"bgl_python does not build {missing} (top-level CMakeLists.txt)"
+    assert set(libs.LIBRARIES) <= set(libs._SUBDIRS), "native/libs.py cannot find them all"
