@@ -57,7 +57,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
       'none' uses the embedded planner only.
     strict: raise instead of warning when the CUDA allocator cannot be swapped.
     gc_freeze: instrument() calls gc.freeze() so that the objects alive then (the model,
-      torch internals) are not rescanned by every full collection the capture triggers.
+      torch internals) are not rescanned by every full collection the capture triggers;
+      uninstall() and the interpreter's exit unfreeze them.
     chunks: local pipeline stages of this rank (interleaved schedules); forward/backward and
       step_point then name the chunk.
     pinned_capacity: page-locked host memory the enforcer may hold for offloaded activations

@@ -5,6 +5,7 @@ micro-batch's forward and backward under the saved-tensor hooks.
 One Runtime per process (installer.py creates it; the public API in __init__.py drives it)."""
 from __future__ import annotations
 
+import atexit
 import gc
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
@@ -34,6 +35,25 @@ from .vocabulary import Op
 def active() -> Optional["Runtime"]:
     """The installed runtime, or None."""
     return _active.runtime
+
+
+_thaw_at_exit = False
+
+
+def freeze_long_lived() -> None:
+    """Moves every object alive now (the model, torch internals) out of the collector's scans
+    (gc.freeze), so that the full collections saved-tensor capture triggers stay cheap.
+
+    Frozen objects are never collected, not even when the interpreter exits: gc.unfreeze()
+    runs at uninstall and at exit, or the objects of native modules that check for leaks at
+    exit stay alive (triton's, which torch._dynamo imports when torch.utils.checkpoint,
+    transformers or torch.compile first run: 'nanobind: leaked 4 instances!')."""
+    global _thaw_at_exit
+    gc.collect()
+    gc.freeze()
+    if not _thaw_at_exit:
+        atexit.register(gc.unfreeze)
+        _thaw_at_exit = True
 
 
 class Runtime:
@@ -150,10 +170,7 @@ class Runtime:
             count = len(found.op_names)
         self.model_info = dict(info or {})
         if self.settings.gc_freeze:
-            # Saved-tensor capture allocates a few small Python objects per saved tensor;
-            # move the long-lived ones (model, torch internals) out of the collector's scans.
-            gc.collect()
-            gc.freeze()
+            freeze_long_lived()
         return count
 
     def remove_hooks(self) -> None:
@@ -323,3 +340,5 @@ class Runtime:
         self.enforcer.close()
         self.memory.close()
         self.planning.close()
+        if self.settings.gc_freeze:
+            gc.unfreeze()  # what instrument() froze is the collector's again
