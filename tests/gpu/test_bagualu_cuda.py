@@ -55,19 +55,34 @@ def test_install_after_cuda_init() -> None:
     assert r["finished"] == 2 and r["oom"] is None
 
 
-def test_enforcement_matches_keep_all_on_the_gpu() -> None:
+def _grads_ok(g: dict, parameters: int, rel_l2: float, what) -> None:
+    """Every parameter has a gradient in both runs; bitwise (rel_l2 0) or within rel_l2."""
+    assert all(n == parameters for n in g["ref_count"] + g["count"]), (what, parameters, g)
+    assert g["same_parameters"], (what, g)
+    if rel_l2 == 0:
+        assert g["bitwise"], (what, g)
+    else:
+        assert g["rel_l2"][0] <= rel_l2, (what, g)
+
+
+def test_enforcement_matches_plain_pytorch_on_the_gpu() -> None:
+    """Against plain PyTorch with the same seeds and data: keep-all, offload, recompute and
+    static-over give its gradients bit for bit (deterministic algorithms), FP8 storage within
+    1% relative L2 on the first iteration (the same weights; SGD steps after it)."""
     r = run("correctness", timeout=400)
     assert r["swapped"]
-    for name in ("offload", "recompute", "static-over"):
+    params = r["parameters"]
+    for name in ("keep-all", "offload", "recompute", "static-over", "fp8"):
         assert r[name]["finished"] == 3 and r[name]["oom"] is None, name
-        # Bitwise when the kernels are deterministic; never further than float noise.
-        assert r[name]["max_rel_loss"] <= 1e-5, (name, r[name])
+    for name in ("keep-all", "offload", "recompute", "static-over"):
+        assert r[name]["bitwise"], (name, r[name])
+        _grads_ok(r[name]["grads"], params, 0, name)
     assert r["offload"]["tracker"]["offloads"] > 0 and r["offload"]["tracker"]["reloads"] > 0
     # Through the enforcer's pinned pool and copy streams, as on CPU.
     assert r["offload"]["enforcer"]["offloads"] == r["offload"]["tracker"]["offloads"]
     assert r["offload"]["enforcer"]["bytes_h2d"] == r["offload"]["tracker"]["bytes_h2d"]
     assert r["fp8"]["tracker"]["fp8_casts"] > 0
-    assert r["fp8"]["max_rel_loss"] <= 0.01, r["fp8"]
+    _grads_ok(r["fp8"]["grads"], params, 0.01, "fp8")
 
 
 def test_unmodified_models_on_the_gpu() -> None:
@@ -75,11 +90,19 @@ def test_unmodified_models_on_the_gpu() -> None:
     r = run("unmodified", timeout=900)
     assert r["swapped"]
     for name, m in r["models"].items():
-        assert m["memory_model"]["mean_error"] < 0.015, (name, m["memory_model"])
+        # The planner's own keep-all bytes (C API) at each micro-batch's load against what
+        # PyTorch saved, the capture's sample left out: mean and worst.
+        mm = m["memory_model"]
+        assert mm["samples"] >= 8 and mm["mean_error"] < 0.015 and mm["worst_error"] < 0.015, (
+            name, mm)
         assert m["keep_all_oom_at_half"], name
         assert m["bagualu_oom_at_half"] is None and m["bagualu_same_losses"], (name, m)
+        _grads_ok(m["bagualu_grads"], m["parameters"], 0, (name, "half"))
         assert m["bagualu_moved"] > 0, name
+        assert m["mixed_oom"] is None and m["fp8_oom"] is None, (name, m)
         assert m["mixed_moved"]["offloads"] > 0 and m["mixed_moved"]["drops"] > 0, name
-        # Bitwise when the kernels are deterministic; never further than float noise.
-        assert m["mixed_bitwise"] or m["mixed_max_rel_loss"] <= 1e-5, (name, m)
-        assert m["fp8_casts"] > 0 and m["fp8_max_rel_loss"] <= 0.01, (name, m)
+        # Offload and recompute against plain PyTorch: gradients bit for bit.
+        assert m["mixed_bitwise"], (name, m)
+        _grads_ok(m["mixed_grads"], m["parameters"], 0, (name, "mixed"))
+        assert m["fp8_casts"] > 0, name
+        _grads_ok(m["fp8_grads"], m["parameters"], 0.01, (name, "fp8"))

@@ -59,3 +59,64 @@ def small_stage_forward() -> torch.Tensor:
     bagualu.step_point("steady", 0, None)
     with bagualu.forward(0):
         return model(x).float().mean()
+
+
+# -- Checks against plain PyTorch (issue 24) -----------------------------------------------
+
+def assert_grads(ref: dict, got: dict, count: int, rel_l2: float = 0.0, what: str = "") -> float:
+    """The gradients of a bagualu run against plain PyTorch's (same seeds and data): the same
+    ``count`` parameters in both, and bit for bit (``rel_l2`` 0) or within ``rel_l2`` relative
+    L2 over all of them together. Returns the relative L2 error."""
+    assert len(ref) == count, f"{what}: plain PyTorch has {len(ref)} gradients, not {count}"
+    assert sorted(got) == sorted(ref), f"{what}: gradients of other parameters"
+    names = sorted(ref)
+    a = torch.cat([ref[n].detach().flatten().double() for n in names])
+    b = torch.cat([got[n].detach().flatten().double() for n in names])
+    assert bool(a.abs().sum() > 0), f"{what}: plain PyTorch's gradients are all zero"
+    err = float((a - b).norm() / a.norm())
+    if rel_l2 == 0.0:
+        for n in names:
+            assert torch.equal(ref[n], got[n]), f"{what}: {n} differs (relative L2 {err:.3g})"
+    else:
+        assert err <= rel_l2, f"{what}: gradients {err:.4%} from plain PyTorch's (> {rel_l2:.0%})"
+    return err
+
+
+class PlannerSpy:
+    """Records the model document and options of every planner the package creates, so a
+    test can ask the planner's own C API (through the package's binding) what it predicts."""
+
+    def __init__(self, monkeypatch) -> None:
+        from bagualu.planning import embedded
+        self.made: list = []
+        self._cls = embedded.EmbeddedPlanner
+        real = embedded.EmbeddedPlanner.__init__
+
+        def init(planner, model, options=None):
+            self.made.append((model, options))
+            real(planner, model, options)
+
+        monkeypatch.setattr(embedded.EmbeddedPlanner, "__init__", init)
+
+    def memory_model_errors(self, accuracy: list, forwards: int) -> list:
+        """Relative errors of the planner's keep-all bytes (bgl_planner_plan's keep_all_bytes at
+        each micro-batch's observed load) against the bytes PyTorch saved in its layers at that
+        load, per (load, predicted, captured) sample of an unmitigated run of ``forwards``
+        micro-batch forwards. The capture's own sample (the description was made from it) is
+        left out: the first, when every forward gave one (the OpBlock path describes the stage
+        after the capture's forward, so the capture gives none there)."""
+        assert self.made, "no planner was created"
+        assert len(accuracy) in (forwards, forwards - 1), (len(accuracy), forwards)
+        samples = accuracy[1:] if len(accuracy) == forwards else accuracy
+        model, options = self.made[-1]
+        planner = self._cls(model, options)
+        errors = []
+        try:
+            for load, _, captured in samples:
+                planner.reset_iteration()
+                plan = planner.plan({"phase": "steady", "forward_micro_batch": 0,
+                                     "load_factor": float(load)})
+                errors.append(abs(plan["keep_all_bytes"] - captured) / captured)
+        finally:
+            planner.close()
+        return errors

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import bagualu
-from conftest import require_libs, small_config, small_stage_forward
+from conftest import PlannerSpy, assert_grads, require_libs, small_config, small_stage_forward
 from moe_train import main, train
 
 ALL_OPS = ("attn_norm", "qkv_proj", "core_attn", "out_proj", "moe_norm", "router", "shared_fc1",
@@ -26,25 +26,32 @@ def _run(policy: str = "keep-all", capacity: str = "64MiB", **kw):
     return r
 
 
-def _assert_bitwise(a, b) -> None:
-    assert len(a["losses"]) == len(b["losses"]) == RUN["iterations"]
-    for la, lb in zip(a["losses"], b["losses"]):
+def _parameters() -> int:
+    from moe_model import MoEStage
+    return sum(1 for p in MoEStage(small_config()).parameters() if p.requires_grad)
+
+
+def _assert_bitwise(plain, b) -> None:
+    """Losses and every parameter's gradients of every iteration, bit for bit, in a run that
+    finished (no out-of-memory)."""
+    assert plain["oom"] is None and b["oom"] is None, b["oom"]
+    assert len(plain["losses"]) == len(b["losses"]) == RUN["iterations"]
+    assert len(plain["grads"]) == len(b["grads"]) == RUN["iterations"]
+    for la, lb in zip(plain["losses"], b["losses"]):
         assert torch.equal(la, lb), (la, lb)
-    for ga, gb in zip(a["grads"], b["grads"]):
-        assert ga.keys() == gb.keys()
-        for name in ga:
-            assert torch.equal(ga[name], gb[name]), name
+    count = _parameters()
+    for it, (ga, gb) in enumerate(zip(plain["grads"], b["grads"])):
+        assert_grads(ga, gb, count, what=f"iteration {it}")
 
 
 @pytest.fixture(scope="module")
-def keep_all():
+def plain():
+    """Plain PyTorch (no bagualu): the same model, seeds, data and SGD steps."""
     require_libs()
-    r = _run(spike_size=2.6, spike_every=3)
-    bagualu.uninstall()
-    return r
+    return _run("plain", spike_size=2.6, spike_every=3)
 
 
-def test_offload_everything_is_bitwise(keep_all) -> None:
+def test_offload_everything_is_bitwise(plain) -> None:
     r = _run(force={op: bagualu.OFFLOAD for op in ALL_OPS}, spike_size=2.6, spike_every=3)
     assert r["stats"]["tracker"]["offloads"] > 0
     assert r["stats"]["tracker"]["reloads"] > 0
@@ -53,34 +60,40 @@ def test_offload_everything_is_bitwise(keep_all) -> None:
     assert enf["offloads"] == r["stats"]["tracker"]["offloads"]
     assert enf["bytes_h2d"] == r["stats"]["tracker"]["bytes_h2d"] > 0
     assert enf["pinned_peak"] > 0
-    _assert_bitwise(keep_all, r)
+    _assert_bitwise(plain, r)
 
 
-def test_recompute_is_bitwise(keep_all) -> None:
+def test_recompute_is_bitwise(plain) -> None:
     force = {op: bagualu.RECOMPUTE for op in ("expert_fc1", "expert_act", "expert_fc2",
                                               "shared_act", "core_attn", "attn_norm")}
     r = _run(force=force, spike_size=2.6, spike_every=3)
     assert sum(ln["recomputed_ops"] for ln in r["lines"]) > 0
-    _assert_bitwise(keep_all, r)
+    _assert_bitwise(plain, r)
 
 
-def test_mixed_offload_and_full_recompute_are_bitwise(keep_all) -> None:
+def test_mixed_offload_and_full_recompute_are_bitwise(plain) -> None:
     force = {op: bagualu.OFFLOAD for op in ALL_OPS[:5]}
     force.update({op: bagualu.RECOMPUTE for op in ALL_OPS[5:]})
     r = _run(force=force, spike_size=2.6, spike_every=3)
-    _assert_bitwise(keep_all, r)
+    _assert_bitwise(plain, r)
     over = _run("static-over", spike_size=2.6, spike_every=3)
-    _assert_bitwise(keep_all, over)
+    _assert_bitwise(plain, over)
+    keep = _run(spike_size=2.6, spike_every=3)
+    _assert_bitwise(plain, keep)
 
 
-def test_fp8_storage_within_tolerance(keep_all) -> None:
+def test_fp8_storage_within_tolerance(plain) -> None:
+    """Stated tolerance (e4m3, 128-element blocks): every parameter's gradients within 1%
+    relative L2 of plain PyTorch's on the first iteration (the same weights: the SGD steps
+    after it spread any difference), in a run that finished; the forward is plain PyTorch's."""
     force = {op: bagualu.FP8 for op in ("qkv_proj", "core_attn", "out_proj", "shared_act",
                                         "expert_fc1", "expert_act", "expert_fc2")}
     r = _run(force=force, spike_size=2.6, spike_every=3)
-    assert r["stats"]["tracker"]["fp8_casts"] > 0
-    # Stated tolerance: losses within 1% relative over the run (e4m3, 128-element blocks).
-    for la, lb in zip(keep_all["losses"], r["losses"]):
-        assert abs(float(la) - float(lb)) <= 0.01 * abs(float(la))
+    assert r["oom"] is None and r["finished"] == RUN["iterations"], r["oom"]
+    assert r["stats"]["tracker"]["fp8_casts"] > 0 and r["stats"]["tracker"]["fp8_uncasts"] > 0
+    assert torch.equal(r["losses"][0], plain["losses"][0])
+    err = assert_grads(plain["grads"][0], r["grads"][0], _parameters(), rel_l2=0.01, what="fp8")
+    assert err > 0, "no gradient changed: FP8 storage was not used by the backward"
 
 
 def test_spike_ooms_static_under_but_not_bagualu(caplog) -> None:
@@ -103,12 +116,19 @@ def test_spike_ooms_static_under_but_not_bagualu(caplog) -> None:
     assert over["oom"] is None and over["finished"] == RUN["iterations"]
 
 
-def test_memory_model_accuracy() -> None:
+def test_memory_model_accuracy(monkeypatch) -> None:
+    """The planner's own keep-all bytes (bgl_planner_plan through the package's binding, at
+    each micro-batch's observed load) against what PyTorch saved in its layers, the capture's
+    sample left out: mean and worst within 1.5%, over loads that differ (a 2.6x spike)."""
     require_libs()
-    r = _run("bagualu", capacity="64MiB", spike_size=2.6, spike_every=3)
-    mm = r["stats"]["memory_model"]
-    assert mm["samples"] >= 8
-    assert mm["mean_error"] < 0.015 and mm["worst_error"] < 0.015
+    spy = PlannerSpy(monkeypatch)
+    r = _run("keep-all", capacity="64MiB", spike_size=2.6, spike_every=3)
+    assert r["oom"] is None
+    accuracy = r["stats"]["memory_model"]["points"]
+    assert max(a[0] for a in accuracy) > 2 * min(a[0] for a in accuracy)
+    errors = spy.memory_model_errors(accuracy, RUN["iterations"] * RUN["micro_batches"])
+    assert len(errors) >= 8
+    assert sum(errors) / len(errors) < 0.015 and max(errors) < 0.015, errors
 
 
 def test_stats_snapshot_and_log_line(tmp_path) -> None:
@@ -162,3 +182,20 @@ def test_dead_daemon_falls_back_to_the_embedded_planner(tmp_path, caplog) -> Non
     assert r["stats"]["governor"] == "embedded"
     warnings = [rec.getMessage() for rec in caplog.records if "unavailable" in rec.getMessage()]
     assert len(warnings) == 1 and "embedded planner" in warnings[0]
+
+
+def test_install_reads_sizes_by_the_one_rule() -> None:
+    """bagualu.install reads sizes with the project's one parser (bgl_parse_bytes): binary and
+    decimal units as written, a bare 'G' refused naming both spellings."""
+    require_libs()
+    rt = bagualu.install(capacity="1.5MiB", pinned_capacity="2GB", governor="none",
+                         log_iterations=False)
+    assert rt.capacity == 3 << 19 and rt.settings.pinned_capacity == 2 * 10**9
+    assert bagualu.parse_size("8GiB") == 8 << 30 and bagualu.parse_size(4096) == 4096
+    bagualu.uninstall()
+    with pytest.raises(ValueError, match=r"capacity: '8G' is ambiguous.*8GiB.*8GB"):
+        bagualu.install(capacity="8G", governor="none")
+    with pytest.raises(ValueError, match="pinned_capacity"):
+        bagualu.install(capacity="1MiB", pinned_capacity="lots", governor="none")
+    with pytest.raises(bagualu.BagualuError, match="not installed"):
+        bagualu.current()  # a refused install leaves nothing installed

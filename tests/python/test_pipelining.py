@@ -97,11 +97,14 @@ def test_fix_batch_p2p_is_idempotent() -> None:
 
 
 def assert_bitwise(ref_losses, ref_grads, losses, grads) -> None:
-    """The same losses and gradients, bit for bit."""
+    """The same losses and gradients, bit for bit: as many steps as the reference (not an
+    empty or a shorter run), every micro-batch's loss, every parameter's gradient."""
+    assert len(ref_losses) == len(losses) == len(ref_grads) == len(grads) > 0
     for a, b in zip(ref_losses, losses):
+        assert a.shape == b.shape and a.numel() > 0, (a.shape, b.shape)
         assert torch.equal(a, b)
     for ga, gb in zip(ref_grads, grads):
-        assert ga.keys() == gb.keys()
+        assert len(ga) > 0 and ga.keys() == gb.keys()
         for name in ga:
             assert torch.equal(ga[name], gb[name]), name
 
@@ -352,23 +355,36 @@ def test_accumulate_gradients_matches_plain_pytorch_bitwise(monkeypatch) -> None
     monkeypatch.setattr(bagualu, "step_point", lambda *a: seen.append(a) or real(*a))
     losses = accumulate.accumulate_gradients(lambda mb: _loss(model, x[mb], y[mb]), MB)
     assert seen == one_f_one_b(MB, 1, 0)  # ("steady", mb, None), ("steady", None, mb)
+    assert len(losses) == len(ref_losses) == MB
     assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
-    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+    ref_params, params = list(ref.named_parameters()), list(model.named_parameters())
+    assert len(params) == len(ref_params) > 0
+    for (name, p), (_, q) in zip(ref_params, params):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or
                                                          torch.equal(p.grad, q.grad)), name
     history = bagualu.history()
     assert len(history) == 1 and history[0]["offloads"] + history[0]["recomputed_ops"] > 0
 
-    # the loop form: the same gradients again (accumulated on top), its line and plans
+    # the loop form: the same gradients again (accumulated on top of the first pass's, as
+    # plain PyTorch accumulates a second pass), its line and plans
+    for mb in range(MB):
+        _loss(ref, x[mb], y[mb]).backward()
     seen.clear()
     loop = accumulate.micro_batches(MB)
+    loop_losses = []
     for mb in loop:
         assert isinstance(mb, int) and 0 <= mb < MB
         with mb.forward():
             loss = _loss(model, x[mb], y[mb])
         with mb.backward():
             loss.backward()
+        loop_losses.append(loss.detach())
     assert seen == one_f_one_b(MB, 1, 0)
+    assert len(loop_losses) == MB and all(torch.equal(a, b)
+                                          for a, b in zip(ref_losses, loop_losses))
+    for (name, p), (_, q) in zip(ref_params, params):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or
+                                                         torch.equal(p.grad, q.grad)), name
     assert loop.line is not None and loop.line["iteration"] == 1  # the second (from 0)
     assert loop.plans == MB
 

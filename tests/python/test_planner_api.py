@@ -11,13 +11,28 @@ from bagualu.planning.embedded import EmbeddedPlanner
 
 
 def test_plans_the_demo_model() -> None:
+    """At a capacity below keep-all's the plan mitigates (not an all-keep plan) and fits its
+    budget; the report of what it predicted is taken."""
     require_libs()
     model = json.loads((ROOT / "models" / "tiny-moe.json").read_text())
-    p = EmbeddedPlanner(model, {"capacity_bytes": 4 << 30})
-    assert p.description["micro_batches"] == 8
-    plan = p.plan({"phase": "warmup", "forward_micro_batch": 0, "load_factor": 1.0})
-    assert plan["budget_bytes"] > 0
-    assert {o["strategy"] for o in plan["operators"]} <= {"keep", "offload", "fp8", "recompute"}
+    point = {"phase": "warmup", "forward_micro_batch": 0, "load_factor": 1.0}
+    roomy = EmbeddedPlanner(model, {"capacity_bytes": 64 << 30})
+    assert roomy.description["micro_batches"] == 8
+    keep_all = roomy.plan(dict(point))
+    roomy.close()
+    assert {o["strategy"] for o in keep_all["operators"]} == {"keep"}
+    plan, cap = None, 4 << 30
+    while cap > 1 << 26:  # the largest capacity whose plan mitigates something
+        p = EmbeddedPlanner(model, {"capacity_bytes": cap})
+        plan = p.plan(dict(point))
+        if any(o["strategy"] != "keep" for o in plan["operators"]):
+            break
+        p.close()
+        cap = cap * 3 // 4
+    strategies = {o["strategy"] for o in plan["operators"]}
+    assert strategies <= {"keep", "offload", "fp8", "recompute"}
+    assert strategies != {"keep"}, f"every capacity down to {cap} planned keep-all"
+    assert 0 < plan["predicted_bytes"] <= plan["budget_bytes"] < plan["keep_all_bytes"]
     p.report(0, 0, int(plan["predicted_bytes"]))
     p.close()
 

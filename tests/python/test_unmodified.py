@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bagualu
-from conftest import require_libs
+from conftest import PlannerSpy, assert_grads, require_libs
 
 unmodified = pytest.importorskip("unmodified")
 transformers = pytest.importorskip("transformers")
@@ -20,16 +20,24 @@ def mixed(name: str, with_fp8: bool) -> dict:
     return unmodified.mixed_strategies(name, with_fp8)
 
 
+def parameters(name: str) -> int:
+    """How many parameters of ``name`` train: each must have a gradient in every run."""
+    return sum(1 for p in unmodified.build(name).parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_half_of_the_keep_all_peak(name: str) -> None:
+def test_half_of_the_keep_all_peak(name: str, monkeypatch) -> None:
     require_libs()
+    spy = PlannerSpy(monkeypatch)
     full = unmodified.train(name, "keep-all", capacity="4GiB", forced={})
+    assert full["oom"] is None, full["oom"]
     peak = max(line["peak_bytes"] for line in full["lines"])
-    # The planner's bytes against what PyTorch saved, per micro-batch, at the loads the
-    # simulated EP rank saw (other than the capture's).
-    mm = full["stats"]["memory_model"]
-    assert mm["samples"] >= 8 and mm["mean_error"] < 0.015, mm
-    loads = {round(a[0], 3) for a in full["accuracy"]}  # (load, predicted, captured)
+    # The memory model: the planner's own keep-all bytes (its C API, at each micro-batch's
+    # observed load) against what PyTorch saved in the layers at that load, every micro-batch
+    # but the capture's (the description was made from it): mean and worst.
+    errors = spy.memory_model_errors(full["accuracy"], 16)  # 2 iterations of 8
+    assert len(errors) >= 8 and sum(errors) / len(errors) < 0.015 and max(errors) < 0.015, errors
+    loads = {round(a[0], 3) for a in full["accuracy"][1:]}  # (load, predicted, captured)
     assert len(loads) >= 4, loads
     cap = peak // 2
     keep = unmodified.train(name, "keep-all", capacity=cap)
@@ -41,7 +49,9 @@ def test_half_of_the_keep_all_peak(name: str) -> None:
                 for line in r["lines"]) + r["stats"]["tracker"]["drops"]
     assert moved > 0, "the plan must mitigate something"
     # Same routing (the simulated EP rank), same numbers: the plan changed only placement.
+    # keep-all at 4 GiB is the reference here: plain PyTorch has no simulated EP rank.
     assert r["losses"] == full["losses"]
+    assert_grads(full["grads"], r["grads"], parameters(name), what=f"{name} at half the peak")
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
@@ -53,15 +63,19 @@ def test_the_plans_issue_order_is_carried_out(name: str) -> None:
     same plans in program order (serial)."""
     require_libs()
     full = unmodified.train(name, "keep-all", capacity="4GiB", forced={})
+    assert full["oom"] is None, full["oom"]
     cap = max(line["peak_bytes"] for line in full["lines"]) // 2
+    count = parameters(name)
     r = unmodified.train(name, "bagualu", capacity=cap, issue_order="dual-batch")
     assert r["oom"] is None, r["oom"]
     enf, tracker = r["stats"]["enforcer"], r["stats"]["tracker"]
     assert enf["scheduled_issued"] > 0 and tracker["scheduled_offloads"] > 0, (enf, tracker)
     assert enf["offloads"] >= tracker["offloads"] > 0
     assert r["losses"] == full["losses"]
+    assert_grads(full["grads"], r["grads"], count, what="dual-batch order")
     serial = unmodified.train(name, "bagualu", capacity=cap, issue_order="serial")
     assert serial["oom"] is None and serial["losses"] == full["losses"]
+    assert_grads(full["grads"], serial["grads"], count, what="serial order")
     assert serial["stats"]["enforcer"]["scheduled_issued"] > 0
 
 
@@ -73,9 +87,12 @@ def test_issue_order_setting_is_checked() -> None:
 
 def test_the_router_downgrades_the_rest_of_its_layer() -> None:
     """Deferred planning on an unmodified model: routers see loads above the plan's, the rest
-    of their layer switches to recompute (records dropped), and the losses do not change."""
+    of their layer switches to recompute (records dropped), and neither the losses nor the
+    gradients change."""
     require_libs()
     full = unmodified.train("mixtral", "keep-all", capacity="4GiB", forced={})
+    assert full["oom"] is None, full["oom"]
+    count = parameters("mixtral")
     peak = max(line["peak_bytes"] for line in full["lines"])
     # Whether a router sees more than its plan allowed depends on the plan's margin at that
     # capacity (which moves with what a torch version saves, and with the issue order the plan
@@ -86,6 +103,7 @@ def test_the_router_downgrades_the_rest_of_its_layer() -> None:
         # router's replan sees, and with them whether it must downgrade (about 1 run in 4).
         r = unmodified.train("mixtral", "bagualu", capacity=cap, issue_order="serial")
         assert r["oom"] is None and r["losses"] == full["losses"]
+        assert_grads(full["grads"], r["grads"], count, what=f"capacity {cap}")
         deferred += sum(line["deferred"] for line in r["lines"])
         drops += r["stats"]["tracker"]["drops"]
         recomputes += r["stats"]["tracker"]["recomputes"]
@@ -170,21 +188,26 @@ def test_offload_and_recompute_mixed_in_a_layer_are_bitwise(name: str) -> None:
     assert r["oom"] is None
     t = r["stats"]["tracker"]
     assert t["drops"] > 0 and t["recomputes"] > 0 and t["offloads"] > 0
+    assert plain["oom"] is None
     assert r["losses"] == plain["losses"]
-    assert plain["grads"].keys() == r["grads"].keys()
-    for k, g in plain["grads"].items():
-        assert torch.equal(g, r["grads"][k]), k
+    assert_grads(plain["grads"], r["grads"], parameters(name), what=name)
 
 
 @pytest.mark.parametrize("name", ["mixtral", "fused"])
 def test_fp8_with_the_others_within_one_percent(name: str) -> None:
+    """FP8 storage changes only what the backward reads: the gradients of every parameter
+    within 1% relative L2 of plain PyTorch's (the same seeds and data), in a run that did not
+    run out of memory; the forward, and so the losses, are plain PyTorch's."""
     require_libs()
     plain = unmodified.train(name, None, ep=False, iterations=1)
     r = unmodified.train(name, "keep-all", forced=mixed(name, with_fp8=True), ep=False,
                          iterations=1)
-    assert r["stats"]["tracker"]["fp8_casts"] > 0
-    for a, b in zip(plain["losses"], r["losses"]):
-        assert abs(a - b) <= 0.01 * abs(a)
+    assert plain["oom"] is None and r["oom"] is None, r["oom"]
+    assert r["stats"]["tracker"]["fp8_casts"] > 0 and r["stats"]["tracker"]["fp8_uncasts"] > 0
+    assert len(plain["losses"]) == len(r["losses"]) == 8
+    assert r["losses"] == plain["losses"]
+    err = assert_grads(plain["grads"], r["grads"], parameters(name), rel_l2=0.01, what=name)
+    assert err > 0, "no gradient changed: FP8 storage was not used by the backward"
 
 
 def test_describe_lists_layers_and_operators() -> None:
