@@ -6,9 +6,34 @@
 
 #include "allocator/global.h"
 #include "allocator/snapshot.h"
+#include "base/units.h"
 #include "bgl/alloc.h"
 
 namespace bgl::alloc {
+
+// One status vocabulary: the C ABI's numbers are the C++ Status values.
+#define BGL_SAME_STATUS(c, k) static_assert(c == static_cast<int>(Status::k), #c)
+BGL_SAME_STATUS(BGL_OK, kOk);
+BGL_SAME_STATUS(BGL_ERR_INVALID_ARGUMENT, kInvalidArgument);
+BGL_SAME_STATUS(BGL_ERR_OUT_OF_MEMORY, kOutOfMemory);
+BGL_SAME_STATUS(BGL_ERR_FOREIGN_POINTER, kForeignPointer);
+BGL_SAME_STATUS(BGL_ERR_DOUBLE_FREE, kDoubleFree);
+BGL_SAME_STATUS(BGL_ERR_WRONG_SIZE, kWrongSize);
+BGL_SAME_STATUS(BGL_ERR_WRONG_DEVICE, kWrongDevice);
+BGL_SAME_STATUS(BGL_ERR_BACKEND, kBackendError);
+BGL_SAME_STATUS(BGL_ERR_NOT_INITIALIZED, kNotInitialized);
+BGL_SAME_STATUS(BGL_ERR_BUFFER_TOO_SMALL, kBufferTooSmall);
+BGL_SAME_STATUS(BGL_ERR_ALREADY_INITIALIZED, kAlreadyInitialized);
+BGL_SAME_STATUS(BGL_ERR_UNKNOWN_HANDLE, kUnknownHandle);
+BGL_SAME_STATUS(BGL_ERR_DUPLICATE, kDuplicate);
+BGL_SAME_STATUS(BGL_ERR_INVALID_STATE, kInvalidState);
+BGL_SAME_STATUS(BGL_ERR_CONFLICT, kConflict);
+BGL_SAME_STATUS(BGL_ERR_PINNED_EXHAUSTED, kPinnedExhausted);
+BGL_SAME_STATUS(BGL_ERR_CALLBACK, kCallbackError);
+BGL_SAME_STATUS(BGL_ERR_INTERNAL, kInternal);
+#undef BGL_SAME_STATUS
+static_assert(kStatusCount == BGL_ERR_INTERNAL + 1);
+
 namespace {
 
 std::mutex g_mu;
@@ -259,6 +284,39 @@ BGL_ALLOC_API int bgl_alloc_remove_segment_hook(int device, int handle) {
   Pool* p = pool_or_error(device);
   if (p == nullptr) return BGL_ERR_INVALID_ARGUMENT;
   p->remove_segment_hook(handle);
+  return BGL_OK;
+}
+
+BGL_ALLOC_API const char* bgl_status_name(int s) { return status_name(s); }
+
+BGL_ALLOC_API int bgl_status_value(const char* name, int* value) {
+  if (name == nullptr || value == nullptr) {
+    report_error(false, "bgl_status_value: null name or value");
+    return BGL_ERR_INVALID_ARGUMENT;
+  }
+  for (int s = 0; s < kStatusCount; ++s) {
+    if (std::strcmp(name, status_name(s)) == 0) {
+      *value = s;
+      return BGL_OK;
+    }
+  }
+  report_error(false,
+               "bgl_status_value: no status is called '" + std::string(name).substr(0, 64) + "'");
+  return BGL_ERR_INVALID_ARGUMENT;
+}
+
+BGL_ALLOC_API int bgl_parse_bytes(const char* text, const char* what, int64_t* bytes) {
+  if (text == nullptr || bytes == nullptr) {
+    report_error(false, "bgl_parse_bytes: null text or bytes");
+    return BGL_ERR_INVALID_ARGUMENT;
+  }
+  const bgl::Result<int64_t> parsed =
+      bgl::ParseBytes(text, what == nullptr || *what == '\0' ? "size" : what);
+  if (!parsed.ok()) {
+    report_error(false, parsed.status().message());
+    return BGL_ERR_INVALID_ARGUMENT;
+  }
+  *bytes = *parsed;
   return BGL_OK;
 }
 

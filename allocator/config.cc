@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "base/units.h"
+
 namespace bgl::alloc {
 namespace {
 
@@ -42,50 +44,28 @@ bool parse_bool(std::string_view s, bool* out) {
   return true;
 }
 
-}  // namespace
-
-bool parse_size(std::string_view text, std::size_t* out) {
-  text = trim(text);
-  std::size_t i = 0;
-  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) {
-    ++i;
-  }
-  double num = 0;
-  if (!parse_double(text.substr(0, i), &num) || num < 0) return false;
-  std::string unit(trim(text.substr(i)));
-  for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  double mult;
-  if (unit.empty() || unit == "b")
-    mult = 1;
-  else if (unit == "k" || unit == "kib")
-    mult = 1024.0;
-  else if (unit == "m" || unit == "mib")
-    mult = 1024.0 * 1024;
-  else if (unit == "g" || unit == "gib")
-    mult = 1024.0 * 1024 * 1024;
-  else if (unit == "t" || unit == "tib")
-    mult = 1024.0 * 1024 * 1024 * 1024;
-  else if (unit == "kb")
-    mult = 1e3;
-  else if (unit == "mb")
-    mult = 1e6;
-  else if (unit == "gb")
-    mult = 1e9;
-  else if (unit == "tb")
-    mult = 1e12;
-  else
+// The size of `key` by the project's one rule (bgl::ParseBytes); on failure `why` gets its
+// message, which names the key and says what is wrong (for instance that "8G" is ambiguous).
+bool parse_size(std::string_view key, std::string_view text, std::size_t* out, std::string* why) {
+  const bgl::Result<int64_t> bytes = bgl::ParseBytes(text, "key '" + std::string(key) + "'");
+  if (!bytes.ok()) {
+    *why = bytes.status().message();
     return false;
-  const double v = num * mult;
-  if (v >= 9.2e18) return false;
-  *out = static_cast<std::size_t>(std::llround(v));
+  }
+  *out = static_cast<std::size_t>(*bytes);
   return true;
 }
 
+}  // namespace
+
 bool parse_config(std::string_view text, Config* c, std::string* error) {
   constexpr std::size_t kMaxCapacity = std::size_t{64} << 40;
+  std::string why;  // the size rule's message for a value that is not a size
   auto bad = [&](std::string_view key, std::string_view value, std::string_view expected) {
-    *error = "BGL_ALLOC_CONF: bad value '" + std::string(value) + "' for key '" + std::string(key) +
-             "' (expected " + std::string(expected) + ")";
+    *error = "BGL_ALLOC_CONF: " +
+             (why.empty() ? "bad value '" + std::string(value) + "' for key '" + std::string(key) +
+                                "' (expected " + std::string(expected) + ")"
+                          : why);
     return false;
   };
   while (!trim(text).empty()) {
@@ -112,12 +92,13 @@ bool parse_config(std::string_view text, Config* c, std::string* error) {
       c->devices = static_cast<int>(n);
     } else if (key == "capacity") {
       // 64 TiB: half of x86-64's 47-bit user address space, far above any device's memory.
-      if (!parse_size(value, &n) || n == 0 || n > kMaxCapacity) {
+      if (!parse_size(key, value, &n, &why) || n == 0 || n > kMaxCapacity) {
         return bad(key, value, "a size such as 8GiB, at most 64TiB");
       }
       c->capacity = n;
     } else if (key == "page_size") {
-      if (!parse_size(value, &n) || n < 4096 || n > (std::size_t{1} << 30) || (n & (n - 1)) != 0) {
+      if (!parse_size(key, value, &n, &why) || n < 4096 || n > (std::size_t{1} << 30) ||
+          (n & (n - 1)) != 0) {
         return bad(key, value, "a power of two from 4KiB to 1GiB, such as 2MiB");
       }
       c->page_size = n;
@@ -133,13 +114,13 @@ bool parse_config(std::string_view text, Config* c, std::string* error) {
         c->pool.limit_fraction = d;
         c->pool.limit_bytes = 0;
       } else {
-        if (!parse_size(value, &n) || n == 0) {
+        if (!parse_size(key, value, &n, &why) || n == 0) {
           return bad(key, value, "a fraction such as 0.9 or a size such as 70GiB");
         }
         c->pool.limit_bytes = n;
       }
     } else if (key == "small_max") {
-      if (!parse_size(value, &n) || n < 512 || n > (std::size_t{64} << 20)) {
+      if (!parse_size(key, value, &n, &why) || n < 512 || n > (std::size_t{64} << 20)) {
         return bad(key, value, "a size between 512 and 64MiB");
       }
       c->pool.small_max = n;

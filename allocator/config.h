@@ -30,12 +30,9 @@ struct Config {
   PoolOptions pool;  // limit, small_max, round_divisions, defrag, defrag_slack, history, log
 };
 
-// Parses `text` over the defaults. On error returns false and sets `error` to a message that
-// names the offending key or value.
+// Parses `text` over the defaults; sizes follow the project's one rule (bgl::ParseBytes, so a
+// bare "8G" is refused). On error returns false and sets `error` to a message that names the
+// offending key or value.
 bool parse_config(std::string_view text, Config* config, std::string* error);
-
-// Parses "8GiB", "512MiB", "1.5GB", "4096" (K/M/G/T and KiB/MiB/GiB/TiB are binary, KB/MB/GB/TB
-// decimal). False on a malformed or overflowing value.
-bool parse_size(std::string_view text, std::size_t* out);
 
 }  // namespace bgl::alloc

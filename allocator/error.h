@@ -7,7 +7,8 @@
 
 namespace bgl::alloc {
 
-// Result of an allocator operation (the C ABI returns these values).
+// Result of an allocator or enforcer operation: the C ABI's bgl_status (bgl/alloc.h), value for
+// value (allocator/c_api.cc checks each one).
 enum class Status : int {
   kOk = 0,
   kInvalidArgument = 1,
@@ -27,7 +28,13 @@ enum class Status : int {
   kConflict = 14,
   kPinnedExhausted = 15,
   kCallbackError = 16,
+  kInternal = 17,  // an unexpected failure (a C++ exception) the message describes
 };
+inline constexpr int kStatusCount = 18;
+
+// The C ABI's name of a status ("ok", "out_of_memory", ...; bgl_status_name); null for a value
+// that is none.
+BGL_ALLOC_INTERNAL const char* status_name(int status);
 
 // Stores `message` as the thread's last error; writes "bgl_alloc: <message>" to stderr when
 // `log` is true.

@@ -1,8 +1,11 @@
 #include "base/units.h"
 
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <string>
 
 namespace bgl {
@@ -14,55 +17,87 @@ std::string Status::ToString() const {
   return std::string(kNames[static_cast<int>(code_)]) + (ok() ? "" : ": " + message_);
 }
 
+namespace {
+
+// A unit's multiplier: binary (KiB = 2^10 ...) or decimal (KB = 10^3 ...), by its position.
+struct Unit {
+  const char* name;  // upper case
+  int64_t scale;
+};
+constexpr Unit kUnits[] = {
+    {"B", 1},
+    {"KIB", int64_t{1} << 10},
+    {"MIB", int64_t{1} << 20},
+    {"GIB", int64_t{1} << 30},
+    {"TIB", int64_t{1} << 40},
+    {"KB", 1'000},
+    {"MB", 1'000'000},
+    {"GB", 1'000'000'000},
+    {"TB", 1'000'000'000'000},
+};
+
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+}  // namespace
+
 Result<int64_t> ParseBytes(std::string_view text, std::string_view what) {
-  std::string s(text);
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
-  size_t pos = 0;
-  while (pos < s.size() && std::isspace(static_cast<unsigned char>(s[pos]))) ++pos;
-  s = s.substr(pos);
-  const std::string error = std::string(what) + ": '" + std::string(text) +
-                            "' is not a size (use bytes or a unit such as 64GiB, 512MB)";
-  if (s.empty() || s[0] == '-') {
-    return InvalidArgument(std::string(what) + ": size must be non-negative, got '" +
-                           std::string(text) + "'");
+  const std::string_view s = Trim(text);
+  const std::string prefix = std::string(what) + ": ";
+  const std::string quoted = "'" + std::string(text) + "'";
+  if (!s.empty() && s[0] == '-') {
+    return InvalidArgument(prefix + "size must be non-negative, got " + quoted);
   }
+  // The number: digits with at most one decimal point (no sign, exponent, hex, inf or nan).
   size_t end = 0;
-  double number = 0;
-  try {
-    number = std::stod(s, &end);
-  } catch (...) {
-    return InvalidArgument(error);
+  int digits = 0, points = 0;
+  for (; end < s.size(); ++end) {
+    if (std::isdigit(static_cast<unsigned char>(s[end]))) {
+      ++digits;
+    } else if (s[end] == '.' && points == 0) {
+      ++points;
+    } else {
+      break;
+    }
   }
-  std::string unit = s.substr(end);
-  while (!unit.empty() && unit[0] == ' ') unit.erase(0, 1);
+  const std::string_view number = s.substr(0, end);
+  const std::string_view unit = Trim(s.substr(end));
+  const std::string not_a_size =
+      prefix + quoted + " is not a size (write bytes or a number with B, KiB, MiB, GiB, TiB " +
+      "(powers of 1024) or KB, MB, GB, TB (powers of 1000), such as 64GiB or 512MB)";
+  if (digits == 0) return InvalidArgument(not_a_size);
   std::string upper;
   for (char c : unit) upper += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  double scale = 0;
-  if (upper.empty() || upper == "B")
-    scale = 1;
-  else if (upper == "KB" || upper == "K")
-    scale = 1e3;
-  else if (upper == "MB" || upper == "M")
-    scale = 1e6;
-  else if (upper == "GB" || upper == "G")
-    scale = 1e9;
-  else if (upper == "TB" || upper == "T")
-    scale = 1e12;
-  else if (upper == "KIB")
-    scale = 1024.0;
-  else if (upper == "MIB")
-    scale = 1024.0 * 1024;
-  else if (upper == "GIB")
-    scale = 1024.0 * 1024 * 1024;
-  else if (upper == "TIB")
-    scale = 1024.0 * 1024 * 1024 * 1024;
-  else
-    return InvalidArgument(error);
-  const double bytes = number * scale;
-  if (!std::isfinite(bytes) || bytes < 0 || bytes > 9.0e18) {
-    return InvalidArgument(std::string(what) + ": size '" + std::string(text) +
-                           "' is out of range");
+  if (upper == "K" || upper == "M" || upper == "G" || upper == "T") {
+    static constexpr std::string_view kLetters = "KMGT";
+    const int power = static_cast<int>(kLetters.find(upper[0])) + 1;
+    const std::string n(number);
+    return InvalidArgument(prefix + quoted + " is ambiguous: write " + n + upper + "iB (2^" +
+                           std::to_string(10 * power) + " bytes each) or " + n + upper + "B (10^" +
+                           std::to_string(3 * power) + ")");
   }
+  int64_t scale = upper.empty() ? 1 : 0;
+  for (const Unit& u : kUnits) {
+    if (upper == u.name) scale = u.scale;
+  }
+  if (scale == 0) return InvalidArgument(not_a_size);
+  const std::string out_of_range =
+      prefix + "size " + quoted + " is out of range (at most 8 EiB - 1 bytes)";
+  if (points == 0) {  // exact integer arithmetic: no rounding for large byte counts
+    int64_t value = 0;
+    const auto [ptr, ec] = std::from_chars(number.data(), number.data() + number.size(), value);
+    if (ec != std::errc() || ptr != number.data() + number.size() ||
+        value > std::numeric_limits<int64_t>::max() / scale) {
+      return InvalidArgument(out_of_range);
+    }
+    return value * scale;
+  }
+  // A fraction ("1.5GiB"), rounded to whole bytes.
+  const long double bytes = std::strtold(std::string(number).c_str(), nullptr) * scale;
+  if (!std::isfinite(bytes) || bytes >= 9.2e18L) return InvalidArgument(out_of_range);
   return static_cast<int64_t>(std::llround(bytes));
 }
 

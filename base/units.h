@@ -9,8 +9,11 @@
 
 namespace bgl {
 
-// Parses a non-negative byte count with an optional unit: B, KB/MB/GB/TB (powers of 1000),
-// KiB/MiB/GiB/TiB (powers of 1024). `what` names the value in error messages.
+// Parses a non-negative byte count, the one size rule of every place a size is written (flags,
+// YAML, BGL_ALLOC_CONF, model files, the Python package through bgl_parse_bytes): a bare number
+// or B is bytes, KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000 (any case); a
+// bare K, M, G or T is refused as ambiguous, with a message naming both spellings. Fractions
+// ("1.5GiB") are rounded to whole bytes. `what` names the value in error messages.
 Result<int64_t> ParseBytes(std::string_view text, std::string_view what);
 
 // Formats bytes with a binary unit, three significant digits ("1.25 GiB").

@@ -9,8 +9,11 @@
 #include "enforcer/device_ops.h"
 #include "kernels/fp8_cast.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 namespace {
+
+using alloc::CudaEvents;
+using alloc::DeviceGuard;
 
 class CudaDeviceOps final : public DeviceOps {
  public:
@@ -101,4 +104,4 @@ std::unique_ptr<DeviceOps> make_cuda_device_ops(int device) {
   return std::make_unique<CudaDeviceOps>(device);
 }
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

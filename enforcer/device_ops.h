@@ -7,11 +7,10 @@
 #include <memory>
 #include <string>
 
-#include "allocator/backend.h"
-#include "allocator/error.h"
+#include "enforcer/allocator_names.h"
 #include "kernels/fp8_block.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 
 // See file comment. Thread safe. Failures return a status and set last_error().
 class DeviceOps {
@@ -57,4 +56,4 @@ std::unique_ptr<DeviceOps> make_host_device_ops();
 std::unique_ptr<DeviceOps> make_cuda_device_ops(int device);
 #endif
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

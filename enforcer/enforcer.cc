@@ -5,7 +5,7 @@
 
 #include "kernels/fp8_cast.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 namespace {
 
 std::string tensor_name(std::uint64_t h) { return "tensor " + std::to_string(h); }
@@ -102,13 +102,15 @@ Status Enforcer::fail(Status s, const std::string& message) {
   return s;
 }
 
-TrackedTensor* Enforcer::get(std::uint64_t handle, const char* fn, Status* st) {
+template <typename Body>
+Status Enforcer::with_tensor(std::uint64_t handle, const char* fn, Body&& body) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
   TrackedTensor* t = tracker_.find(handle);
   if (t == nullptr) {
-    *st = fail(Status::kUnknownHandle,
-               std::string(fn) + ": unknown tensor handle " + std::to_string(handle));
+    return fail(Status::kUnknownHandle,
+                std::string(fn) + ": unknown tensor handle " + std::to_string(handle));
   }
-  return t;
+  return body(*t);
 }
 
 // ---- tracker ------------------------------------------------------------------------------
@@ -134,18 +136,16 @@ Status Enforcer::register_tensor(const TensorDesc& desc, std::uint64_t* handle) 
 }
 
 Status Enforcer::add_consumer(std::uint64_t handle, int consumer_op) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "add_consumer", &st);
-  if (t == nullptr) return st;
-  for (const auto& c : t->consumers) {
-    if (c.op == consumer_op) {
-      return fail(Status::kDuplicate, "add_consumer: operator " + std::to_string(consumer_op) +
-                                          " already consumes " + tensor_name(handle));
+  return with_tensor(handle, "add_consumer", [&](TrackedTensor& t) {
+    for (const auto& c : t.consumers) {
+      if (c.op == consumer_op) {
+        return fail(Status::kDuplicate, "add_consumer: operator " + std::to_string(consumer_op) +
+                                            " already consumes " + tensor_name(handle));
+      }
     }
-  }
-  t->consumers.push_back({consumer_op, false});
-  return Status::kOk;
+    t.consumers.push_back({consumer_op, false});
+    return Status::kOk;
+  });
 }
 
 Status Enforcer::lookup(const void* ptr, std::uint64_t* handle) {
@@ -161,38 +161,34 @@ Status Enforcer::lookup(const void* ptr, std::uint64_t* handle) {
 }
 
 Status Enforcer::info(std::uint64_t handle, bgl_enf_tensor_info* out) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "query", &st);
-  if (t == nullptr) return st;
-  *out = bgl_enf_tensor_info{};
-  out->placement = static_cast<int>(t->placement);
-  out->applied = static_cast<int>(t->applied);
-  out->planned = static_cast<int>(t->planned);
-  out->pending =
-      (t->has_offload && !ops_->query(t->offload_done)) || (t->has_ready && !ops_->query(t->ready));
-  out->num_consumers = static_cast<int>(t->consumers.size());
-  out->num_released = static_cast<int>(t->num_released());
-  out->bytes = t->desc.bytes;
-  out->device_ptr = t->ptr;
-  out->host_ptr = t->host;
-  out->fp8_ptr = t->fp8;
-  out->fp8_bytes = t->fp8_bytes;
-  out->need_order = t->need_order;
-  return Status::kOk;
+  return with_tensor(handle, "query", [&](TrackedTensor& t) {
+    *out = bgl_enf_tensor_info{};
+    out->placement = static_cast<int>(t.placement);
+    out->applied = static_cast<int>(t.applied);
+    out->planned = static_cast<int>(t.planned);
+    out->pending =
+        (t.has_offload && !ops_->query(t.offload_done)) || (t.has_ready && !ops_->query(t.ready));
+    out->num_consumers = static_cast<int>(t.consumers.size());
+    out->num_released = static_cast<int>(t.num_released());
+    out->bytes = t.desc.bytes;
+    out->device_ptr = t.ptr;
+    out->host_ptr = t.host;
+    out->fp8_ptr = t.fp8;
+    out->fp8_bytes = t.fp8_bytes;
+    out->need_order = t.need_order;
+    return Status::kOk;
+  });
 }
 
 Status Enforcer::unregister(std::uint64_t handle) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "unregister", &st);
-  if (t == nullptr) return st;
-  if (t->busy != 0)
-    return fail(Status::kInvalidState, "unregister: " + tensor_name(handle) + " is busy");
-  if (t->has_offload) ops_->wait(t->offload_done);
-  if (t->has_ready) ops_->wait(t->ready);
-  retire_locked(*t, t->alloc_stream);
-  return Status::kOk;
+  return with_tensor(handle, "unregister", [&](TrackedTensor& t) {
+    if (t.busy != 0)
+      return fail(Status::kInvalidState, "unregister: " + tensor_name(handle) + " is busy");
+    if (t.has_offload) ops_->wait(t.offload_done);
+    if (t.has_ready) ops_->wait(t.ready);
+    retire_locked(t, t.alloc_stream);
+    return Status::kOk;
+  });
 }
 
 std::size_t Enforcer::fp8_data_bytes(const TrackedTensor& t) const {
@@ -222,27 +218,23 @@ Status Enforcer::movable(int micro_batch, Strategy s, std::size_t* bytes, std::s
 }
 
 Status Enforcer::set_need_order(std::uint64_t handle, std::int64_t order) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "set_need_order", &st);
-  if (t == nullptr) return st;
-  t->need_order = order;
-  return Status::kOk;
+  return with_tensor(handle, "set_need_order", [&](TrackedTensor& t) {
+    t.need_order = order;
+    return Status::kOk;
+  });
 }
 
 Status Enforcer::set_graph_index(std::uint64_t handle, int producer_op, int graph_tensor) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "set_graph_index", &st);
-  if (t == nullptr) return st;
-  if (producer_op < -1 || graph_tensor < -1) {
-    return fail(Status::kInvalidArgument,
-                "set_graph_index: indices must be -1 (unknown) or more, not producer " +
-                    std::to_string(producer_op) + ", tensor " + std::to_string(graph_tensor));
-  }
-  t->desc.producer_op = producer_op;
-  t->desc.graph_tensor = graph_tensor;
-  return Status::kOk;
+  return with_tensor(handle, "set_graph_index", [&](TrackedTensor& t) {
+    if (producer_op < -1 || graph_tensor < -1) {
+      return fail(Status::kInvalidArgument,
+                  "set_graph_index: indices must be -1 (unknown) or more, not producer " +
+                      std::to_string(producer_op) + ", tensor " + std::to_string(graph_tensor));
+    }
+    t.desc.producer_op = producer_op;
+    t.desc.graph_tensor = graph_tensor;
+    return Status::kOk;
+  });
 }
 
 // ---- enforcement ------------------------------------------------------------------------------
@@ -259,53 +251,49 @@ std::string UnknownStrategy(const char* call, Strategy s) {
 }  // namespace
 
 Status Enforcer::set_strategy(std::uint64_t handle, Strategy s) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "set_strategy", &st);
-  if (t == nullptr) return st;
-  if (!KnownStrategy(s)) return fail(Status::kInvalidArgument, UnknownStrategy("set_strategy", s));
-  t->planned = s;
-  return Status::kOk;
+  return with_tensor(handle, "set_strategy", [&](TrackedTensor& t) {
+    if (!KnownStrategy(s))
+      return fail(Status::kInvalidArgument, UnknownStrategy("set_strategy", s));
+    t.planned = s;
+    return Status::kOk;
+  });
 }
 
 Status Enforcer::apply(std::uint64_t handle, Strategy s) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "apply", &st);
-  if (t == nullptr) return st;
-  if (!KnownStrategy(s)) return fail(Status::kInvalidArgument, UnknownStrategy("apply", s));
-  if (t->applied == s) return Status::kOk;  // already moved by this strategy: moved once
-  if (t->applied != Strategy::kKeep) {
-    return fail(Status::kConflict, "apply: " + tensor_name(handle) + " was already moved by " +
-                                       strategy_name(t->applied) + "; the plan now asks " +
-                                       strategy_name(s));
-  }
-  switch (s) {
-    case Strategy::kKeep:
-      return Status::kOk;
-    case Strategy::kOffload:
-      return offload_locked(*t);
-    case Strategy::kFp8:
-      return fp8_locked(*t);
-    case Strategy::kRecompute:
-      return drop_locked(*t);
-  }
-  return Status::kInvalidArgument;
+  return with_tensor(handle, "apply", [&](TrackedTensor& t) {
+    if (!KnownStrategy(s)) return fail(Status::kInvalidArgument, UnknownStrategy("apply", s));
+    if (t.applied == s) return Status::kOk;  // already moved by this strategy: moved once
+    if (t.applied != Strategy::kKeep) {
+      return fail(Status::kConflict, "apply: " + tensor_name(handle) + " was already moved by " +
+                                         strategy_name(t.applied) + "; the plan now asks " +
+                                         strategy_name(s));
+    }
+    switch (s) {
+      case Strategy::kKeep:
+        return Status::kOk;
+      case Strategy::kOffload:
+        return offload_locked(t);
+      case Strategy::kFp8:
+        return fp8_locked(t);
+      case Strategy::kRecompute:
+        return drop_locked(t);
+    }
+    return Status::kInvalidArgument;
+  });
 }
 
-#define BGL_ENF_OP(fn, body)                         \
-  Status Enforcer::fn(std::uint64_t handle) {        \
-    std::lock_guard<std::recursive_mutex> lock(mu_); \
-    Status st;                                       \
-    TrackedTensor* t = get(handle, #fn, &st);        \
-    if (t == nullptr) return st;                     \
-    return body;                                     \
-  }
-BGL_ENF_OP(offload, offload_locked(*t))
-BGL_ENF_OP(reload, reload_locked(*t))
-BGL_ENF_OP(store_fp8, fp8_locked(*t))
-BGL_ENF_OP(drop, drop_locked(*t))
-#undef BGL_ENF_OP
+Status Enforcer::offload(std::uint64_t handle) {
+  return with_tensor(handle, "offload", [&](TrackedTensor& t) { return offload_locked(t); });
+}
+Status Enforcer::reload(std::uint64_t handle) {
+  return with_tensor(handle, "reload", [&](TrackedTensor& t) { return reload_locked(t); });
+}
+Status Enforcer::store_fp8(std::uint64_t handle) {
+  return with_tensor(handle, "store_fp8", [&](TrackedTensor& t) { return fp8_locked(t); });
+}
+Status Enforcer::drop(std::uint64_t handle) {
+  return with_tensor(handle, "drop", [&](TrackedTensor& t) { return drop_locked(t); });
+}
 
 void Enforcer::set_recompute(RecomputeFn fn) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
@@ -515,72 +503,69 @@ Status Enforcer::recompute_locked(TrackedTensor& t, Stream s) {
 // ---- consumers --------------------------------------------------------------------------------
 
 Status Enforcer::acquire(std::uint64_t handle, int consumer_op, Stream stream, void** ptr) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "acquire", &st);
-  if (t == nullptr) return st;
-  Consumer* c = nullptr;
-  if (consumer_op != -1) {
-    for (auto& x : t->consumers) c = x.op == consumer_op ? &x : c;
-    if (c == nullptr) {
-      return fail(Status::kInvalidArgument, "acquire: operator " + std::to_string(consumer_op) +
-                                                " is not a consumer of " + tensor_name(handle));
+  return with_tensor(handle, "acquire", [&](TrackedTensor& t) {
+    Status st = Status::kOk;
+    Consumer* c = nullptr;
+    if (consumer_op != -1) {
+      for (auto& x : t.consumers) c = x.op == consumer_op ? &x : c;
+      if (c == nullptr) {
+        return fail(Status::kInvalidArgument, "acquire: operator " + std::to_string(consumer_op) +
+                                                  " is not a consumer of " + tensor_name(handle));
+      }
+      if (c->released) {
+        return fail(Status::kInvalidState, "acquire: operator " + std::to_string(consumer_op) +
+                                               " already released " + tensor_name(handle));
+      }
     }
-    if (c->released) {
-      return fail(Status::kInvalidState, "acquire: operator " + std::to_string(consumer_op) +
-                                             " already released " + tensor_name(handle));
+    switch (t.placement) {
+      case Placement::kHost:
+        st = reload_locked(t);
+        break;
+      case Placement::kFp8:
+        st = uncast_locked(t, stream);
+        break;
+      case Placement::kDropped:
+        st = recompute_locked(t, stream);
+        break;
+      case Placement::kDevice:
+        st = Status::kOk;
+        break;
     }
-  }
-  switch (t->placement) {
-    case Placement::kHost:
-      st = reload_locked(*t);
-      break;
-    case Placement::kFp8:
-      st = uncast_locked(*t, stream);
-      break;
-    case Placement::kDropped:
-      st = recompute_locked(*t, stream);
-      break;
-    case Placement::kDevice:
-      st = Status::kOk;
-      break;
-  }
-  if (st != Status::kOk) return st;
-  if (t->has_ready) ops_->stream_wait(stream, t->ready);
-  ++t->acquired;
-  if (t->reload_unused) {  // the first consumer takes the reload: the pinned copy goes
-    pinned_->free_after(t->host, ops_->record(options_.h2d));
-    t->host = nullptr;
-    t->reload_unused = false;
-  }
-  *ptr = t->ptr;
-  return Status::kOk;
+    if (st != Status::kOk) return st;
+    if (t.has_ready) ops_->stream_wait(stream, t.ready);
+    ++t.acquired;
+    if (t.reload_unused) {  // the first consumer takes the reload: the pinned copy goes
+      pinned_->free_after(t.host, ops_->record(options_.h2d));
+      t.host = nullptr;
+      t.reload_unused = false;
+    }
+    *ptr = t.ptr;
+    return Status::kOk;
+  });
 }
 
 Status Enforcer::release(std::uint64_t handle, int consumer_op, Stream stream) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "release", &st);
-  if (t == nullptr) return st;
-  if (consumer_op != -1) {
-    Consumer* c = nullptr;
-    for (auto& x : t->consumers) c = x.op == consumer_op ? &x : c;
-    if (c == nullptr) {
-      return fail(Status::kInvalidArgument, "release: operator " + std::to_string(consumer_op) +
-                                                " is not a consumer of " + tensor_name(handle));
+  return with_tensor(handle, "release", [&](TrackedTensor& t) {
+    if (consumer_op != -1) {
+      Consumer* c = nullptr;
+      for (auto& x : t.consumers) c = x.op == consumer_op ? &x : c;
+      if (c == nullptr) {
+        return fail(Status::kInvalidArgument, "release: operator " + std::to_string(consumer_op) +
+                                                  " is not a consumer of " + tensor_name(handle));
+      }
+      if (c->released) {
+        return fail(Status::kInvalidState, "release: operator " + std::to_string(consumer_op) +
+                                               " already released " + tensor_name(handle));
+      }
+      c->released = true;
     }
-    if (c->released) {
-      return fail(Status::kInvalidState, "release: operator " + std::to_string(consumer_op) +
-                                             " already released " + tensor_name(handle));
+    if (t.acquired > 0) --t.acquired;
+    if (t.ptr != nullptr && t.owned && stream != t.alloc_stream) {
+      pool_->record_stream(t.ptr, stream);  // its memory is reused only after this consumer
     }
-    c->released = true;
-  }
-  if (t->acquired > 0) --t->acquired;
-  if (t->ptr != nullptr && t->owned && stream != t->alloc_stream) {
-    pool_->record_stream(t->ptr, stream);  // its memory is reused only after this consumer
-  }
-  if (t->num_released() == t->consumers.size()) retire_locked(*t, stream);
-  return Status::kOk;
+    if (t.num_released() == t.consumers.size()) retire_locked(t, stream);
+    return Status::kOk;
+  });
 }
 
 void Enforcer::retire_locked(TrackedTensor& t, Stream s) {
@@ -594,14 +579,12 @@ void Enforcer::retire_locked(TrackedTensor& t, Stream s) {
 }
 
 Status Enforcer::wait_tensor(std::uint64_t handle) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  Status st;
-  TrackedTensor* t = get(handle, "wait_tensor", &st);
-  if (t == nullptr) return st;
-  if (t->has_offload) ops_->wait(t->offload_done);
-  if (t->has_ready) ops_->wait(t->ready);
-  if (t->placement == Placement::kFp8) ops_->synchronize(t->desc.stream);
-  return Status::kOk;
+  return with_tensor(handle, "wait_tensor", [&](TrackedTensor& t) {
+    if (t.has_offload) ops_->wait(t.offload_done);
+    if (t.has_ready) ops_->wait(t.ready);
+    if (t.placement == Placement::kFp8) ops_->synchronize(t.desc.stream);
+    return Status::kOk;
+  });
 }
 
 Status Enforcer::synchronize() {
@@ -829,7 +812,7 @@ Status Enforcer::evict(std::size_t needed, std::size_t* freed) {
     got += pool_->round_size(t->desc.bytes);
     unreload_locked(*t);
   }
-  clear_last_error();
+  alloc::clear_last_error();
   if (freed != nullptr) *freed = got;
   return Status::kOk;
 }
@@ -867,4 +850,4 @@ EnforcerStats Enforcer::stats() {
   return s;
 }
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

@@ -12,14 +12,13 @@
 #include <string>
 #include <vector>
 
-#include "allocator/pool.h"
 #include "bgl/enforce.h"
 #include "enforcer/device_ops.h"
 #include "enforcer/pinned_pool.h"
 #include "enforcer/stream_scheduler.h"
 #include "enforcer/tracker.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 
 // Options (defaults as documented in bgl/enforce.h).
 struct EnforcerOptions {
@@ -106,7 +105,10 @@ class Enforcer final : private WorkIssuer {
   Enforcer(Pool* pool, std::unique_ptr<DeviceOps> ops, const EnforcerOptions& options);
 
   Status fail(Status s, const std::string& message);
-  TrackedTensor* get(std::uint64_t handle, const char* fn, Status* st);
+  // Under the lock, `body(TrackedTensor&)` on the tensor behind `handle`, or kUnknownHandle with
+  // an error naming `fn` when there is none: the prologue of every per-tensor call.
+  template <typename Body>
+  Status with_tensor(std::uint64_t handle, const char* fn, Body&& body);
   Status offload_locked(TrackedTensor& t);
   Status reload_locked(TrackedTensor& t);
   Status fp8_locked(TrackedTensor& t);
@@ -143,4 +145,4 @@ class Enforcer final : private WorkIssuer {
   EnforcerStats stats_{};
 };
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

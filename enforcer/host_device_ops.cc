@@ -8,8 +8,10 @@
 #include "enforcer/device_ops.h"
 #include "kernels/fp8_cast.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 namespace {
+
+using alloc::HostStream;
 
 constexpr std::size_t kHostPage = 4096;
 
@@ -108,4 +110,4 @@ std::unique_ptr<DeviceOps> make_device_ops(const std::string& backend_name, int 
   return nullptr;
 }
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

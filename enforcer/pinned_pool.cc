@@ -2,7 +2,9 @@
 
 #include <bit>
 
-namespace bgl::alloc {
+namespace bgl::enf {
+
+using alloc::format_bytes;
 
 PinnedPool::PinnedPool(DeviceOps* ops, std::size_t capacity) : ops_(ops) {
   stats_.capacity = capacity;
@@ -136,4 +138,4 @@ PinnedStats PinnedPool::stats() const {
   return stats_;
 }
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

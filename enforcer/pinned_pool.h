@@ -12,7 +12,7 @@
 
 #include "enforcer/device_ops.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 
 // Counters of a PinnedPool (bytes are rounded block sizes).
 struct PinnedStats {
@@ -62,4 +62,4 @@ class PinnedPool {
   PinnedStats stats_;
 };
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

@@ -4,7 +4,7 @@
 #include <array>
 #include <limits>
 
-namespace bgl::alloc {
+namespace bgl::enf {
 
 StreamScheduler::StreamScheduler(WorkIssuer* issuer, int max_inflight)
     : issuer_(issuer), max_inflight_(max_inflight < 1 ? 1 : max_inflight) {}
@@ -126,4 +126,4 @@ Status StreamScheduler::finish(std::string* error) {
   return first;
 }
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

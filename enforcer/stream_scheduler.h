@@ -9,11 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "allocator/backend.h"
-#include "allocator/error.h"
+#include "enforcer/allocator_names.h"
 #include "governor/planner/dual_batch.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 
 // Carries out one O/R piece (queues its copies/casts) and reports when it completed.
 class WorkIssuer {
@@ -66,4 +65,4 @@ class StreamScheduler {
   std::size_t max_seen_ = 0;
 };
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

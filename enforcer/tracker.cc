@@ -2,7 +2,7 @@
 
 #include <cstdio>
 
-namespace bgl::alloc {
+namespace bgl::enf {
 
 const char* placement_name(Placement p) {
   switch (p) {
@@ -14,6 +14,20 @@ const char* placement_name(Placement p) {
       return "fp8";
     case Placement::kDropped:
       return "dropped";
+  }
+  return "?";
+}
+
+const char* elem_type_name(ElemType t) {
+  switch (t) {
+    case ElemType::kF32:
+      return "f32";
+    case ElemType::kF16:
+      return "f16";
+    case ElemType::kBF16:
+      return "bf16";
+    case ElemType::kBytes:
+      return "bytes";
   }
   return "?";
 }
@@ -71,4 +85,4 @@ void ActivationTracker::remove(std::uint64_t handle) {
   tensors_.erase(it);
 }
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

@@ -10,11 +10,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "allocator/backend.h"
-#include "allocator/error.h"
+#include "enforcer/allocator_names.h"
 #include "governor/planner/assignment.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 
 // Where a tracked tensor's data is (values match bgl_placement).
 enum class Placement : std::uint8_t { kDevice = 0, kHost = 1, kFp8 = 2, kDropped = 3 };
@@ -24,6 +23,8 @@ using Strategy = plan::Strategy;
 enum class ElemType : std::uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kBytes = 3 };
 
 const char* placement_name(Placement p);
+// The C ABI's name of an element type ("f32", "f16", "bf16", "bytes").
+const char* elem_type_name(ElemType t);
 inline const char* strategy_name(Strategy s) { return plan::StrategyName(s); }
 
 // What the integration tells about a saved activation.
@@ -67,8 +68,8 @@ struct TrackedTensor {
   // FP8 copy: n e4m3 bytes, padding to 16, then the scales.
   void* fp8 = nullptr;
   std::size_t fp8_bytes = 0;
-  int busy = 0;      // an operation on it is under way (eviction must skip it)
-  int acquired = 0;  // consumers holding the device pointer
+  int busy = 0;                // an operation on it is under way (eviction must skip it)
+  int acquired = 0;            // consumers holding the device pointer
   bool reload_unused = false;  // reloaded, and no consumer acquired it yet (prefetch counts it)
   std::size_t num_released() const;
 };
@@ -94,4 +95,4 @@ class ActivationTracker {
   std::uint64_t next_ = 1;
 };
 
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

@@ -12,8 +12,13 @@
 #include "enforcer/enforcer.h"
 #include "kernels/fp8_cast.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 namespace {
+
+using alloc::HostBackend;
+using alloc::HostBackendOptions;
+using alloc::HostStream;
+using alloc::PoolOptions;
 
 struct Rig {
   Rig() {
@@ -156,6 +161,6 @@ void BM_ScheduleOrder(benchmark::State& state) {
 BENCHMARK(BM_ScheduleOrder);
 
 }  // namespace
-}  // namespace bgl::alloc
+}  // namespace bgl::enf
 
 BENCHMARK_MAIN();

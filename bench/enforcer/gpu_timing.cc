@@ -18,8 +18,11 @@
 #include "enforcer/enforcer.h"
 #include "kernels/fp8_cast.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 namespace {
+
+using alloc::Config;
+using alloc::make_backend;
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -210,7 +213,7 @@ int run(const char* calibration_out) {
 }
 
 }  // namespace
-}  // namespace bgl::alloc
+}  // namespace bgl::enf
 
 int main(int argc, char** argv) {
   const char* calibration_out = nullptr;
@@ -222,5 +225,5 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  return bgl::alloc::run(calibration_out);
+  return bgl::enf::run(calibration_out);
 }

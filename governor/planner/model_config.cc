@@ -142,37 +142,20 @@ class FieldReader {
       : doc_(doc), source_(std::move(source)) {}
 
   Status Int(const char* key, int64_t& out, bool required) {
-    used_[key] = true;
-    if (!doc_.contains(key)) return required ? Missing(key) : OkStatus();
-    const auto& v = doc_[key];
-    if (!v.is_number_integer()) return Wrong(key, "an integer", v);
-    out = v.get<int64_t>();
-    return OkStatus();
+    return Field(key, out, required, "an integer", &nlohmann::json::is_number_integer);
   }
   Status Double(const char* key, double& out) {
-    used_[key] = true;
-    if (!doc_.contains(key)) return OkStatus();
-    const auto& v = doc_[key];
-    if (!v.is_number()) return Wrong(key, "a number", v);
-    out = v.get<double>();
-    if (out < 0) return InvalidArgument(Where(key) + " must be non-negative, got " + v.dump());
+    BGL_RETURN_IF_ERROR(Field(key, out, false, "a number", &nlohmann::json::is_number));
+    if (out < 0 && doc_.contains(key)) {
+      return InvalidArgument(Where(key) + " must be non-negative, got " + doc_[key].dump());
+    }
     return OkStatus();
   }
   Status Bool(const char* key, bool& out) {
-    used_[key] = true;
-    if (!doc_.contains(key)) return OkStatus();
-    const auto& v = doc_[key];
-    if (!v.is_boolean()) return Wrong(key, "true or false", v);
-    out = v.get<bool>();
-    return OkStatus();
+    return Field(key, out, false, "true or false", &nlohmann::json::is_boolean);
   }
   Status String(const char* key, std::string& out, bool required) {
-    used_[key] = true;
-    if (!doc_.contains(key)) return required ? Missing(key) : OkStatus();
-    const auto& v = doc_[key];
-    if (!v.is_string()) return Wrong(key, "a string", v);
-    out = v.get<std::string>();
-    return OkStatus();
+    return Field(key, out, required, "a string", &nlohmann::json::is_string);
   }
   void Allow(const char* key) { used_[key] = true; }
   Status RejectUnknown() const {
@@ -184,6 +167,17 @@ class FieldReader {
   std::string Where(const char* key) const { return source_ + ": field '" + key + "'"; }
 
  private:
+  // Reads `key` into `out` when present (`required`: an error when absent); `is` checks the
+  // value's JSON type, `want` names that type in the error.
+  template <typename T, typename Is>
+  Status Field(const char* key, T& out, bool required, const char* want, Is is) {
+    used_[key] = true;
+    if (!doc_.contains(key)) return required ? Missing(key) : OkStatus();
+    const auto& v = doc_[key];
+    if (!(v.*is)()) return Wrong(key, want, v);
+    out = v.template get<T>();
+    return OkStatus();
+  }
   Status Missing(const char* key) const {
     return InvalidArgument(source_ + ": missing field '" + key + "'");
   }

@@ -24,7 +24,8 @@ extern "C" {
 #define BGL_ALLOC_API
 #endif
 
-/* Result codes. */
+/* Result codes: the one status vocabulary of the project's C ABIs (bgl/alloc.h, bgl/enforce.h).
+ * Values are stable; bgl_status_name gives each one's name. */
 typedef enum bgl_status {
   BGL_OK = 0,
   BGL_ERR_INVALID_ARGUMENT = 1,
@@ -36,7 +37,15 @@ typedef enum bgl_status {
   BGL_ERR_BACKEND = 7,
   BGL_ERR_NOT_INITIALIZED = 8,
   BGL_ERR_BUFFER_TOO_SMALL = 9,
-  BGL_ERR_ALREADY_INITIALIZED = 10
+  BGL_ERR_ALREADY_INITIALIZED = 10,
+  /* Returned by the enforcer (bgl/enforce.h). */
+  BGL_ERR_UNKNOWN_HANDLE = 11,   /* no live tensor (or enforcer) with that handle */
+  BGL_ERR_DUPLICATE = 12,        /* already registered (tensor pointer, consumer) */
+  BGL_ERR_INVALID_STATE = 13,    /* e.g. reload of a tensor that was never offloaded */
+  BGL_ERR_CONFLICT = 14,         /* the tensor was already moved under another strategy */
+  BGL_ERR_PINNED_EXHAUSTED = 15, /* the pinned host pool has no room for the copy */
+  BGL_ERR_CALLBACK = 16,         /* the recompute callback failed or is missing */
+  BGL_ERR_INTERNAL = 17          /* an unexpected failure inside the library; see the message */
 } bgl_status;
 
 /* Pluggable-allocator pair, signatures as PyTorch casts them. Null on failure. `size` in
@@ -93,6 +102,21 @@ typedef void (*bgl_segment_fn)(int device, void* addr, size_t bytes, int mapped,
 BGL_ALLOC_API int bgl_alloc_add_segment_hook(int device, bgl_segment_fn fn, void* user,
                                              int* handle);
 BGL_ALLOC_API int bgl_alloc_remove_segment_hook(int device, int handle);
+
+/* The name of a bgl_status value, lower case without the prefix ("ok", "out_of_memory",
+ * "pinned_exhausted"); null for a value that is none. */
+BGL_ALLOC_API const char* bgl_status_name(int status);
+/* The value of a bgl_status name as bgl_status_name spells it (BGL_ERR_INVALID_ARGUMENT for an
+ * unknown one, *value unchanged). */
+BGL_ALLOC_API int bgl_status_value(const char* name, int* value);
+
+/* Parses a byte size as every part of the project reads one (flags, YAML, BGL_ALLOC_CONF, model
+ * files): a bare number or "B" is bytes, KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers
+ * of 1000 (any case), fractions are rounded to whole bytes ("1.5GiB"); a bare K/M/G/T is refused
+ * as ambiguous. `what` (may be null) names the value in the error message. On failure returns
+ * BGL_ERR_INVALID_ARGUMENT, leaves *bytes unchanged, and bgl_alloc_last_error() says why, e.g.
+ * "capacity: '8G' is ambiguous: write 8GiB (2^30 bytes each) or 8GB (10^9)". */
+BGL_ALLOC_API int bgl_parse_bytes(const char* text, const char* what, int64_t* bytes);
 
 /* The calling thread's last error message ("" when none). Valid until the next call. */
 BGL_ALLOC_API const char* bgl_alloc_last_error(void);

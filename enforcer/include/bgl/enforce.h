@@ -9,9 +9,10 @@
  * allocation that would fail first offloads the tracked activations needed last.
  *
  * Conventions
- *  - Every function returns a bgl_status (bgl/alloc.h); on failure the calling thread's message
- *    is available from bgl_enf_last_error() (same text as bgl_alloc_last_error()) and the
- *    enforcer's state is unchanged.
+ *  - Every function returns a bgl_status (bgl/alloc.h: one status enum for both libraries); on
+ *    failure the calling thread's message is available from bgl_enf_last_error() (same text as
+ *    bgl_alloc_last_error()) and the enforcer's state is unchanged. A C++ exception never crosses
+ *    the ABI: it becomes BGL_ERR_OUT_OF_MEMORY (host memory) or BGL_ERR_INTERNAL, with its text.
  *  - Pointers are device pointers (host-backend pointers without a GPU); sizes are bytes.
  *  - Streams are cudaStream_t on CUDA backends and host-stream handles (bgl_enf_stream_create)
  *    on the host backend, passed as void*. A null stream is the legacy default stream (CUDA) or
@@ -65,14 +66,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* Status codes added to bgl_status by the enforcer (values continue bgl/alloc.h's). */
-#define BGL_ERR_UNKNOWN_HANDLE 11   /* no live tensor (or enforcer) with that handle */
-#define BGL_ERR_DUPLICATE 12        /* already registered (tensor pointer, consumer) */
-#define BGL_ERR_INVALID_STATE 13    /* e.g. reload of a tensor that was never offloaded */
-#define BGL_ERR_CONFLICT 14         /* the tensor was already moved under another strategy */
-#define BGL_ERR_PINNED_EXHAUSTED 15 /* the pinned host pool has no room for the copy */
-#define BGL_ERR_CALLBACK 16         /* the recompute callback failed or is missing */
 
 /* Element types (FP8 storage accepts F32, F16, BF16; BYTES can be offloaded or dropped only). */
 typedef enum bgl_dtype {
@@ -228,10 +221,18 @@ BGL_ALLOC_API int bgl_enf_set_need_order(bgl_enforcer* enf, uint64_t handle, int
  * known gets them here. */
 BGL_ALLOC_API int bgl_enf_set_graph_index(bgl_enforcer* enf, uint64_t handle, int producer_op,
                                           int graph_tensor);
-/* The number of the planner's name of a "strategy" (keep, recompute, offload, fp8), "chain"
- * (F, B, O, R) or "resource" (compute, comm, d2h, h2d): the planner's names are the one
- * vocabulary of integrations (BGL_ERR_INVALID_ARGUMENT for an unknown one). */
+/* The vocabulary of this ABI by name, so that integrations retype no number: the value of `name`
+ * in `kind`, and the name of a value. The kinds, with their names in value order (0, 1, ...):
+ *   "strategy"  keep, recompute, offload, fp8 (bgl_strategy; the planner's names)
+ *   "chain"     F, B, O, R (bgl_chain; the planner's names)
+ *   "resource"  compute, comm, d2h, h2d (bgl_resource; the planner's names)
+ *   "placement" device, host, fp8, dropped (bgl_placement)
+ *   "dtype"     f32, f16, bf16, bytes (bgl_dtype)
+ *   "status"    ok, invalid_argument, ..., internal (bgl_status; as bgl_status_name spells them)
+ * BGL_ERR_INVALID_ARGUMENT for an unknown kind, name or value (the output is left unchanged). The
+ * returned name is a static string. */
 BGL_ALLOC_API int bgl_enf_enum_value(const char* kind, const char* name, int* value);
+BGL_ALLOC_API int bgl_enf_enum_name(const char* kind, int value, const char** name);
 
 /* --- enforcement ----------------------------------------------------------------------------- */
 /* Records the plan's strategy for a tensor; the stream scheduler applies OFFLOAD (and the

@@ -134,4 +134,40 @@ TEST(CApiTest, PluggablePairStatsSnapshotAndCallbacks) {
   EXPECT_EQ(bgl_alloc_configure("backend:host,log:false"), BGL_OK);  // nothing live now
 }
 
+TEST(CApiTest, ParseBytesIsTheOneSizeRule) {
+  int64_t bytes = -1;
+  ASSERT_EQ(bgl_parse_bytes("1.5GiB", "capacity", &bytes), BGL_OK);
+  EXPECT_EQ(bytes, int64_t{3} << 29);
+  ASSERT_EQ(bgl_parse_bytes("80GB", nullptr, &bytes), BGL_OK);
+  EXPECT_EQ(bytes, int64_t{80'000'000'000});
+  bytes = 7;
+  EXPECT_EQ(bgl_parse_bytes("8G", "capacity", &bytes), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bytes, 7);  // unchanged on failure
+  EXPECT_NE(std::string(bgl_alloc_last_error())
+                .find("capacity: '8G' is ambiguous: write 8GiB (2^30 bytes each) or 8GB (10^9)"),
+            std::string::npos)
+      << bgl_alloc_last_error();
+  EXPECT_EQ(bgl_parse_bytes("lots", nullptr, &bytes), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(bgl_alloc_last_error()).find("size: 'lots' is not a size"),
+            std::string::npos);
+  EXPECT_EQ(bgl_parse_bytes(nullptr, nullptr, &bytes), BGL_ERR_INVALID_ARGUMENT);
+}
+
+TEST(CApiTest, StatusNamesRoundTrip) {
+  for (int s = BGL_OK; s <= BGL_ERR_INTERNAL; ++s) {
+    const char* name = bgl_status_name(s);
+    ASSERT_NE(name, nullptr) << s;
+    int value = -1;
+    ASSERT_EQ(bgl_status_value(name, &value), BGL_OK) << name;
+    EXPECT_EQ(value, s);
+  }
+  EXPECT_STREQ(bgl_status_name(BGL_ERR_BUFFER_TOO_SMALL), "buffer_too_small");
+  EXPECT_STREQ(bgl_status_name(BGL_ERR_PINNED_EXHAUSTED), "pinned_exhausted");
+  EXPECT_EQ(bgl_status_name(BGL_ERR_INTERNAL + 1), nullptr);
+  EXPECT_EQ(bgl_status_name(-1), nullptr);
+  int value = 3;
+  EXPECT_EQ(bgl_status_value("no_such_status", &value), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(value, 3);
+}
+
 }  // namespace

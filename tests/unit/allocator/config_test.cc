@@ -31,20 +31,22 @@ TEST(ConfigTest, ParsesEveryKey) {
   ASSERT_TRUE(parse_config("", &c, &err));
 }
 
-TEST(ConfigTest, Sizes) {
-  std::size_t n = 0;
-  EXPECT_TRUE(parse_size("4096", &n));
-  EXPECT_EQ(n, 4096u);
-  EXPECT_TRUE(parse_size("1.5GiB", &n));
-  EXPECT_EQ(n, std::size_t{3} << 29);
-  EXPECT_TRUE(parse_size("2GB", &n));
-  EXPECT_EQ(n, 2000000000u);
-  EXPECT_TRUE(parse_size("512M", &n));
-  EXPECT_EQ(n, std::size_t{512} << 20);
-  EXPECT_FALSE(parse_size("12XB", &n));
-  EXPECT_FALSE(parse_size("", &n));
-  EXPECT_FALSE(parse_size("-1", &n));
-  EXPECT_FALSE(parse_size("99999999999TiB", &n));
+TEST(ConfigTest, SizesFollowTheOneRule) {
+  Config c;
+  std::string err;
+  ASSERT_TRUE(parse_config("capacity:1.5GiB,limit:2GB,small_max:4096", &c, &err)) << err;
+  EXPECT_EQ(c.capacity, std::size_t{3} << 29);
+  EXPECT_EQ(c.pool.limit_bytes, 2000000000u);
+  EXPECT_EQ(c.pool.small_max, 4096u);
+  // A bare K/M/G/T is refused (binary or decimal?), the message names the key and both spellings.
+  EXPECT_FALSE(parse_config("capacity:512M", &c, &err));
+  EXPECT_NE(
+      err.find("key 'capacity': '512M' is ambiguous: write 512MiB (2^20 bytes each) or 512MB"),
+      std::string::npos)
+      << err;
+  EXPECT_FALSE(parse_config("capacity:12XB", &c, &err));
+  EXPECT_FALSE(parse_config("capacity:-1", &c, &err));
+  EXPECT_FALSE(parse_config("capacity:99999999999TiB", &c, &err));
 }
 
 TEST(ConfigTest, ErrorsNameKeyAndValue) {

@@ -98,6 +98,47 @@ TEST_F(EnforceCApi, EnumValuesAreThePlannersNames) {
   EXPECT_EQ(v, 7);  // unchanged on failure
 }
 
+TEST_F(EnforceCApi, EveryNameOfTheVocabularyRoundTrips) {
+  const struct {
+    const char* kind;
+    int count;
+  } kinds[] = {{"strategy", BGL_STRATEGY_FP8 + 1}, {"chain", BGL_CHAIN_RECOVER + 1},
+               {"resource", BGL_RES_H2D + 1},      {"placement", BGL_PLACE_DROPPED + 1},
+               {"dtype", BGL_DTYPE_BYTES + 1},     {"status", BGL_ERR_INTERNAL + 1}};
+  for (const auto& k : kinds) {
+    for (int i = 0; i < k.count; ++i) {
+      const char* name = nullptr;
+      ASSERT_EQ(bgl_enf_enum_name(k.kind, i, &name), BGL_OK) << k.kind << " " << i;
+      int v = -1;
+      ASSERT_EQ(bgl_enf_enum_value(k.kind, name, &v), BGL_OK) << k.kind << " " << name;
+      EXPECT_EQ(v, i) << k.kind << " " << name;
+    }
+    const char* name = "unchanged";
+    EXPECT_EQ(bgl_enf_enum_name(k.kind, k.count, &name), BGL_ERR_INVALID_ARGUMENT) << k.kind;
+    EXPECT_STREQ(name, "unchanged");
+  }
+  const char* name = nullptr;
+  ASSERT_EQ(bgl_enf_enum_name("placement", BGL_PLACE_HOST, &name), BGL_OK);
+  EXPECT_STREQ(name, "host");
+  ASSERT_EQ(bgl_enf_enum_name("dtype", BGL_DTYPE_BF16, &name), BGL_OK);
+  EXPECT_STREQ(name, "bf16");
+  ASSERT_EQ(bgl_enf_enum_name("status", BGL_ERR_DUPLICATE, &name), BGL_OK);
+  EXPECT_STREQ(name, bgl_status_name(BGL_ERR_DUPLICATE));
+  EXPECT_EQ(bgl_enf_enum_name("colour", 0, &name), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("placement"), std::string::npos);
+}
+
+TEST_F(EnforceCApi, NullArgumentsAreRefusedNamingTheCall) {
+  EXPECT_EQ(bgl_enf_query(enf_, 1, nullptr), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("bgl_enf_query: null argument"),
+            std::string::npos);
+  EXPECT_EQ(bgl_enf_get_stats(nullptr, nullptr), BGL_ERR_INVALID_ARGUMENT);
+  bgl_enf_stats s;
+  EXPECT_EQ(bgl_enf_get_stats(nullptr, &s), BGL_ERR_UNKNOWN_HANDLE);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("bgl_enf_get_stats: unknown enforcer handle"),
+            std::string::npos);
+}
+
 TEST_F(EnforceCApi, ErrorsHaveCodesAndMessages) {
   std::vector<uint8_t> data;
   const uint64_t h = make(16 << 20, &data);  // larger than the 8 MiB pinned pool

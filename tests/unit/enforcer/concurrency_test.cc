@@ -7,7 +7,7 @@
 
 #include "tests/unit/enforcer/test_env.h"
 
-namespace bgl::alloc::testing {
+namespace bgl::enf::testing {
 namespace {
 
 TEST(EnforcerConcurrency, ThreadsMoveTheirTensorsWhileEvictionRuns) {
@@ -67,4 +67,4 @@ TEST(EnforcerConcurrency, ThreadsMoveTheirTensorsWhileEvictionRuns) {
 }
 
 }  // namespace
-}  // namespace bgl::alloc::testing
+}  // namespace bgl::enf::testing

@@ -4,7 +4,7 @@
 #include "kernels/fp8_cast.h"
 #include "tests/unit/enforcer/test_env.h"
 
-namespace bgl::alloc::testing {
+namespace bgl::enf::testing {
 namespace {
 
 TEST(Enforcer, OffloadThenReloadIsBitIdentical) {
@@ -422,4 +422,4 @@ TEST(Enforcer, OffloadingAnUntakenReloadGivesTheBlockBackAndKeepsOnePinnedCopy) 
   env.expect_data(h, data);
 }
 
-}  // namespace bgl::alloc::testing
+}  // namespace bgl::enf::testing

@@ -11,8 +11,11 @@
 #include "enforcer/enforcer.h"
 #include "kernels/fp8_cast.h"
 
-namespace bgl::alloc {
+namespace bgl::enf {
 namespace {
+
+using alloc::Config;
+using alloc::make_backend;
 
 bool have_device() {
   int n = 0;
@@ -176,4 +179,4 @@ TEST(EnforcerGpu, Fp8StoreAndRestoreThroughTheEnforcer) {
 }
 
 }  // namespace
-}  // namespace bgl::alloc
+}  // namespace bgl::enf

@@ -21,9 +21,13 @@
 #include "enforcer/enforcer.h"
 #include "governor/planner/planner.h"
 
-namespace bgl::alloc::testing {
+namespace bgl::enf::testing {
 namespace {
 
+using alloc::HostBackend;
+using alloc::HostBackendOptions;
+using alloc::HostStream;
+using alloc::PoolOptions;
 using plan::Chain;
 using plan::IssueItem;
 using plan::Resource;
@@ -319,4 +323,4 @@ TEST(IssueOrder, HostStreamsFollowThePlansOrderAndConsumersWaitForReloads) {
 }
 
 }  // namespace
-}  // namespace bgl::alloc::testing
+}  // namespace bgl::enf::testing

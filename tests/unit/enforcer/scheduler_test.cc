@@ -7,7 +7,7 @@
 #include "enforcer/stream_scheduler.h"
 #include "tests/unit/enforcer/test_env.h"
 
-namespace bgl::alloc::testing {
+namespace bgl::enf::testing {
 namespace {
 
 using plan::Chain;
@@ -180,4 +180,4 @@ TEST(StreamScheduler, EnforcerOffloadsAndRecoversWhatThePlanNames) {
 }
 
 }  // namespace
-}  // namespace bgl::alloc::testing
+}  // namespace bgl::enf::testing

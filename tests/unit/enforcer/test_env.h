@@ -13,7 +13,13 @@
 #include "allocator/host_stream.h"
 #include "enforcer/enforcer.h"
 
-namespace bgl::alloc::testing {
+namespace bgl::enf::testing {
+
+// The allocator the enforcer runs on in these tests.
+using alloc::HostBackend;
+using alloc::HostBackendOptions;
+using alloc::HostStream;
+using alloc::PoolOptions;
 
 struct Env {
   explicit Env(std::size_t capacity = std::size_t{256} << 20, std::size_t pinned = 64 << 20,
@@ -92,4 +98,4 @@ struct Gate {
   std::promise<void> p;
 };
 
-}  // namespace bgl::alloc::testing
+}  // namespace bgl::enf::testing
