@@ -121,19 +121,21 @@ MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double bu
     // roofline-best strategy: most bytes saved per second of added overhead, at this size. An
     // operator already stored as FP8 may still move to offload or recompute.
     const double need = result.cost.device_bytes - budget;
-    int best_op = -1;
-    Strategy best_s = Strategy::kKeep;
-    double best_gain = 0, best_overhead = 0;
+    // One candidate move (operator op to strategy s) and what it gives; op < 0: none yet.
+    struct Candidate {
+      int op = -1;
+      Strategy s = Strategy::kKeep;
+      double gain = 0, overhead = 0;
+      AssignmentCost cost;
+      Assignment assignment;
+    };
+    Candidate best;
     bool best_finishes = false;
-    AssignmentCost best_cost;
-    Assignment best_assignment;
     for (size_t o = 0; o < n; ++o) {
       const Strategy current = result.assignment[o];
       if (current == Strategy::kRecompute || current == Strategy::kOffload) continue;
-      int op_s = -1;
-      double op_gain = 0, op_overhead = 0, op_rate = -1;
-      AssignmentCost op_cost;
-      Assignment op_assignment;
+      Candidate op;
+      double op_rate = -1;
       for (Strategy s : kMitigations) {
         if (s == current || !options.Permits(s) || !eval.Allowed(static_cast<int>(o), s)) {
           continue;
@@ -147,48 +149,39 @@ MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double bu
         const double overhead = std::max(0.0, c.exposed_s - result.cost.exposed_s);
         const double rate = gain / std::max(overhead, 1e-9);
         if (gain > 0 && rate > op_rate) {
-          op_s = static_cast<int>(s);
-          op_gain = gain;
-          op_overhead = overhead;
+          op = Candidate{static_cast<int>(o), s, gain, overhead, c, std::move(trial)};
           op_rate = rate;
-          op_cost = c;
-          op_assignment = std::move(trial);
         }
       }
-      if (op_s < 0) continue;
+      if (op.op < 0) continue;
       // Largest gain first (ties: smaller overhead); but once single moves can finish the job,
       // take the cheapest of those rather than the biggest.
-      const bool finishes = op_gain >= need;
+      const bool finishes = op.gain >= need;
       bool better;
-      if (best_op < 0)
+      if (best.op < 0)
         better = true;
       else if (finishes != best_finishes)
         better = finishes;
       else if (finishes)
         better =
-            op_overhead < best_overhead || (op_overhead == best_overhead && op_gain > best_gain);
+            op.overhead < best.overhead || (op.overhead == best.overhead && op.gain > best.gain);
       else
-        better = op_gain > best_gain || (op_gain == best_gain && op_overhead < best_overhead);
+        better = op.gain > best.gain || (op.gain == best.gain && op.overhead < best.overhead);
       if (better) {
-        best_op = static_cast<int>(o);
-        best_s = static_cast<Strategy>(op_s);
-        best_gain = op_gain;
-        best_overhead = op_overhead;
+        best = std::move(op);
         best_finishes = finishes;
-        best_cost = op_cost;
-        best_assignment = std::move(op_assignment);
       }
     }
-    if (best_op < 0) break;
+    if (best.op < 0) break;
     ++result.rounds;
-    if (best_cost.conflict) {
+    if (best.cost.conflict) {
       // Skip rather than undo: the earlier choice it conflicts with had the larger gain.
-      dropped[best_op][static_cast<int>(best_s)] = true;
+      dropped[best.op][static_cast<int>(best.s)] = true;
       ++result.rejected_conflicts;
       continue;
     }
-    result.assignment = std::move(best_assignment);
-    result.cost = best_cost;
+    result.assignment = std::move(best.assignment);
+    result.cost = best.cost;
     if (trajectory) trajectory->push_back(result.assignment);
   }
 
