@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -28,20 +29,52 @@ def daemon_binary() -> Path:
     return found
 
 
+def _accepts(sock: Path) -> bool:
+    """Whether the Unix socket accepts a connection now (a socket file alone may be stale)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 def _start_daemon(tmp_path, *flags: str):
-    """bgl-governord on a temporary socket (its log in tmp_path/daemon.log)."""
+    """bgl-governord on a temporary socket (its log in tmp_path/daemon.log), once the socket
+    accepts connections. The 60 s bound only ends a daemon that never comes up."""
     binary = daemon_binary()
     sock = tmp_path / "governor.sock"
     log = open(tmp_path / "daemon.log", "w")
     proc = subprocess.Popen([str(binary), "--listen", f"unix://{sock}", "--metrics-port", "0",
                              *flags], stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(400):
-        if sock.exists() or proc.poll() is not None:
-            break
-        time.sleep(0.025)
-    if proc.poll() is not None or not sock.exists():
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not _accepts(sock) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if proc.poll() is not None or not _accepts(sock):
+        proc.kill()
         pytest.fail(f"bgl-governord did not start: {(tmp_path / 'daemon.log').read_text()}")
     return proc, f"unix://{sock}", log
+
+
+# Put on the ranks' PYTHONPATH: each rank holds its session at bagualu.uninstall() (before it
+# ends it) until the test has taken its bgl-top frame, so the frame with every session is
+# there to take, not caught by luck while the run lasts. The bound only ends a failed test.
+_HOLD = """
+import os, time
+if os.environ.get("BGL_TEST_HOLD_FILE"):
+    import bagualu
+    _real = bagualu.uninstall
+    def _held(*args, **kwargs):
+        path = os.environ["BGL_TEST_HOLD_FILE"]
+        for _ in range(12000):
+            if os.path.exists(path):
+                break
+            time.sleep(0.01)
+        return _real(*args, **kwargs)
+    bagualu.uninstall = _held
+"""
 
 
 def _stop_daemon(proc, log) -> None:
@@ -86,22 +119,31 @@ def test_four_ranks_share_a_small_node_budget(tmp_path) -> None:
                                        f"--host-floor-bytes={floor}", "--node-max-sessions=8")
     top = _lib.find_file("bgl-top")
     assert top is not None, "bgl-top is not built (target bgl-top)"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_HOLD)
+    release = tmp_path / "frame-taken"
     frames: List[str] = []
-    stop = threading.Event()
+    run_done = threading.Event()
 
-    def watch() -> None:  # the last bgl-top frame that saw all four sessions
-        while not stop.is_set():
-            r = subprocess.run([str(top), "--governor", address, "--once", "--width", "160"],
-                               capture_output=True, text=True, timeout=20)
-            if r.returncode == 0 and r.stdout.count("torchrun-") >= 4:
-                frames[:] = [r.stdout]
-            time.sleep(0.3)
+    def watch() -> None:  # a bgl-top frame with the four sessions, then let the ranks end
+        try:
+            while not run_done.is_set():
+                r = subprocess.run([str(top), "--governor", address, "--once", "--width",
+                                    "160"], capture_output=True, text=True, timeout=20)
+                if r.returncode == 0 and r.stdout.count("torchrun-") >= 4:
+                    frames.append(r.stdout)
+                    return
+                time.sleep(0.1)
+        finally:
+            release.touch()
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
         env = dict(os.environ, OMP_NUM_THREADS="1", BGL_CACHE_DIR=str(tmp_path / "cache"),
-                   PYTHONPATH=str(ROOT / "integrations" / "pytorch"))
+                   PYTHONPATH=os.pathsep.join([str(hook), str(ROOT / "integrations" / "pytorch")]),
+                   BGL_TEST_HOLD_FILE=str(release))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "4",
                str(ROOT / "integrations" / "pytorch" / "examples" / "moe_train.py"),
@@ -110,7 +152,7 @@ def test_four_ranks_share_a_small_node_budget(tmp_path) -> None:
                "--capacity", "4MiB", "--spike-every", "3"]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     finally:
-        stop.set()
+        run_done.set()
         watcher.join(timeout=30)
         _stop_daemon(proc, log)
     text = out.stdout + out.stderr
