@@ -5,8 +5,8 @@ Unlike a ``torch.utils.checkpoint`` region, a call marked for recompute stays vi
 outer saved-tensor hooks: everything it saves still goes through the tracker, so offloaded,
 FP8 and recomputed operators mix freely within one layer, on every supported torch.
 
-A ``Call`` is made by the operator's forward pre-hook when its strategy for the micro-batch is
-recompute. Its tensor inputs are held through the tracker (so an input that is itself
+A ``Call`` is made when an operator is entered (capture/calls.py: a module of an unmodified
+model or a Step of an OpBlock layer) and its strategy for the micro-batch is recompute. Its tensor inputs are held through the tracker (so an input that is itself
 offloaded, stored in FP8 or dropped stays so; a dropped input is regenerated first, which is
 the planner's recompute closure). A storage the call produced is dropped at pack time and
 remembered by where the rerun will produce it again: the k-th tensor saved during the call,
@@ -20,6 +20,7 @@ the training thread waits in backward()).
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -89,7 +90,10 @@ class Call:
 
     def regenerate(self) -> None:
         """Reruns the call once and hands every record it dropped (still alive) its data."""
+        t0 = time.perf_counter()
         storages = self._rerun()
+        if self.owner is not None:
+            self.owner.note_recompute((time.perf_counter() - t0) * 1e3, 1)
         pending, self.pending = self.pending, []
         for key, ref in pending:
             rec = ref()
@@ -138,7 +142,7 @@ class Call:
         leaves = pytree.tree_leaves(out)
         if len(saved) != self.packs:
             raise BagualuError(
-                f"recompute of {self.op.qualname} ({type(self.module).__name__}): the rerun "
+                f"recompute of {self.op.qualname} ({_label(self.module)}): the rerun "
                 f"saved {len(saved)} tensors where the forward saved {self.packs}: the call does "
                 "not repeat itself (state it changes, such as a KV cache?); keep this operator "
                 "with ops= or train with use_cache=False")
@@ -148,7 +152,7 @@ class Call:
             src = saved if kind == "pack" else leaves
             if i >= len(src) or not isinstance(src[i], torch.Tensor):
                 raise BagualuError(
-                    f"recompute of {self.op.qualname} ({type(self.module).__name__}): the rerun "
+                    f"recompute of {self.op.qualname} ({_label(self.module)}): the rerun "
                     f"did not produce {kind} #{i} ({len(saved)} saved tensors, {len(leaves)} "
                     "outputs): its forward is not deterministic in structure; keep this "
                     "operator with ops= or force_strategies")
@@ -162,3 +166,8 @@ class Call:
 
 def _never_unpacked(_: Any) -> Any:
     raise BagualuError("a recompute rerun's graph was used for backward")
+
+
+def _label(fn: Any) -> str:
+    """What a rerun error names the call by: an OpBlock step's label, else the module's class."""
+    return getattr(fn, "label", None) or type(fn).__name__

@@ -44,7 +44,7 @@ class Record:
     """One saved storage of one micro-batch."""
 
     __slots__ = ("ptr", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
-                 "placement", "storage", "pool_block", "pool_bytes", "refs", "held", "in_backward",
+                 "placement", "storage", "pool_block", "pool_bytes", "refs", "in_backward",
                  "tracker", "ref", "seq", "packs", "enf", "enf_block", "live_block", "released",
                  "regen", "regenerating", "planned", "__weakref__")
 
@@ -64,7 +64,6 @@ class Record:
         self.pool_block = 0
         self.pool_bytes = 0
         self.refs = 0
-        self.held = False
         self.in_backward = False
         self.seq = seq
         self.packs: Optional[List[Any]] = None  # weakrefs to Packed holding the tensor
@@ -114,7 +113,7 @@ class Record:
         Not while the enforcer's recompute callback regenerates it: the record has its data
         but the enforcer has it dropped until the callback returns (pressure eviction inside
         the rerun must not pick it)."""
-        return (self.placement == DEVICE and not self.held and self.storage is not None
+        return (self.placement == DEVICE and self.storage is not None
                 and self.enf != 0 and not self.regenerating)
 
     def offload(self) -> int:
@@ -161,7 +160,7 @@ class Record:
 
     def drop(self, call: Any, key: Any) -> int:
         """Lets the data go; ``call`` regenerates it at ``key`` when it is needed; bytes freed."""
-        if self.placement != DEVICE or self.held or self.storage is None:
+        if self.placement != DEVICE or self.storage is None:
             return 0
         if self.enf:
             try:

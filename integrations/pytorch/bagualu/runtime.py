@@ -145,7 +145,7 @@ class Runtime:
             self.block_path = path
             self.layer_ops = path.layer_ops
             count = path.count
-            self.tracker.set_model(param_storages(model), by_producer=False)
+            self.tracker.set_model(param_storages(model))
             self.planning.layer_count = len(blocks)
         else:
             # Unmodified model: discover everything first, so an error leaves nothing
@@ -162,7 +162,7 @@ class Runtime:
                     f"into {self.chunks} stages of equal planned layers; instrument a list of "
                     "the rank's stage modules (chunk order) or pass layers=[path per stage]")
             self.auto = AutoLayers(self, model, found, ep)
-            self.tracker.set_model(param_storages(model), by_producer=True)
+            self.tracker.set_model(param_storages(model))
             self.planning.layer_count = len(found.planned)
             self.layer_ops = {li: [Op(n, found.kinds[n], li) for n in found.op_names]
                               for li in range(len(found.planned))}
@@ -191,20 +191,14 @@ class Runtime:
         loads = self.planning.loads.get(self._capture_unit, [])
         load0 = loads[0] if loads else 1.0
         if self.auto is not None:
-            # Operators in the order of their first call (the block's own code first).
-            ops = [Op(n, self.discovery.kinds[n], 0)
-                   for n in self.auto.op_order(self.discovery.op_names)]
-            names = graph.TensorNames(True, ops)
-            lg = graph.build_produced_graph(recs, ops, load0, self.op_ms, self.auto.readers,
-                                            names)
-            outside = sum(r.nbytes for r in recs if r.consumers and r.producer.layer < 0)
+            calls, kinds = self.auto, self.discovery.kinds
         else:
-            names = graph.TensorNames(False, self.layer_ops[0])
-            lg = graph.build_layer_graph(recs, self.layer_ops[0], load0, self.op_ms, names)
-            # The graph is stated at r=1 for layer 0; learn which steps save each named tensor.
-            self.block_path.learn_savers(recs)
-            outside = sum(r.nbytes for r in recs if not r.consumers or
-                          any(c.layer < 0 for c in r.consumers))
+            calls, kinds = self.block_path, {op.name: op.kind for op in self.layer_ops[0]}
+        # Operators in the order of their first call (a block's own code first).
+        ops = [Op(n, kinds[n], 0) for n in calls.op_order(list(kinds))]
+        names = graph.TensorNames(ops)
+        lg = graph.build_produced_graph(recs, ops, load0, self.op_ms, calls.readers, names)
+        outside = sum(r.nbytes for r in recs if r.consumers and r.producer.layer < 0)
         self.planning.register(lg, names, outside, self.model_info)
 
     # -- micro-batch contexts ---------------------------------------------------------------
@@ -235,7 +229,7 @@ class Runtime:
 
     def _mitigations(self) -> tuple:
         c = self.tracker.counters
-        return c["offloads"], c["fp8_casts"], c["evictions"], self.log.recompute_ops
+        return c["offloads"], c["fp8_casts"], c["evictions"], c["drops"]
 
     @contextmanager
     def forward(self, mb: int, chunk: int = 0) -> Iterator[None]:
@@ -249,8 +243,6 @@ class Runtime:
         self.forwarding = True
         self.planning.loads[unit] = []
         before = self._mitigations()
-        if self.block_path is not None:
-            self.block_path.begin_forward(capture)
         if not capture and self._light(unit):
             t.begin_light(unit)
         try:
@@ -266,15 +258,14 @@ class Runtime:
                 t.place_planned(unit, self.planning.locate, later=True)
         load = self.planning.forward_ended(unit)
         self.log.loads.append(load)
-        in_layers = (graph.produced_in_layers if self.auto is not None
-                     else graph.in_layer_bytes)
-        captured = in_layers(t.by_mb.get(unit, ())) + t.light_bytes(unit, True)
+        captured = graph.produced_in_layers(t.by_mb.get(unit, ())) + t.light_bytes(unit, True)
         if capture:
             self._describe_capture()
         description = self.planning.description
         if description is not None and captured > 0 and self._mitigations() == before \
-                and self.chunks == 1:
-            # Nothing was mitigated: the planner's keep-all bytes at the observed load.
+                and self.chunks == 1 and not capture:
+            # Nothing was mitigated: the planner's keep-all bytes at the observed load (not
+            # for the capture itself, which the graph was built from).
             self.log.accuracy.append((load, graph.keep_all_bytes(description, load),
                                       float(captured)))
         if self.planning.ready and unit in self.planning.plans:

@@ -1,10 +1,10 @@
 """Hooks that make an unmodified model's operators visible to the tracker.
 
-For every operator module found by discovery/find.py: a forward pre-hook enters the operator's scope
-(its saved tensors and the storages its own code makes belong to it), notes which tensors it
-receives from the enclosing operator, and opens a recompute call (recompute.py) when the
-micro-batch's plan recomputes it; a forward hook leaves the scope, names the operator the
-producer of its outputs and closes the call. Each planned block marks its input (the layer's
+For every operator module found by discovery/find.py: a forward pre-hook enters the
+operator (capture/calls.py, shared with OpBlock layers: its scope, where its saved tensors and
+the storages its own code makes belong, and the recompute call it opens when the micro-batch's
+plan recomputes it) after noting which tensors it receives from the enclosing operator; a
+forward hook leaves it (the operator becomes the producer of its outputs, the call closes). Each planned block marks its input (the layer's
 input, always kept) and the tensors it receives from outside (rotary tables, masks: counted
 outside the layers). Routers report the micro-batch's load factor for this process's experts
 (deferred planning), and under ``expert_parallel`` this process computes only its own experts,
@@ -16,7 +16,6 @@ import runtime.py. Not thread-safe; hooks run on the training thread.
 from __future__ import annotations
 
 import logging
-import time
 import types
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -26,17 +25,13 @@ from torch.utils import _pytree as pytree
 
 from ..discovery.find import Discovery, expert_count, top_k_of
 from ..errors import InstrumentError
-from ..recompute import Call
-from ..vocabulary import OUTSIDE, RECOMPUTE, Op
+from ..vocabulary import OUTSIDE, Op
+from .calls import OperatorCalls, tensors as _tensors
 from .host import Host
 
 log = logging.getLogger("bagualu")
 DEFERRABLE = frozenset({"dispatch", "combine", "expert_linear", "expert_activation",
                         "shared_linear", "shared_activation"})
-
-
-def _tensors(x: Any) -> List[torch.Tensor]:
-    return [v for v in pytree.tree_leaves(x) if isinstance(v, torch.Tensor)]
 
 
 class ExpertParallel:
@@ -132,12 +127,9 @@ class AutoLayers:
         self.handles: List[Any] = []
         self.patched: List[Tuple[nn.Module, Any]] = []
         self.restore_experts: Optional[Tuple[nn.Module, str]] = None
-        self.stack: List[Tuple[Op, Optional[Call], float]] = []
-        self.order: Dict[str, int] = {}   # operator name -> first call (capture)
-        self.readers: Dict[int, Set[str]] = {}  # storage ptr -> operators reading it (capture)
-        self.routers: Dict[nn.Module, _Router] = {}
-        self.warned: Set[str] = set()
         self.layers = len(found.planned)
+        self.calls = OperatorCalls(rt, self.layers)
+        self.routers: Dict[nn.Module, _Router] = {}
         try:
             self._install(model)
         except BaseException:
@@ -224,42 +216,6 @@ class AutoLayers:
             self.restore_experts = None
 
     # -- hooks ------------------------------------------------------------------------------
-    def _enter(self, op: Op, module: nn.Module, args: Any, kwargs: Any, defer: bool) -> None:
-        rt = self.rt
-        t = rt.tracker
-        call = None
-        if t.light is None:
-            if rt.capturing:
-                self.order.setdefault(op.name, len(self.order))
-                if op.layer == 0:
-                    for v in _tensors((args, kwargs)):
-                        if v.numel() > 0:
-                            self.readers.setdefault(v.untyped_storage().data_ptr(),
-                                                    set()).add(op.name)
-            if ((defer and rt.may_defer) or rt.strategy_of(op, t.micro_batch) == RECOMPUTE) \
-                    and self._replayable(op, args, kwargs):
-                call = Call(op, module, args, kwargs, t.hold, t.packs_seen, rt.device, rt)
-                t.calls.append(call)
-        t.scope.append(op)
-        issuer = t.issuer
-        if issuer is not None and issuer.active:
-            issuer.forward_op(t.micro_batch, op)
-        self.stack.append((op, call, time.perf_counter() if rt.capturing else 0.0))
-
-    def _replayable(self, op: Op, args: Any, kwargs: Any) -> bool:
-        """A call that receives a KV cache changes it: rerunning it would not reproduce the
-        forward (train with use_cache=False). Such calls keep their activations."""
-        for v in pytree.tree_leaves((args, kwargs)):
-            if v is not None and not isinstance(v, (torch.Tensor, int, float, bool, str)) \
-                    and "cache" in type(v).__name__.lower():
-                if op.name not in self.warned:
-                    self.warned.add(op.name)
-                    log.warning("bagualu: %s receives a %s; its activations are kept instead "
-                                "of recomputed (train with use_cache=False)", op.qualname,
-                                type(v).__name__)
-                return False
-        return True
-
     def _pre(self, op: Op, module: nn.Module, defer: bool) -> Any:
         def hook(m: nn.Module, args: Any, kwargs: Any) -> None:
             rt = self.rt
@@ -271,7 +227,7 @@ class AutoLayers:
                 enclosing = t.scope[-1]
                 call = t.calls[-1] if t.calls and t.calls[-1].op is enclosing else None
                 t.note_output((args, kwargs), enclosing, overwrite=False, call=call)
-            self._enter(op, m, args, kwargs, defer)
+            self.calls.enter(op, m, args, kwargs, defer)
             return None
         return hook
 
@@ -294,32 +250,14 @@ class AutoLayers:
                         t.note_external(v)
                         if t.light is None:
                             t.note_output(v, OUTSIDE, overwrite=False)
-            self._enter(op, m, args, kwargs, False)
+            self.calls.enter(op, m, args, kwargs, False)
             return None
         return hook
-
-    def _leave(self, op: Op, out: Any) -> bool:
-        rt = self.rt
-        t = rt.tracker
-        if not self.stack or self.stack[-1][0] is not op:
-            return False
-        _, call, t0 = self.stack.pop()
-        if t.scope and t.scope[-1] is op:
-            t.scope.pop()
-        if call is not None:
-            call.close(out, t.packs_seen)
-            if t.calls and t.calls[-1] is call:
-                t.calls.pop()
-        if t.light is None:
-            t.note_output(out, op, call=call)
-        if rt.capturing:
-            rt.op_time(op.name, (time.perf_counter() - t0) * 1e3 / max(self.layers, 1))
-        return True
 
     def _post(self, op: Op) -> Any:
         def hook(m: nn.Module, args: Any, out: Any) -> None:
             rt = self.rt
-            if not rt.forwarding or not self._leave(op, out):
+            if not rt.forwarding or not self.calls.leave(op, out):
                 return None
             r = self.routers.get(m)
             if r is not None:
@@ -332,7 +270,7 @@ class AutoLayers:
     def _block_post(self, op: Op, last: bool) -> Any:
         def hook(m: nn.Module, args: Any, out: Any) -> None:
             rt = self.rt
-            if not rt.forwarding or not self._leave(op, out):
+            if not rt.forwarding or not self.calls.leave(op, out):
                 return None
             if last and rt.tracker.light is None:
                 rt.tracker.note_output(out, OUTSIDE)  # leaves the planned layers
@@ -345,10 +283,13 @@ class AutoLayers:
         return hook
 
     # -- after the capture ------------------------------------------------------------------
+    @property
+    def readers(self) -> Dict[int, Set[str]]:
+        """Storage pointer -> the operators of layer 0 whose calls read it (capture)."""
+        return self.calls.readers
+
     def op_order(self, names: Sequence[str]) -> List[str]:
-        """Operator names in the order of their first call in the capture (never-called
-        operators are left out)."""
-        return sorted((n for n in names if n in self.order), key=self.order.__getitem__)
+        return self.calls.op_order(names)
 
 
 def _has_expert_list(module: nn.Module) -> bool:

@@ -56,10 +56,8 @@ class Tracker:
             "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0, "drops": 0,
             "recomputes": 0, "scheduled_offloads": 0, "fp8_evictions": 0}
         # Set by set_model at instrument: storages of parameters and buffers (never
-        # activations), and whether strategies follow the operator that produced a storage
-        # (unmodified models, recompute calls) or the one that saved it (OpBlock layers).
+        # activations). A storage follows the strategy of the operator that produced it.
         self.param_keys: Set[int] = set()
-        self.by_producer = False
         self.scope: List[Op] = []
         # Light capture: a micro-batch whose strategies are all keep needs no records. Saved
         # storages are only counted (storage ptr -> (weakref, nbytes), nbytes negative once a
@@ -79,7 +77,6 @@ class Tracker:
         self.live: Dict[int, Record] = {}          # storage ptr -> record (dedupe)
         self.by_mb: Dict[int, Set[Record]] = {}    # unit -> its live records
         self.producers: Dict[int, Tuple[Any, Op, Any]] = {}  # storage ptr -> (weakref, op, call)
-        self.held_inputs: Dict[int, List[Packed]] = {}  # unit -> checkpoint-region inputs
         self.packs_seen = 0                        # pack calls outside light capture
         self.calls: List[Any] = []                 # recompute.Call objects open now
         # storage ptr -> weakref: tensors that enter a layer from outside it (rotary tables,
@@ -94,11 +91,9 @@ class Tracker:
         """Host copies are page-locked when the activations are on a GPU."""
         return self.device_type == "cuda"
 
-    def set_model(self, param_keys: Set[int], by_producer: bool) -> None:
-        """The instrumented model's parameter and buffer storages, and whose strategy a
-        storage follows (see __init__)."""
+    def set_model(self, param_keys: Set[int]) -> None:
+        """The instrumented model's parameter and buffer storages."""
         self.param_keys = set(param_keys)
-        self.by_producer = by_producer
 
     def set_issuer(self, issuer: Optional[PointIssuer]) -> None:
         """The stream scheduler's driver once plans carry an issue order."""
@@ -136,10 +131,6 @@ class Tracker:
         if t.numel() > 0:
             st = t.untyped_storage()
             self.external[st.data_ptr()] = weakref.ref(st)
-
-    def _producer(self, st: torch.UntypedStorage, default: Op) -> Op:
-        hit = self.producers.get(st.data_ptr())
-        return hit[1] if hit is not None and hit[0]() is st else default
 
     def _producer_call(self, st: torch.UntypedStorage, op: Op) -> Tuple[Op, Any]:
         """The producer of ``st`` and its recompute call: a noted producer, else the
@@ -195,15 +186,10 @@ class Tracker:
             return t  # counted before the plan changed mid-forward; it stays kept
         op = self.scope[-1] if self.scope else OUTSIDE
         rec = self.live.get(key)
-        if self.by_producer:
-            if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
-                rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1)
-        elif rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
-            rec = self.new_record(st, t.dtype, self._producer(st, op))
+        if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
+            rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1)
         if op not in rec.consumers:
             self.add_consumer(rec, op)
-        if not self.by_producer:
-            self._apply(rec, self.strategy_of(op, self.micro_batch))
         return Packed(rec, t)
 
     def _produced_record(self, st: torch.UntypedStorage, dtype: torch.dtype, op: Op,
@@ -306,29 +292,6 @@ class Tracker:
                 rec.left_for_host()
                 self.counters["scheduled_offloads"] += 1
 
-    def hold_inputs(self, tensors: List[torch.Tensor], op: Op) -> None:
-        """Registers tensors a recompute region keeps alive (checkpoint inputs): they stay on
-        the device until the micro-batch's backward ends."""
-        holders = self.held_inputs.setdefault(self.micro_batch, [])
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_sparse:
-                continue
-            st = t.untyped_storage()
-            if st.data_ptr() in self.param_keys:
-                continue
-            ls = self.light_sets.get(self.micro_batch)
-            if ls is not None and ls.holds(st.data_ptr(), st):
-                continue  # light-counted: kept on the device anyway
-            rec = self.live.get(st.data_ptr())
-            if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
-                rec = self.new_record(st, t.dtype, self._producer(st, op))
-            if rec.placement != DEVICE:
-                rec.materialize()
-            rec.held = True
-            if op not in rec.consumers:
-                self.add_consumer(rec, op)
-            holders.append(Packed(rec, t))
-
     def retire(self, rec: Record) -> None:
         if self.live.get(rec.ptr) is rec:
             del self.live[rec.ptr]
@@ -388,9 +351,7 @@ class Tracker:
         self.counters[key] = self.counters.get(key, 0) + 1
 
     def end_backward(self, micro_batch: int) -> None:
-        """Drops the checkpoint-input holders and the light set of a micro-batch whose
-        backward finished."""
-        self.held_inputs.pop(micro_batch, None)
+        """Drops the light set of a micro-batch whose backward finished."""
         self.drop_light(micro_batch)
 
     def light_bytes(self, micro_batch: int, in_layer_only: bool = False) -> int:
@@ -404,7 +365,6 @@ class Tracker:
     def release_all(self) -> None:
         """Gives every block back to the pool (uninstall, or after a failed iteration whose
         graphs may still be referenced); records keep their data but are no longer counted."""
-        self.held_inputs.clear()
         self.light = None
         for ls in self.light_sets.values():
             ls.free()

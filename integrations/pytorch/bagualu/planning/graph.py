@@ -14,73 +14,10 @@ from ..record import Record
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def layer_records(records: Iterable[Record], layer: int) -> List[Record]:
-    """Records every saver of which is an operator of ``layer``."""
-    return [r for r in records if r.consumers and all(c.layer == layer for c in r.consumers)]
-
-
-def in_layer_bytes(records: Iterable[Record]) -> int:
-    """Captured bytes of storages saved only by layer operators (what the graph models)."""
-    return sum(r.nbytes for r in records
-               if r.consumers and all(c.layer >= 0 for c in r.consumers))
-
-
-def build_layer_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
-                      op_ms: Dict[str, float],
-                      tensor_names: Optional["TensorNames"] = None) -> Dict[str, Any]:
-    """The layer_graph of layer ``ops[0].layer`` from its captured records.
-
-    Storages are grouped by (producer, savers, dtype) so per-expert tensors become one graph
-    tensor; bytes of tensors whose producer scales with the load are divided by the layer's
-    observed load factor (the graph is stated at r = 1)."""
-    layer = ops[0].layer
-    names = {op.name for op in ops}
-    order = {op.name: i for i, op in enumerate(ops)}
-    recs = layer_records(records, layer)
-    external = [r for r in recs if r.producer.layer != layer or r.producer.name not in names]
-    block_input = max(external, key=lambda r: r.nbytes) if external else None
-    groups: "OrderedDict[Tuple[Any, ...], Dict[str, Any]]" = OrderedDict()
-    fp8_blocked = set()
-    for r in sorted(recs, key=lambda r: r.seq):
-        savers = tuple(sorted({c.name for c in r.consumers}, key=order.get))
-        inside = r.producer.layer == layer and r.producer.name in names
-        if not _DTYPES.get(r.dtype):
-            fp8_blocked.update(savers)
-        if r is block_input:
-            key: Tuple[Any, ...] = ("__block_input__",)
-        else:
-            key = (r.producer.name if inside else None, savers, str(r.dtype))
-        g = groups.get(key)
-        scales = inside and next(o.kind for o in ops if o.name == r.producer.name) in SCALING_KINDS
-        if g is None:
-            g = {"name": _tensor_name(key, len(groups)), "bytes": 0.0,
-                 "dtype": _DTYPES.get(r.dtype, "fp32"), "consumers": list(savers)}
-            if tensor_names is not None and key != ("__block_input__",):
-                tensor_names.names[key] = g["name"]
-            if key == ("__block_input__",):
-                g["block_input"] = True
-            elif inside:
-                g["producer"] = r.producer.name
-            if scales:
-                g["scales_with_load"] = True
-            groups[key] = g
-        g["bytes"] += r.nbytes / (load if scales and load > 0 else 1.0)
-    if block_input is None:
-        # Every layer needs its input; a graph whose input nobody saves still records it.
-        groups[("__block_input__",)] = {"name": "x", "bytes": 0, "block_input": True,
-                                        "consumers": [ops[0].name]}
-    tensors = []
-    for g in groups.values():
-        g["bytes"] = int(round(g["bytes"]))
-        tensors.append(g)
-    return {"operators": _operators(ops, op_ms, fp8_blocked), "tensors": tensors}
-
-
 def build_produced_graph(records: Sequence[Record], ops: Sequence[Op], load: float,
                          op_ms: Dict[str, float], readers: Dict[int, Any],
                          tensor_names: Optional["TensorNames"] = None) -> Dict[str, Any]:
-    """The layer_graph of an unmodified model's layer ``ops[0].layer`` (strategies follow the
-    producer, recompute.py): every storage the layer's operators made is one graph tensor per
+    """The layer_graph of layer ``ops[0].layer`` (strategies follow the producer, recompute.py): every storage the layer's operators made is one graph tensor per
     (producer, dtype), saved by its producer, read by the operators whose calls took it as
     input; the layer's input is the block input. Bytes of producers that scale with the load
     are stated at r = 1. Operator times are inclusive (rerunning the block's own code reruns
@@ -134,31 +71,20 @@ def _produced_key(r: Record) -> Tuple[str, str]:
 
 class TensorNames:
     """Which graph tensor of its layer a record of any micro-batch belongs to: the grouping the
-    graph builders used at capture, remembered by key (the plan's issue order names graph
-    tensors; issue.py maps records to them)."""
+    graph builder used at capture, remembered by key (the plan's issue order names graph
+    tensors; enforce/order.py maps records to them)."""
 
-    def __init__(self, produced: bool, ops: Sequence[Op]) -> None:
-        self.produced = produced
+    def __init__(self, ops: Sequence[Op]) -> None:
         self.order = {op.name: i for i, op in enumerate(ops)}
         self.names: Dict[Tuple[Any, ...], str] = {}
 
     def locate(self, r: Record) -> Tuple[int, Optional[str]]:
         """(layer, graph tensor name within it) of ``r``; name None when the graph has no
         tensor for it."""
-        if self.produced:
-            return r.producer.layer, self.names.get(_produced_key(r))
-        if not r.consumers:
-            return -1, None
-        layer = r.consumers[0].layer
-        if any(c.layer != layer for c in r.consumers):
-            return -1, None
-        inside = r.producer.layer == layer and r.producer.name in self.order
-        savers = tuple(sorted({c.name for c in r.consumers}, key=self.order.get))
-        return layer, self.names.get((r.producer.name if inside else None, savers, str(r.dtype)))
+        return r.producer.layer, self.names.get(_produced_key(r))
 
 
-def _operators(ops: Sequence[Op], op_ms: Dict[str, float],
-               fp8_blocked: Iterable[str] = ()) -> List[Dict[str, Any]]:
+def _operators(ops: Sequence[Op], op_ms: Dict[str, float]) -> List[Dict[str, Any]]:
     """The graph's operators with their measured forward times (backward: twice that)."""
     out = []
     for op in ops:
@@ -166,8 +92,6 @@ def _operators(ops: Sequence[Op], op_ms: Dict[str, float],
         o: Dict[str, Any] = {"name": op.name, "kind": op.kind, "forward_ms": round(fwd, 4),
                              "backward_ms": round(2 * fwd, 4),
                              "scales_with_load": op.kind in SCALING_KINDS}
-        if op.name in fp8_blocked:
-            o["fp8_allowed"] = False
         out.append(o)
     return out
 
@@ -176,13 +100,6 @@ def produced_in_layers(records: Iterable[Record]) -> int:
     """Captured bytes of storages produced inside the planned layers (what the graph models
     under producer strategies)."""
     return sum(r.nbytes for r in records if r.consumers and r.producer.layer >= 0)
-
-
-def _tensor_name(key: Tuple[Any, ...], index: int) -> str:
-    if key == ("__block_input__",):
-        return "x"
-    producer, savers = key[0], key[1]
-    return f"t{index}.{producer or 'in'}>{'+'.join(savers)}"
 
 
 def keep_all_bytes(description: Dict[str, Any], load: float) -> float:

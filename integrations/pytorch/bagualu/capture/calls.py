@@ -1,0 +1,101 @@
+"""Entering and leaving one operator's forward, for every kind of operator (a module of an
+unmodified model, a Step of an OpBlock layer): its scope, the recompute call it opens when its
+strategy is recompute (recompute.py: the one recompute mechanism), the producer of its
+outputs, and what the capture learns (the order of first calls, which operators read which
+storages, the forward time). Not thread-safe: the training thread."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..recompute import Call
+from ..vocabulary import RECOMPUTE, Op
+from .host import Host
+
+log = logging.getLogger("bagualu")
+
+
+def tensors(x: Any) -> List[torch.Tensor]:
+    """The tensors among the leaves of ``x``."""
+    return [v for v in pytree.tree_leaves(x) if isinstance(v, torch.Tensor)]
+
+
+class OperatorCalls:
+    """The operator calls of one instrumented model's forwards (``layers`` planned layers:
+    the capture's times are per layer)."""
+
+    def __init__(self, host: Host, layers: int) -> None:
+        self.host = host
+        self.layers = layers
+        self.stack: List[Tuple[Op, Optional[Call], float]] = []
+        self.order: Dict[str, int] = {}          # operator name -> first call (capture)
+        self.readers: Dict[int, Set[str]] = {}   # storage ptr -> operators reading it (capture)
+        self.warned: Set[str] = set()
+
+    def enter(self, op: Op, fn: Callable[..., Any], args: Any, kwargs: Any,
+              defer: bool = False) -> None:
+        """``op`` starts running ``fn(*args, **kwargs)``: a recompute call is opened when its
+        strategy is recompute (or, ``defer``, a router inside it may make it so)."""
+        host = self.host
+        t = host.tracker
+        call = None
+        if t.light is None:
+            if host.capturing:
+                self.order.setdefault(op.name, len(self.order))
+                if op.layer == 0:
+                    for v in tensors((args, kwargs)):
+                        if v.numel() > 0:
+                            self.readers.setdefault(v.untyped_storage().data_ptr(),
+                                                    set()).add(op.name)
+            if ((defer and host.may_defer)
+                    or host.strategy_of(op, t.micro_batch) == RECOMPUTE) \
+                    and self._replayable(op, args, kwargs):
+                call = Call(op, fn, args, kwargs, t.hold, t.packs_seen, host.device, host)
+                t.calls.append(call)
+        t.scope.append(op)
+        issuer = t.issuer
+        if issuer is not None and issuer.active:
+            issuer.forward_op(t.micro_batch, op)
+        self.stack.append((op, call, time.perf_counter() if host.capturing else 0.0))
+
+    def _replayable(self, op: Op, args: Any, kwargs: Any) -> bool:
+        """A call that receives a KV cache changes it: rerunning it would not reproduce the
+        forward (train with use_cache=False). Such calls keep their activations."""
+        for v in pytree.tree_leaves((args, kwargs)):
+            if v is not None and not isinstance(v, (torch.Tensor, int, float, bool, str)) \
+                    and "cache" in type(v).__name__.lower():
+                if op.name not in self.warned:
+                    self.warned.add(op.name)
+                    log.warning("bagualu: %s receives a %s; its activations are kept instead "
+                                "of recomputed (train with use_cache=False)", op.qualname,
+                                type(v).__name__)
+                return False
+        return True
+
+    def leave(self, op: Op, out: Any) -> bool:
+        """``op`` returned ``out``; False when it was not the innermost operator entered."""
+        host = self.host
+        t = host.tracker
+        if not self.stack or self.stack[-1][0] is not op:
+            return False
+        _, call, t0 = self.stack.pop()
+        if t.scope and t.scope[-1] is op:
+            t.scope.pop()
+        if call is not None:
+            call.close(out, t.packs_seen)
+            if t.calls and t.calls[-1] is call:
+                t.calls.pop()
+        if t.light is None:
+            t.note_output(out, op, call=call)
+        if host.capturing:
+            host.op_time(op.name, (time.perf_counter() - t0) * 1e3 / max(self.layers, 1))
+        return True
+
+    def op_order(self, names: Sequence[str]) -> List[str]:
+        """Operator names in the order of their first call in the capture (never-called
+        operators are left out)."""
+        return sorted((n for n in names if n in self.order), key=self.order.__getitem__)
