@@ -2,7 +2,9 @@
 //   EmbeddedGovernor  the planner in-process (no daemon),
 //   RemoteGovernor    bgl-governord over its unix socket (short deadlines, reconnect, re-register).
 // Remote with an embedded fallback is the training process's policy and lives in one place, the
-// Python package (bagualu/governor.py); docs/operations.md, "One fallback", says why.
+// Python package (bagualu/planning/governor.py); docs/operations.md, "One fallback", says why,
+// and "Failed calls" is the table both clients follow. These C++ clients serve the tests,
+// benchmarks and tools.
 // Session ids are opaque handles owned by the implementation that returned them. Every call
 // returns a bgl::Status/Result whose message names the offending field on bad input.
 #pragma once

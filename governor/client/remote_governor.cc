@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <random>
 #include <set>
 
 #include "governor/common/convert.h"
@@ -17,10 +18,7 @@ constexpr int kMaxMessageBytes = 32 << 20;
 
 Status Unavailable(std::string msg) { return {StatusCode::kUnavailable, std::move(msg)}; }
 
-bool UnknownSession(const grpc::Status& s) {
-  return s.error_code() == grpc::StatusCode::NOT_FOUND &&
-         s.error_message().rfind("session_id", 0) == 0;
-}
+bool MarksDown(Failure f) { return f == Failure::kOutage || f == Failure::kQuota; }
 
 }  // namespace
 
@@ -69,12 +67,15 @@ Result<SessionInfo> RemoteGovernor::Register(const Registration& registration) {
   SetDeadline(ctx, options_.register_deadline);
   grpc::Status s = stub_->Register(&ctx, req, &resp);
   if (!s.ok()) {
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) MarkDown();
+    // The caller holds no handle to retry: only an outage concerns the other sessions.
+    if (ClassifyFailure(s) == Failure::kOutage) MarkDown();
     return FromGrpcStatus(s);
   }
-  connected_.store(true, std::memory_order_release);
-  std::lock_guard<std::mutex> lock(mu_);
-  sessions_[resp.session_id()] = Entry{registration, resp.session_id(), true};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_[resp.session_id()] = Entry{registration, resp.session_id(), true};
+  }
+  SetConnected();
   return SessionInfoFromProto(resp);
 }
 
@@ -106,20 +107,41 @@ Result<std::string> RemoteGovernor::Resolve(const std::string& handle) const {
   return it->second.daemon_id;
 }
 
+bool RemoteGovernor::WaitReady(const std::string& handle, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, timeout, [&] {
+    auto it = sessions_.find(handle);
+    return stopping_ || (connected() && it != sessions_.end() && !it->second.daemon_id.empty());
+  }) && !stopping_;
+}
+
 void RemoteGovernor::MarkDown() {
-  connected_.store(false, std::memory_order_release);
   {
     std::lock_guard<std::mutex> lock(mu_);
+    connected_.store(false, std::memory_order_release);
+    for (auto& [handle, entry] : sessions_) {
+      if (!entry.daemon_id.empty()) stale_.push_back(entry.daemon_id);
+      entry.daemon_id.clear();
+    }
     wake_ = true;
   }
   cv_.notify_all();
 }
 
+void RemoteGovernor::SetConnected() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    connected_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();  // WaitReady
+}
+
 Status RemoteGovernor::OnFailure(const std::string& handle, const grpc::Status& s) {
-  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+  const Failure f = ClassifyFailure(s);
+  if (MarksDown(f)) {
     MarkDown();
-  } else if (UnknownSession(s)) {
-    // The daemon restarted between two calls: register again in the background.
+  } else if (f == Failure::kLostSession) {
+    // The daemon restarted between two calls: register again now, in the background.
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = sessions_.find(handle);
@@ -127,9 +149,8 @@ Status RemoteGovernor::OnFailure(const std::string& handle, const grpc::Status& 
       wake_ = true;
     }
     cv_.notify_all();
-    return Unavailable("governor: daemon lost session '" + handle + "'; re-registering");
   }
-  return FromGrpcStatus(s);
+  return FailureStatus(f, s);
 }
 
 Result<plan::Plan> RemoteGovernor::Plan(const std::string& session_id,
@@ -206,14 +227,11 @@ Status RemoteGovernor::Unregister(const std::string& session_id) {
   req.set_session_id(daemon_id);
   pb::UnregisterResponse resp;
   grpc::ClientContext ctx;
-  SetDeadline(ctx, options_.register_deadline);
-  grpc::Status s = stub_->Unregister(&ctx, req, &resp);
-  // The daemon forgetting the session already (restart, reaping) is not an error here.
-  if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND ||
-      s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    return OkStatus();
-  }
-  return FromGrpcStatus(s);
+  SetDeadline(ctx, options_.deadline);
+  // Any failure is ignored, as the Python client does at close: the daemon forgot the session
+  // already (restart), or reaps it when this process exits.
+  (void)stub_->Unregister(&ctx, req, &resp);
+  return OkStatus();
 }
 
 bool RemoteGovernor::RegisterEntry(const std::string& handle) {
@@ -231,31 +249,56 @@ bool RemoteGovernor::RegisterEntry(const std::string& handle) {
   SetDeadline(ctx, options_.register_deadline);
   grpc::Status s = stub_->Register(&ctx, req, &resp);
   if (!s.ok()) {
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-      connected_.store(false, std::memory_order_release);
-      return false;
-    }
-    return true;  // rejected for good (limits): stay embedded for this session
+    // Refused, or over a daemon limit: a retry would meet the same, so this session stays
+    // with the caller's embedded planner. Anything else is retried after the backoff.
+    return !RetryRegistration(ClassifyFailure(s));
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(handle);
-  if (it == sessions_.end()) return true;  // unregistered meanwhile; the daemon reaps it later
-  it->second.daemon_id = resp.session_id();
-  it->second.registered_once = true;
-  if (was_registered) reregistrations_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(handle);
+    if (it == sessions_.end()) {
+      stale_.push_back(resp.session_id());  // unregistered meanwhile: end it below
+      return true;
+    }
+    it->second.daemon_id = resp.session_id();
+    it->second.registered_once = true;
+    if (was_registered) reregistrations_.fetch_add(1);
+  }
+  cv_.notify_all();  // WaitReady
   return true;
+}
+
+std::chrono::milliseconds RemoteGovernor::Jittered(std::chrono::milliseconds nominal) {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const double f = 1.0 - std::clamp(options_.backoff_jitter, 0.0, 0.99) * u(rng);
+  return std::chrono::milliseconds(static_cast<int64_t>(static_cast<double>(nominal.count()) * f));
+}
+
+void RemoteGovernor::EndStaleSessions() {
+  std::vector<std::string> stale;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stale.swap(stale_);
+  }
+  for (const std::string& id : stale) {
+    pb::UnregisterRequest req;
+    req.set_session_id(id);
+    pb::UnregisterResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, options_.deadline);
+    (void)stub_->Unregister(&ctx, req, &resp);  // NOT_FOUND after a restart: nothing to end
+  }
 }
 
 void RemoteGovernor::ReconnectLoop() {
   std::chrono::milliseconds backoff = options_.min_backoff;
-  std::map<std::string, bool> rejected;  // handles the daemon refused; not retried
+  std::set<std::string> rejected;  // handles the daemon refused; not retried
   for (;;) {
-    std::vector<std::string> pending;
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto needs_work = [&] {
-        if (!connected()) return true;
+        if (!connected() || !stale_.empty()) return true;
         for (const auto& [handle, entry] : sessions_) {
           if (entry.daemon_id.empty() && !rejected.count(handle)) return true;
         }
@@ -268,49 +311,49 @@ void RemoteGovernor::ReconnectLoop() {
         continue;
       }
       if (stopping_) return;
+    }
+    if (!connected()) {
+      // A daemon that failed is retried after the backoff delay, with one cheap call first.
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (cv_.wait_for(lock, Jittered(backoff), [&] { return stopping_; })) return;
+      }
+      pb::ListSessionsRequest req;
+      pb::ListSessionsResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_wait_for_ready(true);
+      SetDeadline(ctx, options_.probe_deadline);
+      if (!stub_->ListSessions(&ctx, req, &resp).ok()) {
+        backoff = std::min(backoff * 2, options_.max_backoff);
+        continue;
+      }
+    }
+    std::vector<std::string> pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
       for (const auto& [handle, entry] : sessions_) {
         if (entry.daemon_id.empty() && !rejected.count(handle)) pending.push_back(handle);
       }
     }
     bool ok = true;
-    if (!connected()) {
-      // Probe: wait for the channel to connect (bounded), then ask a cheap question.
-      pb::ListSessionsRequest req;
-      pb::ListSessionsResponse resp;
-      grpc::ClientContext ctx;
-      ctx.set_wait_for_ready(true);
-      SetDeadline(ctx, std::max(backoff, std::chrono::milliseconds(20)));
-      ok = stub_->ListSessions(&ctx, req, &resp).ok();
-      if (ok) {
-        // Sessions the daemon no longer knows (it restarted) are registered again below.
-        std::set<std::string> known;
-        for (const auto& s : resp.sessions()) known.insert(s.session_id());
-        std::lock_guard<std::mutex> lock(mu_);
-        for (auto& [handle, entry] : sessions_) {
-          if (!entry.daemon_id.empty() && !known.count(entry.daemon_id)) {
-            entry.daemon_id.clear();
-            pending.push_back(handle);
-          }
-        }
-      }
-    }
     for (size_t i = 0; ok && i < pending.size(); ++i) {
       if (!RegisterEntry(pending[i])) {
         ok = false;
       } else if (DaemonSessionId(pending[i]).empty()) {
-        rejected[pending[i]] = true;
+        rejected.insert(pending[i]);
       }
     }
-    if (ok) {
-      connected_.store(true, std::memory_order_release);
-      backoff = options_.min_backoff;
+    if (!ok) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        connected_.store(false, std::memory_order_release);
+      }
+      backoff = std::min(backoff * 2, options_.max_backoff);
       continue;
     }
-    connected_.store(false, std::memory_order_release);
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, backoff, [&] { return stopping_; });
-    if (stopping_) return;
-    backoff = std::min(backoff * 2, options_.max_backoff);
+    EndStaleSessions();  // after the new registrations: the model is never without a session
+    backoff = options_.min_backoff;
+    SetConnected();
   }
 }
 

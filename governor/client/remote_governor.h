@@ -1,8 +1,12 @@
-// RemoteGovernor: the Governor interface over gRPC to bgl-governord (normally its unix socket).
-// Planning calls use a short deadline (20 ms by default) and fail fast while the daemon is
-// down; a background thread reconnects with exponential backoff and re-registers every session
-// after a daemon restart, so the handles callers hold keep working (old -> new id mapping).
-// Also exposes the read-side RPCs (health, sessions, watch, snapshot) for tools.
+// RemoteGovernor: the Governor interface over gRPC to bgl-governord (normally its unix socket),
+// for the C++ tests and benchmarks (and the read side of tools). Training plans through the
+// Python package's client (bagualu/planning/governor.py); both follow one table of what each
+// failed call does, docs/operations.md "Failed calls", checked against the same cases
+// (tests/governor_client_cases.json) on both sides. Planning calls use a short deadline and fail
+// fast while the daemon is down (the caller answers them with its embedded planner,
+// AnswerInProcess); a background thread retries with jittered exponential backoff and registers
+// every session again once the daemon answers (the handles callers hold keep working; the
+// sessions held before an outage are ended), at once for a session the daemon lost.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -16,8 +20,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "bagualu/v1/governor.grpc.pb.h"
+#include "governor/client/failure.h"
 #include "governor/client/governor.h"
 
 namespace bgl::gov {
@@ -30,17 +36,20 @@ inline constexpr const char* kDefaultGovernorAddress = "unix:///run/bagualu/gove
 std::string GovernorAddressFromEnv();
 
 // A channel to the daemon with the message-size limits and reconnect backoff the clients use.
-std::shared_ptr<grpc::Channel> MakeGovernorChannel(const std::string& address,
-                                                   std::chrono::milliseconds max_backoff =
-                                                       std::chrono::milliseconds(1000));
+std::shared_ptr<grpc::Channel> MakeGovernorChannel(
+    const std::string& address,
+    std::chrono::milliseconds max_backoff = std::chrono::milliseconds(1000));
 
+// The defaults are the Python client's (docs/operations.md, "Failed calls").
 struct RemoteOptions {
   std::string address = kDefaultGovernorAddress;
-  std::chrono::microseconds deadline{20000};                // Plan, PlanAfterGate, Report
-  std::chrono::milliseconds register_deadline{2000};        // Register, Unregister, re-register
-  std::chrono::milliseconds min_backoff{10};                // reconnect probing
-  std::chrono::milliseconds max_backoff{1000};
-  bool reconnect = true;  // false: no background thread (tools)
+  std::chrono::microseconds deadline{500000};         // Plan, PlanAfterGate, Report, Unregister
+  std::chrono::milliseconds register_deadline{2000};  // Register, re-register
+  std::chrono::milliseconds probe_deadline{50};       // the retry's first call (ListSessions)
+  std::chrono::milliseconds min_backoff{100};         // the first retry after an outage
+  std::chrono::milliseconds max_backoff{2000};        // the delay doubles up to this
+  double backoff_jitter = 0.2;  // each delay is drawn from [1 - jitter, 1] x the nominal one
+  bool reconnect = true;        // false: no background thread (tools)
 };
 
 class RemoteGovernor : public Governor {
@@ -51,8 +60,7 @@ class RemoteGovernor : public Governor {
   RemoteGovernor& operator=(const RemoteGovernor&) = delete;
 
   Result<SessionInfo> Register(const Registration& registration) override;
-  Result<plan::Plan> Plan(const std::string& session_id,
-                          const plan::SchedulePoint& point) override;
+  Result<plan::Plan> Plan(const std::string& session_id, const plan::SchedulePoint& point) override;
   Result<plan::Plan> PlanAfterGate(const std::string& session_id,
                                    const GateObservation& gate) override;
   Status Report(const std::string& session_id, const Consumption& consumption) override;
@@ -63,8 +71,10 @@ class RemoteGovernor : public Governor {
   std::string RegisterWhenAvailable(const Registration& registration);
   // The daemon's current id for a handle ("" while not registered there).
   std::string DaemonSessionId(const std::string& handle) const;
-  // True while the daemon answers (false after UNAVAILABLE until the reconnect succeeds).
+  // True while the daemon answers (false after an outage until the retry registers again).
   bool connected() const { return connected_.load(std::memory_order_acquire); }
+  // Waits up to `timeout` until the daemon answers and `handle` is registered with it.
+  bool WaitReady(const std::string& handle, std::chrono::milliseconds timeout);
   // Number of successful re-registrations after daemon restarts (for tests and logs).
   uint64_t reregistrations() const { return reregistrations_.load(); }
 
@@ -89,10 +99,15 @@ class RemoteGovernor : public Governor {
   };
   // The daemon id for a handle, or an error (unknown handle, or not registered yet).
   Result<std::string> Resolve(const std::string& handle) const;
-  // Records a failed RPC: UNAVAILABLE marks the daemon down, an unknown session marks the
-  // handle for re-registration. Returns the Status to give the caller.
+  // Records a failed planning call as the table says (an outage or the quota marks the daemon
+  // down, a lost session is registered again at once). Returns the Status to give the caller.
   Status OnFailure(const std::string& handle, const grpc::Status& status);
+  // The daemon is down: every session registers again once it answers; the ids it held are
+  // ended then (the daemon may still hold them, e.g. after a missed deadline).
   void MarkDown();
+  void SetConnected();
+  std::chrono::milliseconds Jittered(std::chrono::milliseconds nominal);
+  void EndStaleSessions();
   void ReconnectLoop();
   bool RegisterEntry(const std::string& handle);
   void SetDeadline(grpc::ClientContext& ctx, std::chrono::microseconds d) const;
@@ -103,6 +118,7 @@ class RemoteGovernor : public Governor {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, Entry> sessions_;  // handle -> registration and current daemon id
+  std::vector<std::string> stale_;         // daemon ids held before an outage, to end
   uint64_t next_pending_ = 0;
   bool stopping_ = false;
   bool wake_ = false;

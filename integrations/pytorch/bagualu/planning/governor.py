@@ -3,7 +3,9 @@ deadlines, or the embedded planner (libbgl_planner.so) when no daemon answers in
 way the same calls: register, plan, plan_after_gate, report, reset_iteration, close.
 
 While the daemon is unreachable, plan points retry it with exponential backoff (Backoff) and,
-once it answers, register the same model again; nothing waits on the daemon in between."""
+once it answers, register the same model again (and end the session held before); nothing
+waits on the daemon in between. What each failed call does is one table, docs/operations.md
+"Failed calls", which the C++ RemoteGovernor follows too (tests/governor_client_cases.json)."""
 from __future__ import annotations
 
 import logging
@@ -69,6 +71,9 @@ class Governor:
         self.clock = clock
         self._retry_at = math.inf  # when a plan point may next try the daemon
         self.registrations = 0     # successful registrations with a daemon (first and again)
+        # The session held when the daemon failed, which it may still hold (a missed deadline,
+        # an internal error): ended once registered again, so one model has one session.
+        self._stale_session = ""
         # The node's arbitration (issue 14): this process's pinned host grant and its share of
         # its host link's bandwidth, as the daemon last said; None: no grant (no daemon yet).
         self.grant: Optional[int] = None
@@ -130,6 +135,12 @@ class Governor:
         self.registrations += 1
         self.backoff.reset()
         self._retry_at = math.inf
+        if self._stale_session:
+            stale, self._stale_session = self._stale_session, ""
+            try:
+                remote.end_session(stale)
+            except Exception as e:  # NOT_FOUND after a restart: nothing to end
+                log.debug("bagualu: ending the old session %s: %s", stale, _short(e))
 
     def _registration_failed(self, error: Exception, first: bool) -> None:
         kind, text = error_kind(error)
@@ -197,6 +208,7 @@ class Governor:
                     self._to_embedded(f"{self.address} does not know session "
                                       f"{self.remote.session_id} (restarted?)", 0.0)
                 elif kind in ("outage", "quota"):
+                    self._stale_session = self.remote.session_id
                     self._to_embedded(f"{self.address} is unavailable ({_short(e)})",
                                       self.backoff.next_delay())
                 else:

@@ -175,9 +175,14 @@ class RemoteGovernor:
 
     def unregister(self) -> None:
         if self.session_id:
-            self.stub.Unregister(self.pb.UnregisterRequest(session_id=self.session_id),
-                                 timeout=self.deadline)
+            self.end_session(self.session_id)
             self.session_id = ""
+
+    def end_session(self, session_id: str) -> None:
+        """Ends a session of this process on the daemon (this one, or the one held before an
+        outage, which the daemon may still hold)."""
+        self.stub.Unregister(self.pb.UnregisterRequest(session_id=session_id),
+                             timeout=self.deadline)
 
     def close(self) -> None:
         self.channel.close()
