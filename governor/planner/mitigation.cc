@@ -8,6 +8,7 @@
 
 #include "base/units.h"
 #include "governor/planner/layer_search.h"
+#include "governor/planner/operator_dp.h"
 
 namespace bgl::plan {
 
@@ -193,6 +194,10 @@ MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double bu
 
   if (options.refine) Refine(eval, r, budget, options, partners, result);
   if (trajectory && options.refine) trajectory->push_back(result.assignment);
+  // The local search may have changed the fallback's plan: then it is no full recompute.
+  if (result.fallback_full_recompute && result.refinements > 0) {
+    result.fallback_full_recompute = result.assignment == FullRecompute(eval);
+  }
   result.fits = result.cost.device_bytes <= budget;
   return result;
 }
@@ -203,6 +208,23 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
   if (!(budget >= m0)) {
     return InvalidArgument("budget " + FormatBytes(budget) + " is below M0 = " + FormatBytes(m0) +
                            " (activation memory under full recompute); no plan can meet it");
+  }
+  const size_t n = eval.graph().ops.size();
+  if (options.fast && n <= static_cast<size_t>(options.max_dp_ops)) {
+    // The anytime path's first answer (issue 23): the operator DP alone, on a small front.
+    std::optional<OperatorDpResult> dp = OperatorDp(
+        eval, r, budget, std::numeric_limits<double>::infinity(), options, options.fast_dp_states);
+    if (dp) {
+      MitigationResult quick;
+      quick.budget = budget;
+      quick.assignment = std::move(dp->assignment);
+      quick.cost = eval.Evaluate(quick.assignment, r);
+      quick.from_operator_dp = true;
+      quick.exact = dp->exact;
+      quick.first_answer = !dp->exact;
+      quick.fits = quick.cost.device_bytes <= budget;
+      return quick;
+    }
   }
   MitigationResult result = GreedyMitigation(eval, r, budget, options, nullptr);
   // The greedy is the bound: the layer search's answer replaces it only when it is cheaper. A
@@ -224,6 +246,32 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
         }
       }
     }
+  }
+  // The operator DP (operator_dp.h) over the whole chunk, below the best answer so far: exact
+  // while its fronts stay under their cap, so the copy windows fill across layers and operators.
+  if (options.operator_dp && result.cost.exposed_s > 0 &&
+      n <= static_cast<size_t>(options.max_dp_ops)) {
+    std::optional<OperatorDpResult> dp =
+        OperatorDp(eval, r, budget, result.cost.exposed_s, options);
+    if (dp) {
+      MitigationResult alt = result;
+      alt.assignment = std::move(dp->assignment);
+      alt.cost = eval.Evaluate(alt.assignment, r);
+      alt.refinements = 0;
+      if (!dp->exact && options.refine) {
+        Refine(eval, r, budget, options, FindPartners(eval.graph()), alt);
+      }
+      if (!alt.cost.conflict && alt.cost.device_bytes <= budget &&
+          options.HostFits(alt.cost.host_bytes) && alt.cost.exposed_s < result.cost.exposed_s) {
+        result = std::move(alt);
+        result.fallback_full_recompute = false;
+        result.from_layer_search = false;
+        result.from_operator_dp = true;
+      }
+      result.exact = dp->exact;  // nothing cheaper than the answer exists
+    }
+  } else if (result.cost.exposed_s <= 0) {
+    result.exact = true;
   }
   result.fits = result.cost.device_bytes <= budget;
   return result;

@@ -30,6 +30,17 @@ struct MitigationOptions {
   // Chunks with more operators skip the layer search (its greedy runs per layer would take
   // several times the greedy's own time; a plan deadline would then refuse the plan).
   int max_layer_search_ops = 256;
+  // After the greedy and the layer search, the operator DP (operator_dp.h) searches the whole
+  // chunk below their answer; exact while its fronts stay under dp_states labels per cut.
+  bool operator_dp = true;
+  int dp_states = 512;
+  // Chunks with more operators skip the operator DP.
+  int max_dp_ops = 1024;
+  // The anytime path's first answer (issue 23): only the operator DP with fronts of
+  // fast_dp_states labels (no greedy, no layer search, no local search); the planner refines it
+  // off the critical path (StagePlanner::RefinePending).
+  bool fast = false;
+  int fast_dp_states = 24;
   // Pinned host bytes the assignment may offload (the session's grant, issue 14); negative: no
   // limit. Offload candidates that would pass it are unavailable, so less host means more
   // recompute/FP8.
@@ -67,13 +78,17 @@ struct MitigationResult {
   int rejected_conflicts = 0;
   int refinements = 0;             // switches made by the local search
   bool from_layer_search = false;  // the layer search beat the greedy
+  bool from_operator_dp = false;   // the operator DP beat both
+  bool exact = false;              // proven optimal (the operator DP's fronts were never cut)
+  bool first_answer = false;       // the anytime path's quick answer (options.fast), not exact
 };
 
 // Every operator with something to drop set to recompute: memory M0.
 Assignment FullRecompute(const CostEvaluator& eval);
 
-// Selects strategies so the micro-batch fits `budget` bytes at load factor r. A budget below M0
-// is an error: nothing can meet it.
+// Selects strategies so the micro-batch fits `budget` bytes at load factor r: the greedy, then the
+// layer search and the operator DP below its answer, the cheapest wins. A budget below M0 is an
+// error: nothing can meet it.
 Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, double budget,
                                           const MitigationOptions& options = {});
 

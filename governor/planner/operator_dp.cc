@@ -1,0 +1,379 @@
+#include "governor/planner/operator_dp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace bgl::plan {
+
+namespace {
+
+// What the decided operators contribute. `mem` excludes the always retained tensors (M0).
+struct Terms {
+  double mem = 0;
+  double local = 0;  // recompute + FP8 seconds
+  double d2h = 0;
+  double h2d = 0;
+  double host = 0;
+};
+
+struct Label {
+  Terms terms;
+  uint64_t sig = 0;  // 3 bits per open tensor: saver strategy code (2 bits), needed bit
+  int parent = -1;
+  Strategy strategy = Strategy::kKeep;
+};
+
+constexpr int kSlotBits = 3;
+constexpr int kMaxSlots = 64 / kSlotBits;  // 21
+constexpr uint8_t kNeeded = 4;
+
+uint8_t Code(Strategy s) {
+  switch (s) {
+    case Strategy::kKeep:
+      return 1;
+    case Strategy::kOffload:
+      return 2;
+    case Strategy::kFp8:
+      return 3;
+    case Strategy::kRecompute:
+      return 0;
+  }
+  return 0;
+}
+
+// The graph's costs at one load factor, and for every cut the tensors open there.
+class Problem {
+ public:
+  Problem(const CostEvaluator& eval, double r, const MitigationOptions& options)
+      : g_(eval.graph()) {
+    const HardwareProfile& hw = eval.hw();
+    const size_t n = g_.ops.size(), nt = g_.tensors.size();
+    tensors_.resize(nt);
+    std::vector<int> last_touch(nt, -1);
+    for (size_t t = 0; t < nt; ++t) {
+      const SavedTensor& x = g_.tensors[t];
+      TensorCost& y = tensors_[t];
+      const double b = x.Bytes(r);
+      y.bytes = b;
+      y.fp8_bytes = CostEvaluator::Fp8Bytes(b, x.dtype);
+      y.fp8_s = 2 * hw.fp8_cast.Time(b);
+      y.d2h_s = hw.offload.Time(b);
+      y.h2d_s = hw.reload.Time(b);
+      y.skip = x.block_input;
+      y.saved = !x.savers.empty();
+      y.always_retained = x.block_input || x.producer < 0;
+      for (int s : x.savers) last_touch[t] = std::max(last_touch[t], s);
+    }
+    ops_.resize(n);
+    for (size_t o = 0; o < n; ++o) {
+      const Operator& op = g_.ops[o];
+      OpInfo& info = ops_[o];
+      info.forward_s = op.ForwardTime(r);
+      for (Strategy s : kAllStrategies) {
+        if (options.Permits(s) && eval.Allowed(static_cast<int>(o), s)) info.choices.push_back(s);
+      }
+      for (int t : op.saves) {
+        if (!tensors_[t].skip) info.saves.push_back(t);
+      }
+      for (int t : op.inputs) {
+        if (!tensors_[t].always_retained) info.inputs.push_back(t);
+        last_touch[t] = std::max(last_touch[t], static_cast<int>(o));
+      }
+    }
+    for (size_t t = 0; t < nt; ++t) {
+      if (tensors_[t].skip) continue;
+      const int p = g_.tensors[t].producer;
+      if (p >= 0) {
+        ops_[p].outputs.push_back(static_cast<int>(t));
+      } else if (tensors_[t].saved) {
+        externals_.push_back(static_cast<int>(t));
+      }
+    }
+    // open[c]: tensors produced before operator c (or outside the chunk) and touched at or
+    // after it; the slots of the signature at cut c.
+    open_.resize(n + 1);
+    for (size_t c = 0; c <= n; ++c) {
+      for (size_t t = 0; t < nt; ++t) {
+        if (tensors_[t].skip) continue;
+        const int p = g_.tensors[t].producer;
+        if (p < static_cast<int>(c) && last_touch[t] >= static_cast<int>(c)) {
+          open_[c].push_back(static_cast<int>(t));
+        }
+      }
+      max_open_ = std::max(max_open_, open_[c].size());
+    }
+    forward_s_ = g_.ForwardTime(r);
+    backward_s_ = g_.BackwardTime(r);
+  }
+
+  struct TensorCost {
+    double bytes = 0, fp8_bytes = 0, fp8_s = 0, d2h_s = 0, h2d_s = 0;
+    bool skip = false;  // a block input: always on device, whatever its savers do
+    bool saved = false;
+    bool always_retained = false;
+  };
+  struct OpInfo {
+    double forward_s = 0;
+    std::vector<Strategy> choices;
+    std::vector<int> saves;    // saved tensors that strategies move
+    std::vector<int> inputs;   // inputs a rerun must regenerate unless retained
+    std::vector<int> outputs;  // tensors it produces (placement final once it is decided)
+  };
+
+  double Overhead(const Terms& t) const {
+    return t.local + std::max(0.0, t.d2h - forward_s_) + std::max(0.0, t.h2d - backward_s_);
+  }
+  // Adds the placement of tensor t with saver code `m` (1 keep, 2 offload, 3 FP8).
+  void Place(int t, uint8_t m, Terms& terms) const {
+    const TensorCost& y = tensors_[t];
+    if (m == 1) {
+      terms.mem += y.bytes;
+    } else if (m == 2) {
+      terms.d2h += y.d2h_s;
+      terms.h2d += y.h2d_s;
+      terms.host += y.bytes;
+    } else if (m == 3) {
+      terms.mem += y.fp8_bytes;
+      terms.local += y.fp8_s;
+    }
+  }
+
+  const StageGraph& g_;
+  std::vector<TensorCost> tensors_;
+  std::vector<OpInfo> ops_;
+  std::vector<int> externals_;
+  std::vector<std::vector<int>> open_;
+  size_t max_open_ = 0;
+  double forward_s_ = 0, backward_s_ = 0;
+};
+
+bool Dominates(const Terms& a, const Terms& b, bool with_host) {
+  return a.mem <= b.mem && a.local <= b.local && a.d2h <= b.d2h && a.h2d <= b.h2d &&
+         (!with_host || a.host <= b.host);
+}
+
+// Keeps, per signature, the labels no other label of that signature dominates. Past `cap`
+// labels in all, each signature's labels are thinned on a grid of bytes and D2H seconds: each
+// cell keeps its cheapest label and its least-bytes one. Returns false when it thinned.
+bool Reduce(std::vector<Label>& labels, const Problem& p, double mem_limit, bool with_host,
+            size_t cap) {
+  std::sort(labels.begin(), labels.end(), [](const Label& a, const Label& b) {
+    if (a.sig != b.sig) return a.sig < b.sig;
+    if (a.terms.mem != b.terms.mem) return a.terms.mem < b.terms.mem;
+    if (a.terms.local != b.terms.local) return a.terms.local < b.terms.local;
+    if (a.terms.d2h != b.terms.d2h) return a.terms.d2h < b.terms.d2h;
+    return a.terms.h2d < b.terms.h2d;
+  });
+  constexpr size_t kExactGroup = 2048;
+  std::vector<Label> kept;
+  kept.reserve(labels.size());
+  bool exact = true;
+  for (size_t i = 0; i < labels.size();) {
+    size_t j = i;
+    while (j < labels.size() && labels[j].sig == labels[i].sig) ++j;
+    const size_t start = kept.size();
+    if (j - i <= kExactGroup) {
+      for (size_t k = i; k < j; ++k) {
+        bool dominated = false;
+        for (size_t q = start; q < kept.size() && !dominated; ++q) {
+          dominated = Dominates(kept[q].terms, labels[k].terms, with_host);
+        }
+        if (!dominated) kept.push_back(labels[k]);
+      }
+    } else {
+      exact = false;
+      kept.insert(kept.end(), labels.begin() + static_cast<long>(i),
+                  labels.begin() + static_cast<long>(j));
+    }
+    i = j;
+  }
+  labels.swap(kept);
+  if (labels.size() <= cap) return exact;
+  // Thin on a grid, coarser until the labels fit.
+  const double dm = std::max(mem_limit, 1.0);
+  const double dd = std::max(p.forward_s_, 1e-9);
+  for (int cells = 64; labels.size() > cap && cells >= 1; cells /= 2) {
+    struct Cell {
+      uint64_t sig;
+      int64_t m, d;
+      double cost;
+      int index;
+    };
+    std::vector<Cell> order(labels.size());
+    for (size_t i = 0; i < labels.size(); ++i) {
+      const Terms& t = labels[i].terms;
+      order[i] = {labels[i].sig, static_cast<int64_t>(t.mem / dm * cells),
+                  static_cast<int64_t>(std::min(t.d2h / dd, 4.0) * cells), p.Overhead(t),
+                  static_cast<int>(i)};
+    }
+    std::sort(order.begin(), order.end(), [](const Cell& a, const Cell& b) {
+      if (a.sig != b.sig) return a.sig < b.sig;
+      if (a.m != b.m) return a.m < b.m;
+      if (a.d != b.d) return a.d < b.d;
+      return a.cost < b.cost || (a.cost == b.cost && a.index < b.index);
+    });
+    std::vector<char> keep(labels.size(), 0);
+    for (size_t i = 0; i < order.size();) {
+      size_t j = i;
+      int least = order[i].index;
+      while (j < order.size() && order[j].sig == order[i].sig && order[j].m == order[i].m &&
+             order[j].d == order[i].d) {
+        if (labels[order[j].index].terms.mem < labels[least].terms.mem) least = order[j].index;
+        ++j;
+      }
+      keep[order[i].index] = 1;  // the cheapest of the cell
+      keep[least] = 1;           // and its least bytes
+      i = j;
+    }
+    size_t w = 0;
+    for (size_t i = 0; i < labels.size(); ++i) {
+      if (keep[i]) labels[w++] = labels[i];
+    }
+    labels.resize(w);
+  }
+  if (labels.size() > cap) {
+    // Still too many signatures: the cheapest stay, and the least bytes.
+    std::vector<size_t> idx(labels.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
+      return p.Overhead(labels[a].terms) < p.Overhead(labels[b].terms);
+    });
+    size_t least = 0;
+    for (size_t i = 1; i < labels.size(); ++i) {
+      if (labels[i].terms.mem < labels[least].terms.mem) least = i;
+    }
+    std::vector<char> keep(labels.size(), 0);
+    keep[least] = 1;
+    for (size_t i = 0; i + 1 < cap && i < idx.size(); ++i) keep[idx[i]] = 1;
+    size_t w = 0;
+    for (size_t i = 0; i < labels.size(); ++i) {
+      if (keep[i]) labels[w++] = labels[i];
+    }
+    labels.resize(w);
+  }
+  return false;
+}
+
+}  // namespace
+
+std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, double budget,
+                                           double bound, const MitigationOptions& options,
+                                           int max_states) {
+  const StageGraph& g = eval.graph();
+  const size_t n = g.ops.size();
+  if (n == 0) return std::nullopt;
+  const Problem p(eval, r, options);
+  if (p.max_open_ > static_cast<size_t>(kMaxSlots)) return std::nullopt;
+  const double mem_limit = budget - g.M0(r);
+  const double slack = 1e-9 * std::max(1.0, budget);
+  const bool with_host = options.host_limit_bytes >= 0;
+  const double host_limit =
+      options.host_limit_bytes + 1e-9 * std::max(1.0, options.host_limit_bytes);
+  const size_t cap =
+      static_cast<size_t>(std::max(4, max_states > 0 ? max_states : options.dp_states));
+  const Deadline* deadline = eval.deadline();
+
+  std::vector<std::vector<Label>> cuts(n + 1);
+  cuts[n].push_back({});
+  std::vector<uint8_t> val(g.tensors.size(), 0);
+  OperatorDpResult result;
+  result.exact = true;
+  for (size_t o = n; o-- > 0;) {
+    const Problem::OpInfo& op = p.ops_[o];
+    const std::vector<int>& before = p.open_[o + 1];
+    const std::vector<int>& after = p.open_[o];
+    std::vector<Label>& next = cuts[o];
+    const std::vector<Label>& prev = cuts[o + 1];
+    next.reserve(prev.size() * op.choices.size());
+    for (size_t s = 0; s < prev.size(); ++s) {
+      if (deadline != nullptr) deadline->Check();
+      const Label& from = prev[s];
+      for (Strategy choice : op.choices) {
+        for (int t : after) val[t] = 0;
+        for (int t : op.outputs) val[t] = 0;
+        for (int t : op.saves) val[t] = 0;
+        for (size_t i = 0; i < before.size(); ++i) {
+          val[before[i]] = static_cast<uint8_t>((from.sig >> (kSlotBits * i)) & 7u);
+        }
+        bool conflict = false;
+        const uint8_t code = Code(choice);
+        if (code != 0) {
+          for (int t : op.saves) {
+            const uint8_t m = val[t] & 3u;
+            if (m == 0) {
+              val[t] |= code;
+            } else if (m != code) {
+              conflict = true;
+              break;
+            }
+          }
+        }
+        if (conflict) continue;
+        Label x;
+        x.terms = from.terms;
+        bool rerun = false;
+        for (int t : op.outputs) {
+          const uint8_t m = val[t] & 3u;
+          if (p.tensors_[t].saved) {
+            p.Place(t, m, x.terms);
+            if (m == 0) rerun = true;  // dropped: every saver recomputes
+          } else if (val[t] & kNeeded) {
+            rerun = true;  // unsaved, read by an operator that reruns
+          }
+        }
+        if (rerun) {
+          x.terms.local += op.forward_s;
+          for (int u : op.inputs) val[u] |= kNeeded;
+        }
+        if (o == 0) {
+          for (int t : p.externals_) p.Place(t, val[t] & 3u, x.terms);
+        }
+        if (x.terms.mem > mem_limit + slack || (with_host && x.terms.host > host_limit) ||
+            p.Overhead(x.terms) >= bound) {
+          continue;
+        }
+        uint64_t sig = 0;
+        for (size_t i = 0; i < after.size(); ++i) {
+          sig |= static_cast<uint64_t>(val[after[i]]) << (kSlotBits * i);
+        }
+        x.sig = sig;
+        x.parent = static_cast<int>(s);
+        x.strategy = choice;
+        next.push_back(x);
+      }
+    }
+    result.states += static_cast<int>(next.size());
+    if (next.empty()) return std::nullopt;
+    if (!Reduce(next, p, mem_limit, with_host, cap)) result.exact = false;
+  }
+  // The cheapest final labels first; the first the full evaluator confirms wins (the sums above
+  // add in another order, so a label at the budget is checked again).
+  const std::vector<Label>& last = cuts[0];
+  std::vector<int> order(last.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return p.Overhead(last[a].terms) < p.Overhead(last[b].terms);
+  });
+  constexpr size_t kChecked = 8;
+  for (size_t i = 0; i < order.size() && i < kChecked; ++i) {
+    Assignment a(n, Strategy::kKeep);
+    int s = order[i];
+    for (size_t o = 0; o < n; ++o) {
+      const Label& l = cuts[o][s];
+      a[o] = l.strategy;
+      s = l.parent;
+    }
+    const AssignmentCost c = eval.Evaluate(a, r);
+    if (!c.conflict && c.device_bytes <= budget && options.HostFits(c.host_bytes)) {
+      result.assignment = std::move(a);
+      return result;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace bgl::plan

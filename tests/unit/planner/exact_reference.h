@@ -1,0 +1,55 @@
+// An exact reference for Algorithm 2 at real sizes (issue 23), written from docs/algorithms.md
+// sec. 2 without the planner's code: its own cost of an assignment (placements from the savers'
+// strategies, conflicts, the recompute closure, the FP8 and copy rooflines, the exposed copy
+// time beyond the forward and backward) and an exact search for the cheapest conflict-free
+// assignment within the budget (and host limit).
+//
+// The search is a label-setting DP over the operators, last to first: a tensor's placement is
+// final once its producer is decided (its savers run at or after it), and so is whether its
+// producer reruns. Labels that agree on what the undecided operators can still change (for every
+// tensor produced before the cut and touched after it: the strategy its decided savers agreed
+// on, and whether a rerun operator reads it) are compared by dominance on (bytes, recompute and
+// FP8 seconds, D2H seconds, H2D seconds, host bytes); a label is cut when its overhead plus a
+// lower bound of what the rest must add reaches the incumbent. Nothing is thinned, so the answer
+// is the proven optimum, or the search reports that it gave up (more than `max_labels` labels).
+// Plain functions: call from any thread.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "governor/planner/assignment.h"
+#include "governor/planner/hardware.h"
+#include "governor/planner/stage_graph.h"
+
+namespace bgl::plan::reference {
+
+// The cost of one assignment, computed from the specification.
+struct Cost {
+  double device_bytes = 0, host_bytes = 0;
+  double recompute_s = 0, fp8_s = 0, d2h_s = 0, h2d_s = 0;
+  double exposed_s = 0;
+  bool conflict = false;
+};
+Cost Evaluate(const StageGraph& g, const HardwareProfile& hw, double r, const Assignment& a);
+
+struct Options {
+  bool allow_recompute = true, allow_offload = true, allow_fp8 = true;
+  double host_limit_bytes = -1;
+  int64_t max_labels = 20'000'000;  // over all cuts; past it the search gives up
+};
+
+struct Optimum {
+  bool proven = false;  // false: gave up (too many labels)
+  bool feasible = false;
+  double exposed_s = 0;
+  Assignment assignment;
+  int64_t labels = 0;
+};
+
+// The optimum. `incumbent` (may be empty) is any assignment: when it is feasible its cost is the
+// starting bound (the search then only looks for cheaper ones, and returns it when none is).
+Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double budget,
+              const Options& options, const Assignment& incumbent = {});
+
+}  // namespace bgl::plan::reference
