@@ -37,16 +37,23 @@ echo
 echo "=== MoE training example on ${device}: keep-all, static-under, static-over and bagualu,"
 echo "    an injected 2.6x routing spike, every stage planned by the daemon"
 # BGL_DEMO_QUICK=1 (CI): the same steps with fewer iterations.
-iterations=6 wait_s=25
-if [[ ${BGL_DEMO_QUICK:-0} == 1 ]]; then iterations=3 wait_s=8; fi
+iterations=6
+if [[ ${BGL_DEMO_QUICK:-0} == 1 ]]; then iterations=3; fi
 # bagualu and static-over must finish every iteration under the spike (keep-all may run out of
 # memory: that is the point); any other failure ends the demo with a non-zero status.
 BGL_LIB_DIR=build .venv/bin/python integrations/pytorch/examples/moe_train.py --policy all \
   --device "$device" --governor "$socket" --quiet --iterations "$iterations" \
   --require-finish bagualu,static-over >"${run_dir}/example.log" 2>&1 &
 example=$!
-# While the example trains, take one dashboard frame of the daemon's view.
-sleep "$wait_s"
+# While the example trains, take one dashboard frame of the daemon's view: once a training
+# process has registered (at most two minutes; the frame says so when none has).
+for _ in $(seq 240); do
+  build/tools/bglctl/bglctl --governor "$socket" sessions --json 2>/dev/null | grep -q '"session_id"' &&
+    break
+  kill -0 "$example" 2>/dev/null || break
+  sleep 0.5
+done
+sleep 2  # a few plans into the run
 echo "=== bgl-top --once, taken while the example trains"
 build/tools/bgl-top/bgl-top --governor "$socket" --once || true
 echo
