@@ -5,6 +5,7 @@ import gc
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,3 +121,18 @@ class PlannerSpy:
         finally:
             planner.close()
         return errors
+
+
+class FakeRpcError(Exception):
+    """What grpc raises: code() and details()."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self._code = getattr(pytest.importorskip("grpc").StatusCode, code)
+        self._details = details
+
+    def code(self) -> Any:
+        return self._code
+
+    def details(self) -> str:
+        return self._details

@@ -15,7 +15,7 @@ import bagualu
 from bagualu.planning.governor import Backoff, Governor, budget_step_bytes
 from bagualu.planning.embedded import EmbeddedPlanner
 from bagualu.planning.remote import RemoteGovernor
-from conftest import require_libs, small_config, small_stage_forward
+from conftest import FakeRpcError, require_libs, small_config, small_stage_forward
 from test_torchrun import daemon, daemon_binary  # noqa: F401  (daemon: the fixture)
 
 CAPACITY = 8 << 20
@@ -443,21 +443,6 @@ def test_refused_registration_is_not_retried(model_doc, restartable, monkeypatch
     assert _messages(caplog, "governor unreachable") == []
     refusals = _messages(caplog, "refused the model")
     assert len(refusals) == 1 and "for good" in refusals[0], caplog.text
-
-
-class FakeRpcError(Exception):
-    """What grpc raises: code() and details()."""
-
-    def __init__(self, code: str, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self._code = getattr(pytest.importorskip("grpc").StatusCode, code)
-        self._details = details
-
-    def code(self) -> Any:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 def test_failed_calls_are_classified() -> None:

@@ -16,7 +16,7 @@ import bagualu
 from bagualu.planning import governor as governormod
 from bagualu.planning.governor import RETRY_MAX_S, Governor
 from bagualu.planning.remote import error_kind
-from conftest import require_libs, small_stage_forward
+from conftest import FakeRpcError as RpcError, require_libs, small_stage_forward
 
 CASES = json.loads((Path(__file__).resolve().parents[1] / "governor_client_cases.json")
                    .read_text())
@@ -28,21 +28,6 @@ FROM_DAEMON = {"from_daemon": True}  # what the fake daemon's plans are
 
 def _name(case: Dict[str, str]) -> str:
     return f"{case['code']}:{case['details'][:24]}"
-
-
-class RpcError(Exception):
-    """What grpc raises: code() and details()."""
-
-    def __init__(self, code: str, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self._code = getattr(pytest.importorskip("grpc").StatusCode, code)
-        self._details = details
-
-    def code(self) -> Any:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class FakeDaemon:
