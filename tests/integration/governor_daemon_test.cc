@@ -89,16 +89,18 @@ TEST(GovernorDaemon, SocketModeAndRoundTrips) {
   watch.set_interval_ms(10);
   watch.set_max_samples(3);
   int samples = 0;
-  ASSERT_TRUE(gov.Watch(watch, [&](const bagualu::v1::WatchResponse& r) {
-                   ++samples;
-                   EXPECT_EQ(r.gpus_size(), 1);
-                   if (r.gpus_size() == 1) {
-                     EXPECT_EQ(r.gpus(0).in_use_bytes(), 123456);
-                     EXPECT_EQ(r.gpus(0).ooms_avoided(), 2);
-                     EXPECT_EQ(r.gpus(0).processes(0).plans(), 1u);
-                   }
-                   return true;
-                 }).ok());
+  ASSERT_TRUE(gov.Watch(watch,
+                        [&](const bagualu::v1::WatchResponse& r) {
+                          ++samples;
+                          EXPECT_EQ(r.gpus_size(), 1);
+                          if (r.gpus_size() == 1) {
+                            EXPECT_EQ(r.gpus(0).in_use_bytes(), 123456);
+                            EXPECT_EQ(r.gpus(0).ooms_avoided(), 2);
+                            EXPECT_EQ(r.gpus(0).processes(0).plans(), 1u);
+                          }
+                          return true;
+                        })
+                  .ok());
   EXPECT_EQ(samples, 3);
 
   auto snap = gov.Snapshot("");
@@ -167,12 +169,12 @@ TEST(GovernorDaemon, OtherProcessesCannotTouchASession) {
 
   // Same uid, another process: may read, may not change.
   std::string out;
-  ASSERT_EQ(testing::RunProgram({BGL_PROBE, "intrude", daemon.address(), info->session_id, model},
-                                &out),
-            0)
+  ASSERT_EQ(
+      testing::RunProgram({BGL_PROBE, "intrude", daemon.address(), info->session_id, model}, &out),
+      0)
       << out;
   EXPECT_NE(out.find("seen=1"), std::string::npos) << out;
-  EXPECT_NE(out.find("plan=7"), std::string::npos) << out;        // PERMISSION_DENIED
+  EXPECT_NE(out.find("plan=7"), std::string::npos) << out;  // PERMISSION_DENIED
   EXPECT_NE(out.find("report=7"), std::string::npos) << out;
   EXPECT_NE(out.find("unregister=7"), std::string::npos) << out;
   EXPECT_TRUE(gov.Plan(info->session_id, Forward(0)).ok());
@@ -330,9 +332,8 @@ TEST(GovernorDaemon, RefusesASecondDaemonOnALiveSocket) {
   DaemonProcess daemon;
   ASSERT_TRUE(daemon.Start());
   std::string out;
-  EXPECT_EQ(testing::RunProgram({BGL_GOVERNORD, "--listen", daemon.address(), "--metrics-port",
-                                 "0"},
-                                &out),
+  EXPECT_EQ(testing::RunProgram(
+                {BGL_GOVERNORD, "--listen", daemon.address(), "--metrics-port", "0"}, &out),
             1);
   RemoteGovernor gov(Options(daemon));
   EXPECT_TRUE(gov.Health().ok());

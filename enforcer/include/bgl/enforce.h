@@ -85,10 +85,10 @@ typedef enum bgl_strategy {
 
 /* Where a tracked tensor's data is. */
 typedef enum bgl_placement {
-  BGL_PLACE_DEVICE = 0,  /* full precision on the device (possibly still being reloaded) */
-  BGL_PLACE_HOST = 1,    /* in the pinned host pool (possibly still being offloaded) */
-  BGL_PLACE_FP8 = 2,     /* on the device as e4m3 plus per-block FP32 scales */
-  BGL_PLACE_DROPPED = 3  /* freed; the recompute callback recreates it */
+  BGL_PLACE_DEVICE = 0, /* full precision on the device (possibly still being reloaded) */
+  BGL_PLACE_HOST = 1,   /* in the pinned host pool (possibly still being offloaded) */
+  BGL_PLACE_FP8 = 2,    /* on the device as e4m3 plus per-block FP32 scales */
+  BGL_PLACE_DROPPED = 3 /* freed; the recompute callback recreates it */
 } bgl_placement;
 
 /* Dual-batch chains and resources, numbered as the planner's Chain and Resource
@@ -112,41 +112,41 @@ typedef struct bgl_enforcer bgl_enforcer; /* opaque */
 
 /* Options of bgl_enf_create; fill with bgl_enf_default_options first. */
 typedef struct bgl_enf_options {
-  int device;               /* device whose allocator pool the enforcer uses (default 0) */
-  size_t pinned_capacity;   /* bytes of page-locked host memory (default 16 GiB) */
-  size_t fp8_block;         /* elements per FP8 scale (default 128) */
-  int max_inflight;         /* scheduled offload/reload pieces in flight at most (default 4) */
-  void* d2h_stream;         /* null: the enforcer creates (and destroys) its own */
-  void* h2d_stream;         /* null: the enforcer creates (and destroys) its own */
-  int pressure_eviction;    /* 1 (default): offload activations when an allocation would fail */
-  int log;                  /* 1: echo errors to stderr as "bgl_enf: ..." (default 0) */
+  int device;             /* device whose allocator pool the enforcer uses (default 0) */
+  size_t pinned_capacity; /* bytes of page-locked host memory (default 16 GiB) */
+  size_t fp8_block;       /* elements per FP8 scale (default 128) */
+  int max_inflight;       /* scheduled offload/reload pieces in flight at most (default 4) */
+  void* d2h_stream;       /* null: the enforcer creates (and destroys) its own */
+  void* h2d_stream;       /* null: the enforcer creates (and destroys) its own */
+  int pressure_eviction;  /* 1 (default): offload activations when an allocation would fail */
+  int log;                /* 1: echo errors to stderr as "bgl_enf: ..." (default 0) */
 } bgl_enf_options;
 
 /* Description of a saved activation for bgl_enf_register. */
 typedef struct bgl_enf_tensor_desc {
-  void* ptr;           /* device data */
-  size_t bytes;        /* size in bytes (> 0; a multiple of the element size for FP8) */
-  int dtype;           /* bgl_dtype */
-  int producer_op;     /* operator index that produced it (stage graph order) */
-  int graph_tensor;    /* tensor index in the planner's stage graph (-1: unknown) */
-  int micro_batch;     /* micro-batch id */
-  void* stream;        /* stream the producer wrote it on; casts and drops are ordered there */
-  uint32_t flags;      /* BGL_ENF_OWNED or 0 */
+  void* ptr;        /* device data */
+  size_t bytes;     /* size in bytes (> 0; a multiple of the element size for FP8) */
+  int dtype;        /* bgl_dtype */
+  int producer_op;  /* operator index that produced it (stage graph order) */
+  int graph_tensor; /* tensor index in the planner's stage graph (-1: unknown) */
+  int micro_batch;  /* micro-batch id */
+  void* stream;     /* stream the producer wrote it on; casts and drops are ordered there */
+  uint32_t flags;   /* BGL_ENF_OWNED or 0 */
 } bgl_enf_tensor_desc;
 
 /* State of one tracked tensor. */
 typedef struct bgl_enf_tensor_info {
-  int placement;        /* bgl_placement */
-  int applied;          /* bgl_strategy that moved it (KEEP: never moved) */
-  int planned;          /* bgl_strategy from bgl_enf_set_strategy */
-  int pending;          /* 1 while a copy/cast it depends on may still run */
+  int placement; /* bgl_placement */
+  int applied;   /* bgl_strategy that moved it (KEEP: never moved) */
+  int planned;   /* bgl_strategy from bgl_enf_set_strategy */
+  int pending;   /* 1 while a copy/cast it depends on may still run */
   int num_consumers, num_released;
   size_t bytes;
-  void* device_ptr;     /* null unless placement is DEVICE */
-  void* host_ptr;       /* pinned copy (placement HOST) */
-  void* fp8_ptr;        /* e4m3 data followed by the scales (placement FP8) */
-  size_t fp8_bytes;     /* bytes of the FP8 buffer (data, padding to 16, scales) */
-  int64_t need_order;   /* eviction order key: larger = needed later */
+  void* device_ptr;   /* null unless placement is DEVICE */
+  void* host_ptr;     /* pinned copy (placement HOST) */
+  void* fp8_ptr;      /* e4m3 data followed by the scales (placement FP8) */
+  size_t fp8_bytes;   /* bytes of the FP8 buffer (data, padding to 16, scales) */
+  int64_t need_order; /* eviction order key: larger = needed later */
 } bgl_enf_tensor_info;
 
 /* Counters of one enforcer. */
@@ -176,8 +176,8 @@ typedef struct bgl_enf_issue_item {
 /* Recreates a dropped tensor: run the producer again and return its data in *out_ptr (bytes of
  * the registered size, same ownership as the registration). Return 0 on success. Called at most
  * once per drop, when the tensor is first needed (schedule or acquire). */
-typedef int (*bgl_enf_recompute_fn)(uint64_t handle, int producer_op, int micro_batch,
-                                    void* user, void** out_ptr);
+typedef int (*bgl_enf_recompute_fn)(uint64_t handle, int producer_op, int micro_batch, void* user,
+                                    void** out_ptr);
 
 /* --- lifetime -------------------------------------------------------------------------------- */
 BGL_ALLOC_API void bgl_enf_default_options(bgl_enf_options* options);
@@ -210,8 +210,8 @@ BGL_ALLOC_API int bgl_enf_unregister(bgl_enforcer* enf, uint64_t handle);
 /* Test and tool support.
  * Bytes that applying `strategy` to every device-resident tensor of micro_batch (-1: all) would
  * free on the device, and how many tensors that is (either pointer may be null). */
-BGL_ALLOC_API int bgl_enf_movable(bgl_enforcer* enf, int micro_batch, int strategy,
-                                  size_t* bytes, size_t* count);
+BGL_ALLOC_API int bgl_enf_movable(bgl_enforcer* enf, int micro_batch, int strategy, size_t* bytes,
+                                  size_t* count);
 /* Eviction order key (larger = needed later; pressure eviction takes the largest first). The
  * default is micro_batch * 2^32 + (2^31 - 1 - producer_op): later micro-batches, and within one,
  * earlier operators (their backward runs last). */
@@ -259,8 +259,8 @@ BGL_ALLOC_API int bgl_enf_set_recompute_callback(bgl_enforcer* enf, bgl_enf_reco
 /* Makes the tensor resident for consumer_op (-1: any) and returns its device pointer in *ptr:
  * reloads (if not yet issued), uncasts FP8, or recomputes; `stream` is made to wait for the data.
  * Every consumer gets the same pointer. */
-BGL_ALLOC_API int bgl_enf_acquire(bgl_enforcer* enf, uint64_t handle, int consumer_op,
-                                  void* stream, void** ptr);
+BGL_ALLOC_API int bgl_enf_acquire(bgl_enforcer* enf, uint64_t handle, int consumer_op, void* stream,
+                                  void** ptr);
 /* The consumer is done (its work is queued on `stream`). When every registered consumer has
  * released (or at once when none is registered) the tensor is retired and its memory freed after
  * `stream`'s work. */

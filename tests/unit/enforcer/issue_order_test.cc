@@ -132,8 +132,8 @@ TEST(IssueOrder, HostStreamsFollowThePlansOrderAndConsumersWaitForReloads) {
     const plan::Step& s = steps[i];
     if (s.forward) {
       point.forward_micro_batch = s.micro_batch;
-      const bool pair = i + 1 < steps.size() && !steps[i + 1].forward &&
-                        s.phase == plan::Phase::kSteady;
+      const bool pair =
+          i + 1 < steps.size() && !steps[i + 1].forward && s.phase == plan::Phase::kSteady;
       if (pair) point.backward_micro_batch = steps[i + 1].micro_batch;
       i += pair ? 2 : 1;
     } else {
@@ -255,9 +255,9 @@ TEST(IssueOrder, HostStreamsFollowThePlansOrderAndConsumersWaitForReloads) {
     const int t = e.kind == Entry::kD2H ? d2h_src.at(e.src) : h2d_src.at(e.src);
     for (size_t i = 0; i < chosen.issue_order.size(); ++i) {
       const IssueItem& it = chosen.issue_order[i];
-      const bool kind_ok = e.kind == Entry::kD2H ? it.chain == Chain::kOffload
-                                                 : it.chain == Chain::kRecover &&
-                                                       it.resource == Resource::kH2D;
+      const bool kind_ok = e.kind == Entry::kD2H
+                               ? it.chain == Chain::kOffload
+                               : it.chain == Chain::kRecover && it.resource == Resource::kH2D;
       if (kind_ok && it.first <= t && t <= it.last) return static_cast<int>(i);
     }
     return -1;
