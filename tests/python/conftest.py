@@ -136,3 +136,16 @@ class FakeRpcError(Exception):
 
     def details(self) -> str:
         return self._details
+
+
+def check_torchrun(returncode: int, text: str, ranks: int = 2) -> None:
+    """Fails a torchrun run that did not exit 0, showing each rank's own lines: the rank that
+    failed first is not always the last to print."""
+    if returncode == 0:
+        return
+    parts = [f"exit status {returncode}"]
+    for r in range(ranks):
+        lines = "\n".join(ln for ln in text.splitlines() if f"[rank{r}]" in ln)
+        parts.append(f"--- rank {r}:\n{lines[-2500:]}")
+    parts.append(f"--- tail:\n{text[-2000:]}")
+    raise AssertionError("\n".join(parts))

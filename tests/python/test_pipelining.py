@@ -30,7 +30,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 import bagualu
 from bagualu.loops import accumulate, pipelining
 from bagualu.loops.schedule import interleaved_one_f_one_b, one_f_one_b
-from conftest import ROOT, require_libs, small_config
+from conftest import ROOT, check_torchrun, require_libs, small_config
 from moe_model import DriftingCorpus, MoEStage
 from moe_train import _build_stage
 from test_torchrun import _start_daemon, _stop_daemon  # noqa: F401
@@ -444,7 +444,7 @@ def _torchrun(tmp_path: Any, *extra: str) -> str:
            *extra]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
+    check_torchrun(out.returncode, text)
     return text
 
 
@@ -551,7 +551,7 @@ def _hf_pipeline(tmp_path: Any, daemon: str, schedule: str) -> str:
            "--fraction", "0.5"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
+    check_torchrun(out.returncode, text)
     return text
 
 

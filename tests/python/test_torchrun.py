@@ -14,7 +14,7 @@ from typing import List
 
 import pytest
 
-from conftest import ROOT, require_libs
+from conftest import ROOT, check_torchrun, require_libs
 from bagualu.native import libs as _lib
 
 
@@ -103,7 +103,7 @@ def test_two_stage_pipeline_against_the_daemon(daemon, tmp_path) -> None:
            "--hidden", "64", "--seq-len", "32", "--capacity", "16MiB", "--spike-every", "3"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
+    check_torchrun(out.returncode, text)
     for rank in (0, 1):
         assert f"rank {rank} finished 2 iterations governor=remote ooms=0" in text, text[-4000:]
     assert "pipeline ranks [0, 1]" in text, text[-4000:]
@@ -156,7 +156,7 @@ def test_four_ranks_share_a_small_node_budget(tmp_path) -> None:
         watcher.join(timeout=30)
         _stop_daemon(proc, log)
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
+    check_torchrun(out.returncode, text)
     found = re.findall(r"rank (\d) host grant (\d+) pinned capacity (\d+) pinned peak (\d+) "
                        r"offloads (\d+)", text)
     assert sorted(int(r[0]) for r in found) == [0, 1, 2, 3], text[-4000:]
