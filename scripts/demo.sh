@@ -48,8 +48,8 @@ example=$!
 # While the example trains, take one dashboard frame of the daemon's view: once a training
 # process has registered (at most two minutes; the frame says so when none has).
 for _ in $(seq 240); do
-  build/tools/bglctl/bglctl --governor "$socket" sessions --json 2>/dev/null | grep -q '"session_id"' &&
-    break
+  sessions=$(build/tools/bglctl/bglctl --governor "$socket" sessions --json 2>/dev/null || true)
+  [[ $sessions == *'"session_id"'* ]] && break
   kill -0 "$example" 2>/dev/null || break
   sleep 0.5
 done
