@@ -149,3 +149,18 @@ def check_torchrun(returncode: int, text: str, ranks: int = 2) -> None:
         parts.append(f"--- rank {r}:\n{lines[-2500:]}")
     parts.append(f"--- tail:\n{text[-2000:]}")
     raise AssertionError("\n".join(parts))
+
+
+@pytest.fixture(scope="module")
+def model_doc() -> Any:
+    """The planner document of the small MoE stage, captured from one real micro-batch."""
+    require_libs()
+    loss = small_stage_forward()
+    with bagualu.backward(0):
+        loss.backward()
+    bagualu.end_iteration()
+    doc = bagualu.model_document()
+    bagualu.uninstall()
+    gc.collect()
+    assert doc is not None, "the runtime did not describe the model"
+    return doc

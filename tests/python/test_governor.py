@@ -2,7 +2,6 @@
 the captured tensor sizes, with a plan-cache budget step sized from the capacity instead."""
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import subprocess
@@ -15,26 +14,12 @@ import bagualu
 from bagualu.planning.governor import Backoff, Governor, budget_step_bytes
 from bagualu.planning.embedded import EmbeddedPlanner
 from bagualu.planning.remote import RemoteGovernor
-from conftest import FakeRpcError, require_libs, small_config, small_stage_forward
+from conftest import FakeRpcError, require_libs, small_config
 from test_torchrun import daemon, daemon_binary  # noqa: F401  (daemon: the fixture)
 
 CAPACITY = 8 << 20
 
 
-@pytest.fixture(scope="module")
-def model_doc() -> Dict[str, Any]:
-    """The planner document of the small MoE stage, captured from one real micro-batch."""
-    require_libs()
-    loss = small_stage_forward()
-    rt = bagualu.current()
-    with bagualu.backward(0):
-        loss.backward()
-    bagualu.end_iteration()
-    doc = bagualu.model_document()
-    bagualu.uninstall()
-    gc.collect()
-    assert doc is not None, "the runtime did not describe the model"
-    return doc
 
 
 def _graph_bytes(doc: Dict[str, Any]) -> int:

@@ -5,18 +5,16 @@ cases (tests/integration/governor_client_cases_test.cc). Retries follow a clock 
 moves, so they happen at plan points, never by the speed of the machine."""
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
 
-import bagualu
 from bagualu.planning import governor as governormod
 from bagualu.planning.governor import RETRY_MAX_S, Governor
 from bagualu.planning.remote import error_kind
-from conftest import FakeRpcError as RpcError, require_libs, small_stage_forward
+from conftest import FakeRpcError as RpcError
 
 CASES = json.loads((Path(__file__).resolve().parents[1] / "governor_client_cases.json")
                    .read_text())
@@ -99,19 +97,6 @@ class StepClock:
         return self.now
 
 
-@pytest.fixture(scope="module")
-def model_doc() -> Dict[str, Any]:
-    """The planner document of the small MoE stage, captured from one real micro-batch."""
-    require_libs()
-    loss = small_stage_forward()
-    with bagualu.backward(0):
-        loss.backward()
-    bagualu.end_iteration()
-    doc = bagualu.model_document()
-    bagualu.uninstall()
-    gc.collect()
-    assert doc is not None
-    return doc
 
 
 @pytest.fixture

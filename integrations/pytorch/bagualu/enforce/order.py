@@ -17,7 +17,7 @@ while the training thread waits in backward()).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..vocabulary import Op
 
@@ -107,39 +107,35 @@ class PointIssuer:
 
     def forward_op(self, micro_batch: int, op: Op) -> None:
         """The forward of ``micro_batch`` enters ``op``."""
-        if micro_batch != self.forward_key or self.f_next >= len(self.f_stages) or self.issuing:
-            return
-        i = self.index.op(op)
-        if i < 0:
-            return
-        stages, start = self.f_stages, self.f_next
-        self.issuing = True
-        try:
-            while self.f_next < len(stages) and stages[self.f_next][0] <= i:
-                self.f_next += 1
-                self.enforcer.schedule_reached("F", stages[self.f_next - 1][1])
-            if self.f_next != start:  # completed offloads are looked for at stage boundaries
-                self.collect()
-        finally:
-            self.issuing = False
+        if micro_batch == self.forward_key and self.f_next < len(self.f_stages):
+            self.f_next = self._reach("F", self.f_stages, self.f_next, op,
+                                      lambda first, i: first <= i)
 
     def backward_op(self, micro_batch: int, op: Op) -> None:
         """The backward of ``micro_batch`` needs an activation ``op`` produced."""
-        if micro_batch != self.backward_key or self.b_next >= len(self.b_stages) or self.issuing:
-            return
-        i = self.index.op(op)
+        if micro_batch == self.backward_key and self.b_next < len(self.b_stages):
+            self.b_next = self._reach("B", self.b_stages, self.b_next, op,
+                                      lambda first, i: i <= first)
+
+    def _reach(self, chain: str, stages: List[Tuple[int, int]], start: int, op: Op,
+               passed: Callable[[int, int], bool]) -> int:
+        """Tells the scheduler every stage of ``chain`` compute has passed at ``op``; returns
+        the next stage not yet reached. Completed offloads are looked for at stage
+        boundaries."""
+        i = self.index.op(op) if not self.issuing else -1
         if i < 0:
-            return
-        stages, start = self.b_stages, self.b_next
+            return start
+        n = start
         self.issuing = True
         try:
-            while self.b_next < len(stages) and i <= stages[self.b_next][0]:
-                self.b_next += 1
-                self.enforcer.schedule_reached("B", stages[self.b_next - 1][1])
-            if self.b_next != start:
+            while n < len(stages) and passed(stages[n][0], i):
+                n += 1
+                self.enforcer.schedule_reached(chain, stages[n - 1][1])
+            if n != start:
                 self.collect()
         finally:
             self.issuing = False
+        return n
 
     def finish(self) -> None:
         """Issues what is left of the point's order and waits for it."""
