@@ -1,0 +1,180 @@
+"""bagualu's hot path, call by call: the CPU time of the saved-tensor hooks, of registration
+with the enforcer and of each offload, reload, FP8 cast and prefetch, on CPU tensors (the host
+backend), without a profiler: every call is timed alone with time.perf_counter_ns and the
+median (and 90th percentile) over many calls is printed.
+
+The package's own rooms are built as the runtime builds them (the simulated device's pool, the
+enforcer, the tracker) with a fixed strategy, so each call runs the code a training step runs.
+``--background`` records of other micro-batches stay tracked meanwhile, as in a pipeline with
+several micro-batches in flight: a call whose cost grows with the number of records shows it.
+Moves include their copy: the ``copy`` rows time the same bytes copied by torch alone (and the
+host twin of the FP8 cast alone, through the enforcer at ``--bytes``), so that the cost of the
+call without its copy is the difference (and the 256-byte rows have next to no copy).
+
+    BGL_LIB_DIR=build .venv/bin/python bench/python/hot_path.py [--calls 2000] [--json out.json]
+
+Sizes: ``--bytes`` (default 64 KiB, the median saved storage of examples/unmodified.py's
+train(..., width=4, seq=128) on Qwen3-MoE) and 256 bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "integrations", "pytorch"))
+
+import torch  # noqa: E402
+
+from bagualu.capture.tracker import Tracker  # noqa: E402
+from bagualu.enforce.device import DeviceMemory  # noqa: E402
+from bagualu.enforce.enforcer import Enforcer  # noqa: E402
+from bagualu.enforce.pool import DevicePool  # noqa: E402
+from bagualu.vocabulary import FP8, KEEP, OFFLOAD, Op  # noqa: E402
+
+ns = time.perf_counter_ns
+
+
+def timed(fn: Callable[[int], Any], n: int) -> List[int]:
+    """Nanoseconds of ``fn(i)`` for i in range(n), each call alone."""
+    out = [0] * n
+    gc.disable()
+    try:
+        for i in range(n):
+            t0 = ns()
+            fn(i)
+            out[i] = ns() - t0
+    finally:
+        gc.enable()
+    return out
+
+
+class Bench:
+    """The rooms of one runtime on the host backend, a strategy set per measurement."""
+
+    def __init__(self, capacity: int, background: int, nbytes: int) -> None:
+        self.cpu = torch.device("cpu")
+        self.pool = DevicePool(capacity)
+        self.memory = DeviceMemory(self.cpu, self.pool, None)
+        self.enforcer = Enforcer(self.cpu, capacity, borrowed_free_is_safe=False)
+        self.strategy = KEEP
+        self.tracker = Tracker(self.memory, self.enforcer, lambda op, mb: self.strategy)
+        self.op = Op("experts", "expert_linear", 0)
+        self.consumer = Op("act", "expert_activation", 0)
+        self.tracker.scope.append(self.op)
+        # Records of other micro-batches, tracked while the measured ones come and go.
+        self.background: List[Any] = []
+        for mb in range(1, 4):
+            self.tracker.begin_forward(100 + mb, capture=False)
+            for _ in range(background // 3):
+                self.background.append(self.tracker.pack(torch.empty(nbytes // 4)))
+        self.tracker.begin_forward(0, capture=False)
+
+    def tensors(self, n: int, nbytes: int) -> List[torch.Tensor]:
+        return [torch.empty(max(nbytes // 4, 1)).uniform_() for _ in range(n)]
+
+    def run(self, n: int, nbytes: int) -> Dict[str, List[int]]:
+        tr, enf = self.tracker, self.enforcer
+        res: Dict[str, List[int]] = {}
+        res["timer (an empty call)"] = timed(lambda i: None, n)
+
+        # The allocator's pool (every record kept on the device holds a block).
+        blocks: List[int] = [0] * n
+        res["pool alloc"] = timed(lambda i: blocks.__setitem__(i, self.pool.alloc(nbytes)), n)
+        res["pool free"] = timed(lambda i: self.pool.free(blocks[i], nbytes), n)
+
+        # Registration alone (the record's storage, its holder consumer).
+        ts = self.tensors(n, nbytes)
+        sts = [t.untyped_storage() for t in ts]
+        hs = [0] * n
+        res["Enforcer.register"] = timed(
+            lambda i: hs.__setitem__(i, enf.register(sts[i], torch.float32, 1, 0)), n)
+        res["Enforcer.offload (includes its copy)"] = timed(lambda i: enf.offload(hs[i]), n)
+        res["Enforcer.prefetch (none left to reload)"] = timed(lambda i: enf.prefetch(0), n)
+        res["Enforcer.retire"] = timed(lambda i: enf.retire(hs[i]), n)
+        del ts, sts
+
+        # The hooks under keep: a new record per storage, a second view of it, unpack, release.
+        self.strategy = KEEP
+        ts = self.tensors(n, nbytes)
+        views = [t.view(-1)[: t.numel()] for t in ts]
+        packed: List[Any] = [None] * n
+        packed2: List[Any] = [None] * n
+        res["pack, keep (new record)"] = timed(lambda i: packed.__setitem__(i, tr.pack(ts[i])), n)
+        tr.scope.append(self.consumer)
+        res["pack, keep (a view of a packed storage)"] = timed(
+            lambda i: packed2.__setitem__(i, tr.pack(views[i])), n)
+        tr.scope.pop()
+        res["unpack, kept"] = timed(lambda i: tr.unpack(packed[i]), n)
+        del ts, views
+        timed(lambda i: packed2.__setitem__(i, None), n)
+        res["release (the last holder goes)"] = timed(lambda i: packed.__setitem__(i, None), n)
+
+        # Offload at pack time, reload at unpack (each with its copy).
+        for strategy, move, back in ((OFFLOAD, "pack, offload (includes the D2H copy)",
+                                      "unpack, reload (includes the H2D copy)"),
+                                     (FP8, "pack, fp8 (includes the cast)",
+                                      "unpack, uncast (includes the cast back)")):
+            self.strategy = strategy
+            ts = self.tensors(n, nbytes)
+            res[move] = timed(lambda i: packed.__setitem__(i, tr.pack(ts[i])), n)
+            del ts
+            tr.begin_backward(0)
+            res[back] = timed(lambda i: tr.unpack(packed[i]), n)
+            timed(lambda i: packed.__setitem__(i, None), n)
+        self.strategy = KEEP
+
+        # The copies themselves: torch's copy of the same bytes.
+        src, dst = self.tensors(2, nbytes)
+        res["copy (torch, same bytes)"] = timed(lambda i: dst.copy_(src), n)
+        return res
+
+
+def summary(times: List[int], floor: float) -> Dict[str, float]:
+    s = sorted(times)
+    return {"median_us": statistics.median(s) / 1e3,
+            "p90_us": s[int(len(s) * 0.9)] / 1e3,
+            "calls": len(s)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=2000, help="calls timed per row and size")
+    ap.add_argument("--bytes", type=int, default=64 << 10, help="bytes of each saved storage")
+    ap.add_argument("--background", type=int, default=1500,
+                    help="records of other micro-batches tracked meanwhile")
+    ap.add_argument("--json", default="", help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    sizes = [args.bytes, 256]
+    capacity = 1 << 31
+    bench = Bench(capacity, args.background, args.bytes)
+    results: Dict[str, Dict[str, Dict[str, float]]] = {}
+    for nbytes in sizes:
+        bench.run(min(args.calls, 200), nbytes)  # warm-up
+        res = bench.run(args.calls, nbytes)
+        results[str(nbytes)] = {k: summary(v, 0.0) for k, v in res.items()}
+    names = list(results[str(sizes[0])])
+    head = " | ".join(f"{n} B median (p90) us" for n in sizes)
+    print(f"| call | {head} |")
+    print("| --- |" + " --- |" * len(sizes))
+    for k in names:
+        cells = " | ".join(f"{results[str(n)][k]['median_us']:.1f} "
+                           f"({results[str(n)][k]['p90_us']:.1f})" for n in sizes)
+        print(f"| {k} | {cells} |")
+    print(f"({args.calls} calls per row, {args.background} background records, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
