@@ -17,6 +17,7 @@ Not thread-safe; used once per model.
 from __future__ import annotations
 
 import fnmatch
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -56,6 +57,17 @@ class Discovery:
     op_names: List[str]                   # operator names of one planned block, module order
     kinds: Dict[str, str]                 # operator name -> kind
     skipped: List[Tuple[int, str]] = field(default_factory=list)  # (block, why) not planned
+    # Where each block sits: (container, index); the entry there is the block or a compiled
+    # wrapper of it (torch.compile(block) registered in its place).
+    slots: List[Tuple[Any, int]] = field(default_factory=list)
+
+    def entry(self, i: int) -> Any:
+        """What the model calls for block ``i``: the block, or the compiled wrapper now in
+        its place."""
+        if not self.slots:
+            return self.blocks[i]
+        container, index = self.slots[i]
+        return container[index]
 
     def describe(self) -> str:
         """The table ``bagualu.describe`` prints."""
@@ -95,44 +107,63 @@ def _resolve(model: nn.Module, path: str) -> Any:
     return obj
 
 
+def is_compiled_wrapper(m: Any) -> bool:
+    """Whether ``m`` is what torch.compile(module) returns (an OptimizedModule; none exists
+    before torch.compile imported dynamo)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(m, eval_frame.OptimizedModule)
+
+
+def unwrap(m: nn.Module) -> nn.Module:
+    """The module a compiled wrapper compiles (``m`` itself otherwise)."""
+    return m._orig_mod if is_compiled_wrapper(m) else m
+
+
 def find_blocks(model: nn.Module, layers: Layers = None) -> Tuple[str, List[nn.Module]]:
     """The repeated blocks of ``model``: those at ``layers`` (a dotted path, or a list of
     paths whose blocks are concatenated in order: the stages of one rank under an interleaved
     schedule) or, guessed, the entries of the ModuleList/Sequential with the most parameters
-    among those whose entries (at least two) share a class."""
+    among those whose entries (at least two) share a class. A block registered as its
+    compiled wrapper (torch.compile(block)) is the module it wraps."""
+    path, slots = find_slots(model, layers)
+    return path, [unwrap(c[i]) for c, i in slots]
+
+
+def find_slots(model: nn.Module, layers: Layers = None) -> Tuple[str, List[Tuple[Any, int]]]:
+    """Where the blocks of ``find_blocks`` sit: (container, index) each."""
     if isinstance(layers, (list, tuple)):
         if not layers or not all(isinstance(p, str) for p in layers):
             raise InstrumentError(f"layers={layers!r}: give a dotted path or a non-empty list "
                                   "of dotted paths")
-        blocks: List[nn.Module] = []
+        slots: List[Tuple[Any, int]] = []
         for p in layers:
-            blocks.extend(find_blocks(model, p)[1])
-        return ", ".join(layers), blocks
+            slots.extend(find_slots(model, p)[1])
+        return ", ".join(layers), slots
     if layers is not None:
         obj = _resolve(model, layers)
         if not isinstance(obj, (nn.ModuleList, nn.Sequential, list, tuple)) or \
                 not all(isinstance(m, nn.Module) for m in obj) or len(obj) == 0:
             raise InstrumentError(f"layers='{layers}' is a {type(obj).__name__}, not a "
                                   "non-empty nn.ModuleList of blocks")
-        return layers, list(obj)
-    best: Optional[Tuple[int, str, List[nn.Module]]] = None
+        return layers, [(obj, i) for i in range(len(obj))]
+    best: Optional[Tuple[int, str, Any]] = None
     for path, m in model.named_modules():
         if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
             continue
-        kids = list(m)
+        kids = [unwrap(k) for k in m]
         if len({type(k) for k in kids}) != 1 or _is_expert_list(path):
             continue
         if not any(True for _ in kids[0].children()):
             continue  # a list of leaves (e.g. per-head linears) is not a list of blocks
         size = sum(p.numel() for p in m.parameters())
         if best is None or size > best[0]:
-            best = (size, path, kids)
+            best = (size, path, m)
     if best is None:
         raise InstrumentError(
             f"{type(model).__name__}: no layers found: looked for an nn.ModuleList or "
             "nn.Sequential of at least two blocks of one class (e.g. model.model.layers); "
             "pass instrument(model, layers='path.to.blocks')")
-    return best[1], best[2]
+    return best[1], [(best[2], i) for i in range(len(best[2]))]
 
 
 def _is_expert_list(path: str) -> bool:
@@ -225,7 +256,8 @@ def find(model: nn.Module, layers: Layers = None,
         if kind not in KINDS and kind != NO_OP:
             raise InstrumentError(f"ops['{pattern}']: unknown kind '{kind}' (known: "
                                   f"{', '.join(KINDS)}, or '{NO_OP}')")
-    path, blocks = find_blocks(model, layers)
+    path, slots = find_slots(model, layers)
+    blocks = [unwrap(c[i]) for c, i in slots]
     sigs = [_signature(b) for b in blocks]
     # The longest run of consecutive blocks with one structure is planned.
     best_start, best_len, start = 0, 0, 0
@@ -282,7 +314,7 @@ def find(model: nn.Module, layers: Layers = None,
                               f"({type(blocks[planned[0]]).__name__}): looked for norms, "
                               "attention, projections, a router/gate, experts, shared experts "
                               "and MLPs; name them with ops={'path.pattern': 'kind'}")
-    return Discovery(path, blocks, planned, sites, names, kinds, skipped)
+    return Discovery(path, blocks, planned, sites, names, kinds, skipped, slots)
 
 
 def _positive_int(objs: Sequence[Any], attrs: Sequence[str]) -> Optional[int]:

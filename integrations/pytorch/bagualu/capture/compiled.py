@@ -1,0 +1,198 @@
+"""Compiled blocks: which planned blocks run under torch.compile, and how each becomes one
+operator whose entry and exit bagualu sees from outside the compiled region.
+
+Dynamo traces every module hook that runs inside a compiled region, bagualu's included (the
+scopes, producers and routers of capture/modules.py read storage pointers and call .item():
+graph breaks, extra graphs, the recompile limit). So when the planned blocks are compiled,
+their operator hooks are removed before the first compiled call and each block is entered and
+left once, in eager:
+
+- a block compiled in place (``block.compile()``, which sets nn.Module's
+  ``_compiled_call_impl`` to the compiled ``_call_impl``: the block's own hooks run inside the
+  compiled region) gets its ``_compiled_call_impl`` wrapped by ``_Entry``, which runs the
+  block's enter and leave around the compiled call (restored at uninstall);
+- a block wrapped by ``torch.compile(block)`` (an ``OptimizedModule`` in the block list, as
+  torchtitan registers them) gets forward hooks on the wrapper, whose own hooks run in eager.
+
+The compiled region is the operator ``block`` of its layer (kind ``other``): every tensor the
+compiled function hands autograd is saved by it, at the end of its forward (saved-tensor hooks
+are not traced into a compiled region; they run on the compiled function's saved tensors),
+and its strategy applies to all of them: offload and FP8 move them after the forward,
+recompute reruns the compiled block (recompute.py, RNG restored). Hooks that still run inside a
+compiled region (a block compiled after the capture, a compiled module above the blocks) return
+at once: ``eager_only``. Not thread-safe: the training thread.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..discovery.find import Discovery, is_compiled_wrapper
+from ..errors import BagualuError, InstrumentError
+
+log = logging.getLogger("bagualu")
+
+IN_PLACE = "in place"    # block.compile()
+WRAPPED = "wrapped"      # torch.compile(block) registered in the block list
+Hook = Callable[..., Any]
+
+
+def eager_only(hook: Hook) -> Hook:
+    """``hook`` where it runs in eager; a no-op where dynamo traces it (nothing of bagualu in
+    the graph: no break, no guard on bagualu's state)."""
+    def run(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return hook(*args)
+    return run
+
+
+class _Entry:
+    """A block's ``_compiled_call_impl`` with bagualu's enter and leave around it."""
+
+    __slots__ = ("block", "compiled", "pre", "post")
+
+    def __init__(self, block: nn.Module, compiled: Callable[..., Any], pre: Hook,
+                 post: Hook) -> None:
+        self.block = block
+        self.compiled = compiled
+        self.pre = pre
+        self.post = post
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.pre(self.block, args, kwargs)
+        out = self.compiled(*args, **kwargs)
+        self.post(self.block, args, out)
+        return out
+
+
+def _is_compiled(m: nn.Module) -> bool:
+    return is_compiled_wrapper(m) or m.__dict__.get("_compiled_call_impl") is not None
+
+
+class CompiledBlocks:
+    """The compiled form of one instrumented model's planned blocks (see the module
+    docstring). ``hooks(layer, module)`` gives the (pre, post) of a layer's block operator;
+    ``drop_inner()`` removes the operator hooks inside the blocks."""
+
+    def __init__(self, model: nn.Module, found: Discovery,
+                 hooks: Callable[[int], Tuple[Hook, Hook]],
+                 drop_inner: Callable[[], None], simulated_ep: bool) -> None:
+        self.model = model
+        self.found = found
+        self.hooks = hooks
+        self.drop_inner = drop_inner
+        self.simulated_ep = simulated_ep
+        self.form: Optional[str] = None            # of every planned block (None: eager)
+        self.seen: Optional[List[Optional[str]]] = None  # the forms the capture planned
+        self.handles: List[Any] = []
+        self.entries: List[Tuple[nn.Module, Callable[..., Any]]] = []  # block, its compiled
+
+    @property
+    def active(self) -> bool:
+        """Whether the planned blocks are compiled (each is one operator)."""
+        return self.form is not None
+
+    def forms(self) -> List[Optional[str]]:
+        """The compiled form of each planned block now."""
+        out: List[Optional[str]] = []
+        for bi in self.found.planned:
+            block = self.found.blocks[bi]
+            entry = self.found.entry(bi)
+            if entry is not block and is_compiled_wrapper(entry):
+                out.append(WRAPPED)
+            elif block.__dict__.get("_compiled_call_impl") is not None:
+                out.append(IN_PLACE)
+            else:
+                out.append(None)
+        return out
+
+    def refresh(self) -> bool:
+        """Before every forward: the first (the capture) installs the entries of compiled
+        blocks and says whether they are (True: each block is one operator now); later the
+        forms may not change (the planner's graph was made at the capture's granularity)."""
+        forms = self.forms()
+        if self.seen is not None:
+            if forms != self.seen:
+                changed = [self.found.planned[i] for i, (a, b) in
+                           enumerate(zip(forms, self.seen)) if a != b]
+                raise BagualuError(
+                    f"blocks {changed} of {self.found.layers_path} were compiled (or no longer "
+                    "are) after bagualu's capture, the first forward, which planned them "
+                    f"{'as one operator each' if self.form else 'by their operators'}: compile "
+                    "the blocks before the first forward, or install() and instrument() again")
+            if self.form == IN_PLACE:
+                self._rewrap()
+            return False
+        self._check_above()
+        self.seen = forms
+        kinds = set(forms)
+        if len(kinds) > 1:
+            eager = [self.found.planned[i] for i, f in enumerate(forms) if f is None]
+            raise InstrumentError(
+                f"blocks {eager} of {self.found.layers_path} are not compiled and the other "
+                "planned blocks are: the planner's layers share one operator graph; compile "
+                "every block or none")
+        form = forms[0] if forms else None
+        if form is None:
+            return False
+        if self.simulated_ep:
+            raise InstrumentError(
+                "instrument(expert_parallel=N) simulates expert parallelism with hooks inside "
+                "each block, and the blocks are compiled: real expert parallelism, or "
+                "local_experts= for a model that computes only its own experts")
+        self.form = form
+        self.drop_inner()
+        for li, bi in enumerate(self.found.planned):
+            pre, post = self.hooks(li)
+            if form == WRAPPED:
+                wrapper = self.found.entry(bi)
+                self.handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
+                self.handles.append(wrapper.register_forward_hook(post))
+            else:
+                block = self.found.blocks[bi]
+                compiled = block.__dict__["_compiled_call_impl"]
+                block._compiled_call_impl = _Entry(block, compiled, pre, post)
+                self.entries.append((block, compiled))
+        log.info("bagualu: the %d planned blocks of %s are compiled (%s): each is one "
+                 "operator ('block'); routers' load factors are not observed inside them",
+                 len(forms), self.found.layers_path, form)
+        return True
+
+    def _rewrap(self) -> None:
+        """A block compiled in place again (block.compile() once more) gets its entry back."""
+        for i, bi in enumerate(self.found.planned):
+            block = self.found.blocks[bi]
+            impl = block.__dict__.get("_compiled_call_impl")
+            if not isinstance(impl, _Entry):
+                pre, post = self.hooks(i)
+                block._compiled_call_impl = _Entry(block, impl, pre, post)
+                self.entries[i] = (block, impl)
+
+    def _check_above(self) -> None:
+        """A compiled module that holds the planned blocks traces them whole: nothing of a
+        block would be seen from outside its compiled region."""
+        planned = {self.found.blocks[bi] for bi in self.found.planned}
+        for name, m in self.model.named_modules():
+            if m in planned or not _is_compiled(m) or \
+                    (is_compiled_wrapper(m) and m._orig_mod in planned):
+                continue
+            if any(b in planned for b in m.modules()):
+                raise InstrumentError(
+                    f"'{name or type(m).__name__}' is compiled and holds the planned blocks of "
+                    f"{self.found.layers_path}: bagualu plans compiled blocks one by one; "
+                    "compile each block (block.compile() or torch.compile(block)), not the "
+                    "model")
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for block, compiled in self.entries:
+            if isinstance(block.__dict__.get("_compiled_call_impl"), _Entry):
+                block._compiled_call_impl = compiled
+        self.entries.clear()
+        self.form = None
