@@ -203,24 +203,48 @@ BGL_ALLOC_API int bgl_enf_stream_synchronize(bgl_enforcer* enf, void* stream) {
   });
 }
 
+namespace {
+
+// The C description as the tracker's, or kInvalidArgument for an unknown dtype (`fn` names the
+// C function in the message).
+Status ToDesc(const bgl_enf_tensor_desc* desc, const char* fn, TensorDesc* d) {
+  if (desc->dtype < 0 || desc->dtype > BGL_DTYPE_BYTES) {
+    return bad(Status::kInvalidArgument,
+               std::string(fn) + ": dtype " + std::to_string(desc->dtype) + " unknown");
+  }
+  d->ptr = desc->ptr;
+  d->bytes = desc->bytes;
+  d->dtype = static_cast<ElemType>(desc->dtype);
+  d->producer_op = desc->producer_op;
+  d->graph_tensor = desc->graph_tensor;
+  d->micro_batch = desc->micro_batch;
+  d->stream = desc->stream;
+  d->owned = (desc->flags & BGL_ENF_OWNED) != 0;
+  return Status::kOk;
+}
+
+}  // namespace
+
 BGL_ALLOC_API int bgl_enf_register(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
                                    uint64_t* handle) {
   return Call(enf, __func__, {desc, handle}, [&](Enforcer& e) {
-    if (desc->dtype < 0 || desc->dtype > BGL_DTYPE_BYTES) {
-      return bad(Status::kInvalidArgument,
-                 "bgl_enf_register: dtype " + std::to_string(desc->dtype) + " unknown");
-    }
     TensorDesc d;
-    d.ptr = desc->ptr;
-    d.bytes = desc->bytes;
-    d.dtype = static_cast<ElemType>(desc->dtype);
-    d.producer_op = desc->producer_op;
-    d.graph_tensor = desc->graph_tensor;
-    d.micro_batch = desc->micro_batch;
-    d.stream = desc->stream;
-    d.owned = (desc->flags & BGL_ENF_OWNED) != 0;
-    return e.register_tensor(d, handle);
+    const Status s = ToDesc(desc, "bgl_enf_register", &d);
+    return s != Status::kOk ? s : e.register_tensor(d, handle);
   });
+}
+
+BGL_ALLOC_API int bgl_enf_register_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
+                                         int64_t need_order, const int* consumers, size_t count,
+                                         uint64_t* handle) {
+  return Call(enf, __func__, {desc, handle, count > 0 ? static_cast<const void*>(consumers) : desc},
+              [&](Enforcer& e) {
+                TensorDesc d;
+                const Status s = ToDesc(desc, "bgl_enf_register_saved", &d);
+                return s != Status::kOk
+                           ? s
+                           : e.register_saved(d, need_order, consumers, count, handle);
+              });
 }
 
 BGL_ALLOC_API int bgl_enf_add_consumer(bgl_enforcer* enf, uint64_t handle, int consumer_op) {

@@ -135,6 +135,21 @@ Status Enforcer::register_tensor(const TensorDesc& desc, std::uint64_t* handle) 
   return Status::kOk;
 }
 
+Status Enforcer::register_saved(const TensorDesc& desc, std::int64_t need_order,
+                                const int* consumers, std::size_t count, std::uint64_t* handle) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  const Status s = register_tensor(desc, handle);
+  if (s != Status::kOk) return s;
+  TrackedTensor* t = tracker_.find(*handle);
+  tracker_.set_need_order(*t, need_order);
+  for (std::size_t i = 0; i < count; ++i) {
+    const bool known = std::any_of(t->consumers.begin(), t->consumers.end(),
+                                   [&](const Consumer& c) { return c.op == consumers[i]; });
+    if (!known) t->consumers.push_back({consumers[i], false});
+  }
+  return Status::kOk;
+}
+
 Status Enforcer::add_consumer(std::uint64_t handle, int consumer_op) {
   return with_tensor(handle, "add_consumer", [&](TrackedTensor& t) {
     for (const auto& c : t.consumers) {
@@ -219,7 +234,7 @@ Status Enforcer::movable(int micro_batch, Strategy s, std::size_t* bytes, std::s
 
 Status Enforcer::set_need_order(std::uint64_t handle, std::int64_t order) {
   return with_tensor(handle, "set_need_order", [&](TrackedTensor& t) {
-    t.need_order = order;
+    tracker_.set_need_order(t, order);
     return Status::kOk;
   });
 }
@@ -351,7 +366,7 @@ Status Enforcer::offload_locked(TrackedTensor& t) {
   // than the allocation stream is reused only after an event on that stream (record_stream).
   leave_device(t, d2h);
   t.host = host;
-  t.placement = Placement::kHost;
+  tracker_.set_placement(t, Placement::kHost);
   t.applied = Strategy::kOffload;
   ++stats_.offloads;
   stats_.bytes_d2h += t.desc.bytes;
@@ -385,8 +400,8 @@ Status Enforcer::reload_locked(TrackedTensor& t) {
   tracker_.set_ptr(t, dev);
   t.owned = true;
   t.alloc_stream = h2d;
-  t.placement = Placement::kDevice;
-  t.reload_unused = true;
+  tracker_.set_placement(t, Placement::kDevice);
+  tracker_.set_reload_unused(t, true);
   ++stats_.reloads;
   stats_.bytes_h2d += t.desc.bytes;
   return Status::kOk;
@@ -422,7 +437,7 @@ Status Enforcer::fp8_locked(TrackedTensor& t) {
   leave_device(t, s);
   t.fp8 = f;
   t.fp8_bytes = total;
-  t.placement = Placement::kFp8;
+  tracker_.set_placement(t, Placement::kFp8);
   t.applied = Strategy::kFp8;
   ++stats_.fp8_casts;
   stats_.bytes_fp8_saved += t.desc.bytes > total ? t.desc.bytes - total : 0;
@@ -454,7 +469,7 @@ Status Enforcer::uncast_locked(TrackedTensor& t, Stream s) {
   t.owned = true;
   t.alloc_stream = s;
   set_ready(t, s);
-  t.placement = Placement::kDevice;
+  tracker_.set_placement(t, Placement::kDevice);
   ++stats_.fp8_uncasts;
   return Status::kOk;
 }
@@ -474,7 +489,7 @@ Status Enforcer::drop_locked(TrackedTensor& t) {
     t.has_ready = false;
   }
   tracker_.set_ptr(t, nullptr);
-  t.placement = Placement::kDropped;
+  tracker_.set_placement(t, Placement::kDropped);
   t.applied = Strategy::kRecompute;
   ++stats_.drops;
   return Status::kOk;
@@ -495,7 +510,7 @@ Status Enforcer::recompute_locked(TrackedTensor& t, Stream s) {
   t.owned = t.desc.owned;
   t.alloc_stream = s;
   set_ready(t, s);
-  t.placement = Placement::kDevice;
+  tracker_.set_placement(t, Placement::kDevice);
   ++stats_.recomputes;
   return Status::kOk;
 }
@@ -537,7 +552,7 @@ Status Enforcer::acquire(std::uint64_t handle, int consumer_op, Stream stream, v
     if (t.reload_unused) {  // the first consumer takes the reload: the pinned copy goes
       pinned_->free_after(t.host, ops_->record(options_.h2d));
       t.host = nullptr;
-      t.reload_unused = false;
+      tracker_.set_reload_unused(t, false);
     }
     *ptr = t.ptr;
     return Status::kOk;
@@ -651,10 +666,14 @@ Status Enforcer::issue(const plan::IssueItem& item, Event* done, std::string* er
     }
   };
   auto in = [&](int v) { return v >= item.first && v <= item.last; };
-  std::vector<TrackedTensor*> picked;
-  for (auto& [h, t] : tracker_.tensors()) picked.push_back(&t);
+  // The micro-batch's tensors only (handle order), taken before any move changes the tracker.
+  auto of = [&](int micro_batch) {
+    std::vector<TrackedTensor*> picked;
+    for (const auto& [h, t] : tracker_.of_micro_batch(micro_batch)) picked.push_back(t);
+    return picked;
+  };
   if (item.chain == plan::Chain::kOffload) {
-    for (TrackedTensor* t : picked) {
+    for (TrackedTensor* t : of(offload_mb_)) {
       if (t->desc.micro_batch == offload_mb_ && in(t->desc.graph_tensor) &&
           t->planned == Strategy::kOffload && t->placement == Placement::kDevice &&
           t->applied == Strategy::kKeep) {
@@ -665,7 +684,7 @@ Status Enforcer::issue(const plan::IssueItem& item, Event* done, std::string* er
     }
     *done = ops_->record(options_.d2h);
   } else if (item.chain == plan::Chain::kRecover && item.resource == plan::Resource::kH2D) {
-    for (TrackedTensor* t : picked) {
+    for (TrackedTensor* t : of(recover_mb_)) {
       if (t->desc.micro_batch == recover_mb_ && in(t->desc.graph_tensor) &&
           t->placement == Placement::kHost) {
         note(reload_locked(*t));
@@ -675,7 +694,7 @@ Status Enforcer::issue(const plan::IssueItem& item, Event* done, std::string* er
   } else if (item.chain == plan::Chain::kRecover) {
     // Recomputes in forward order of their producers.
     std::vector<TrackedTensor*> dropped;
-    for (TrackedTensor* t : picked) {
+    for (TrackedTensor* t : of(recover_mb_)) {
       if (t->desc.micro_batch == recover_mb_ && in(t->desc.producer_op) &&
           t->placement == Placement::kDropped) {
         dropped.push_back(t);
@@ -725,20 +744,17 @@ Status Enforcer::take_offloaded(std::uint64_t* out, std::size_t cap, std::size_t
 Status Enforcer::prefetch(int micro_batch, std::size_t* issued) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   if (issued != nullptr) *issued = 0;
-  std::size_t waiting = 0;
-  std::vector<TrackedTensor*> host;
-  for (auto& [h, t] : tracker_.tensors()) {
-    if (t.desc.micro_batch != micro_batch) continue;
-    if (t.reload_unused) {
-      ++waiting;
-    } else if (t.placement == Placement::kHost && t.busy == 0) {
-      host.push_back(&t);
-    }
-  }
-  std::stable_sort(host.begin(), host.end(), [](const TrackedTensor* a, const TrackedTensor* b) {
-    return a->need_order < b->need_order;
-  });
+  const ActivationTracker::MicroBatch* mb = tracker_.micro_batch(micro_batch);
+  if (mb == nullptr) return Status::kOk;
+  // The micro-batch's index holds its untaken reloads' count and its offloaded tensors in
+  // need order (ties: registration order): the cost is the reloads issued, not the tensors.
+  const std::size_t waiting = mb->reload_unused;
   const std::size_t bound = static_cast<std::size_t>(std::max(options_.max_inflight, 1));
+  std::vector<TrackedTensor*> host;  // taken first: each reload changes the index
+  for (const auto& [key, t] : mb->host) {
+    if (waiting + host.size() >= bound) break;
+    if (t->busy == 0) host.push_back(t);
+  }
   std::size_t n = 0;
   for (TrackedTensor* t : host) {
     if (waiting + n >= bound) break;
@@ -775,8 +791,8 @@ Status Enforcer::unreload_locked(TrackedTensor& t) {
   // The device block is freed after the H2D copy (stream order); the pinned copy is intact.
   leave_device(t, options_.h2d);
   t.owned = false;
-  t.placement = Placement::kHost;
-  t.reload_unused = false;
+  tracker_.set_placement(t, Placement::kHost);
+  tracker_.set_reload_unused(t, false);
   ++stats_.unreloads;
   return Status::kOk;
 }

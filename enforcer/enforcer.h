@@ -50,6 +50,9 @@ class Enforcer final : private WorkIssuer {
 
   // Tracker.
   Status register_tensor(const TensorDesc& desc, std::uint64_t* handle);
+  // register_tensor, its need order and its consumers (repeats ignored) under one lock.
+  Status register_saved(const TensorDesc& desc, std::int64_t need_order, const int* consumers,
+                        std::size_t count, std::uint64_t* handle);
   Status add_consumer(std::uint64_t handle, int consumer_op);
   Status lookup(const void* ptr, std::uint64_t* handle);
   Status info(std::uint64_t handle, bgl_enf_tensor_info* out);

@@ -50,7 +50,8 @@ struct TrackedTensor {
   std::uint64_t handle = 0;
   TensorDesc desc;
   std::vector<Consumer> consumers;
-  Placement placement = Placement::kDevice;
+  Placement placement = Placement::kDevice;  // placement, need_order, reload_unused: written
+                                             // by ActivationTracker (it indexes them)
   Strategy planned = Strategy::kKeep;
   Strategy applied = Strategy::kKeep;  // what moved it off the device (kKeep: never moved)
   std::int64_t need_order = 0;
@@ -88,9 +89,25 @@ class ActivationTracker {
   std::size_t size() const { return tensors_.size(); }
   // Tensors in handle (registration) order.
   std::map<std::uint64_t, TrackedTensor>& tensors() { return tensors_; }
+  // The tensors of one micro-batch, so that the calls that act on one (prefetch, the
+  // scheduler's pieces) do not look at the tensors of the other micro-batches in flight.
+  struct MicroBatch {
+    std::map<std::uint64_t, TrackedTensor*> all;  // handle (registration) order
+    // The ones on the host, in reload order: (need_order, handle).
+    std::map<std::pair<std::int64_t, std::uint64_t>, TrackedTensor*> host;
+    std::size_t reload_unused = 0;  // reloads no consumer took yet
+  };
+  // The index of `micro_batch` (null when it has no tensor).
+  const MicroBatch* micro_batch(int micro_batch) const;
+  const std::map<std::uint64_t, TrackedTensor*>& of_micro_batch(int micro_batch) const;
+  // The only writers of the indexed fields (placement, reload_unused, need_order).
+  void set_placement(TrackedTensor& t, Placement p);
+  void set_reload_unused(TrackedTensor& t, bool unused);
+  void set_need_order(TrackedTensor& t, std::int64_t order);
 
  private:
   std::map<std::uint64_t, TrackedTensor> tensors_;
+  std::unordered_map<int, MicroBatch> by_micro_batch_;
   std::unordered_map<std::uintptr_t, std::uint64_t> by_ptr_;
   std::uint64_t next_ = 1;
 };

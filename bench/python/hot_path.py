@@ -5,8 +5,12 @@ median (and 90th percentile) over many calls is printed.
 
 The package's own rooms are built as the runtime builds them (the simulated device's pool, the
 enforcer, the tracker) with a fixed strategy, so each call runs the code a training step runs.
-``--background`` records of other micro-batches stay tracked meanwhile, as in a pipeline with
-several micro-batches in flight: a call whose cost grows with the number of records shows it.
+The calls run in rounds of one micro-batch (``--per-micro-batch`` storages: its forward packs
+them, its backward unpacks them last first, then they are released, so the pools recycle their
+blocks as in training), while ``--background`` records of three other micro-batches stay
+tracked, as with four in flight at stage 0 of a 4-stage 1F1B pipeline (defaults: about 1,520
+saved storages per iteration of 8 micro-batches, 190 each): a call whose cost grows with the
+number of records shows it (try ``--background 6000``).
 Moves include their copy: the ``copy`` rows time the same bytes copied by torch alone (and the
 host twin of the FP8 cast alone, through the enforcer at ``--bytes``), so that the cost of the
 call without its copy is the difference (and the 256-byte rows have next to no copy).
@@ -79,64 +83,81 @@ class Bench:
     def tensors(self, n: int, nbytes: int) -> List[torch.Tensor]:
         return [torch.empty(max(nbytes // 4, 1)).uniform_() for _ in range(n)]
 
-    def run(self, n: int, nbytes: int) -> Dict[str, List[int]]:
+    def run(self, n: int, nbytes: int, per_mb: int) -> Dict[str, List[int]]:
+        """About ``n`` timed calls per row, in rounds of one micro-batch of ``per_mb`` saved
+        storages each: its forward packs them, its backward unpacks them last first, then they
+        are released (so the pools recycle their blocks, as in training)."""
         tr, enf = self.tracker, self.enforcer
         res: Dict[str, List[int]] = {}
-        res["timer (an empty call)"] = timed(lambda i: None, n)
 
-        # The allocator's pool (every record kept on the device holds a block).
-        blocks: List[int] = [0] * n
-        res["pool alloc"] = timed(lambda i: blocks.__setitem__(i, self.pool.alloc(nbytes)), n)
-        res["pool free"] = timed(lambda i: self.pool.free(blocks[i], nbytes), n)
+        def row(name: str, fn: Callable[[int], Any], k: int) -> None:
+            res.setdefault(name, []).extend(timed(fn, k))
 
-        # Registration alone (the record's storage, its holder consumer).
-        ts = self.tensors(n, nbytes)
-        sts = [t.untyped_storage() for t in ts]
-        hs = [0] * n
-        res["Enforcer.register"] = timed(
-            lambda i: hs.__setitem__(i, enf.register(sts[i], torch.float32, 1, 0)), n)
-        res["Enforcer.offload (includes its copy)"] = timed(lambda i: enf.offload(hs[i]), n)
-        res["Enforcer.prefetch (none left to reload)"] = timed(lambda i: enf.prefetch(0), n)
-        res["Enforcer.retire"] = timed(lambda i: enf.retire(hs[i]), n)
-        del ts, sts
+        k = per_mb
+        for r in range(max(n // k, 1)):
+            mb = r % 8
+            tr.begin_forward(mb, capture=False)
+            row("timer (an empty call)", lambda i: None, k)
+            # The allocator's pool (every record kept on the device holds a block).
+            blocks: List[int] = [0] * k
+            row("pool alloc", lambda i: blocks.__setitem__(i, self.pool.alloc(nbytes)), k)
+            row("pool free", lambda i: self.pool.free(blocks[i], nbytes), k)
 
-        # The hooks under keep: a new record per storage, a second view of it, unpack, release.
-        self.strategy = KEEP
-        ts = self.tensors(n, nbytes)
-        views = [t.view(-1)[: t.numel()] for t in ts]
-        packed: List[Any] = [None] * n
-        packed2: List[Any] = [None] * n
-        res["pack, keep (new record)"] = timed(lambda i: packed.__setitem__(i, tr.pack(ts[i])), n)
-        tr.scope.append(self.consumer)
-        res["pack, keep (a view of a packed storage)"] = timed(
-            lambda i: packed2.__setitem__(i, tr.pack(views[i])), n)
-        tr.scope.pop()
-        res["unpack, kept"] = timed(lambda i: tr.unpack(packed[i]), n)
-        del ts, views
-        timed(lambda i: packed2.__setitem__(i, None), n)
-        res["release (the last holder goes)"] = timed(lambda i: packed.__setitem__(i, None), n)
+            # The enforcer alone: registration, offload, prefetch with nothing to issue.
+            ts = self.tensors(k, nbytes)
+            sts = [t.untyped_storage() for t in ts]
+            hs = [0] * k
+            row("Enforcer.register", lambda i: hs.__setitem__(
+                i, enf.register(sts[i], torch.float32, 1, mb)), k)
+            row("Enforcer.offload (includes its copy)", lambda i: enf.offload(hs[i]), k)
+            enf.prefetch(mb)
+            row("Enforcer.prefetch (reloads in flight at the bound)",
+                lambda i: enf.prefetch(mb), k)
+            row("Enforcer.retire", lambda i: enf.retire(hs[i]), k)
+            del ts, sts
 
-        # Offload at pack time, reload at unpack (each with its copy).
-        for strategy, move, back in ((OFFLOAD, "pack, offload (includes the D2H copy)",
-                                      "unpack, reload (includes the H2D copy)"),
-                                     (FP8, "pack, fp8 (includes the cast)",
-                                      "unpack, uncast (includes the cast back)")):
-            self.strategy = strategy
-            ts = self.tensors(n, nbytes)
-            res[move] = timed(lambda i: packed.__setitem__(i, tr.pack(ts[i])), n)
-            del ts
-            tr.begin_backward(0)
-            res[back] = timed(lambda i: tr.unpack(packed[i]), n)
-            timed(lambda i: packed.__setitem__(i, None), n)
-        self.strategy = KEEP
+            # The hooks under keep: a new record per storage, a second view of it, unpack,
+            # release.
+            self.strategy = KEEP
+            ts = self.tensors(k, nbytes)
+            views = [t.view(-1)[: t.numel()] for t in ts]
+            packed: List[Any] = [None] * k
+            packed2: List[Any] = [None] * k
+            row("pack, keep (new record)", lambda i: packed.__setitem__(i, tr.pack(ts[i])), k)
+            tr.scope.append(self.consumer)
+            row("pack, keep (a view of a packed storage)",
+                lambda i: packed2.__setitem__(i, tr.pack(views[i])), k)
+            tr.scope.pop()
+            row("unpack, kept", lambda i: tr.unpack(packed[k - 1 - i]), k)
+            del ts, views
+            timed(lambda i: packed2.__setitem__(i, None), k)
+            row("release (the last holder goes)", lambda i: packed.__setitem__(i, None), k)
 
-        # The copies themselves: torch's copy of the same bytes.
-        src, dst = self.tensors(2, nbytes)
-        res["copy (torch, same bytes)"] = timed(lambda i: dst.copy_(src), n)
+            # Offload at pack time, reload at unpack (each with its copy), as the backward
+            # needs them (last saved first); FP8 the same.
+            for strategy, move, back in ((OFFLOAD, "pack, offload (includes the D2H copy)",
+                                          "unpack, reload (includes the H2D copy)"),
+                                         (FP8, "pack, fp8 (includes the cast)",
+                                          "unpack, uncast (includes the cast back)")):
+                self.strategy = strategy
+                ts = self.tensors(k, nbytes)
+                row(move, lambda i: packed.__setitem__(i, tr.pack(ts[i])), k)
+                del ts
+                tr.end_forward()
+                tr.scope.append(self.op)
+                tr.begin_backward(mb)
+                row(back, lambda i: tr.unpack(packed[k - 1 - i]), k)
+                row(f"release after {strategy}", lambda i: packed.__setitem__(k - 1 - i, None), k)
+                tr.begin_forward(mb, capture=False)
+            self.strategy = KEEP
+
+            # The copies themselves: torch's copy of the same bytes.
+            src, dst = self.tensors(2, nbytes)
+            row("copy (torch, same bytes)", lambda i: dst.copy_(src), k)
         return res
 
 
-def summary(times: List[int], floor: float) -> Dict[str, float]:
+def summary(times: List[int]) -> Dict[str, float]:
     s = sorted(times)
     return {"median_us": statistics.median(s) / 1e3,
             "p90_us": s[int(len(s) * 0.9)] / 1e3,
@@ -147,8 +168,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000, help="calls timed per row and size")
     ap.add_argument("--bytes", type=int, default=64 << 10, help="bytes of each saved storage")
-    ap.add_argument("--background", type=int, default=1500,
+    ap.add_argument("--background", type=int, default=570,
                     help="records of other micro-batches tracked meanwhile")
+    ap.add_argument("--per-micro-batch", type=int, default=190,
+                    help="saved storages per micro-batch (one round of each row)")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -157,9 +180,9 @@ def main() -> int:
     bench = Bench(capacity, args.background, args.bytes)
     results: Dict[str, Dict[str, Dict[str, float]]] = {}
     for nbytes in sizes:
-        bench.run(min(args.calls, 200), nbytes)  # warm-up
-        res = bench.run(args.calls, nbytes)
-        results[str(nbytes)] = {k: summary(v, 0.0) for k, v in res.items()}
+        bench.run(args.per_micro_batch, nbytes, args.per_micro_batch)  # warm-up
+        res = bench.run(args.calls, nbytes, args.per_micro_batch)
+        results[str(nbytes)] = {k: summary(v) for k, v in res.items()}
     names = list(results[str(sizes[0])])
     head = " | ".join(f"{n} B median (p90) us" for n in sizes)
     print(f"| call | {head} |")

@@ -40,7 +40,8 @@
  *    uncast is queued.
  *
  * Use by the PyTorch package (integrations/pytorch/bagualu: enforcer.py, record.py, issue.py):
- *   forward pack:    bgl_enf_register(desc) (borrowed), bgl_enf_add_consumer(op) per saver;
+ *   forward pack:    bgl_enf_register_saved(desc, need order, first saver) (borrowed),
+ *                    bgl_enf_add_consumer(op) per later saver;
  *                    bgl_enf_set_strategy(h, s); FP8 and recompute right after the producer
  *                    (bgl_enf_store_fp8, bgl_enf_drop + the recompute callback); an offload is
  *                    issued at once (bgl_enf_offload) or left to the issue order
@@ -199,6 +200,13 @@ BGL_ALLOC_API int bgl_enf_stream_synchronize(bgl_enforcer* enf, void* stream);
  * bgl_enf_lookup + bgl_enf_add_consumer for a storage saved twice). */
 BGL_ALLOC_API int bgl_enf_register(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
                                    uint64_t* handle);
+/* bgl_enf_register, bgl_enf_set_need_order(need_order) and bgl_enf_add_consumer of each of the
+ * `count` operators in `consumers` (may be null when count is 0; repeats are ignored) in one
+ * call: what a saved-tensor hook does per new storage, without a crossing of the ABI per step.
+ * BGL_ERR_DUPLICATE as bgl_enf_register (nothing registered). */
+BGL_ALLOC_API int bgl_enf_register_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
+                                         int64_t need_order, const int* consumers, size_t count,
+                                         uint64_t* handle);
 /* Adds a consumer (operator index) that saved the tensor; BGL_ERR_DUPLICATE if already added. */
 BGL_ALLOC_API int bgl_enf_add_consumer(bgl_enforcer* enf, uint64_t handle, int consumer_op);
 /* Test and tool support.

@@ -16,15 +16,25 @@ SCALING_KINDS = frozenset({"dispatch", "combine", "expert_linear", "expert_activ
 
 @dataclass(frozen=True)
 class Op:
-    """A planner operator: name within its layer, kind (docs/planner.md), layer (-1: outside)."""
+    """A planner operator: name within its layer, kind (docs/planner.md), layer (-1: outside).
+    Its hash and qualified name are computed once (the saved-tensor hooks look operators up in
+    dicts at every pack)."""
 
     name: str
     kind: str
     layer: int = -1
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.name, self.kind, self.layer)))
+        object.__setattr__(self, "_qualname",
+                           f"L{self.layer}.{self.name}" if self.layer >= 0 else self.name)
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
     @property
     def qualname(self) -> str:
-        return f"L{self.layer}.{self.name}" if self.layer >= 0 else self.name
+        return self._qualname  # type: ignore[attr-defined]
 
 
 OUTSIDE = Op("outside", "other", -1)

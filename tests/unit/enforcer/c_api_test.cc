@@ -139,6 +139,40 @@ TEST_F(EnforceCApi, NullArgumentsAreRefusedNamingTheCall) {
             std::string::npos);
 }
 
+// One call registers the tensor with its need order and consumers (repeats once), as the
+// package's pack hook does; a second registration of the pointer is a duplicate.
+TEST_F(EnforceCApi, RegisterSavedSetsNeedOrderAndConsumersInOneCall) {
+  void* p = bgl_alloc(4096, 0, compute_);
+  ASSERT_NE(p, nullptr);
+  bgl_enf_tensor_desc d{};
+  d.ptr = p;
+  d.bytes = 4096;
+  d.dtype = BGL_DTYPE_F32;
+  d.producer_op = 3;
+  d.graph_tensor = -1;
+  d.micro_batch = 2;
+  d.stream = compute_;
+  const int consumers[3] = {7, 9, 7};
+  uint64_t h = 0;
+  ASSERT_EQ(bgl_enf_register_saved(enf_, &d, 12345, consumers, 3, &h), BGL_OK)
+      << bgl_enf_last_error();
+  bgl_enf_tensor_info info;
+  ASSERT_EQ(bgl_enf_query(enf_, h, &info), BGL_OK);
+  EXPECT_EQ(info.need_order, 12345);
+  EXPECT_EQ(info.num_consumers, 2);
+  EXPECT_EQ(bgl_enf_add_consumer(enf_, h, 9), BGL_ERR_DUPLICATE);
+  uint64_t h2 = 0;
+  EXPECT_EQ(bgl_enf_register_saved(enf_, &d, 0, nullptr, 0, &h2), BGL_ERR_DUPLICATE);
+  d.dtype = 17;
+  d.ptr = static_cast<char*>(p) + 64;
+  EXPECT_EQ(bgl_enf_register_saved(enf_, &d, 0, nullptr, 0, &h2), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("bgl_enf_register_saved: dtype 17"),
+            std::string::npos);
+  EXPECT_EQ(bgl_enf_register_saved(enf_, &d, 0, nullptr, 2, &h2), BGL_ERR_INVALID_ARGUMENT);
+  ASSERT_EQ(bgl_enf_unregister(enf_, h), BGL_OK);
+  bgl_free(p, 4096, 0, compute_);
+}
+
 TEST_F(EnforceCApi, ErrorsHaveCodesAndMessages) {
   std::vector<uint8_t> data;
   const uint64_t h = make(16 << 20, &data);  // larger than the 8 MiB pinned pool

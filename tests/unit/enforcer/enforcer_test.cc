@@ -312,6 +312,34 @@ TEST(Enforcer, PrefetchReloadsInNeedOrderWithinTheBound) {
   for (int i : {3, 2, 1, 0}) env.expect_data(hs[i], data[i]);
 }
 
+// Prefetch looks at its micro-batch's tensors only (the tracker's index by micro-batch): the
+// offloaded tensors of another one stay on the host, retired ones leave the index, and equal
+// need orders go in registration order.
+TEST(Enforcer, PrefetchTakesItsMicroBatchOnlyAndTiesInRegistrationOrder) {
+  Env env(std::size_t{256} << 20, 64 << 20, /*max_inflight=*/2);
+  std::vector<std::vector<std::uint8_t>> data(6);
+  std::vector<std::uint64_t> hs;
+  for (int i = 0; i < 6; ++i) {
+    hs.push_back(env.make(4096, &data[i], i, i % 2));  // micro-batches 0, 1, 0, 1, 0, 1
+    ASSERT_EQ(env.enf->apply(hs[i], Strategy::kOffload), Status::kOk);
+    env.enf->set_need_order(hs[i], 5);
+  }
+  ASSERT_EQ(env.enf->unregister(hs[1]), Status::kOk);  // retired: gone from the index too
+  std::size_t issued = 0;
+  ASSERT_EQ(env.enf->prefetch(1, &issued), Status::kOk);
+  EXPECT_EQ(issued, 2u);
+  EXPECT_EQ(env.info(hs[3]).placement, BGL_PLACE_DEVICE);
+  EXPECT_EQ(env.info(hs[5]).placement, BGL_PLACE_DEVICE);
+  for (int i : {0, 2, 4}) EXPECT_EQ(env.info(hs[i]).placement, BGL_PLACE_HOST);
+  ASSERT_EQ(env.enf->prefetch(0, &issued), Status::kOk);
+  EXPECT_EQ(issued, 2u);  // the bound counts the micro-batch's own untaken reloads
+  EXPECT_EQ(env.info(hs[0]).placement, BGL_PLACE_DEVICE);
+  EXPECT_EQ(env.info(hs[2]).placement, BGL_PLACE_DEVICE);
+  EXPECT_EQ(env.info(hs[4]).placement, BGL_PLACE_HOST);
+  for (int i : {3, 5}) env.expect_data(hs[i], data[i]);
+  for (int i : {0, 2, 4}) env.expect_data(hs[i], data[i]);
+}
+
 TEST(Enforcer, PressureGivesBackUntakenReloadsAndTheDataSurvives) {
   Env env(std::size_t{256} << 20, 64 << 20, /*max_inflight=*/4);
   std::vector<std::vector<std::uint8_t>> data(3);

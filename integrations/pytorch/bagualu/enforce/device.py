@@ -14,6 +14,7 @@ import torch
 
 from .. import _active
 from ..errors import OutOfMemoryError
+from ..native.alloc import last_error
 from .pool import DevicePool, retry_after_eviction
 
 Evict = Callable[[int], int]  # bytes needed -> bytes freed
@@ -43,17 +44,18 @@ class DeviceMemory:
     def alloc(self, nbytes: int) -> int:
         """A block of ``nbytes`` (1 where only counted); OutOfMemoryError once eviction cannot
         make room."""
-        if self.pool is None:
+        pool = self.pool
+        if pool is None:
             self.counted += nbytes
             self.counted_peak = max(self.counted_peak, self.counted)
             return 1
-        try:
-            return self.pool.alloc(nbytes)
-        except OutOfMemoryError as e:
-            if self.evict is None:
-                self.oom_count += 1
-                raise
-            error = e
+        ptr = pool.raw_alloc(nbytes if nbytes > 0 else 1, pool.device, None)  # pool.alloc
+        if ptr:
+            return ptr
+        error = OutOfMemoryError(f"activation memory: {last_error(pool.lib)}")
+        if self.evict is None:
+            self.oom_count += 1
+            raise error
         try:
             return retry_after_eviction(lambda: self.pool.alloc(nbytes), nbytes, self.evict,
                                         error)
@@ -62,10 +64,11 @@ class DeviceMemory:
             raise
 
     def free(self, block: int, nbytes: int) -> None:
-        if self.pool is None:
+        pool = self.pool
+        if pool is None:
             self.counted -= nbytes
             return
-        self.pool.free(block, nbytes)
+        pool.raw_free(block, nbytes if nbytes > 0 else 1, pool.device, None)
 
     def reset_peak(self) -> None:
         if self.pool is not None:

@@ -57,16 +57,18 @@ class DevicePool:
                                    f"{last_error(self.lib)}")
         self._callbacks: List[Any] = []
         self._handles: List[int] = []
+        self.raw_alloc = self.lib.bgl_alloc  # (nbytes >= 1, device, None) -> pointer or None
+        self.raw_free = self.lib.bgl_free    # (pointer, nbytes >= 1, device, None)
 
     def alloc(self, nbytes: int) -> int:
         """A block of ``nbytes``; raises OutOfMemoryError with the allocator's message."""
-        ptr = self.lib.bgl_alloc(max(int(nbytes), 1), self.device, None)
+        ptr = self.raw_alloc(nbytes if nbytes > 0 else 1, self.device, None)
         if not ptr:
             raise OutOfMemoryError(f"activation memory: {last_error(self.lib)}")
-        return int(ptr)
+        return ptr
 
     def free(self, ptr: int, nbytes: int) -> None:
-        self.lib.bgl_free(ctypes.c_void_p(ptr), max(int(nbytes), 1), self.device, None)
+        self.raw_free(ptr, nbytes if nbytes > 0 else 1, self.device, None)
 
     def stats(self) -> Dict[str, Any]:
         return read_json(lambda b, c, n: self.lib.bgl_alloc_stats_json(self.device, b, c, n),
