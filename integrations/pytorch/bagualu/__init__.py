@@ -59,7 +59,8 @@ def instrument(model: Any, info: Optional[Dict[str, Any]] = None, *,
                layers: Optional[Union[str, Sequence[str]]] = None,
                ops: Optional[Dict[str, str]] = None,
                expert_parallel: Optional[int] = None, ep_rank: int = 0,
-               local_experts: Optional[Sequence[int]] = None) -> Any:
+               local_experts: Optional[Sequence[int]] = None,
+               dispatch: Optional[Union[str, Sequence[str]]] = None) -> Any:
     """Maps the model's layers and operators to the planner's and returns the model.
 
     Any ``nn.Module`` works as it is (docs/pytorch.md, "Unmodified models"): ``layers`` names
@@ -68,12 +69,16 @@ def instrument(model: Any, info: Optional[Dict[str, Any]] = None, *,
     found), ``ops`` overrides the classifier
     ({'path.pattern': 'kind'}, kind 'none' for not an operator); ``expert_parallel=N`` (with
     ``ep_rank``) makes this process compute only one EP rank's experts, ``local_experts`` names
-    the experts the model itself computes here. Models built from ``bagualu.OpBlock`` layers use
-    their steps. Raises InstrumentError naming what is wrong; nothing stays installed then."""
+    the experts the model itself computes here. Under real expert parallelism (the experts
+    sharded over ranks, tokens sent by an all-to-all) ``dispatch`` names what hands this rank's
+    experts their tokens, relative to a block ('mlp.dispatch': a module; or a method of an
+    attribute, 'moe.experts.token_dispatcher.dispatch'): the load factor is the rows it returns
+    over the tokens x top-k the layer's router routed here. Models built from
+    ``bagualu.OpBlock`` layers use their steps. Raises InstrumentError naming what is wrong; nothing stays installed then."""
     current().instrument(model, info, layers=layers, ops=ops,
                          expert_parallel=expert_parallel, ep_rank=ep_rank,
                          local_experts=list(local_experts) if local_experts is not None
-                         else None)
+                         else None, dispatch=dispatch)
     return model
 
 

@@ -6,14 +6,16 @@ One Runtime per process (installer.py creates it; the public API in __init__.py 
 from __future__ import annotations
 
 import atexit
+import fnmatch
 import gc
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from . import _active
+from .capture import dispatch as dispatch_hooks
 from .capture.blocks import BlockPath
 from .capture.modules import AutoLayers, ExpertParallel
 from .capture.tracker import Tracker, param_storages
@@ -130,7 +132,8 @@ class Runtime:
     def instrument(self, model: nn.Module, info: Optional[Dict[str, Any]] = None,
                    layers: discover.Layers = None, ops: Optional[Dict[str, str]] = None,
                    expert_parallel: Optional[int] = None, ep_rank: int = 0,
-                   local_experts: Optional[List[int]] = None) -> int:
+                   local_experts: Optional[List[int]] = None,
+                   dispatch: Optional[Union[str, Sequence[str]]] = None) -> int:
         """Maps the model's modules to operators; returns the number of operators per layer
         (unmodified models) or in all (OpBlock layers)."""
         if self.block_path is not None or self.auto is not None:
@@ -138,9 +141,11 @@ class Runtime:
                                   "bagualu.install() again for another model")
         blocks = [m for m in model.modules() if isinstance(m, OpBlock)]
         if blocks and layers is None and ops is None:
-            if expert_parallel is not None or local_experts is not None:
-                raise InstrumentError("expert_parallel/local_experts apply to unmodified "
-                                      "models; OpBlock layers route in their own steps")
+            if expert_parallel is not None or local_experts is not None or \
+                    dispatch is not None:
+                raise InstrumentError("expert_parallel/local_experts/dispatch apply to "
+                                      "unmodified models; OpBlock layers route in their own "
+                                      "steps")
             path = BlockPath(self, model, blocks)
             self.block_path = path
             self.layer_ops = path.layer_ops
@@ -153,6 +158,24 @@ class Runtime:
             ep = ExpertParallel(expert_parallel, ep_rank, local_experts)
             if layers is None:
                 layers = discover.chunk_layers(model, self.chunks)
+            dispatches = None
+            if dispatch is not None:
+                if ep.simulate or ep.local is not None:
+                    raise InstrumentError("dispatch= is real expert parallelism (the experts "
+                                          "live on other ranks); expert_parallel=/"
+                                          "local_experts= simulate it: give one or the other")
+                patterns = dispatch_hooks.patterns_of(dispatch)
+                given = dict(ops or {})
+                first = discover.find(model, layers, given)
+                block = first.blocks[first.planned[0]]
+                ops = dict(given)
+                for p in dispatch_hooks.module_patterns(block, patterns):
+                    ops.setdefault(p, "dispatch")
+                for p, kind in dispatch_hooks.holder_kinds(block, patterns,
+                                                           discover.classify).items():
+                    if not any(fnmatch.fnmatchcase(p, g) for g in given):
+                        ops[p] = kind
+                dispatches = dispatch_hooks.Dispatches(self, patterns)
             found = discover.find(model, layers, ops)
             if self.chunks > 1 and (len(found.planned) % self.chunks
                                     or len(found.planned) != len(found.blocks)):
@@ -161,7 +184,7 @@ class Runtime:
                     f"{found.layers_path} ({len(found.planned)} planned alike) do not split "
                     f"into {self.chunks} stages of equal planned layers; instrument a list of "
                     "the rank's stage modules (chunk order) or pass layers=[path per stage]")
-            self.auto = AutoLayers(self, model, found, ep)
+            self.auto = AutoLayers(self, model, found, ep, dispatches)
             self.tracker.set_model(param_storages(model))
             self.planning.layer_count = len(found.planned)
             self.layer_ops = {li: [Op(n, found.kinds[n], li) for n in found.op_names]

@@ -35,6 +35,7 @@ class OperatorCalls:
         self.order: Dict[str, int] = {}          # operator name -> first call (capture)
         self.readers: Dict[int, Set[str]] = {}   # storage ptr -> operators reading it (capture)
         self.warned: Set[str] = set()
+        self.no_replay: Set[str] = set()         # operators whose rerun would communicate
 
     def enter(self, op: Op, fn: Callable[..., Any], args: Any, kwargs: Any,
               defer: bool = False) -> None:
@@ -64,7 +65,15 @@ class OperatorCalls:
 
     def _replayable(self, op: Op, args: Any, kwargs: Any) -> bool:
         """A call that receives a KV cache changes it: rerunning it would not reproduce the
-        forward (train with use_cache=False). Such calls keep their activations."""
+        forward (train with use_cache=False). Such calls keep their activations, as do the
+        calls that run an expert dispatch (capture/dispatch.py: a rerun would repeat its
+        all-to-all on this rank only)."""
+        if op.name in self.no_replay:
+            if op.name not in self.warned:
+                self.warned.add(op.name)
+                log.info("bagualu: %s runs the expert dispatch; it is never recomputed (its "
+                         "all-to-all would run again on this rank only)", op.qualname)
+            return False
         for v in pytree.tree_leaves((args, kwargs)):
             if v is not None and not isinstance(v, (torch.Tensor, int, float, bool, str)) \
                     and "cache" in type(v).__name__.lower():

@@ -8,7 +8,9 @@ forward hook leaves it (the operator becomes the producer of its outputs, the ca
 input, always kept) and the tensors it receives from outside (rotary tables, masks: counted
 outside the layers). Routers report the micro-batch's load factor for this process's experts
 (deferred planning), and under ``expert_parallel`` this process computes only its own experts,
-as one rank of expert parallelism would.
+as one rank of expert parallelism would. Under real expert parallelism (``dispatch=``) the
+load factor comes from the dispatch instead (capture/dispatch.py); the router gives the balanced
+count.
 
 The runtime is seen through the Host protocol (capture/host.py), so that this module does not
 import runtime.py. Not thread-safe; hooks run on the training thread.
@@ -27,6 +29,7 @@ from ..discovery.find import Discovery, expert_count, top_k_of
 from ..errors import InstrumentError
 from ..vocabulary import OUTSIDE, Op
 from .calls import OperatorCalls, tensors as _tensors
+from .dispatch import Dispatches
 from .host import Host
 
 log = logging.getLogger("bagualu")
@@ -88,9 +91,9 @@ class _Router:
         when computed here from the logits)."""
         leaves = pytree.tree_leaves(out)
         for i, v in enumerate(leaves):
-            if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() == 2 \
+            if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() >= 2 \
                     and v.shape[-1] == self.top_k:
-                return v, i
+                return v.reshape(-1, self.top_k), i
         for v in leaves:
             if isinstance(v, torch.Tensor) and v.is_floating_point() and \
                     v.shape[-1] == self.experts:
@@ -120,10 +123,11 @@ class AutoLayers:
     """The hooks of one instrumented unmodified model (see the module docstring)."""
 
     def __init__(self, rt: Host, model: nn.Module, found: Discovery,
-                 ep: ExpertParallel) -> None:
+                 ep: ExpertParallel, dispatch: Optional[Dispatches] = None) -> None:
         self.rt = rt
         self.found = found
         self.ep = ep
+        self.dispatch = dispatch
         self.handles: List[Any] = []
         self.patched: List[Tuple[nn.Module, Any]] = []
         self.restore_experts: Optional[Tuple[nn.Module, str]] = None
@@ -158,6 +162,10 @@ class AutoLayers:
                 self.handles.append(s.module.register_forward_hook(post))
                 if s.kind == "router":
                     self._add_router(block, s.path, s.module)
+            if self.dispatch is not None:
+                self.dispatch.install(li, block)
+                self.calls.no_replay.update(s.name for s in sites
+                                            if self.dispatch.runs_dispatch(li, s.path))
         if self.ep.simulate:
             self._patch_expert_lists()
             self.restore_experts = _eager_experts(model)
@@ -204,6 +212,8 @@ class AutoLayers:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if self.dispatch is not None:
+            self.dispatch.remove()
         for m, old in self.patched:
             if old is None:
                 m.__dict__.pop("forward", None)
@@ -262,7 +272,11 @@ class AutoLayers:
             r = self.routers.get(m)
             if r is not None:
                 idx, _ = r.indices(out)
-                if idx is not None and rt.observe_router(op.layer, r.load(idx)):
+                if idx is None:
+                    return None
+                if self.dispatch is not None:  # the dispatch gives the load; this, the balance
+                    self.dispatch.slots[op.layer] = int(idx.numel())
+                elif rt.observe_router(op.layer, r.load(idx)):
                     rt.tracker.end_light()
             return None
         return hook
