@@ -28,3 +28,8 @@ class InstrumentError(BagualuError):
 
 class OutOfMemoryError(BagualuError, MemoryError):
     """The (simulated) device ran out of activation memory; the allocator's message follows."""
+
+
+class NotReady(BagualuError):
+    """A scheduled recompute cannot run yet (FSDP2 holds its module's parameters sharded):
+    the enforcer skips the piece and the data is regenerated on demand."""

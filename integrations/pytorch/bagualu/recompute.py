@@ -105,6 +105,8 @@ class Call:
         if self.done:
             raise BagualuError(f"recompute of {self.op.qualname}: the call was rerun already "
                                "and a record it dropped was not regenerated")
+        if self.owner is not None:
+            self.owner.before_rerun(self.op, self.module)  # NotReady: not yet (FSDP2)
         args: List[Any] = []
         for tag, v, rg in self.leaves:
             if tag == "t":

@@ -21,10 +21,11 @@ from .capture.modules import AutoLayers, ExpertParallel
 from .capture.tracker import Tracker, param_storages
 from .discovery import find as discover
 from .discovery.opblock import OpBlock
+from .discovery.sharding import Sharding, refuse_legacy_wrappers
 from .enforce.device import DeviceMemory
 from .enforce.enforcer import Enforcer
 from .enforce.pool import DevicePool
-from .errors import InstrumentError
+from .errors import BagualuError, InstrumentError, NotReady
 from .iteration import IterationLog
 from .planning import graph
 from .planning.governor import Governor
@@ -93,6 +94,7 @@ class Runtime:
         self.layer_ops: Dict[int, List[Op]] = {}      # planned layer -> its operators
         self.model_info: Dict[str, Any] = {}
         self.op_ms: Dict[str, float] = {}             # operator -> forward ms (capture)
+        self.sharding: Optional[Sharding] = None      # the model's FSDP2 modules
         self.forwarding = False
         self._capture_unit = -1
         self.log.begin(self.tracker.counters, self.memory.oom_count)
@@ -124,6 +126,24 @@ class Runtime:
     def note_recompute(self, ms: float, ops: int) -> None:
         self.log.note_recompute(ms, ops)
 
+    def before_rerun(self, op: Op, fn: object) -> None:
+        sharding = self.sharding
+        if sharding is None or not sharding.active or not isinstance(fn, nn.Module):
+            return
+        issuer = self.tracker.issuer
+        scheduled = issuer is not None and issuer.issuing
+        if sharding.ready(fn, scheduled):
+            return
+        if scheduled:  # counted: tracker counter rerun_waits
+            c = self.tracker.counters
+            c["rerun_waits"] = c.get("rerun_waits", 0) + 1
+            raise NotReady(f"recompute of {op.qualname} waits for FSDP2 to gather its "
+                           "parameters (its layer's backward)")
+        raise BagualuError(
+            f"recompute of {op.qualname} ({type(fn).__name__}): FSDP2 holds its parameters "
+            "sharded now (its layer's backward has not started, or has ended), so it cannot "
+            "be rerun; keep this operator with ops= or force_strategies")
+
     # -- instrumentation --------------------------------------------------------------------
     @property
     def layer_count(self) -> int:
@@ -139,6 +159,7 @@ class Runtime:
         if self.block_path is not None or self.auto is not None:
             raise InstrumentError("a model is instrumented already in this runtime; call "
                                   "bagualu.install() again for another model")
+        refuse_legacy_wrappers(model)
         blocks = [m for m in model.modules() if isinstance(m, OpBlock)]
         if blocks and layers is None and ops is None:
             if expert_parallel is not None or local_experts is not None or \
@@ -191,6 +212,7 @@ class Runtime:
                               for li in range(len(found.planned))}
             self.discovery = found
             count = len(found.op_names)
+        self.sharding = Sharding(model)
         self.model_info = dict(info or {})
         if self.settings.gc_freeze:
             freeze_long_lived()

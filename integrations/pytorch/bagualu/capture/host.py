@@ -43,6 +43,11 @@ class Host(Protocol):
         """A router ran with ``load`` where no replan may follow (inside a recompute)."""
         ...
 
+    def before_rerun(self, op: Op, fn: object) -> None:
+        """A recompute call of ``op`` is about to rerun ``fn``: raises NotReady when it must
+        wait (FSDP2 holds the module's parameters sharded now)."""
+        ...
+
     def note_recompute(self, ms: float, ops: int) -> None:
         """A checkpoint region of ``ops`` operators ran its forward in ``ms``."""
         ...

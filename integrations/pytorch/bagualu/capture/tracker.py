@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from ..discovery.sharding import is_parameter, local_storage_ptrs
 from ..enforce import eviction
 from ..enforce.device import DeviceMemory
 from ..enforce.enforcer import Enforcer
@@ -145,6 +146,8 @@ class Tracker:
     def pack(self, t: torch.Tensor) -> Any:
         light = self.light
         if light is not None:  # the fast path: count the storage, keep the tensor
+            if is_parameter(t):  # a parameter, or FSDP2's all-gathered form of one
+                return t
             try:
                 st = t.untyped_storage()
             except RuntimeError:  # sparse and other storage-less layouts
@@ -175,7 +178,7 @@ class Tracker:
                     light[key] = (seen[0], -seen[1])
             return t
         self.packs_seen += 1  # recompute calls find their saved tensors by this count
-        if self.micro_batch < 0 or t.numel() == 0 or t.is_sparse:
+        if self.micro_batch < 0 or t.numel() == 0 or t.is_sparse or is_parameter(t):
             return t
         st = t.untyped_storage()
         key = st.data_ptr()
@@ -213,7 +216,7 @@ class Tracker:
         its producer's strategy) when it is an activation, else the tensor itself. A storage
         made inside a call still running is not being packed, so that call's rerun cannot
         find it: it stays on the device."""
-        if t.numel() == 0 or t.is_sparse or self.micro_batch < 0:
+        if t.numel() == 0 or t.is_sparse or self.micro_batch < 0 or is_parameter(t):
             return _Plain(t)
         st = t.untyped_storage()
         if st.data_ptr() in self.param_keys:
@@ -400,8 +403,8 @@ class Tracker:
 
 
 def param_storages(model: torch.nn.Module) -> Set[int]:
-    """Storage pointers of the model's parameters and buffers: saved, but not activations."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    return params
+    """Storage pointers of the model's parameters and buffers (an FSDP2 shard's local
+    storage): saved, but not activations. Parameters whose storage moves (FSDP2's unsharded
+    ones) are recognised at pack time by type (discovery/sharding.py)."""
+    return local_storage_ptrs(model)
 

@@ -23,7 +23,7 @@ import torch
 
 from ..native import enforce as native
 from ..native.enforce import HOLDER
-from ..errors import BagualuError, OutOfMemoryError
+from ..errors import BagualuError, NotReady, OutOfMemoryError
 from .pool import retry_after_eviction
 
 log = logging.getLogger("bagualu")
@@ -129,7 +129,11 @@ class Enforcer:
             if regen is None:
                 raise BagualuError(f"enforcer: tensor {handle} was dropped without a way to "
                                    "regenerate it")
-            out[0] = regen()
+            try:
+                out[0] = regen()
+            except NotReady:  # not now: the tensor stays dropped, its rerun comes on demand
+                self.regenerators[handle] = regen
+                raise
             return 0
         except BaseException as e:  # raised again by the call that needed the data
             self._callback_error = e
@@ -238,7 +242,10 @@ class Enforcer:
         """A piece the scheduler could not carry out (no room for a reload, the pinned pool
         full, a tensor that moved meanwhile) is skipped: its tensors stay where they are and
         the backward's acquire brings them back. Counted, said once; anything else raises."""
-        if rc in self.vocab.skipped_piece:
+        declined = rc == self.vocab.callback and isinstance(self._callback_error, NotReady)
+        if declined:  # a recompute that must wait for its parameters (FSDP2)
+            self._callback_error = None
+        if declined or rc in self.vocab.skipped_piece:
             self.skipped_pieces += 1
             if self.skipped_pieces == 1:
                 log.info("bagualu: a scheduled piece was skipped (%s); its tensors stay where "
