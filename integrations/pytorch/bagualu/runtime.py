@@ -283,6 +283,8 @@ class Runtime:
         unit = self.unit_id(mb, chunk)
         capture = self.planning.wants_capture()
         t = self.tracker
+        if self.auto is not None and self.auto.before_forward():
+            self.layer_ops = self.auto.layer_ops()  # compiled blocks: one operator each
         t.begin_forward(unit, capture)
         self._capture_unit = unit if capture else self._capture_unit
         self.forwarding = True

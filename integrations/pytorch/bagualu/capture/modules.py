@@ -25,10 +25,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..discovery.find import Discovery, expert_count, top_k_of
+from ..discovery.find import BLOCK_OP, Discovery, expert_count, top_k_of
 from ..errors import InstrumentError
 from ..vocabulary import OUTSIDE, Op
 from .calls import OperatorCalls, tensors as _tensors
+from .compiled import CompiledBlocks, eager_only
 from .dispatch import Dispatches
 from .host import Host
 
@@ -134,6 +135,8 @@ class AutoLayers:
         self.layers = len(found.planned)
         self.calls = OperatorCalls(rt, self.layers)
         self.routers: Dict[nn.Module, _Router] = {}
+        self.compiled = CompiledBlocks(model, found, self._block_hooks, self._drop_inner,
+                                       ep.simulate)
         try:
             self._install(model)
         except BaseException:
@@ -158,8 +161,9 @@ class AutoLayers:
                 else:
                     pre = self._pre(op, s.module, defer)
                     post = self._post(op)
-                self.handles.append(s.module.register_forward_pre_hook(pre, with_kwargs=True))
-                self.handles.append(s.module.register_forward_hook(post))
+                self.handles.append(s.module.register_forward_pre_hook(eager_only(pre),
+                                                                       with_kwargs=True))
+                self.handles.append(s.module.register_forward_hook(eager_only(post)))
                 if s.kind == "router":
                     self._add_router(block, s.path, s.module)
             if self.dispatch is not None:
@@ -189,7 +193,7 @@ class AutoLayers:
         # (_patch_expert_lists), and their routing code may not take a 'no expert' index
         # (DeepSeek-V3's one_hot): the routes stay as they are there.
         if self.ep.simulate and not _has_expert_list(parent):
-            self.handles.append(module.register_forward_hook(self._restrict(r)))
+            self.handles.append(module.register_forward_hook(eager_only(self._restrict(r))))
 
     def _patch_expert_lists(self) -> None:
         """Under simulated expert parallelism, experts held as an nn.ModuleList (transformers
@@ -208,7 +212,35 @@ class AutoLayers:
                     expert.forward = types.MethodType(_zeros_forward, expert)
                     self.patched.append((expert, old))
 
+    def _drop_inner(self) -> None:
+        """The blocks are compiled: their operator hooks would run inside the compiled region
+        (capture/compiled.py enters each block from outside it)."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _block_hooks(self, layer: int) -> Tuple[Any, Any]:
+        """The (pre, post) hooks of layer ``layer``'s block operator."""
+        op = Op(BLOCK_OP, self.found.kinds[BLOCK_OP], layer)
+        return self._block_pre(op, layer), self._block_post(op, layer == self.layers - 1)
+
+    def before_forward(self) -> bool:
+        """Before each forward: True when the operators of the layers changed (the planned
+        blocks are compiled; each is one operator now, see ``layer_ops``)."""
+        if not self.compiled.refresh():
+            return False
+        self.calls.fastest = {}  # a compiled block's first call compiles it
+        return True
+
+    def layer_ops(self) -> Dict[int, List[Op]]:
+        """The operators of each planned layer: the discovered ones, or the block alone when
+        the blocks are compiled."""
+        names = [BLOCK_OP] if self.compiled.active else self.found.op_names
+        return {li: [Op(n, self.found.kinds[n], li) for n in names]
+                for li in range(self.layers)}
+
     def remove(self) -> None:
+        self.compiled.remove()
         for h in self.handles:
             h.remove()
         self.handles.clear()
