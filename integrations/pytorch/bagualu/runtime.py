@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import gc
+import logging
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from . import _active
 from .capture import dispatch as dispatch_hooks
+from .capture import foreign
 from .capture.blocks import BlockPath
 from .capture.modules import AutoLayers, ExpertParallel
 from .capture.tracker import Tracker, param_storages
@@ -33,6 +35,9 @@ from .planning.plans import Planning, unit_id
 from .planning.strategies import Strategies
 from .settings import Settings
 from .vocabulary import Op
+
+
+log = logging.getLogger("bagualu")
 
 
 def active() -> Optional["Runtime"]:
@@ -95,6 +100,8 @@ class Runtime:
         self.model_info: Dict[str, Any] = {}
         self.op_ms: Dict[str, float] = {}             # operator -> forward ms (capture)
         self.sharding: Optional[Sharding] = None      # the model's FSDP2 modules
+        # What the model's own checkpointing hides from the capture (capture/foreign.py).
+        self.hidden = foreign.Hidden(self.tracker.pack, lambda: self.tracker.param_keys)
         self.forwarding = False
         self._capture_unit = -1
         self.log.begin(self.tracker.counters, self.memory.oom_count)
@@ -213,6 +220,12 @@ class Runtime:
             self.discovery = found
             count = len(found.op_names)
         self.sharding = Sharding(model)
+        own = foreign.own_checkpointing(blocks if self.block_path is not None else
+                                        [found.blocks[i] for i in found.planned])
+        if own is not None:
+            log.warning("bagualu: the model checkpoints its own blocks (%s): the tensors they "
+                        "save are hidden from bagualu, which plans only what is left; the first "
+                        "micro-batch (the capture) counts them", own)
         self.model_info = dict(info or {})
         if self.settings.gc_freeze:
             freeze_long_lived()
@@ -245,6 +258,13 @@ class Runtime:
         lg = graph.build_produced_graph(recs, ops, load0, self.op_ms, calls.readers, names)
         outside = sum(r.nbytes for r in recs if r.consumers and r.producer.layer < 0)
         self.planning.register(lg, names, outside, self.model_info)
+        if self.hidden.found and not self.hidden.reported:
+            self.hidden.reported = True
+            s = self.settings
+            in_flight = max(1, min(s.micro_batches, s.pipeline_stages - s.pipeline_rank))
+            seen = graph.produced_in_layers(r for r in recs if r.storage is None or
+                                            not self.hidden.holds(r.ptr, r.storage))
+            log.warning("%s", foreign.report(self.hidden, seen, in_flight, self.capacity))
 
     # -- micro-batch contexts ---------------------------------------------------------------
     def unit_id(self, mb: int, chunk: int = 0) -> int:
@@ -300,6 +320,7 @@ class Runtime:
             raise
         finally:
             self.forwarding = False
+            self.hidden.close()
             t.end_forward()
             if unit in t.scheduled:
                 t.place_planned(unit, self.planning.locate, later=True)

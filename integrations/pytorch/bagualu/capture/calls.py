@@ -49,6 +49,7 @@ class OperatorCalls:
         call = None
         if t.light is None:
             if host.capturing:
+                host.hidden.enter(op)  # under the model's own checkpointing? (foreign.py)
                 self.order.setdefault(op.name, len(self.order))
                 if op.layer == 0:
                     for v in tensors((args, kwargs)):
@@ -95,6 +96,8 @@ class OperatorCalls:
         if not self.stack or self.stack[-1][0] is not op:
             return False
         _, call, t0 = self.stack.pop()
+        if host.capturing:
+            host.hidden.leave(op)
         if t.scope and t.scope[-1] is op:
             t.scope.pop()
         if call is not None:

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from ..vocabulary import Op
+from .foreign import Hidden
 from .tracker import Tracker
 
 
@@ -16,6 +17,7 @@ class Host(Protocol):
 
     forwarding: bool          # a micro-batch's forward runs (a recompute rerun is not one)
     tracker: Tracker
+    hidden: Hidden            # what the model's own checkpointing hides (the capture)
     device: torch.device
 
     @property
