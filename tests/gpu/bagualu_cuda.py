@@ -21,6 +21,11 @@ Scenarios:
                keep-all bytes (its C API) against PyTorch's saved bytes at each load.
   overhead     the hook overhead with nothing to mitigate on the GPU: plain PyTorch and bagualu
                with room for everything, alternating, on wider unmodified models (--json-out).
+  fsdp2        transformers' Qwen3-MoE and Mixtral under FSDP2 (fully_shard on every block and
+               the root, a world of one rank: NCCL on the GPU), tests/python/fsdp_ranks.py's
+               checks on the GPU: offload + recompute against plain FSDP2 (gradients bitwise
+               with deterministic kernels), FP8 within 1%, the bagualu policy at half of
+               keep-all's peak, the planner's keep-all bytes against PyTorch's saved bytes.
 """
 from __future__ import annotations
 
@@ -275,6 +280,32 @@ def scenario_unmodified() -> dict:
     return out
 
 
+def scenario_fsdp2() -> dict:
+    import torch.distributed as dist
+    sys.path.insert(0, str(ROOT / "tests" / "python"))
+    import fsdp_ranks
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    out: dict = {"skipped": []}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:  # the GPU machine may lack it
+        out["skipped"] = ["qwen3_moe", "mixtral"]
+        return out
+    if DEVICE == "cuda":  # the allocator first: FSDP2's first all-gather initialises CUDA
+        bagualu.install(capacity="1GiB", governor="none", log_iterations=False)
+        out["swapped"] = bagualu.installer.cuda_allocator_swapped()
+        bagualu.uninstall()
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+    try:
+        out["qwen3_moe"] = fsdp_ranks.scenario("qwen3_moe", False, False, "accumulate",
+                                               device=DEVICE)
+        out["mixtral"] = fsdp_ranks.scenario("mixtral", True, True, "pipeline", device=DEVICE)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
 def _timing_models() -> list:
     """The models the timing scenarios run: two Hugging Face MoE models, or the package's own
     example where transformers is not installed."""
@@ -350,7 +381,7 @@ def scenario_issue_order(iterations: int, repeats: int, json_out: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scenario", choices=["swap", "late", "correctness", "bench", "unmodified",
-                                         "overhead", "issue-order"])
+                                         "overhead", "issue-order", "fsdp2"])
     ap.add_argument("--config", default="default", choices=["default", "large"])
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--json-out", default="")
@@ -374,6 +405,8 @@ def main() -> int:
         emit(scenario_correctness())
     elif args.scenario == "unmodified":
         emit(scenario_unmodified())
+    elif args.scenario == "fsdp2":
+        emit(scenario_fsdp2())
     elif args.scenario == "overhead":
         emit(scenario_overhead(args.iterations, args.repeats, args.json_out))
     elif args.scenario == "issue-order":

@@ -38,13 +38,17 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 MICRO_BATCHES = 4
 
 
-def shard(model: torch.nn.Module, reshard: bool, prefetch: bool) -> List[torch.nn.Module]:
-    """fully_shard on every decoder block, then the root (torchtitan's way); ``prefetch``:
-    explicit forward and backward prefetching of the next block's all-gather."""
+def shard(model: torch.nn.Module, reshard: bool, prefetch: bool, device: str = "cpu"
+          ) -> List[torch.nn.Module]:
+    """fully_shard on every decoder block, then the root (torchtitan's way), over every rank
+    of the default group on ``device``; ``prefetch``: explicit forward and backward prefetching
+    of the next block's all-gather."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     blocks = bagualu.layers(model)
     for b in blocks:
-        fully_shard(b, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     if prefetch:
         for a, b in zip(blocks, blocks[1:]):
             a.set_modules_to_forward_prefetch([b])
@@ -102,8 +106,8 @@ class SavedBytes:
 def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
           forced: Optional[Dict[str, str]] = None, reshard: bool = True,
           prefetch: bool = False, loop: str = "accumulate", iterations: int = 2,
-          same_data: bool = False, measure: bool = False, ddp: bool = False
-          ) -> Dict[str, Any]:
+          same_data: bool = False, measure: bool = False, ddp: bool = False,
+          device: str = "cpu") -> Dict[str, Any]:
     """Trains ``name`` under FSDP2 (SGD, lr 0.1) for ``iterations`` steps of MICRO_BATCHES
     micro-batches; ``policy`` None: plain FSDP2. Returns what the checks need."""
     rank = dist.get_rank()
@@ -111,17 +115,18 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
     n = MICRO_BATCHES
     stages = 4 if loop == "pipeline" else 1
     if policy is not None:
-        bagualu.install(capacity=capacity, policy=policy, governor="none",
+        bagualu.install(capacity=capacity, policy=policy, governor="none", device=device,
                         pipeline_stages=stages, micro_batches=n, log_iterations=False)
-    model = unmodified.build(name, seed=0)  # the same weights on every rank
+    model = unmodified.build(name, seed=0).to(device)  # the same weights on every rank
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
         blocks = bagualu.layers(model)
         model = DistributedDataParallel(model)
     else:
-        blocks = shard(model, reshard, prefetch)
+        blocks = shard(model, reshard, prefetch, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    xs = unmodified.batches(n * iterations, seed=1 + (0 if same_data else rank), spike_every=0)
+    xs = [x.to(device) for x in unmodified.batches(n * iterations, spike_every=0,
+                                                   seed=1 + (0 if same_data else rank))]
     saved = SavedBytes(blocks) if measure else None
     out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "saved": []}
     if policy is not None:
@@ -232,10 +237,11 @@ def summary(r: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in r.items() if k not in ("grads", "grads0")}
 
 
-def scenario(name: str, reshard: bool, prefetch: bool, loop: str) -> Dict[str, Any]:
+def scenario(name: str, reshard: bool, prefetch: bool, loop: str, device: str = "cpu"
+             ) -> Dict[str, Any]:
     """Plain FSDP2, then bagualu: keep-all (peak, memory model), forced offload+recompute and
-    FP8 mixes, and the bagualu policy at half of keep-all's peak."""
-    kw = dict(reshard=reshard, prefetch=prefetch, loop=loop)
+    FP8 mixes, and the bagualu policy at half of keep-all's peak (tests/gpu runs it on CUDA)."""
+    kw = dict(reshard=reshard, prefetch=prefetch, loop=loop, device=device)
     res: Dict[str, Any] = {}
     plain = train(name, None, measure=True, **kw)
     res["plain"] = summary(plain)
