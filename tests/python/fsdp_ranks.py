@@ -107,7 +107,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
           forced: Optional[Dict[str, str]] = None, reshard: bool = True,
           prefetch: bool = False, loop: str = "accumulate", iterations: int = 2,
           same_data: bool = False, measure: bool = False, ddp: bool = False,
-          device: str = "cpu") -> Dict[str, Any]:
+          device: str = "cpu", checkpoint: bool = False) -> Dict[str, Any]:
     """Trains ``name`` under FSDP2 (SGD, lr 0.1) for ``iterations`` steps of MICRO_BATCHES
     micro-batches; ``policy`` None: plain FSDP2. Returns what the checks need."""
     rank = dist.get_rank()
@@ -123,12 +123,14 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
         blocks = bagualu.layers(model)
         model = DistributedDataParallel(model)
     else:
+        if checkpoint:  # torch.utils.checkpoint around every block, then FSDP2 (torchtitan's order)
+            unmodified._checkpoint_blocks(model)
         blocks = shard(model, reshard, prefetch, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     xs = [x.to(device) for x in unmodified.batches(n * iterations, spike_every=0,
                                                    seed=1 + (0 if same_data else rank))]
     saved = SavedBytes(blocks) if measure else None
-    out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "saved": []}
+    out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "saved": [], "ms": []}
     if policy is not None:
         bagualu.instrument(model)
         if forced is not None:
@@ -144,6 +146,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
 
     try:
         for it in range(iterations):
+            t_it = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             if loop == "accumulate" and policy is not None:
                 losses = bagualu.accumulate_gradients(lambda mb: loss_of(it * n + mb), n)
@@ -176,6 +179,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
                         out["losses"].append(float(pending.pop(b).detach()))
                 if policy is not None:
                     out["lines"].append(bagualu.end_iteration())
+            out["ms"].append((time.perf_counter() - t_it) * 1e3)
             if it == 0:
                 out["grads0"] = grads_of(model)
             if it + 1 < iterations:
@@ -273,6 +277,20 @@ def ddp_check(name: str) -> Dict[str, Any]:
     return out
 
 
+def bench(name: str = "qwen3_moe", repeats: int = 3) -> Dict[str, Any]:
+    """Iteration wall times (ms, after the first iteration) of FSDP2 with bagualu at half of
+    keep-all's peak against FSDP2 with torch.utils.checkpoint around every block (which keeps
+    only the block inputs, well under that capacity), alternating, ``repeats`` pairs."""
+    full = train(name, "keep-all", forced={}, iterations=1)
+    cap = max(int(line["peak_bytes"]) for line in full["lines"]) // 2
+    out: Dict[str, Any] = {"capacity": cap, "bagualu": [], "checkpoint": [], "plain": []}
+    for _ in range(repeats):
+        out["bagualu"] += train(name, "bagualu", capacity=cap, iterations=4)["ms"][1:]
+        out["checkpoint"] += train(name, None, checkpoint=True, iterations=4)["ms"][1:]
+        out["plain"] += train(name, None, iterations=4)["ms"][1:]
+    return out
+
+
 def oom_check(name: str) -> Dict[str, Any]:
     """keep-all at half its own peak runs out of memory. Both ranks train on the same data
     here, so they run out at the same operator of the same forward and no rank is left waiting
@@ -291,12 +309,13 @@ SCENARIOS = {
     "mixtral": lambda: scenario("mixtral", True, True, "pipeline"),
     "oom": lambda: oom_check("qwen3_moe"),
     "ddp": lambda: ddp_check("qwen3_moe"),
+    "bench": lambda: bench(),  # not a check: run by name (docs/benchmarks.md)
 }
 
 
 def main() -> int:
     out_dir = Path(sys.argv[1])
-    names = sys.argv[2:] or list(SCENARIOS)
+    names = sys.argv[2:] or [s for s in SCENARIOS if s != "bench"]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
     result: Dict[str, Any] = {}
