@@ -146,3 +146,78 @@ def test_legacy_fully_sharded_data_parallel_is_refused() -> None:
         bagualu.instrument(unmodified.build("qwen3_moe", layers=2))  # the runtime is free
     finally:
         dist.destroy_process_group()
+
+
+def test_a_recompute_waits_for_fsdp2_to_gather_its_parameters() -> None:
+    """Sharding.ready on a real FSDP2 model (a world of one rank): between forwards the blocks'
+    parameters are sharded and nothing can be rerun (an early, scheduled rerun is NotReady; one
+    on demand is a clear error); in a block's backward its modules can be rerun on demand, and
+    ahead of time too except the FSDP2 block itself, whose hooks would all-gather."""
+    require_libs()
+    import fsdp_ranks
+    from bagualu.enforce.order import PointIssuer
+    from bagualu.errors import NotReady
+    from bagualu.vocabulary import Op
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = unmodified.build("qwen3_moe", layers=2)
+        blocks = fsdp_ranks.shard(model, reshard=True, prefetch=False)
+        bagualu.install(capacity="64MiB", policy="keep-all", governor="none",
+                        pipeline_stages=1, micro_batches=1, log_iterations=False)
+        bagualu.instrument(model)
+        rt = bagualu.current()
+        sharding = rt.sharding
+        mlp, op = blocks[0].mlp, Op("mlp", "other", 0)
+        assert sharding.active and not sharding.ready(mlp, scheduled=False)
+        with pytest.raises(bagualu.BagualuError, match="FSDP2 holds its parameters sharded"):
+            rt.before_rerun(op, mlp)
+        rt.tracker.issuer = PointIssuer(rt.enforcer, None, lambda: None)
+        rt.tracker.issuer.issuing = True  # as while the enforcer carries out a piece
+        with pytest.raises(NotReady):
+            rt.before_rerun(op, mlp)
+        assert rt.tracker.counters["rerun_waits"] == 1
+        rt.tracker.issuer = None
+        seen = []
+
+        def in_backward(m, grad_output):
+            seen.append((sharding.ready(mlp, False), sharding.ready(mlp, True),
+                         sharding.ready(blocks[0], False), sharding.ready(blocks[0], True)))
+        mlp.register_full_backward_pre_hook(in_backward)
+        bagualu.begin_iteration()
+        with bagualu.forward(0):
+            loss = unmodified.loss_of(model, unmodified.batches(1)[0])
+        with bagualu.backward(0):
+            loss.backward()
+        bagualu.end_iteration()
+        assert seen == [(True, True, True, False)], seen
+        assert not sharding.ready(mlp, scheduled=False)  # resharded after the backward
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_scheduled_recompute_that_must_wait_is_skipped_and_runs_on_demand() -> None:
+    """Through the enforcer's stream scheduler (the C ABI): a recompute piece whose
+    regenerator says NotReady is skipped, the tensor stays dropped with its regenerator, and
+    the next acquire regenerates it."""
+    require_libs()
+    from bagualu.errors import NotReady
+    bagualu.install(capacity="16MiB", governor="none", log_iterations=False)
+    enf = bagualu.current().enforcer
+    data = torch.arange(1024, dtype=torch.float32)
+    again = data.clone()
+    h = enf.register(data.untyped_storage(), torch.float32, 3, 5, graph_tensor=0)
+    calls = []
+
+    def regenerate() -> int:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise NotReady("not yet")
+        return again.untyped_storage().data_ptr()
+    enf.drop(h, regenerate)
+    enf.schedule_begin([{"chain": "R", "stage": 0, "round": 0, "resource": "compute",
+                         "first": 0, "last": 10}], -1, 5)
+    enf.schedule_finish()
+    assert calls == [0] and enf.skipped_pieces == 1
+    assert enf.vocab.placement[enf.query(h).placement] == "dropped"
+    enf.recompute(h)
+    assert calls == [0, 1] and enf.stats()["recomputes"] == 1
