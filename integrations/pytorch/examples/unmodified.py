@@ -175,7 +175,9 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           governor: str = "none", spike_every: int = 4, seed: int = 0,
           checkpoint_layers: bool = False, save_on_cpu: bool = False,
           ep: bool = True, width: int = 1, seq: int = 32, device: str = "cpu",
-          issue_order: str = "dual-batch") -> Dict[str, Any]:
+          issue_order: str = "dual-batch", layers: int = 3, compiled: Optional[str] = None,
+          compile_options: Optional[Dict[str, Any]] = None,
+          compile_after: bool = False) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
@@ -183,7 +185,9 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     iteration lines and stats, and whether it ran out of memory (``issue_order``: bagualu's
     install option, dual-batch or serial). ``ep`` False: every expert
     is computed here (the model exactly as plain PyTorch runs it). ``width`` and ``seq``: a
-    larger model (``build``) and longer micro-batches. Per iteration: wall and CPU times
+    larger model (``build``) and longer micro-batches. ``compiled``: every block compiled
+    (``compile_blocks``: "in-place" or "wrapped", with ``compile_options``), before
+    ``bagualu.instrument`` or, ``compile_after``, after it. Per iteration: wall and CPU times
     (``device`` "cuda": wall time after a synchronize)."""
     import bagualu
     one_f_one_b = bagualu.schedule.one_f_one_b
@@ -192,15 +196,19 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
         bagualu.install(capacity=capacity, policy=policy, governor=governor, device=device,
                         pipeline_stages=stages, micro_batches=micro_batches,
                         log_iterations=False, issue_order=issue_order)
-    model = build(name, seed, ep_size=4 if ep else 1, width=width).to(device)
+    model = build(name, seed, layers=layers, ep_size=4 if ep else 1, width=width).to(device)
     xs = [x.to(device) for x in batches(micro_batches * iterations, spike_every=spike_every,
                                         seq=seq)]
     out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "times_ms": [],
                            "cpu_ms": []}
+    if compiled is not None and not (compile_after and policy is not None):
+        compile_blocks(model, compiled, **(compile_options or {}))
     if policy is not None:
         bagualu.instrument(model, **(instrument_kwargs(name) if ep else {}))
         if forced is not None:
             bagualu.force_strategies(forced)
+        if compiled is not None and compile_after:
+            compile_blocks(model, compiled, **(compile_options or {}))
     elif checkpoint_layers:
         _checkpoint_blocks(model)
     try:
@@ -269,6 +277,25 @@ def mixed_strategies(name: str, with_fp8: bool) -> Dict[str, str]:
         elif op == "block" and name == "fused":  # the block's own code
             out[op] = "recompute"  # the block's own code has the dropout
     return out
+
+
+def compile_blocks(model: nn.Module, form: str = "in-place", **options: Any) -> None:
+    """Compiles every block of ``model`` as users do: ``block.compile(**options)`` in place
+    ("in-place"), or ``torch.compile(block, **options)`` registered in the block's place in its
+    list ("wrapped", torchtitan's way)."""
+    import bagualu
+    blocks = bagualu.layers(model)
+    if form == "in-place":
+        for blk in blocks:
+            blk.compile(**options)
+        return
+    if form != "wrapped":
+        raise ValueError(f"compile form '{form}' (in-place or wrapped)")
+    for parent in model.modules():
+        if isinstance(parent, nn.ModuleList):
+            for i, m in enumerate(parent):
+                if any(m is b for b in blocks):
+                    parent[i] = torch.compile(m, **options)
 
 
 def _checkpoint_blocks(model: nn.Module) -> None:
