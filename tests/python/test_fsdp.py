@@ -1,7 +1,9 @@
 """bagualu under FSDP2: transformers' Qwen3-MoE and Mixtral from tiny configs, unchanged, with
 ``fully_shard`` on every decoder block and the root, on 2 gloo ranks under torchrun
-(tests/python/fsdp_ranks.py, one run for every check here); DistributedDataParallel on the same
-ranks; the legacy FullyShardedDataParallel refused at instrument.
+(tests/python/fsdp_ranks.py, one run for every ``*_on_two_ranks`` check here, a name the ASan
+run of scripts/test.sh leaves out); DistributedDataParallel on the same ranks; in one process,
+the legacy FullyShardedDataParallel refused at instrument and a recompute that waits for
+FSDP2's parameters.
 
 What is checked against plain FSDP2 (the same weights, each rank its own data): offload and
 recompute mixed in a layer give every parameter's gradient shard bit for bit, FP8 storage within
@@ -54,7 +56,7 @@ def _grads_equal(g: Dict[str, Any], what: str) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_offload_recompute_and_fp8_under_fsdp2(ranks, name: str) -> None:
+def test_offload_recompute_and_fp8_under_fsdp2_on_two_ranks(ranks, name: str) -> None:
     """Qwen3-MoE with reshard_after_forward=False in the gradient-accumulation loop, Mixtral
     with reshard_after_forward=True, explicit prefetching and four forwards in flight: forced
     offload + recompute in every layer gives plain FSDP2's losses and gradient shards bit for
@@ -77,7 +79,7 @@ def test_offload_recompute_and_fp8_under_fsdp2(ranks, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_half_of_the_keep_all_peak_under_fsdp2(ranks, name: str) -> None:
+def test_half_of_the_keep_all_peak_under_fsdp2_on_two_ranks(ranks, name: str) -> None:
     """The bagualu policy at half of each rank's own keep-all peak (the simulated device's
     capacity): no out-of-memory, activations moved, and plain FSDP2's losses and
     gradient shards bit for bit (the ranks' data and so their plans differ)."""
@@ -96,7 +98,8 @@ def test_half_of_the_keep_all_peak_under_fsdp2(ranks, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_the_memory_model_counts_only_activations_under_fsdp2(ranks, name: str) -> None:
+def test_the_memory_model_counts_only_activations_under_fsdp2_on_two_ranks(ranks, name: str
+                                                                          ) -> None:
     """The planner's keep-all bytes at each micro-batch's load against the bytes PyTorch saved
     in the blocks for that micro-batch (the capture's own sample left out), within 1.5%."""
     for rank, res in ranks.items():
@@ -110,13 +113,13 @@ def test_the_memory_model_counts_only_activations_under_fsdp2(ranks, name: str) 
         assert max(errors) < 0.015, f"{name} rank {rank}: {errors}"
 
 
-def test_keep_all_runs_out_of_memory_at_half_its_peak(ranks) -> None:
+def test_keep_all_runs_out_of_memory_at_half_its_peak_on_two_ranks(ranks) -> None:
     for rank, res in ranks.items():
         assert "error" not in res["oom"], res["oom"].get("error")
         assert res["oom"]["oom"] is not None, f"rank {rank}: keep-all did not run out"
 
 
-def test_distributed_data_parallel_works(ranks) -> None:
+def test_distributed_data_parallel_works_on_two_ranks(ranks) -> None:
     """DistributedDataParallel needs nothing of bagualu: offload and recompute mixed in a layer
     give plain DDP's losses and gradients bit for bit."""
     for rank, res in ranks.items():
