@@ -291,6 +291,29 @@ def bench(name: str = "qwen3_moe", repeats: int = 3) -> Dict[str, Any]:
     return out
 
 
+def pipeline_stages(name: str = "qwen3_moe") -> Dict[str, Any]:
+    """FSDP2 inside the stages of torch's Schedule1F1B (examples/unmodified_pipeline.py
+    --fsdp: a (pp=2, dp=1) mesh, fully_shard on each stage's blocks and the stage), plain,
+    keep-all and bagualu at half of each rank's keep-all peak (the embedded planner), and
+    keep-all without FSDP2: the last rank's losses, the peaks and what was mitigated."""
+    import argparse
+    import unmodified_pipeline as up
+    args = argparse.Namespace(model=name, schedule="1f1b", governor="none", layers=4,
+                              micro_batches=4, iterations=2, spike_every=3, seed=0, fsdp=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.perf_counter()
+    plain = up.train(args, rank, world, None)
+    keep = up.train(args, rank, world, "keep-all")
+    tight = up.train(args, rank, world, "bagualu", keep["peak"] // 2)
+    unsharded = up.train(argparse.Namespace(**dict(vars(args), fsdp=False)), rank, world,
+                         "keep-all")
+    return {"plain": plain["losses"], "keep_all": keep["losses"], "bagualu": tight["losses"],
+            "peak": keep["peak"], "peak_without_fsdp": unsharded["peak"],
+            "ooms": tight["stats"]["ooms"],
+            "mitigated": tight["mitigated"], "plans": tight["plans"],
+            "seconds": time.perf_counter() - t0}
+
+
 def oom_check(name: str) -> Dict[str, Any]:
     """keep-all at half its own peak runs out of memory. Both ranks train on the same data
     here, so they run out at the same operator of the same forward and no rank is left waiting
@@ -309,6 +332,7 @@ SCENARIOS = {
     "mixtral": lambda: scenario("mixtral", True, True, "pipeline"),
     "oom": lambda: oom_check("qwen3_moe"),
     "ddp": lambda: ddp_check("qwen3_moe"),
+    "pipeline_stages": lambda: pipeline_stages(),
     "bench": lambda: bench(),  # not a check: run by name (docs/benchmarks.md)
 }
 

@@ -131,6 +131,23 @@ def test_distributed_data_parallel_works_on_two_ranks(ranks) -> None:
         _grads_equal(s["grads"], f"DDP rank {rank}")
 
 
+def test_fsdp2_inside_pipeline_stages_on_two_ranks(ranks) -> None:
+    """FSDP2 inside the stages of torch's Schedule1F1B (examples/unmodified_pipeline.py
+    --fsdp: a pp=2 x dp=1 mesh): at half of each rank's keep-all peak bagualu plans and
+    mitigates on both ranks, nothing runs out of memory, and the last stage's losses are plain
+    PyTorch's (with the same FSDP2 stages) bit for bit; keep-all's peak is that of the same
+    stages without FSDP2 on both ranks: no gathered parameter was counted."""
+    for rank, res in ranks.items():
+        s = res["pipeline_stages"]
+        assert "error" not in s, s.get("error")
+        assert s["ooms"] == 0 and s["mitigated"] > 0 and s["plans"] > 0, (rank, s)
+    last = ranks[1]["pipeline_stages"]
+    assert len(last["plain"]) == 2 and last["bagualu"] == last["keep_all"] == last["plain"]
+    for rank, res in ranks.items():
+        s = res["pipeline_stages"]
+        assert s["peak"] == s["peak_without_fsdp"], (rank, s["peak"], s["peak_without_fsdp"])
+
+
 def test_legacy_fully_sharded_data_parallel_is_refused() -> None:
     """FSDP1 is refused at instrument with a message that names fully_shard; nothing stays
     installed."""

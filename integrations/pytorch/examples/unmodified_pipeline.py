@@ -57,6 +57,19 @@ def build_stage(name: str, index: int, stages: int, layers: int, seed: int) -> H
     return HFStage(lm, first, last)
 
 
+def shard_stages(modules: List[nn.Module], world: int) -> None:
+    """FSDP2 inside each pipeline stage (torchtitan's PP x DP): ``fully_shard`` on every decoder
+    block and then the stage, over this rank's data-parallel group of a (pp=world, dp=1) mesh
+    (one data-parallel rank per stage on a machine with as many processes as stages)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))["dp"]
+    for module in modules:
+        for block in module.lm.model.layers:
+            fully_shard(block, mesh=dp)
+        fully_shard(module, mesh=dp)
+
+
 def loss_fn_for(micro_batches: int) -> Any:
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
@@ -80,6 +93,8 @@ def train(args: argparse.Namespace, rank: int, world: int, policy: Optional[str]
                         chunks=chunks, log_iterations=False)
     indices = [rank + c * world for c in range(chunks)]  # this rank's stages, chunk order
     modules = [build_stage(args.model, i, n_stages, args.layers, args.seed) for i in indices]
+    if getattr(args, "fsdp", False):
+        shard_stages(modules, world)
     if policy is not None:
         bagualu.instrument(modules[0] if chunks == 1 else nn.ModuleList(modules))
         if policy == "keep-all":
@@ -151,6 +166,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--spike-every", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 inside each stage (fully_shard on its blocks and the stage)")
     args = p.parse_args(argv)
     if not 0 < args.fraction <= 1:
         p.error(f"--fraction must be in (0, 1], got {args.fraction}")
