@@ -32,6 +32,7 @@ find_python() {
 if [[ -f $venv/.bgl-stamp && $(cat $venv/.bgl-stamp) == "$stamp" ]] &&
    $venv/bin/python -c 'import torch, transformers, numpy, pytest, grpc, grpc_tools, bagualu' 2>/dev/null; then
   echo "setup-python: $venv is up to date"
+  bash scripts/setup-torchtitan.sh  # .venv-torchtitan on top of it (tests/python/test_torchtitan.py)
   exit 0
 fi
 
@@ -48,3 +49,4 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --no-deps -e integrations/pytorch
 echo "$stamp" > $venv/.bgl-stamp
 echo "setup-python: done in $(( $(date +%s) - start )) s"
+bash scripts/setup-torchtitan.sh  # .venv-torchtitan on top of it (tests/python/test_torchtitan.py)

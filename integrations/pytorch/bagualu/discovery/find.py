@@ -100,6 +100,9 @@ def _resolve(model: nn.Module, path: str) -> Any:
         if part.isdigit() and isinstance(obj, (nn.ModuleList, nn.Sequential, list, tuple)):
             obj = obj[int(part)]
             continue
+        if isinstance(obj, nn.ModuleDict) and part in obj:
+            obj = obj[part]
+            continue
         if not hasattr(obj, part):
             raise InstrumentError(f"layers='{path}': {type(obj).__name__} has no attribute "
                                   f"'{part}'")
@@ -141,10 +144,12 @@ def find_slots(model: nn.Module, layers: Layers = None) -> Tuple[str, List[Tuple
         return ", ".join(layers), slots
     if layers is not None:
         obj = _resolve(model, layers)
+        if isinstance(obj, nn.ModuleDict):  # torchtitan's layers: its values, in order
+            obj = list(obj.values())
         if not isinstance(obj, (nn.ModuleList, nn.Sequential, list, tuple)) or \
                 not all(isinstance(m, nn.Module) for m in obj) or len(obj) == 0:
             raise InstrumentError(f"layers='{layers}' is a {type(obj).__name__}, not a "
-                                  "non-empty nn.ModuleList of blocks")
+                                  "non-empty nn.ModuleList (or ModuleDict) of blocks")
         return layers, [(obj, i) for i in range(len(obj))]
     best: Optional[Tuple[int, str, Any]] = None
     for path, m in model.named_modules():

@@ -1,0 +1,219 @@
+"""bagualu as torchtitan's activation memory manager, through torchtitan's own configuration
+(docs/torchtitan.md): a ``Trainer`` subclass whose config adds a ``bagualu`` section, and
+config functions named like torchtitan's (``bagualu.torchtitan``'s module-level lookup) that
+return torchtitan's config with this trainer and that section.
+
+    torchrun --nproc-per-node 2 -m torchtitan.train --module bagualu.torchtitan \\
+        --config deepseek_v3_debugmodel --bagualu.capacity 512MiB
+
+What the trainer does, with no change to torchtitan's files:
+- installs bagualu once the process group exists and before the model is built
+  (``init_distributed``): capacity, policy and governor from ``--bagualu.*``, the pipeline
+  rank, stages and micro-batches from torchtitan's parallelism;
+- instruments each model part after torchtitan parallelized it: its decoder blocks (the
+  planned layers: the longest run of blocks of one structure, e.g. DeepSeek-V3's MoE blocks
+  after its dense first one), attention, router, grouped experts, shared experts (the
+  operator kinds torchtitan's module names need are given here, ``TORCHTITAN_OPS``); under
+  expert parallelism the load factor comes from the token dispatcher's output
+  (``moe.routed_experts.token_dispatcher.dispatch``: the tokens the all-to-all delivered);
+- plans at every scheduling point: under pipeline parallelism torchtitan's schedule is wrapped
+  by ``bagualu.pipelining.wrap_schedule`` (1F1B and the other single-stage schedules), without
+  it every gradient-accumulation micro-batch is one forward and one backward of
+  ``bagualu.micro_batches``.
+torchtitan's activation checkpointing is off in the configs returned here (bagualu plans
+recompute itself); ``activation-checkpoint:selective`` etc. on the command line turn it back on.
+
+Imports torchtitan: load it only where torchtitan is installed. Not thread-safe: torchtitan's
+training thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torchtitan.trainer import Trainer
+
+log = logging.getLogger("bagualu")
+
+# torchtitan's module names -> the planner's operator kinds, where discovery's guess needs
+# help: GroupedExperts holds the routed experts' stacked weights; the router's gate is part of
+# the router operator (TokenChoiceTopKRouter, which knows num_experts and top_k).
+TORCHTITAN_OPS = {
+    "moe.routed_experts.inner_experts": "expert_linear",
+    "moe.router.gate": "none",
+}
+DISPATCH = "moe.routed_experts.token_dispatcher.dispatch"
+
+
+@dataclass(kw_only=True, slots=True)
+class BagualuConfig:
+    """The ``[bagualu]`` section: ``--bagualu.capacity 512MiB --bagualu.policy bagualu``."""
+
+    capacity: str = ""
+    """Activation memory per rank (a size: '512MiB', '40GiB'); required."""
+
+    policy: str = "bagualu"
+    """keep-all, static-under, static-over or bagualu (docs/pytorch.md, 'Policies')."""
+
+    governor: str = ""
+    """The node daemon's address; '' = $BGL_GOVERNOR or its default socket, 'none' = the
+    embedded planner only."""
+
+    issue_order: str = "dual-batch"
+    """The plans' issue order: dual-batch or serial."""
+
+    log_iterations: bool = True
+    """Log bagualu's line per training step on every rank."""
+
+
+class BagualuTrainer(Trainer):
+    """torchtitan's Trainer with bagualu managing activation memory (module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        bagualu: BagualuConfig = field(default_factory=BagualuConfig)
+
+    def __init__(self, config: "BagualuTrainer.Config") -> None:
+        self._bgl_loop: Optional[Any] = None
+        super().__init__(config)
+        import bagualu
+        pp = self.parallel_dims.pp_enabled
+        ep = self.parallel_dims.ep_enabled
+        parts = self.model_parts
+        if len(parts) != 1:
+            raise bagualu.BagualuError(
+                f"bagualu.torchtitan: {len(parts)} model parts on this rank; schedules with "
+                "several stages per rank are not supported here yet (use a single-stage "
+                "schedule: 1F1B, GPipe)")
+        bagualu.instrument(parts[0], {"name": f"torchtitan-{config.model_spec.name}"},
+                           layers="layers", ops=dict(TORCHTITAN_OPS),
+                           dispatch=DISPATCH if ep else None)
+        if pp:
+            self.pp_schedule = bagualu.pipelining.wrap_schedule(self.pp_schedule)
+        log.info("bagualu: managing torchtitan's activations (%s, %s, policy %s)",
+                 f"pipeline stage {self._bgl_stage[0]} of {self._bgl_stage[1]}" if pp
+                 else f"{self._bgl_micro_batches} micro-batches per step",
+                 "expert parallel" if ep else "no expert parallelism",
+                 config.bagualu.policy)
+
+    # -- before the model is built ----------------------------------------------------------
+    def init_distributed(self) -> Any:
+        parallel_dims = super().init_distributed()
+        import bagualu
+        cfg: BagualuConfig = self.config.bagualu
+        if not cfg.capacity:
+            raise bagualu.BagualuError("bagualu.torchtitan: give --bagualu.capacity (the "
+                                       "activation memory per rank, e.g. 512MiB)")
+        training, parallelism = self.config.training, self.config.parallelism
+        if parallel_dims.pp_enabled:
+            stages = parallel_dims.pp
+            rank = parallel_dims.get_mesh("pp").get_local_rank()
+            micro_batches = training.local_batch_size // \
+                parallelism.pipeline_parallel_microbatch_size
+        else:
+            stages, rank = 1, 0
+            degree = parallel_dims.dp_replicate * parallel_dims.dp_shard
+            global_batch = training.global_batch_size
+            if global_batch < 0:
+                global_batch = training.local_batch_size * degree
+            micro_batches = max(global_batch // (training.local_batch_size * degree), 1)
+        self._bgl_stage = (rank, stages)
+        self._bgl_micro_batches = micro_batches
+        device = torch.device(f"cuda:{torch.cuda.current_device()}") \
+            if torch.cuda.is_available() else torch.device("cpu")
+        bagualu.install(capacity=cfg.capacity, policy=cfg.policy,
+                        governor=cfg.governor or None, device=str(device),
+                        pipeline_rank=rank, pipeline_stages=stages,
+                        micro_batches=micro_batches, issue_order=cfg.issue_order,
+                        log_iterations=cfg.log_iterations)
+        return parallel_dims
+
+    # -- the steps --------------------------------------------------------------------------
+    def train_step(self, data_iterator: Any) -> Any:
+        if self.parallel_dims.pp_enabled:
+            return super().train_step(data_iterator)  # the wrapped schedule plans each step
+        import bagualu
+        self._bgl_loop = iter(bagualu.micro_batches(self._bgl_micro_batches))
+        try:
+            out = super().train_step(data_iterator)
+            for _ in self._bgl_loop:  # every micro-batch ran: this ends the iteration
+                raise bagualu.BagualuError("bagualu.torchtitan: fewer forward-backward "
+                                           "calls than micro-batches in a step")
+        finally:
+            self._bgl_loop = None
+        return out
+
+    def _forward_backward_body(self, inputs: torch.Tensor, labels: torch.Tensor,
+                               global_valid_tokens: torch.Tensor,
+                               extra_kwargs: Dict[str, Any]) -> torch.Tensor:
+        """torchtitan's forward, loss and backward of one micro-batch, the forward (with the
+        loss) inside bagualu's forward context and the backward inside its backward one."""
+        import bagualu
+        if self._bgl_loop is None:
+            raise bagualu.BagualuError("bagualu.torchtitan: a forward-backward outside "
+                                       "train_step")
+        mb = next(self._bgl_loop)
+        loss_kwargs = {"positions": extra_kwargs["positions"]} \
+            if "positions" in extra_kwargs else {}
+        with self.train_context():
+            with mb.forward():
+                pred = self.model_parts[0](inputs, **extra_kwargs)
+                loss, _ = self.loss_fn(pred, labels, global_valid_tokens, **loss_kwargs)
+                del pred
+            with mb.backward(), _no_typecheck():
+                loss.backward()
+        return loss
+
+    def close(self) -> None:
+        import bagualu
+        super().close()
+        bagualu.uninstall()
+
+
+def _no_typecheck() -> Any:
+    """torchtitan runs the backward outside spmd_types' type checks; the same here."""
+    import spmd_types as spmd
+    return spmd.no_typecheck()
+
+
+def bagualu_config(base: Trainer.Config) -> BagualuTrainer.Config:
+    """``base`` (any torchtitan trainer config) with BagualuTrainer and a ``bagualu`` section;
+    torchtitan's activation checkpointing off."""
+    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    values["activation_checkpoint"] = None
+    return BagualuTrainer.Config(**values)
+
+
+def _registry_function(name: str) -> Optional[Callable[[], Trainer.Config]]:
+    """torchtitan's config function ``name`` from the model packages' config registries."""
+    from torchtitan.models import _supported_models
+    for model in sorted(_supported_models):
+        try:
+            module = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+        except ImportError:
+            continue
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def config_function(name: str) -> Callable[[], BagualuTrainer.Config]:
+    """The config function ``--module bagualu.torchtitan --config NAME`` calls: torchtitan's
+    ``NAME`` (e.g. deepseek_v3_debugmodel, qwen3_moe_debug) through ``bagualu_config``."""
+    fn = _registry_function(name)
+    if fn is None:
+        raise AttributeError(f"bagualu.torchtitan: torchtitan has no config function '{name}' "
+                             "(see torchtitan/models/*/config_registry.py)")
+
+    def config() -> BagualuTrainer.Config:
+        return bagualu_config(fn())
+
+    config.__name__ = name
+    return config
+
+

@@ -1,0 +1,103 @@
+"""bagualu as torchtitan's memory manager (issue 21): torchtitan 0.3.0's own entry point, trainer
+and debug MoE models under torchrun (2 ranks, gloo), selected with ``--module
+bagualu.torchtitan``; the CPU adjustments live in the harness (torchtitan_cpu.py), the
+torchtitan install in .venv-torchtitan (scripts/setup-torchtitan.sh). Each run is compared with
+torchtitan's own run without bagualu (activation checkpointing off, the same seed): losses
+and gradient norms equal, bit for bit, on every step; bagualu plans below the keep-all peak
+on every rank."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+
+from conftest import ROOT, check_torchrun, require_libs
+
+VENV = ROOT / ".venv-torchtitan"
+HARNESS = ROOT / "tests" / "python" / "torchtitan_cpu.py"
+COMMON = ["--training.local_batch_size", "2", "--training.seq_len", "64",
+          "--training.steps", "2", "--training.disable_cuda_graphs", "--checkpoint.no-enable",
+          "--debug.seed", "0", "--metrics.log_freq", "1"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2",
+       "--parallelism.data_parallel_shard_degree", "1",
+       "--parallelism.pipeline_parallel_microbatch_size", "1"]
+LINE = re.compile(r"bagualu: iter (\d+) policy (\S+) load ([\d.]+) \(max ([\d.]+)\) budget (\S+) "
+                  r"peak ([\d.]+)MiB/([\d.]+)MiB strategies (.*?) offloads (\d+) fp8 (\d+) "
+                  r"recomputed (\d+) evictions (\d+) deferred (\d+)")
+
+
+def python() -> Path:
+    py = VENV / "bin" / "python"
+    if not py.exists():
+        raise AssertionError(f"{py} is missing: run scripts/setup-torchtitan.sh (setup-python.sh "
+                             "runs it)")
+    return py
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("torchtitan-assets")
+    subprocess.run([str(python()), str(HARNESS), "--assets", str(root)], check=True,
+                   timeout=120)
+    return root
+
+
+def run(assets: Path, tmp: Path, args: List[str]) -> str:
+    """One torchrun of torchtitan.train through the harness; its output."""
+    require_libs()
+    env = dict(os.environ, OMP_NUM_THREADS="1", BGL_CACHE_DIR=str(tmp / "cache"),
+               PYTHONPATH=str(ROOT / "integrations" / "pytorch"))
+    cmd = [str(python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--tee", "3", "--log-line-prefix-template", "[rank${rank}]:", str(HARNESS), str(assets), "--dump_folder", str(tmp / "out"), *COMMON, *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
+    text = out.stdout + out.stderr
+    check_torchrun(out.returncode, text)
+    return text
+
+
+def losses(text: str) -> Dict[Tuple[int, int], Tuple[float, float]]:
+    """(rank, step) -> (loss, grad norm) from the harness's exact lines."""
+    out = {}
+    for m in re.finditer(r"HARNESS rank (\d+) step (\d+) loss (\S+) grad_norm (\S+)", text):
+        out[(int(m[1]), int(m[2]))] = (float(m[3]), float(m[4]))
+    return out
+
+
+def lines_by_rank(text: str) -> Dict[int, List[re.Match]]:
+    """bagualu's iteration lines per rank (torchrun prefixes each rank's lines)."""
+    out: Dict[int, List[re.Match]] = {0: [], 1: []}
+    for ln in text.splitlines():
+        m = LINE.search(ln)
+        r = re.match(r"\[rank(\d+)\]:", ln)
+        if m and r:
+            out[int(r[1])].append(m)
+    return out
+
+
+def test_pipeline_1f1b_deepseek_v3(assets, tmp_path) -> None:
+    """PP 2 with torchtitan's Schedule1F1B (2 micro-batches per step), deepseek_v3
+    debugmodel: bagualu below every rank's keep-all peak plans offloads/recomputes on both
+    stages, and torchtitan's losses and gradient norms are those of its run without
+    bagualu, bit for bit."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "bagualu").mkdir()
+    plain = run(assets, tmp_path / "plain", ["--module", "deepseek_v3", "--config",
+                                             "deepseek_v3_debugmodel", *PP2,
+                                             "activation-checkpoint:none"])
+    ours = run(assets, tmp_path / "bagualu", ["--module", "bagualu.torchtitan", "--config",
+                                              "deepseek_v3_debugmodel", *PP2,
+                                              "--bagualu.capacity", "10MiB",
+                                              "--bagualu.governor", "none"])
+    ref, got = losses(plain), losses(ours)
+    assert len(ref) == 4 and ref == got, (ref, got)
+    by_rank = lines_by_rank(ours)
+    for rank in (0, 1):
+        lines = by_rank[rank]
+        assert len(lines) == 2, (rank, [m[0] for m in lines])
+        moved = sum(int(m[9]) + int(m[10]) + int(m[11]) + int(m[12]) for m in lines)
+        assert moved > 0, f"rank {rank}: nothing mitigated: {[m[0] for m in lines]}"
+        assert all(float(m[6]) <= float(m[7]) for m in lines)
