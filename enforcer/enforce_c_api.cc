@@ -137,6 +137,7 @@ BGL_ALLOC_API void bgl_enf_default_options(bgl_enf_options* o) {
   o->max_inflight = 4;
   o->pressure_eviction = 1;
   o->log = 0;
+  o->sync_copies = 0;
 }
 
 BGL_ALLOC_API int bgl_enf_create(const bgl_enf_options* options, bgl_enforcer** out) {
@@ -159,6 +160,7 @@ BGL_ALLOC_API int bgl_enf_create(const bgl_enf_options* options, bgl_enforcer** 
     eo.h2d = o.h2d_stream;
     eo.pressure_eviction = o.pressure_eviction != 0;
     eo.log = o.log != 0;
+    eo.sync_copies = o.sync_copies != 0 && pool->backend().name() == std::string("host");
     auto impl = Enforcer::create(pool, std::move(ops), eo, &error);
     if (impl == nullptr) return bad(Status::kInvalidArgument, "bgl_enf_create: " + error);
     auto* h = new bgl_enforcer{std::move(impl)};
@@ -241,9 +243,8 @@ BGL_ALLOC_API int bgl_enf_register_saved(bgl_enforcer* enf, const bgl_enf_tensor
               [&](Enforcer& e) {
                 TensorDesc d;
                 const Status s = ToDesc(desc, "bgl_enf_register_saved", &d);
-                return s != Status::kOk
-                           ? s
-                           : e.register_saved(d, need_order, consumers, count, handle);
+                return s != Status::kOk ? s
+                                        : e.register_saved(d, need_order, consumers, count, handle);
               });
 }
 

@@ -49,7 +49,8 @@ std::unique_ptr<Enforcer> Enforcer::create(Pool* pool, std::unique_ptr<DeviceOps
   std::unique_ptr<Enforcer> e(new Enforcer(pool, std::move(ops), options));
   for (auto [stream, own] :
        {std::pair{&e->options_.d2h, &e->own_d2h_}, std::pair{&e->options_.h2d, &e->own_h2d_}}) {
-    if (*stream != nullptr) continue;
+    if (options.sync_copies) *stream = nullptr;  // the calling thread: no copy threads
+    if (*stream != nullptr || options.sync_copies) continue;
     if (e->ops_->create_stream(stream) != Status::kOk) {
       *error = "enforcer: cannot create a copy stream: " + e->ops_->last_error();
       return nullptr;

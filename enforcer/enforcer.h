@@ -29,6 +29,9 @@ struct EnforcerOptions {
   Stream h2d = nullptr;
   bool pressure_eviction = true;
   bool log = false;
+  // Host backend only: no copy streams; copies and casts run on the calling thread (a null
+  // stream there), so a copy the caller waits for costs no thread hand-off.
+  bool sync_copies = false;
 };
 
 // Counters (the C ABI's struct).

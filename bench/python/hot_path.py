@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import statistics
@@ -66,7 +67,11 @@ class Bench:
         self.cpu = torch.device("cpu")
         self.pool = DevicePool(capacity)
         self.memory = DeviceMemory(self.cpu, self.pool, None)
-        self.enforcer = Enforcer(self.cpu, capacity, borrowed_free_is_safe=False)
+        # As install() makes it on CPU: copies on the training thread where the calibration
+        # says they do not overlap compute (packages before issue 22 have no such option).
+        kwargs = ({"sync_copies": True}
+                  if "sync_copies" in inspect.signature(Enforcer).parameters else {})
+        self.enforcer = Enforcer(self.cpu, capacity, borrowed_free_is_safe=False, **kwargs)
         self.strategy = KEEP
         self.tracker = Tracker(self.memory, self.enforcer, lambda op, mb: self.strategy)
         self.op = Op("experts", "expert_linear", 0)

@@ -158,12 +158,20 @@ Status ValidateRegisterRequest(const pb::RegisterRequest& req, const RequestLimi
   BGL_RETURN_IF_ERROR(
       CheckSpeed(cal.matmul_efficiency(), "calibration.matmul_efficiency", "matmul_efficiency"));
   BGL_RETURN_IF_ERROR(CheckSpeed(cal.hbm_gbps(), "calibration.hbm_gbps", "hbm_GBps"));
+  BGL_RETURN_IF_ERROR(
+      CheckSpeed(cal.memory_efficiency(), "calibration.memory_efficiency", "memory_efficiency"));
+  BGL_RETURN_IF_ERROR(
+      CheckSpeed(cal.kernel_launch_us(), "calibration.kernel_launch_us", "kernel_launch_us"));
+  if (cal.has_copy_overlap()) {
+    BGL_RETURN_IF_ERROR(plan::CheckCalibrationValue("copy_overlap", cal.copy_overlap(),
+                                                    "calibration.copy_overlap"));
+  }
   return OkStatus();
 }
 
-Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(const pb::RegisterRequest& req,
-                                                                     const RequestLimits& limits,
-                                                                     const ModelBounds& bounds) {
+Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(
+    const pb::RegisterRequest& req, const RequestLimits& limits, const ModelBounds& bounds,
+    const nlohmann::json* node_calibration) {
   BGL_RETURN_IF_ERROR(ValidateRegisterRequest(req, limits));
   nlohmann::json doc = nlohmann::json::parse(req.model_json(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return InvalidArgument("model_json: not valid JSON");
@@ -185,11 +193,27 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(const pb::R
                            " is outside [0, pp=" + std::to_string(config->pp) + ")");
   }
   const pb::Calibration& cal = req.calibration();
-  const std::string base = cal.gpu_profile().empty() ? config->gpu : cal.gpu_profile();
+  // The base profile: the session's, else the node's calibration file's, else the model's.
+  const bool node_gpu = node_calibration != nullptr && node_calibration->contains("gpu") &&
+                        (*node_calibration)["gpu"].is_string();
+  const std::string base = !cal.gpu_profile().empty() ? cal.gpu_profile()
+                           : node_gpu ? (*node_calibration)["gpu"].get<std::string>()
+                                      : config->gpu;
   auto hw = plan::HardwareProfileByName(base);
   if (!hw.ok()) {
-    const char* field = cal.gpu_profile().empty() ? "model_json.gpu" : "calibration.gpu_profile";
+    const char* field = !cal.gpu_profile().empty() ? "calibration.gpu_profile"
+                        : node_gpu                 ? "the daemon's calibration file: gpu"
+                                                   : "model_json.gpu";
     return InvalidArgument(std::string(field) + ": " + hw.status().message());
+  }
+  plan::HardwareProfile profile = *hw;
+  if (node_calibration != nullptr) {
+    // The machine's measured rooflines (bgl-governord --calibration), checked at start.
+    nlohmann::json node = *node_calibration;
+    node.erase("gpu");
+    if (Status s = plan::ApplyCalibration(node, profile); !s.ok()) {
+      return InvalidArgument("the daemon's calibration file: " + s.message());
+    }
   }
   nlohmann::json cdoc = nlohmann::json::object();
   AddRoofline(cal.offload(), "offload", cdoc);
@@ -198,7 +222,9 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(const pb::R
   if (cal.peak_tflops() != 0) cdoc["peak_tflops"] = cal.peak_tflops();
   if (cal.matmul_efficiency() != 0) cdoc["matmul_efficiency"] = cal.matmul_efficiency();
   if (cal.hbm_gbps() != 0) cdoc["hbm_GBps"] = cal.hbm_gbps();
-  plan::HardwareProfile profile = *hw;
+  if (cal.memory_efficiency() != 0) cdoc["memory_efficiency"] = cal.memory_efficiency();
+  if (cal.kernel_launch_us() != 0) cdoc["kernel_launch_us"] = cal.kernel_launch_us();
+  if (cal.has_copy_overlap()) cdoc["copy_overlap"] = cal.copy_overlap();
   if (Status s = plan::ApplyCalibration(cdoc, profile); !s.ok()) {
     return InvalidArgument("calibration: " + s.message());
   }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "bagualu/v1/governor.pb.h"
 #include "base/status.h"
@@ -42,11 +43,12 @@ inline constexpr int64_t kMinBudgetStepBytes = 4096;
 Status ValidateRegisterRequest(const bagualu::v1::RegisterRequest& req,
                                const RequestLimits& limits);
 
-// Parses the model, applies the calibration and creates the planner. Errors name the field
-// ("model_json: ...", "calibration.offload.peak_gbps: ...").
+// Parses the model, applies the calibrations (the node's, `node_calibration` when not null:
+// the daemon's --calibration file, then the request's) and creates the planner. Errors name
+// the field ("model_json: ...", "calibration.offload.peak_gbps: ...").
 Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(
     const bagualu::v1::RegisterRequest& req, const RequestLimits& limits,
-    const ModelBounds& bounds = {});
+    const ModelBounds& bounds = {}, const nlohmann::json* node_calibration = nullptr);
 
 // Fills everything but session_id from the planner.
 void FillRegisterResponse(const plan::StagePlanner& planner, bagualu::v1::RegisterResponse* out);

@@ -124,7 +124,8 @@ const std::vector<std::string>& ConfigKeys() {
                                                 "host_floor_bytes",
                                                 "node_max_sessions",
                                                 "node_gpus",
-                                                "links"};
+                                                "links",
+                                                "calibration"};
   return keys;
 }
 
@@ -200,6 +201,8 @@ Status ApplyConfigValue(const std::string& key, const std::string& value, Daemon
     c.links = std::move(links).value();
     c.links_set = true;
     c.links_source = "config";
+  } else if (key == "calibration") {
+    c.calibration = value;
   } else if (key == "log_level") {
     if (value != "debug" && value != "info" && value != "warning" && value != "error") {
       return InvalidArgument("log_level: expected debug, info, warning or error, got '" + value +

@@ -30,6 +30,9 @@ struct DaemonConfig {
   int reap_interval_ms = 2000;
   int drain_timeout_ms = 5000;
   std::string log_level = "info";  // debug, info, warning, error
+  // A calibration file (docs/planner.md, "Calibration"): this machine's measured rooflines for
+  // every session ("" : the profiles as they are; sessions may send their own on top).
+  std::string calibration;
   // The node (issue 14). -1: defaults resolved by ResolveNodeDefaults.
   int64_t host_budget_bytes = -1;  // default: host_budget_fraction of MemTotal (/proc/meminfo)
   double host_budget_fraction = 0.5;

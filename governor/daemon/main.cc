@@ -47,7 +47,8 @@ const char* kUsage =
     "      max_json_depth max_operators_per_layer max_layers_per_chunk plan_timeout_ms\n"
     "      max_watch_streams max_watch_streams_per_uid reap_interval_ms drain_timeout_ms\n"
     "      log_level host_budget_bytes host_budget_fraction host_floor_bytes\n"
-    "      node_max_sessions node_gpus links (e.g. --links '0,1,2,3;4,5,6,7')\n";
+    "      node_max_sessions node_gpus links (e.g. --links '0,1,2,3;4,5,6,7')\n"
+    "      calibration (a calibration file: the machine's measured rooflines)\n";
 
 struct Flags {
   std::string config_file;
@@ -217,8 +218,20 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "bgl-governord: %s\n", node.status().message().c_str());
     return 2;
   }
+  std::optional<nlohmann::json> calibration;
+  if (!config->calibration.empty()) {
+    // Checked now, on the profile it names (else h200), so that a bad file stops the daemon
+    // instead of every registration.
+    auto doc = plan::ReadCalibrationFile(config->calibration);
+    if (!doc.ok()) {
+      std::fprintf(stderr, "bgl-governord: %s\n", doc.status().message().c_str());
+      return 2;
+    }
+    calibration = std::move(doc).value();
+  }
   Metrics metrics;
   GovernorCore core(&metrics, config->limits, std::move(node).value());
+  core.SetCalibration(calibration);
   PeerRegistry peers;
   GovernorService service(&core, &peers);
   service.SetAdminGroup(admin_gid);

@@ -156,8 +156,11 @@ AssignmentCost CostEvaluator::Evaluate(const Assignment& a, double r) const {
       if (rerun[o]) c.recompute_s += g.ops[o].ForwardTime(r);
     }
   }
-  c.exposed_s = c.recompute_s + c.fp8_s + std::max(0.0, c.d2h_s - g.ForwardTime(r)) +
-                std::max(0.0, c.h2d_s - g.BackwardTime(r));
+  // Copies hide under the chunk's compute as far as the machine overlaps them (copy engines: all
+  // of it; the host backend's synchronous copies: none).
+  c.exposed_s = c.recompute_s + c.fp8_s +
+                std::max(0.0, c.d2h_s - hw_.copy_overlap * g.ForwardTime(r)) +
+                std::max(0.0, c.h2d_s - hw_.copy_overlap * g.BackwardTime(r));
   return c;
 }
 

@@ -137,6 +137,39 @@ bgl_planner* bgl_planner_create(const char* model_json, const char* options_json
 
 void bgl_planner_destroy(bgl_planner* planner) { delete planner; }
 
+char* bgl_planner_calibrated_profile(const char* calibration_json, const char* gpu) {
+  try {
+    json doc;
+    if (!ParseObject(calibration_json, "calibration", doc)) return nullptr;
+    auto hw = bgl::plan::HardwareProfileByName(gpu != nullptr ? gpu : "h200");
+    if (!hw.ok()) return Fail(hw.status().message());
+    if (bgl::Status s = bgl::plan::ApplyCalibration(doc, *hw); !s.ok()) return Fail(s.message());
+    const bgl::plan::HardwareProfile& p = *hw;
+    auto roof = [](const bgl::plan::Roofline& r) {
+      return json{{"launch_floor_us", r.launch_floor_s * 1e6},
+                  {"peak_GBps", r.peak_bytes_per_s / 1e9}};
+    };
+    json out = {{"gpu", p.name},
+                {"peak_tflops", p.peak_flops / 1e12},
+                {"matmul_efficiency", p.matmul_efficiency},
+                {"hbm_GBps", p.hbm_bytes_per_s / 1e9},
+                {"memory_efficiency", p.memory_efficiency},
+                {"memory_GiB", static_cast<double>(p.memory_bytes) / (1024.0 * 1024 * 1024)},
+                {"kernel_launch_us", p.kernel_launch_s * 1e6},
+                {"intra_node_GBps", p.intra_node_bytes_per_s / 1e9},
+                {"inter_node_GBps", p.inter_node_bytes_per_s / 1e9},
+                {"gpus_per_node", p.gpus_per_node},
+                {"copy_overlap", p.copy_overlap},
+                {"rooflines",
+                 {{"offload", roof(p.offload)},
+                  {"reload", roof(p.reload)},
+                  {"fp8_cast", roof(p.fp8_cast)}}}};
+    return Dup(out.dump());
+  } catch (const std::exception& e) {
+    return Fail(std::string("internal error: ") + e.what());
+  }
+}
+
 char* bgl_planner_describe(bgl_planner* handle) {
   if (!handle) return Fail("planner: NULL handle");
   try {

@@ -34,12 +34,12 @@ constexpr double kGB = 1e9;
 constexpr double kGiB = 1024.0 * 1024 * 1024;
 
 constexpr CalibrationRange kCalibrationRanges[] = {
-    {"peak_tflops", 0.1, 1e6},       {"matmul_efficiency", 0.01, 1},
+    {"peak_tflops", 0.001, 1e6},     {"matmul_efficiency", 0.01, 1},
     {"memory_efficiency", 0.01, 1},  {"hbm_GBps", 1, 1e6},
     {"memory_GiB", 1.0 / 1024, 1e6}, {"kernel_launch_us", 0.001, 1e6},
     {"intra_node_GBps", 0.01, 1e6},  {"inter_node_GBps", 0.01, 1e6},
     {"gpus_per_node", 1, 65536},     {"launch_floor_us", 0.001, 1e6},
-    {"peak_GBps", 0.01, 1e6},
+    {"peak_GBps", 0.01, 1e6},        {"copy_overlap", 0, 1},
 };
 
 std::string Number(double v) {
@@ -82,6 +82,7 @@ Status HardwareProfile::Validate() const {
   BGL_RETURN_IF_ERROR(check("intra_node_GBps", intra_node_bytes_per_s / kGB, "intra_node_GBps"));
   BGL_RETURN_IF_ERROR(check("inter_node_GBps", inter_node_bytes_per_s / kGB, "inter_node_GBps"));
   BGL_RETURN_IF_ERROR(check("gpus_per_node", gpus_per_node, "gpus_per_node"));
+  BGL_RETURN_IF_ERROR(check("copy_overlap", copy_overlap, "copy_overlap"));
   for (auto [roof, label] :
        {std::pair{&offload, "offload"}, {&reload, "reload"}, {&fp8_cast, "fp8_cast"}}) {
     const std::string prefix = std::string("rooflines.") + label + ".";
@@ -128,13 +129,33 @@ Result<HardwareProfile> HardwareProfileByName(std::string_view name) {
     p.fp8_cast = {6e-6, 1800 * kGB * 0.8 * 2.0 / 3.0};
     return p;
   }
+  if (name == "host") {
+    // The host backend (a CPU as the device, PyTorch on CPU): a few cores' worth of compute,
+    // memcpy-speed copies that do not overlap compute. Placeholders of the right order for a
+    // small server; bagualu measures the machine at hand and overrides them (calibration).
+    HardwareProfile p;
+    p.name = "host";
+    p.peak_flops = 0.2e12;
+    p.matmul_efficiency = 1;
+    p.hbm_bytes_per_s = 20 * kGB;
+    p.memory_efficiency = 1;
+    p.memory_bytes = static_cast<int64_t>(64 * kGiB);
+    p.kernel_launch_s = 2e-6;
+    p.intra_node_bytes_per_s = 10 * kGB;
+    p.inter_node_bytes_per_s = 1 * kGB;
+    p.offload = {5e-6, 10 * kGB};
+    p.reload = {5e-6, 10 * kGB};
+    p.fp8_cast = {5e-6, 1 * kGB};
+    p.copy_overlap = 0;
+    return p;
+  }
   std::string known;
   for (const auto& n : HardwareProfileNames()) known += (known.empty() ? "" : ", ") + n;
   return InvalidArgument("gpu: unknown hardware profile '" + std::string(name) +
                          "' (known: " + known + ")");
 }
 
-std::vector<std::string> HardwareProfileNames() { return {"h100", "h200", "paper"}; }
+std::vector<std::string> HardwareProfileNames() { return {"h100", "h200", "paper", "host"}; }
 
 namespace {
 
@@ -220,6 +241,8 @@ Status ApplyCalibration(const nlohmann::json& doc, HardwareProfile& p) {
     } else if (key == "gpus_per_node") {
       BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
       p.gpus_per_node = static_cast<int>(v);
+    } else if (key == "copy_overlap") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, p.copy_overlap));
     } else if (key == "comment" || key == "source") {
       // Free-text provenance, kept by tools that write calibration files.
     } else {
@@ -229,7 +252,9 @@ Status ApplyCalibration(const nlohmann::json& doc, HardwareProfile& p) {
   return p.Validate();
 }
 
-Status ApplyCalibrationFile(const std::string& path, HardwareProfile& profile) {
+namespace {
+
+Result<nlohmann::json> ParseCalibrationFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) return NotFound("calibration: cannot open '" + path + "'");
   std::stringstream buffer;
@@ -239,9 +264,26 @@ Status ApplyCalibrationFile(const std::string& path, HardwareProfile& profile) {
   BGL_RETURN_IF_ERROR(CheckJsonNesting(text, kDefaultMaxJsonDepth, "calibration: " + path));
   nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return InvalidArgument("calibration: '" + path + "' is not valid JSON");
-  Status s = ApplyCalibration(doc, profile);
+  return doc;
+}
+
+}  // namespace
+
+Status ApplyCalibrationFile(const std::string& path, HardwareProfile& profile) {
+  auto doc = ParseCalibrationFile(path);
+  if (!doc.ok()) return doc.status();
+  Status s = ApplyCalibration(*doc, profile);
   if (!s.ok()) return {s.code(), path + ": " + s.message()};
   return OkStatus();
+}
+
+Result<nlohmann::json> ReadCalibrationFile(const std::string& path) {
+  auto doc = ParseCalibrationFile(path);
+  if (!doc.ok()) return doc.status();
+  auto base = HardwareProfileByName("h200");
+  Status s = ApplyCalibration(*doc, *base);
+  if (!s.ok()) return Status(s.code(), path + ": " + s.message());
+  return doc;
 }
 
 }  // namespace bgl::plan

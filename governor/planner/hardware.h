@@ -38,6 +38,10 @@ struct HardwareProfile {
   Roofline offload;   // device to pinned host (D2H copy engine)
   Roofline reload;    // pinned host to device (H2D copy engine)
   Roofline fp8_cast;  // cast or uncast, bytes of the source tensor
+  // The fraction of a chunk's compute time that offload and reload copies can hide under: 1
+  // where copy engines run beside the kernels (GPUs), 0 where copies are synchronous (the host
+  // backend, unless its copy threads measurably overlap compute).
+  double copy_overlap = 1.0;
 
   // Seconds for a kernel doing `flops` and moving `bytes` (roofline of the op itself).
   double KernelTime(double flops, double bytes) const;
@@ -59,7 +63,8 @@ const CalibrationRange* FindCalibrationRange(std::string_view key);
 // `value` against the range of `key`; the error names `field` and the range.
 Status CheckCalibrationValue(std::string_view key, double value, const std::string& field);
 
-// Built-in profiles: "h100", "h200", "paper" (the paper's 480 TFLOP/s, 64 GB GPU).
+// Built-in profiles: "h100", "h200", "paper" (the paper's 480 TFLOP/s, 64 GB GPU), "host" (the
+// host backend: a CPU as the device, synchronous copies; calibrate it on the machine at hand).
 Result<HardwareProfile> HardwareProfileByName(std::string_view name);
 std::vector<std::string> HardwareProfileNames();
 
@@ -67,5 +72,8 @@ std::vector<std::string> HardwareProfileNames();
 // Unknown keys are errors, so a typo never silently keeps a default.
 Status ApplyCalibration(const nlohmann::json& doc, HardwareProfile& profile);
 Status ApplyCalibrationFile(const std::string& path, HardwareProfile& profile);
+// The calibration document in `path`, checked on the profile it names (else h200): NotFound
+// when the file cannot be read, InvalidArgument naming the file and the field when it is bad.
+Result<nlohmann::json> ReadCalibrationFile(const std::string& path);
 
 }  // namespace bgl::plan

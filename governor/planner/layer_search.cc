@@ -373,7 +373,9 @@ void Reduce(std::vector<T>& items, double bound, double forward_s, double backwa
 std::optional<Assignment> LayerSearch(const CostEvaluator& eval, double r, double budget,
                                       double bound, const MitigationOptions& options) {
   const StageGraph& g = eval.graph();
-  const double forward_s = g.ForwardTime(r), backward_s = g.BackwardTime(r);
+  // The compute the copies hide under (none where they are synchronous: copy_overlap 0).
+  const double overlap = eval.hw().copy_overlap;
+  const double forward_s = overlap * g.ForwardTime(r), backward_s = overlap * g.BackwardTime(r);
   std::vector<std::vector<int>> blocks = Blocks(g);
   std::vector<StageGraph> graphs;
   std::vector<std::vector<Candidate>> candidates;

@@ -106,8 +106,9 @@ class Problem {
       }
       max_open_ = std::max(max_open_, open_[c].size());
     }
-    forward_s_ = g_.ForwardTime(r);
-    backward_s_ = g_.BackwardTime(r);
+    // The compute the copies hide under (none where they are synchronous: copy_overlap 0).
+    forward_s_ = hw.copy_overlap * g_.ForwardTime(r);
+    backward_s_ = hw.copy_overlap * g_.BackwardTime(r);
   }
 
   struct TensorCost {

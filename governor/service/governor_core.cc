@@ -115,6 +115,11 @@ void GovernorCore::SetLimits(const RequestLimits& limits) {
   limits_ = limits;
 }
 
+void GovernorCore::SetCalibration(std::optional<nlohmann::json> calibration) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  calibration_ = std::move(calibration);
+}
+
 RequestLimits GovernorCore::limits() const {
   std::shared_lock<std::shared_mutex> lock(mu_);
   return limits_;
@@ -183,7 +188,12 @@ grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequ
                               std::to_string(limits.max_sessions_per_uid) + ")"));
     }
   }
-  auto planner = CreatePlannerFromRequest(req, limits);
+  std::optional<nlohmann::json> calibration;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    calibration = calibration_;
+  }
+  auto planner = CreatePlannerFromRequest(req, limits, {}, calibration ? &*calibration : nullptr);
   if (!planner.ok()) return Reject("Register", ToGrpcStatus(planner.status()));
 
   auto session = std::make_shared<Session>();

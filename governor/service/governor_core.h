@@ -36,6 +36,10 @@ class GovernorCore {
   // Limits can change at run time (SIGHUP); existing sessions are kept.
   void SetLimits(const RequestLimits& limits);
   RequestLimits limits() const;
+  // The node's calibration (bgl-governord --calibration: the machine's measured rooflines, a
+  // checked calibration document), applied to every session registered after the call before
+  // the session's own calibration; null: none.
+  void SetCalibration(std::optional<nlohmann::json> calibration);
   // Draining: plans in progress stop at their next deadline check (UNAVAILABLE) and new ones
   // are refused the same way, so SIGTERM never waits for a long plan. Any thread; irreversible.
   void CancelPlans();
@@ -82,6 +86,7 @@ class GovernorCore {
   std::atomic<bool> stopping_{false};  // set by CancelPlans; read by every plan's Deadline
   mutable std::shared_mutex mu_;       // guards sessions_ and limits_
   RequestLimits limits_;
+  std::optional<nlohmann::json> calibration_;  // guarded by mu_
   std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
   // The node's grants and link shares. Guarded by node_mu_, which is taken alone (never while
   // holding mu_, a planner's lock or a session's mu).

@@ -121,6 +121,9 @@ typedef struct bgl_enf_options {
   void* h2d_stream;       /* null: the enforcer creates (and destroys) its own */
   int pressure_eviction;  /* 1 (default): offload activations when an allocation would fail */
   int log;                /* 1: echo errors to stderr as "bgl_enf: ..." (default 0) */
+  int sync_copies;        /* 1: the host backend's copies and casts run on the calling thread,
+                             without copy threads (where they would not overlap compute anyway:
+                             no hand-off per copy); ignored on CUDA (default 0) */
 } bgl_enf_options;
 
 /* Description of a saved activation for bgl_enf_register. */

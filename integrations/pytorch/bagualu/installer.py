@@ -8,9 +8,11 @@ from typing import Optional, Union
 import torch
 
 from . import _active, runtime
+from .enforce.enforcer import Enforcer
 from .enforce.pool import DevicePool
 from .errors import InstallError
 from .native import libs as _lib
+from .planning import calibration as calibrations
 from .planning.governor import Governor
 from .settings import Settings, check_issue_order, check_policy, parse_size
 
@@ -46,7 +48,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
             log_iterations: bool = True, fp8_block: int = 128, strict: bool = False,
             deadline_s: float = 0.5, gc_freeze: bool = True,
             pinned_capacity: Union[int, str] = "16GiB", chunks: int = 1,
-            issue_order: str = "dual-batch") -> "runtime.Runtime":
+            issue_order: str = "dual-batch",
+            calibration: Optional[str] = None) -> "runtime.Runtime":
     """Installs bagualu in this process and returns its runtime.
 
     capacity: activation memory of the (simulated) device, bytes or '256MiB'. On CPU the host
@@ -66,6 +69,10 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
     issue_order: 'dual-batch' (default): plans carry the dual-batch issue order and offloads,
       reloads and recomputes follow it; 'serial': the same plans in program order (for
       comparison).
+    calibration: a calibration file (docs/planner.md, "Calibration") with this machine's
+      rooflines; default $BGL_CALIBRATION, else measured once per machine and cached
+      (planning/calibration.py; 'profile': the built-in profile). CalibrationError when the
+      file is missing or bad.
     """
     check_policy(policy)
     check_issue_order(issue_order)
@@ -85,14 +92,20 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
             log.error("bagualu: %s Continuing with PyTorch's allocator (plans still apply).", e)
     else:
         pool = DevicePool(cap)
+    cal = None
+    if calibration is not None or policy in ("bagualu", "static-under"):  # plans that mitigate
+        cal = calibrations.for_machine(
+            dev, lambda: Enforcer(dev, pinned, borrowed_free_is_safe=False, fp8_block=fp8_block),
+            cap, calibration)
     gov = Governor(governor, deadline_s=deadline_s,
-                   gpu_index=(dev.index or 0) if dev.type == "cuda" else pipeline_rank)
+                   gpu_index=(dev.index or 0) if dev.type == "cuda" else pipeline_rank,
+                   calibration=cal)
     settings = Settings(
         device=dev, capacity=cap, policy=policy, pipeline_rank=pipeline_rank,
         pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         log_iterations=log_iterations, fp8_block=fp8_block,
         pinned_capacity=pinned, chunks=chunks, gc_freeze=gc_freeze,
-        issue_order=issue_order)
+        issue_order=issue_order, sync_copies=pool is not None and not calibrations.overlaps(cal))
     rt = runtime.Runtime(settings, gov, pool)
     _active.runtime = rt
     return rt

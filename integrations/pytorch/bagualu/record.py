@@ -92,7 +92,8 @@ class Record:
 
     # -- accounting -------------------------------------------------------------------------
     def _account(self, nbytes: int) -> None:
-        self._unaccount()
+        if self.pool_block or self.enf_block:
+            self._unaccount()
         self.pool_block = self.tracker.device_alloc(nbytes)
         self.pool_bytes = nbytes
 
@@ -124,8 +125,7 @@ class Record:
         t = self.tracker
         try:
             if not (self.planned and t.enforcer.offloaded(self.enf)):
-                t.enforcer.set_need_order(self.enf, self.need_order())
-                t.enforcer.offload(self.enf)
+                t.enforcer.offload(self.enf)  # in need_order() (given at registration)
         except BagualuError as e:  # e.g. the pinned pool is full: the data stays
             t.enforcer_failed("offload", e)
             return 0
@@ -135,13 +135,11 @@ class Record:
         """The offload is left to the plan's issue order: the stream scheduler issues it when
         compute reaches its round (left_for_host follows)."""
         self.planned = True
-        enf = self.tracker.enforcer
-        enf.set_strategy(self.enf, OFFLOAD)
-        enf.set_need_order(self.enf, self.need_order())
+        self.tracker.enforcer.set_strategy(self.enf, OFFLOAD)
 
     def need_order(self) -> int:
-        """The enforcer's reload order key (smaller: needed sooner): within a micro-batch the
-        backward needs the last saved storage first."""
+        """The enforcer's reload order key (smaller: needed sooner; given at registration):
+        within a micro-batch the backward needs the last saved storage first."""
         return (self.micro_batch << 32) + (1 << 31) - 1 - (self.seq % (1 << 31))
 
     def left_for_host(self) -> int:

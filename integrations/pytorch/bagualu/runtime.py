@@ -82,7 +82,7 @@ class Runtime:
         self.enforcer = Enforcer(
             self.device, settings.pinned_capacity,
             borrowed_free_is_safe=self.device.type == "cuda" and _active.cuda_allocator_swapped,
-            evict=evict, fp8_block=settings.fp8_block)
+            evict=evict, fp8_block=settings.fp8_block, sync_copies=settings.sync_copies)
         self.strategies = Strategies(settings.policy)
         self.tracker = Tracker(self.memory, self.enforcer, self.strategies.of,
                                fp8_block=settings.fp8_block,

@@ -61,6 +61,9 @@ class Settings:
     chunks: int = 1                # local stages of an interleaved schedule
     gc_freeze: bool = True
     issue_order: str = "dual-batch"  # or "serial" (enforce/order.py)
+    # The host backend's copies on the training thread (the calibration's copy_overlap is 0:
+    # they would not overlap compute; enforce/enforcer.py).
+    sync_copies: bool = False
 
     def __post_init__(self) -> None:
         check_policy(self.policy)

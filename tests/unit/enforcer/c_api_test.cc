@@ -173,6 +173,51 @@ TEST_F(EnforceCApi, RegisterSavedSetsNeedOrderAndConsumersInOneCall) {
   bgl_free(p, 4096, 0, compute_);
 }
 
+// sync_copies on the host backend: copies and casts run on the calling thread, so an offload,
+// a reload and an FP8 round trip are complete when the call returns (nothing pending) and the
+// data comes back bit for bit.
+TEST_F(EnforceCApi, SyncCopiesCompleteInTheCall) {
+  bgl_enf_options o;
+  bgl_enf_default_options(&o);
+  o.pinned_capacity = 8 << 20;
+  o.sync_copies = 1;
+  bgl_enforcer* sync = nullptr;
+  ASSERT_EQ(bgl_enf_create(&o, &sync), BGL_OK) << bgl_enf_last_error();
+  std::vector<float> data(40000);
+  std::mt19937 rng(7);
+  for (auto& x : data) x = static_cast<float>(rng() % 1000) / 7.0f;
+  const size_t bytes = data.size() * sizeof(float);
+  for (int strategy : {BGL_STRATEGY_OFFLOAD, BGL_STRATEGY_FP8}) {
+    void* p = bgl_alloc(bytes, 0, nullptr);
+    ASSERT_NE(p, nullptr);
+    std::memcpy(p, data.data(), bytes);
+    bgl_enf_tensor_desc d{};
+    d.ptr = p;
+    d.bytes = bytes;
+    d.dtype = BGL_DTYPE_F32;
+    d.graph_tensor = -1;
+    d.flags = BGL_ENF_OWNED;
+    uint64_t h = 0;
+    ASSERT_EQ(bgl_enf_register(sync, &d, &h), BGL_OK) << bgl_enf_last_error();
+    ASSERT_EQ(bgl_enf_apply(sync, h, strategy), BGL_OK) << bgl_enf_last_error();
+    bgl_enf_tensor_info info;
+    ASSERT_EQ(bgl_enf_query(sync, h, &info), BGL_OK);
+    EXPECT_EQ(info.pending, 0);
+    void* back = nullptr;
+    ASSERT_EQ(bgl_enf_acquire(sync, h, -1, nullptr, &back), BGL_OK) << bgl_enf_last_error();
+    ASSERT_EQ(bgl_enf_query(sync, h, &info), BGL_OK);
+    EXPECT_EQ(info.pending, 0);
+    if (strategy == BGL_STRATEGY_OFFLOAD) {
+      EXPECT_EQ(std::memcmp(back, data.data(), bytes), 0);
+    } else {  // FP8: within e4m3's error of the data
+      const float* f = static_cast<const float*>(back);
+      for (size_t i = 0; i < data.size(); ++i) ASSERT_NEAR(f[i], data[i], data[i] / 8 + 1e-3);
+    }
+    ASSERT_EQ(bgl_enf_unregister(sync, h), BGL_OK);
+  }
+  EXPECT_EQ(bgl_enf_destroy(sync), BGL_OK);
+}
+
 TEST_F(EnforceCApi, ErrorsHaveCodesAndMessages) {
   std::vector<uint8_t> data;
   const uint64_t h = make(16 << 20, &data);  // larger than the 8 MiB pinned pool

@@ -95,5 +95,32 @@ TEST(Registration, BadBudgetStepIsRejectedNamingTheField) {
   EXPECT_EQ(core.session_count(), 1u);
 }
 
+// The daemon's calibration file (bgl-governord --calibration) reaches every session's planner
+// on top of the profile it names; a session's own calibration comes after it.
+TEST(Registration, NodeCalibrationReachesThePlannerAndTheSessionsOwnComesAfter) {
+  const nlohmann::json node = {
+      {"gpu", "host"}, {"copy_overlap", 0.25}, {"rooflines", {{"offload", {{"peak_GBps", 7}}}}}};
+  pb::RegisterRequest req = TinyRegister(0);
+  auto p = CreatePlannerFromRequest(req, RequestLimits{}, {}, &node);
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  EXPECT_EQ((*p)->hardware().name, "host");
+  EXPECT_DOUBLE_EQ((*p)->hardware().copy_overlap, 0.25);
+  EXPECT_DOUBLE_EQ((*p)->hardware().offload.peak_bytes_per_s, 7e9);
+  req.mutable_calibration()->mutable_offload()->set_peak_gbps(3);
+  req.mutable_calibration()->set_copy_overlap(1);
+  auto own = CreatePlannerFromRequest(req, RequestLimits{}, {}, &node);
+  ASSERT_TRUE(own.ok()) << own.status().message();
+  EXPECT_DOUBLE_EQ((*own)->hardware().offload.peak_bytes_per_s, 3e9);
+  EXPECT_DOUBLE_EQ((*own)->hardware().copy_overlap, 1);
+  auto plain = CreatePlannerFromRequest(TinyRegister(0), RequestLimits{});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->hardware().name, "h200");
+  req.mutable_calibration()->set_copy_overlap(1.5);
+  auto bad = CreatePlannerFromRequest(req, RequestLimits{}, {}, &node);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("calibration.copy_overlap"), std::string::npos)
+      << bad.status().message();
+}
+
 }  // namespace
 }  // namespace bgl::gov

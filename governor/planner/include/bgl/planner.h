@@ -23,13 +23,20 @@ typedef struct bgl_planner bgl_planner;
 
 /* Creates a planner. model_json: a model document (like models/tiny-moe.json, may include a
  * "layer_graph"). options_json: NULL or an object with optional keys "capacity_bytes",
- * "pipeline_rank", "gpu" (profile name), "calibration" (object), "issue_policy" ("dual-batch" (default),
- * "lockstep" or "serial"; "dual_batch": false is "serial"),
- * "allow_offload", "allow_fp8", "allow_recompute" (bools), and the plan-cache steps
- * "budget_step_bytes" (default 64 MiB; small models want less), "load_bucket" (0.05) and
- * "schedule_load_class" (0.25). NULL on error. */
+ * "pipeline_rank", "gpu" (profile name), "calibration" (object), "issue_policy" ("dual-batch"
+ * (default), "lockstep" or "serial"; "dual_batch": false is "serial"), "allow_offload",
+ * "allow_fp8", "allow_recompute" (bools), and the plan-cache steps "budget_step_bytes" (default 64
+ * MiB; small models want less), "load_bucket" (0.05) and "schedule_load_class" (0.25). NULL on
+ * error. */
 BGL_PLANNER_API bgl_planner* bgl_planner_create(const char* model_json, const char* options_json);
 BGL_PLANNER_API void bgl_planner_destroy(bgl_planner* planner);
+
+/* The hardware profile a calibration document (docs/planner.md, "Calibration") makes on top of
+ * the profile `gpu` (NULL: the document's own "gpu", else "h200"), as a calibration document
+ * with every field: what a planner created with {"gpu": gpu, "calibration": doc} plans with.
+ * NULL when the document is bad; the message names the field (unknown keys and values outside
+ * their range are errors). Free with bgl_planner_free_string. */
+BGL_PLANNER_API char* bgl_planner_calibrated_profile(const char* calibration_json, const char* gpu);
 
 /* Describes the stage: operators (name, kind, layer, saved tensors), tensors, activation
  * capacity, M0, micro-batches, chunks, the step schedule. Free with bgl_planner_free_string. */

@@ -190,18 +190,19 @@ class Tracker:
         op = self.scope[-1] if self.scope else OUTSIDE
         rec = self.live.get(key)
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
-            rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1)
+            rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1, consumer=op)
         if op not in rec.consumers:
             self.add_consumer(rec, op)
         return Packed(rec, t)
 
     def _produced_record(self, st: torch.UntypedStorage, dtype: torch.dtype, op: Op,
-                         pack_index: Optional[int]) -> Record:
+                         pack_index: Optional[int], consumer: Optional[Op] = None) -> Record:
         """A new record under producer strategies: its producer's strategy applies once. A
         recompute producer's call drops it if its rerun can find it again: by ``pack_index``
-        (the pack being made now) while the call runs, by its outputs after."""
+        (the pack being made now) while the call runs, by its outputs after. ``consumer``: the
+        operator saving it now (registered with it)."""
         producer, call = self._producer_call(st, op)
-        rec = self.new_record(st, dtype, producer)
+        rec = self.new_record(st, dtype, producer, consumer)
         s = self.strategy_of(producer, self.micro_batch)
         if s != RECOMPUTE:
             self._apply(rec, s)
@@ -230,11 +231,18 @@ class Tracker:
     def unpack(p: Any) -> torch.Tensor:
         return p.unpack() if isinstance(p, Packed) else p
 
-    def new_record(self, st: torch.UntypedStorage, dtype: torch.dtype, producer: Op) -> Record:
+    def new_record(self, st: torch.UntypedStorage, dtype: torch.dtype, producer: Op,
+                   consumer: Optional[Op] = None) -> Record:
+        """A record of ``st``, registered with the enforcer in one call (its reload order and
+        ``consumer``, the operator saving it now, if any) and accounted on the device."""
         self._seq += 1
         rec = Record(self, st, dtype, producer, self.micro_batch, self._seq)
+        if consumer is not None:
+            rec.consumers.append(consumer)
         if self.enforcer is not None and st.device.type == self.device_type:
-            rec.enf = self.enforcer.register(st, dtype, self.op_id(producer), self.micro_batch)
+            rec.enf = self.enforcer.register(
+                st, dtype, self.op_id(producer), self.micro_batch, rec.need_order(),
+                self.op_id(consumer) if consumer is not None else -1)
         rec._account(rec.nbytes)
         self.live[rec.ptr] = rec
         self.by_mb.setdefault(rec.micro_batch, set()).add(rec)

@@ -47,13 +47,19 @@ def _fsdp_module_type() -> type:
 _DTENSOR = _dtensor_type()
 _FSDP_MODULE = _fsdp_module_type()
 _PARAMETER = nn.Parameter
+_TENSOR = torch.Tensor
 
 
 def is_parameter(t: torch.Tensor) -> bool:
     """Whether a saved tensor is a parameter or a view of one: a model's own parameters, and
     FSDP2's all-gathered unsharded parameters (nn.Parameter objects whose storage FSDP2 frees
     and gathers again), whose saved forms are the parameter or a view with it as ``_base``."""
-    return isinstance(t, _PARAMETER) or isinstance(t._base, _PARAMETER)
+    # A plain tensor is no parameter (Parameter's isinstance is Python-level: only tensor
+    # subclasses, Parameter itself and torch's _is_param marker on wrapped subclasses need it).
+    if type(t) is not _TENSOR and isinstance(t, _PARAMETER):
+        return True
+    base = t._base  # None for most saved tensors
+    return base is not None and (type(base) is not _TENSOR and isinstance(base, _PARAMETER))
 
 
 def local_storage_ptrs(model: nn.Module) -> Set[int]:

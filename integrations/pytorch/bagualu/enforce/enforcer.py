@@ -36,6 +36,19 @@ def fp8_supported(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+_np: Any = None
+
+
+def _numpy() -> Any:
+    """NumPy, imported at the first reload on the host backend (its array interface makes a
+    tensor of a block the enforcer owns)."""
+    global _np
+    if _np is None:
+        import numpy
+        _np = numpy
+    return _np
+
+
 class _Block:
     """A block the enforcer made (a reload or an uncast) as the owner of a tensor's memory
     (NumPy's array interface on the host backend, ``__cuda_array_interface__`` on CUDA);
@@ -70,7 +83,8 @@ class Enforcer:
     backend's device 0 on CPU). Handles are the enforcer's tensor handles (ints, never 0)."""
 
     def __init__(self, device: torch.device, pinned_capacity: int, borrowed_free_is_safe: bool,
-                 evict: Optional[Callable[[int], int]] = None, fp8_block: int = 128) -> None:
+                 evict: Optional[Callable[[int], int]] = None, fp8_block: int = 128,
+                 sync_copies: bool = False) -> None:
         self.lib = native.load()
         self.vocab = native.vocabulary(self.lib)
         self.device = device
@@ -86,6 +100,11 @@ class Enforcer:
         opts.pinned_capacity = int(pinned_capacity)
         opts.fp8_block = int(fp8_block)
         opts.pressure_eviction = 0  # the runtime's pressure callback decides what moves
+        # The host backend's copies on the calling thread (no copy threads): where they would
+        # not overlap compute anyway (the calibration's copy_overlap 0), each offload and
+        # reload the training thread waits for costs no hand-off to a copy thread.
+        opts.sync_copies = int(bool(sync_copies) and not self.cuda)
+        self.sync_copies = bool(opts.sync_copies)
         handle = ctypes.c_void_p()
         self._check(self.lib.bgl_enf_create(ctypes.byref(opts), ctypes.byref(handle)), "create")
         self.handle = handle.value
@@ -101,6 +120,32 @@ class Enforcer:
         self.tracked = 0      # registered tensors not yet retired
         self.closing = False  # close() was called: destroy once nothing is outstanding
         self.destroyed = False
+        # The hot path's buffers, made once and reused by every call (one thread at a time, see
+        # the module docstring): the registration's description, consumers and handle, the
+        # acquired pointer and a tensor's state; and the functions it calls, looked up once.
+        self._desc = native.Desc(graph_tensor=-1, stream=None, flags=0)
+        self._desc_ref = ctypes.byref(self._desc)
+        self._consumers = (ctypes.c_int * 2)(HOLDER, 0)
+        self._out = ctypes.c_uint64(0)
+        self._out_ref = ctypes.byref(self._out)
+        self._ptr = ctypes.c_void_p()
+        self._ptr_ref = ctypes.byref(self._ptr)
+        self._acquiring = 0  # acquires under way (the outermost uses _ptr)
+        self._info = native.Info()
+        self._info_ref = ctypes.byref(self._info)
+        self._dtypes = dict(self.vocab.dtype)
+        self._dtype_bytes = self.vocab.dtype_bytes
+        lib = self.lib
+        self._register_saved = lib.bgl_enf_register_saved
+        self._add_consumer = lib.bgl_enf_add_consumer
+        self._offload = lib.bgl_enf_offload
+        self._wait_tensor = lib.bgl_enf_wait_tensor
+        self._query = lib.bgl_enf_query
+        self._acquire_fn = lib.bgl_enf_acquire
+        self._release = lib.bgl_enf_release
+        self._unregister = lib.bgl_enf_unregister
+        self._prefetch = lib.bgl_enf_prefetch
+        self._store_fp8 = lib.bgl_enf_store_fp8
 
     # -- helpers ----------------------------------------------------------------------------
     def _error(self) -> str:
@@ -141,27 +186,41 @@ class Enforcer:
 
     # -- tracker ----------------------------------------------------------------------------
     def register(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
-                 micro_batch: int, graph_tensor: int = -1) -> int:
-        """Tracks a saved storage (borrowed: PyTorch keeps its memory); returns the handle, or 0
-        when another record tracks the storage already (one storage saved by two micro-batches,
+                 micro_batch: int, need_order: Optional[int] = None, consumer: int = -1,
+                 graph_tensor: int = -1) -> int:
+        """Tracks a saved storage (borrowed: PyTorch keeps its memory) with its reload order
+        key (``need_order``; None: the enforcer's default) and the operator that saved it
+        (``consumer``, -1: none yet), in one call of the C ABI; returns the handle, or 0 when
+        another record tracks the storage already (one storage saved by two micro-batches,
         e.g. a chunk's output that the next chunk of this rank saves too: it stays where it
         is)."""
-        desc = native.Desc(ptr=storage.data_ptr(), bytes=storage.nbytes(),
-                     dtype=self.vocab.dtype.get(dtype, self.vocab.dtype_bytes), producer_op=producer_op,
-                     graph_tensor=graph_tensor, micro_batch=micro_batch, stream=self._stream(),
-                     flags=0)
-        h = ctypes.c_uint64(0)
-        rc = self.lib.bgl_enf_register(self.handle, ctypes.byref(desc), ctypes.byref(h))
-        if rc == self.vocab.duplicate:
-            return 0
-        self._check(rc, "register")
+        d = self._desc
+        d.ptr = storage.data_ptr()
+        d.bytes = storage.nbytes()
+        d.dtype = self._dtypes.get(dtype, self._dtype_bytes)
+        d.producer_op = producer_op
+        d.graph_tensor = graph_tensor
+        d.micro_batch = micro_batch
+        if self.cuda:
+            d.stream = self._stream()
+        if need_order is None:  # bgl_enf_set_need_order's default
+            need_order = (micro_batch << 32) + (1 << 31) - 1 - producer_op
+        n = 1
+        if consumer >= 0:
+            self._consumers[1] = consumer
+            n = 2
+        rc = self._register_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
+                                  self._out_ref)
+        if rc != 0:
+            if rc == self.vocab.duplicate:
+                return 0
+            self._check(rc, "register")
         self.tracked += 1
-        self._check(self.lib.bgl_enf_add_consumer(self.handle, h, HOLDER), "add_consumer")
-        return h.value
+        return self._out.value
 
     def add_consumer(self, handle: int, op: int) -> None:
         """Operator ``op`` saved the tensor too."""
-        rc = self.lib.bgl_enf_add_consumer(self.handle, handle, op)
+        rc = self._add_consumer(self.handle, handle, op)
         if rc != 0 and rc != self.vocab.duplicate:  # already a consumer
             self._check(rc, "add_consumer")
 
@@ -193,10 +252,11 @@ class Enforcer:
     def offloaded(self, handle: int) -> bool:
         """Whether the tensor is in the pinned pool (its copy complete, or PyTorch may free the
         source before it ends)."""
-        if self.query(handle).placement != self.vocab.place_host:
+        self._check(self._query(self.handle, handle, self._info_ref), "query")
+        if self._info.placement != self.vocab.place_host:
             return False
         if not self.borrowed_free_is_safe:
-            self._check(self.lib.bgl_enf_wait_tensor(self.handle, handle), "offload")
+            self._check(self._wait_tensor(self.handle, handle), "offload")
         return True
 
     def take_offloaded(self) -> List[int]:
@@ -258,7 +318,7 @@ class Enforcer:
         of the backward (each acquire makes room for the next)."""
         if self.destroyed:
             return
-        rc = self.lib.bgl_enf_prefetch(self.handle, micro_batch, None)
+        rc = self._prefetch(self.handle, micro_batch, None)
         if rc == self.vocab.out_of_memory:  # no room yet: each acquire reloads what it needs
             return
         self._check(rc, "prefetch")
@@ -274,23 +334,31 @@ class Enforcer:
         self.regenerators.pop(handle, None)
         if self.destroyed:
             return
-        self.lib.bgl_enf_unregister(self.handle, handle)
+        self._unregister(self.handle, handle)
         self.tracked -= 1
         self._destroy_if_done()
 
     # -- moves ------------------------------------------------------------------------------
-    def offload(self, handle: int) -> None:
+    def offload(self, handle: int, wait: bool = True) -> None:
         """Copies the tensor to the pinned pool on the D2H stream (after its producer's
-        stream); waits for the copy unless PyTorch may free the source before it ends."""
-        self._check(self.lib.bgl_enf_offload(self.handle, handle), "offload")
-        if not self.borrowed_free_is_safe:
-            self._check(self.lib.bgl_enf_wait_tensor(self.handle, handle), "offload")
+        stream); waits for the copy unless PyTorch may free the source before it ends (or
+        ``wait`` is False: the caller keeps the source until wait())."""
+        rc = self._offload(self.handle, handle)
+        if rc == 0 and wait and not self.borrowed_free_is_safe:
+            rc = self._wait_tensor(self.handle, handle)
+        if rc != 0:
+            self._check(rc, "offload")
+
+    def wait(self, handle: int) -> None:
+        """Blocks until the tensor's queued copies and casts completed."""
+        self._check(self._wait_tensor(self.handle, handle), "wait")
 
     def store_fp8(self, handle: int) -> int:
         """Casts the tensor to e4m3 with per-block scales on its producer's stream (PyTorch
         frees the original in that stream's order); returns the bytes of the FP8 copy."""
-        self._check(self.lib.bgl_enf_store_fp8(self.handle, handle), "store_fp8")
-        return int(self.query(handle).fp8_bytes)
+        self._check(self._store_fp8(self.handle, handle), "store_fp8")
+        self._check(self._query(self.handle, handle, self._info_ref), "query")
+        return int(self._info.fp8_bytes)
 
     def drop(self, handle: int, regenerate: Callable[[], int]) -> None:
         """Gives up the tensor's data; ``regenerate`` makes it again and returns its pointer
@@ -309,7 +377,7 @@ class Enforcer:
         def done(h: int = handle) -> None:
             self.live_blocks -= 1
             if not self.destroyed:
-                self.lib.bgl_enf_release(self.handle, h, -1, self._stream())
+                self._release(self.handle, h, -1, self._stream())
             on_done()
             self._destroy_if_done()
 
@@ -317,8 +385,7 @@ class Enforcer:
         if self.cuda:
             t = torch.as_tensor(block, device=self.device)
         else:
-            import numpy as np
-            t = torch.from_numpy(np.asarray(block))
+            t = torch.from_numpy(_numpy().asarray(block))
         return t.untyped_storage()
 
     def recompute(self, handle: int) -> None:
@@ -330,13 +397,25 @@ class Enforcer:
     def _acquire(self, handle: int, nbytes: int) -> int:
         if self.destroyed:
             raise BagualuError("enforcer acquire: the enforcer was destroyed")
+        # The reused pointer only for the outermost acquire: a recompute callback or a pressure
+        # eviction inside the call may acquire other tensors meanwhile.
+        depth = self._acquiring
+        ptr = self._ptr if depth == 0 else ctypes.c_void_p()
+        self._acquiring = depth + 1
+        try:
+            rc = self._acquire_fn(self.handle, handle, -1, self._stream(),
+                                  self._ptr_ref if depth == 0 else ctypes.byref(ptr))
+        finally:
+            self._acquiring = depth
+        if rc == 0:
+            return int(ptr.value or 0)
         ptr = ctypes.c_void_p()
 
         def attempt() -> None:
-            self._check(self.lib.bgl_enf_acquire(self.handle, handle, -1, self._stream(),
-                                                 ctypes.byref(ptr)), "acquire")
+            self._check(self._acquire_fn(self.handle, handle, -1, self._stream(),
+                                         ctypes.byref(ptr)), "acquire")
         try:
-            attempt()
+            self._check(rc, "acquire")
         except OutOfMemoryError as e:  # no room for the reload or uncast: evict, try again
             if self.evict is None:
                 raise

@@ -15,6 +15,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.bgl_planner_create.restype = c_void
     lib.bgl_planner_destroy.argtypes = [c_void]
     lib.bgl_planner_destroy.restype = None
+    lib.bgl_planner_calibrated_profile.argtypes = [c_str, c_str]
+    lib.bgl_planner_calibrated_profile.restype = c_void
     for fn in ("bgl_planner_describe",):
         getattr(lib, fn).argtypes = [c_void]
         getattr(lib, fn).restype = c_void

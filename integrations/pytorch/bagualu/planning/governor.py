@@ -57,7 +57,8 @@ class Governor:
 
     def __init__(self, address: Optional[str] = None, deadline_s: float = 0.5,
                  job_id: str = "", gpu_index: int = 0, backoff: Optional[Backoff] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 calibration: Optional[Dict[str, Any]] = None) -> None:
         self.address = address if address is not None else os.environ.get(
             "BGL_GOVERNOR", DEFAULT_ADDRESS)
         self.deadline_s = deadline_s
@@ -78,6 +79,9 @@ class Governor:
         # its host link's bandwidth, as the daemon last said; None: no grant (no daemon yet).
         self.grant: Optional[int] = None
         self.share = 1.0
+        # The machine's rooflines both planners plan with (planning/calibration.py); None:
+        # the built-in profile of the model document.
+        self.calibration = calibration
         self._model: Optional[Dict[str, Any]] = None
         self._options: Dict[str, Any] = {}
 
@@ -124,7 +128,8 @@ class Governor:
             remote.register(self._model, self._options["capacity_bytes"],
                             self._options["pipeline_rank"], self.job_id, self.gpu_index,
                             budget_step_bytes=self._options["budget_step_bytes"],
-                            dual_batch=self._options["dual_batch"])
+                            dual_batch=self._options["dual_batch"],
+                            calibration=self._options.get("calibration"))
         except BaseException:
             remote.close()
             raise
@@ -177,6 +182,7 @@ class Governor:
         self._options = {"capacity_bytes": int(capacity_bytes), "pipeline_rank": pipeline_rank,
                          "allow_offload": allow_offload, "allow_fp8": allow_fp8,
                          "dual_batch": bool(dual_batch), "budget_step_bytes": step}
+        calibration = calibration or self.calibration
         if calibration:
             self._options["calibration"] = calibration
         self.embedded = plannermod.EmbeddedPlanner(model, self._options)

@@ -99,14 +99,18 @@ class RemoteGovernor:
         self.stub.ListSessions(self.pb.ListSessionsRequest(), timeout=timeout_s)
 
     def register(self, model: Dict[str, Any], capacity: int, rank: int, job_id: str,
-                 gpu_index: int, budget_step_bytes: int = 0, dual_batch: bool = True) -> None:
+                 gpu_index: int, budget_step_bytes: int = 0, dual_batch: bool = True,
+                 calibration: Optional[Dict[str, Any]] = None) -> None:
         """budget_step_bytes: the plan cache's budget bucket (0: the daemon's 64 MiB);
-        dual_batch False: plans issue in program order (serial)."""
+        dual_batch False: plans issue in program order (serial); calibration: the machine's
+        rooflines (planning/calibration.py), as the embedded planner gets them."""
         import json
         req = self.pb.RegisterRequest(
             gpu_uuid=f"host-{gpu_index}", gpu_index=gpu_index, pid=os.getpid(), job_id=job_id,
             pipeline_rank=rank, capacity_bytes=int(capacity), model_json=json.dumps(model),
             disable_dual_batch=not dual_batch, budget_step_bytes=int(budget_step_bytes))
+        if calibration:
+            fill_calibration(req.calibration, calibration, self.pb)
         resp = self.stub.Register(req, timeout=max(self.deadline, 2.0))
         self.session_id = resp.session_id
         self.host_grant = int(resp.host_grant_bytes) or None  # the node's pinned host grant
@@ -214,3 +218,21 @@ def error_kind(error: BaseException) -> Tuple[str, str]:
     if name == "RESOURCE_EXHAUSTED":
         return ("quota" if text.startswith("sessions") else "exhausted"), text
     return "outage", text
+
+
+def fill_calibration(out: Any, doc: Dict[str, Any], pb: Any) -> None:
+    """The RegisterRequest's Calibration from a calibration document (its fields the proto
+    carries; the rest are the profile's on both planners: planning/calibration.py writes none
+    of them)."""
+    out.gpu_profile = str(doc.get("gpu", ""))
+    for name, roof in (doc.get("rooflines") or {}).items():
+        target = getattr(out, name)
+        target.launch_floor_us = float(roof.get("launch_floor_us", 0))
+        target.peak_gbps = float(roof.get("peak_GBps", 0))
+    for key, field in (("peak_tflops", "peak_tflops"), ("matmul_efficiency", "matmul_efficiency"),
+                       ("hbm_GBps", "hbm_gbps"), ("memory_efficiency", "memory_efficiency"),
+                       ("kernel_launch_us", "kernel_launch_us")):
+        if key in doc:
+            setattr(out, field, float(doc[key]))
+    if "copy_overlap" in doc:
+        out.copy_overlap = float(doc["copy_overlap"])

@@ -1,0 +1,306 @@
+"""The rooflines the planner plans with, for the machine at hand (issue 22 item 3): measured once
+per machine and cached, or read from a calibration file the user gives.
+
+A calibration is the planner's calibration document (docs/planner.md, "Calibration"): copy
+bandwidth and launch floor per direction (``rooflines.offload`` device to host,
+``rooflines.reload`` host to device), FP8 cast throughput (``rooflines.fp8_cast``, source bytes),
+matmul and memory rates (``peak_tflops``, ``hbm_GBps``, their efficiencies 1: the measured rates
+are the achieved ones), the dispatch floor of a small kernel (``kernel_launch_us``) and
+``copy_overlap``, the fraction of compute time copies hide under: 1 on a GPU (copy engines run
+beside the kernels), and on the host backend what its copy threads really overlap a matmul on
+this machine, 0 (copies planned as synchronous) below one half. ``gpu`` names the base profile
+(``host`` on CPU, ``h200`` on CUDA); fields the file leaves out keep the profile's.
+
+Where it comes from, first match: ``install(calibration=PATH)``, ``$BGL_CALIBRATION`` (a path;
+``profile``: no calibration, the built-in profile as it is), else the cache
+(``$BGL_CACHE_DIR`` or ``~/.cache/bagualu``, ``calibration-<machine>.json``, one file per
+device kind, device name, CPU model and thread count), else a measurement (about a second)
+written to the cache. A file the user gives must exist and be valid: unknown keys and values
+outside their range are CalibrationError naming the field (the planner's own check,
+``bgl_planner_calibrated_profile``); a bad cached file is measured again.
+
+Not thread-safe: the training thread, once at registration.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import BagualuError
+from ..native import planner as native_planner
+
+log = logging.getLogger("bagualu")
+
+ENV = "BGL_CALIBRATION"
+PROFILE_ONLY = "profile"  # $BGL_CALIBRATION=profile: the built-in profile, nothing measured
+OVERLAP_THRESHOLD = 0.5   # below: the host backend's copies are planned as synchronous
+
+
+class CalibrationError(BagualuError, ValueError):
+    """A calibration file that is missing or bad (the message names the file and the field)."""
+
+
+def overlaps(doc: Optional[Dict[str, Any]]) -> bool:
+    """Whether the host backend's copies overlap compute under calibration ``doc`` (None: the
+    host profile's 0)."""
+    if not doc:
+        return False
+    return float(resolve(doc, "calibration")["copy_overlap"]) >= OVERLAP_THRESHOLD
+
+
+def base_profile(device: torch.device) -> str:
+    """The built-in profile a calibration of ``device`` starts from."""
+    return "host" if device.type != "cuda" else "h200"
+
+
+def resolve(doc: Dict[str, Any], where: str, gpu: Optional[str] = None) -> Dict[str, Any]:
+    """The full profile ``doc`` makes (every field), checked by the planner itself;
+    CalibrationError naming ``where`` and the field when it is bad."""
+    lib = native_planner.load()
+    ptr = lib.bgl_planner_calibrated_profile(json.dumps(doc).encode(),
+                                             gpu.encode() if gpu else None)
+    if not ptr:
+        msg = lib.bgl_planner_last_error()
+        raise CalibrationError(f"{where}: {msg.decode() if msg else 'invalid calibration'}")
+    try:
+        return json.loads(ctypes.string_at(ptr).decode())
+    finally:
+        lib.bgl_planner_free_string(ptr)
+
+
+def load_file(path: str) -> Dict[str, Any]:
+    """The calibration document in ``path``, checked; CalibrationError when the file is
+    missing, not JSON or not a valid calibration (unknown field, value out of range)."""
+    p = Path(path)
+    if not p.is_file():
+        raise CalibrationError(f"calibration file {path}: not found")
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise CalibrationError(f"calibration file {path}: not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise CalibrationError(f"calibration file {path}: the top level must be an object")
+    resolve(doc, f"calibration file {path}")
+    return doc
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BGL_CACHE_DIR", Path.home() / ".cache" / "bagualu"))
+
+
+def machine_key(device: torch.device) -> str:
+    """What a measurement holds for: the device kind and name, the CPU model, the threads."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    text = f"{device.type}|{name}|{os.cpu_count()}|{torch.get_num_threads()}"
+    return f"{device.type}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def for_machine(device: torch.device, enforcer: Callable[[], Any], capacity: int,
+                path: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """The calibration to plan with (see the module docstring); None: the built-in profile.
+    ``enforcer()`` makes the enforcer a measurement uses (over an empty device pool of
+    ``capacity`` bytes), and is called only when one is needed; it is closed after."""
+    path = path or os.environ.get(ENV) or None
+    if path == PROFILE_ONLY:
+        return None
+    if path is not None:
+        return load_file(path)
+    cached = cache_dir() / f"calibration-{machine_key(device)}.json"
+    if cached.is_file():
+        try:
+            return load_file(str(cached))
+        except CalibrationError as e:
+            log.warning("bagualu: %s; measuring again", e)
+    enf = enforcer() if device.type != "cuda" else None  # the host backend's copies
+    try:
+        doc = measure(device, enf, capacity)
+    finally:
+        if enf is not None:
+            enf.close()
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(cached)
+    except OSError as e:  # a read-only home: plan with it anyway
+        log.warning("bagualu: cannot cache the calibration in %s (%s)", cached, e)
+    return doc
+
+
+# -- measurement ----------------------------------------------------------------------------
+def _median_s(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+    times: List[float] = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def roofline(small: Tuple[int, float], large: Tuple[int, float]) -> Dict[str, float]:
+    """The roofline through two (bytes, seconds) points: the peak from the slope, the launch
+    floor from the small size (both within the planner's ranges)."""
+    (b0, t0), (b1, t1) = small, large
+    peak = (b1 - b0) / max(t1 - t0, 1e-9)
+    floor = max(t0 - b0 / peak, 1e-9)
+    return {"launch_floor_us": round(min(max(floor * 1e6, 0.001), 1e6), 3),
+            "peak_GBps": round(min(max(peak / 1e9, 0.01), 1e6), 3)}
+
+
+def _compute_rates(device: torch.device, sync: Callable[[], None]) -> Dict[str, float]:
+    cuda = device.type == "cuda"
+    n = 4096 if cuda else 384
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.mm(a, b)
+    mm = _median_s(lambda: torch.mm(a, b), 5, sync)
+    x = torch.randn((64 if cuda else 4) << 20 >> 2, device=device)
+    y, z = torch.empty_like(x), torch.empty_like(x)
+    torch.add(x, x, out=y)
+    add = _median_s(lambda: torch.add(x, y, out=z), 5, sync)
+    one = torch.ones(1, device=device)
+    launch = _median_s(lambda: torch.add(one, one), 21, sync)
+    return {"peak_tflops": round(max(2 * n ** 3 / mm / 1e12, 0.001), 4), "matmul_efficiency": 1,
+            "hbm_GBps": round(max(3 * x.nbytes / add / 1e9, 1), 3), "memory_efficiency": 1,
+            "kernel_launch_us": round(min(max(launch * 1e6, 0.001), 1e6), 3)}
+
+
+def _host_moves(enforcer: Any, largest: int) -> Dict[str, Any]:
+    """Offload, reload and FP8 cast through the enforcer on the host backend (its pinned pool,
+    its copy streams), at 16 KiB and ``largest`` bytes, and how much its D2H copies overlap a
+    matmul. Reloads and casts take blocks of the (empty) device pool: ``largest`` fits it."""
+    mb = -(1 << 30)  # a micro-batch id no training uses
+    none = lambda: None  # noqa: E731
+    points: Dict[str, List[Tuple[int, float]]] = {"offload": [], "reload": [], "fp8_cast": []}
+    for nbytes in (16 << 10, largest):
+        t_off, t_re, t_cast = [], [], []
+        for _ in range(5):
+            src = torch.randn(nbytes // 4)
+            h = enforcer.register(src.untyped_storage(), src.dtype, 0, mb)
+            t0 = time.perf_counter()
+            enforcer.offload(h)
+            t1 = time.perf_counter()
+            st = enforcer.acquire(h, nbytes, none)
+            t2 = time.perf_counter()
+            del st
+            enforcer.retire(h)
+            t_off.append(t1 - t0)
+            t_re.append(t2 - t1)
+            src = torch.randn(nbytes // 4)
+            h = enforcer.register(src.untyped_storage(), src.dtype, 0, mb)
+            t0 = time.perf_counter()
+            enforcer.store_fp8(h)
+            st = enforcer.acquire(h, nbytes, none)
+            t1 = time.perf_counter()
+            del st
+            enforcer.retire(h)
+            t_cast.append((t1 - t0) / 2)  # a cast and an uncast
+        points["offload"].append((nbytes, statistics.median(t_off)))
+        points["reload"].append((nbytes, statistics.median(t_re)))
+        points["fp8_cast"].append((nbytes, statistics.median(t_cast)))
+    out: Dict[str, Any] = {"rooflines": {k: roofline(*v) for k, v in points.items()}}
+    out["copy_overlap"] = _host_overlap(enforcer, mb)
+    return out
+
+
+def _host_overlap(enforcer: Any, mb: int) -> float:
+    """The fraction of a copy on the enforcer's D2H stream that a matmul on this thread hides:
+    (copy + compute - both) / the shorter one; 0 below OVERLAP_THRESHOLD."""
+    src = torch.randn((32 << 20) // 4)
+    a = torch.randn(256, 256)
+
+    def compute(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, a)
+
+    def copy(wait_after: Optional[Callable[[], None]]) -> float:
+        h = enforcer.register(src.untyped_storage(), src.dtype, 0, mb)
+        t0 = time.perf_counter()
+        enforcer.offload(h, wait=False)  # queued on the D2H stream; the wait comes after
+        if wait_after is not None:
+            wait_after()
+        enforcer.wait(h)
+        t = time.perf_counter() - t0
+        enforcer.retire(h)
+        return t
+
+    t_copy = statistics.median(copy(None) for _ in range(3))
+    t0 = time.perf_counter()
+    compute(4)
+    per = (time.perf_counter() - t0) / 4
+    k = max(int(t_copy / max(per, 1e-6)), 1)
+    t_comp = statistics.median(_median_s(lambda: compute(k), 1, none_sync) for _ in range(3))
+    t_both = statistics.median(copy(lambda: compute(k)) for _ in range(3))
+    hidden = (t_copy + t_comp - t_both) / max(min(t_copy, t_comp), 1e-9)
+    overlap = min(max(hidden, 0.0), 1.0)
+    return 0.0 if overlap < OVERLAP_THRESHOLD else round(overlap, 2)
+
+
+def none_sync() -> None:
+    return None
+
+
+def _cuda_moves(device: torch.device) -> Dict[str, Any]:
+    """D2H and H2D copies between the GPU and pinned host memory on a side stream (what the
+    enforcer's copy streams do), at 64 KiB and 64 MiB; FP8 keeps the profile's roofline (the
+    GPU suite measures the cast kernel: bgl_enforcer_gpu_timing)."""
+    stream = torch.cuda.Stream(device)
+    sync = torch.cuda.synchronize
+    points: Dict[str, List[Tuple[int, float]]] = {"offload": [], "reload": []}
+    for nbytes in (64 << 10, 64 << 20):
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+        def d2h() -> None:
+            with torch.cuda.stream(stream):
+                host.copy_(dev, non_blocking=True)
+            stream.synchronize()
+
+        def h2d() -> None:
+            with torch.cuda.stream(stream):
+                dev.copy_(host, non_blocking=True)
+            stream.synchronize()
+
+        d2h(), h2d()
+        points["offload"].append((nbytes, _median_s(d2h, 5, sync)))
+        points["reload"].append((nbytes, _median_s(h2d, 5, sync)))
+    return {"rooflines": {k: roofline(*v) for k, v in points.items()}, "copy_overlap": 1}
+
+
+def measure(device: torch.device, enforcer: Any, capacity: int = 64 << 20) -> Dict[str, Any]:
+    """Measures this machine's rooflines (see the module docstring), with an enforcer whose
+    device pool of ``capacity`` bytes is empty; about a second."""
+    t0 = time.perf_counter()
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else none_sync
+    doc: Dict[str, Any] = {"gpu": base_profile(device)}
+    doc.update(_compute_rates(device, sync))
+    largest = max(64 << 10, min(4 << 20, capacity // 4)) // 4096 * 4096
+    doc.update(_cuda_moves(device) if cuda else _host_moves(enforcer, largest))
+    doc["source"] = (f"measured by bagualu on {platform.node()} ({machine_key(device)}), "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}, {time.perf_counter() - t0:.2f} s")
+    resolve(doc, "the measured calibration")  # the planner takes it
+    return doc
