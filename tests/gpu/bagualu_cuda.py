@@ -26,6 +26,14 @@ Scenarios:
                checks on the GPU: offload + recompute against plain FSDP2 (gradients bitwise
                with deterministic kernels), FP8 within 1%, the bagualu policy at half of
                keep-all's peak, the planner's keep-all bytes against PyTorch's saved bytes.
+  compiled     transformers' Qwen3-MoE with every decoder layer compiled (inductor,
+               fullgraph=True, block.compile()): dynamo's counters with bagualu against plain
+               compile (the same graphs after a reset, nothing new after a plain run, no graph
+               break), keep-all out of memory at half its peak and bagualu finishing there with
+               plain compiled gradients bit for bit (deterministic kernels), the whole block
+               offloaded, recomputed (bitwise) and in FP8 (within 10%); the first iteration
+               (the compile) and later iterations of plain compile and bagualu with nothing to
+               mitigate (--json-out).
 """
 from __future__ import annotations
 
@@ -280,6 +288,62 @@ def scenario_unmodified() -> dict:
     return out
 
 
+def scenario_compiled(json_out: str) -> dict:
+    import unmodified as u
+    from torch._dynamo.utils import counters
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    out: dict = {"skipped": []}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:  # the GPU machine may lack it
+        out["skipped"] = ["qwen3_moe"]
+        return out
+    base = dict(layers=2, ep=False, spike_every=0, device=DEVICE, compiled="in-place",
+                compile_options={"fullgraph": True})
+
+    def run(policy, fresh: bool, **kw) -> dict:
+        if fresh:
+            torch._dynamo.reset()
+        counters.clear()
+        r = u.train("qwen3_moe", policy, **{**base, **kw})
+        r["dynamo"] = [counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())]
+        return r
+
+    def times(r: dict) -> dict:
+        return {"first_s": r["times_ms"][0] / 1e3,
+                "later_ms": statistics.median(r["times_ms"][1:])}
+
+    # bagualu first: install() swaps the allocator before the first CUDA allocation.
+    full = run("keep-all", True, capacity="4GiB", forced={}, iterations=3)
+    out["swapped"] = bagualu.installer.cuda_allocator_swapped()
+    plain = run(None, True, iterations=3)
+    out["parameters"] = len(plain["grads"])
+    out["dynamo"] = {"plain": plain["dynamo"], "keep_all_fresh": full["dynamo"]}
+    out["keep_all_grads"] = _grads(plain["grads"], full["grads"])
+    out["operators"] = sorted(o["name"] for o in full["description"]["operators"])
+    peak = max(int(line["peak_bytes"]) for line in full["lines"])
+    out["peak"] = peak
+    keep = run("keep-all", False, capacity=peak // 2)
+    out["keep_all_oom_at_half"] = keep["oom"] is not None
+    half = run("bagualu", False, capacity=peak // 2)
+    out["half"] = {"oom": half["oom"], "dynamo": half["dynamo"],
+                   "same_losses": half["losses"] == plain["losses"][:len(half["losses"])],
+                   "tracker": half["stats"]["tracker"],
+                   "grads": _grads(plain["grads"], half["grads"])}
+    for strategy in ("offload", "recompute", "fp8"):
+        f = run("bagualu", False, capacity="4GiB", forced={"block": strategy})
+        out[strategy] = {"oom": f["oom"], "dynamo": f["dynamo"],
+                         "tracker": f["stats"]["tracker"],
+                         "grads": _grads(plain["grads"], f["grads"])}
+    # Timing, with inductor's caches warm for both (the first runs above filled them).
+    timing = {"plain": times(run(None, True, iterations=4)),
+              "bagualu": times(run("bagualu", True, capacity="4GiB", iterations=4))}
+    out["timing"] = timing
+    if json_out:
+        Path(json_out).write_text(json.dumps(timing, indent=1))
+    return out
+
+
 def scenario_fsdp2() -> dict:
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT / "tests" / "python"))
@@ -381,7 +445,7 @@ def scenario_issue_order(iterations: int, repeats: int, json_out: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scenario", choices=["swap", "late", "correctness", "bench", "unmodified",
-                                         "overhead", "issue-order", "fsdp2"])
+                                         "overhead", "issue-order", "fsdp2", "compiled"])
     ap.add_argument("--config", default="default", choices=["default", "large"])
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--json-out", default="")
@@ -407,6 +471,8 @@ def main() -> int:
         emit(scenario_unmodified())
     elif args.scenario == "fsdp2":
         emit(scenario_fsdp2())
+    elif args.scenario == "compiled":
+        emit(scenario_compiled(args.json_out))
     elif args.scenario == "overhead":
         emit(scenario_overhead(args.iterations, args.repeats, args.json_out))
     elif args.scenario == "issue-order":

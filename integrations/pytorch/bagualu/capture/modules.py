@@ -214,10 +214,14 @@ class AutoLayers:
 
     def _drop_inner(self) -> None:
         """The blocks are compiled: their operator hooks would run inside the compiled region
-        (capture/compiled.py enters each block from outside it)."""
+        (capture/compiled.py enters each block from outside it). A dispatch inside them is
+        not seen either, and the block that runs it is never recomputed (its all-to-all)."""
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if self.dispatch is not None:
+            self.dispatch.remove()
+            self.calls.no_replay.add(BLOCK_OP)
 
     def _block_hooks(self, layer: int) -> Tuple[Any, Any]:
         """The (pre, post) hooks of layer ``layer``'s block operator."""

@@ -1,0 +1,124 @@
+"""Every block compiled (torch.compile, inductor, fullgraph=True, in place) with and without
+bagualu, against eager: Qwen3-MoE from transformers 5 (a small config, ``--width`` times
+wider, ``--seq``-token micro-batches), stage 0 of a 4-stage 1F1B pipeline in one process.
+
+Each run is a fresh process (its own dynamo state; inductor's caches as they are, or with
+``--cold`` a new empty cache directory per run, so every compile starts from nothing). Runs
+alternate over ``--repeats``; per configuration the median (range) of the first iteration
+(the compile) and of the median of the later iterations.
+
+    python bench_compiled.py --repeats 3 --iterations 4
+
+Configurations: plain compiled, bagualu compiled and bagualu eager with nothing to mitigate
+(``--capacity``, its plans keep everything); bagualu compiled and bagualu eager at half of
+their own keep-all peaks (measured first in the same process, whose run compiles the blocks:
+the first iteration of these is no compile time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = ("plain compiled", "bagualu compiled", "bagualu eager", "bagualu compiled half peak",
+           "bagualu eager half peak")
+
+
+def one(args: argparse.Namespace) -> Dict[str, Any]:
+    """One run in this process (``--one``)."""
+    import torch
+
+    import unmodified as u
+    torch.set_num_threads(args.threads)
+    kw: Dict[str, Any] = dict(ep=False, width=args.width, seq=args.seq,
+                              iterations=args.iterations, spike_every=0)
+    compiled = "compiled" in args.one and "eager" not in args.one
+    if compiled:
+        kw.update(compiled="in-place", compile_options={"fullgraph": True})
+    policy = None if args.one.startswith("plain") else "bagualu"
+    capacity: Any = args.capacity
+    if "half peak" in args.one:
+        full = u.train("qwen3_moe", "keep-all", capacity=args.capacity, forced={},
+                       **{**kw, "iterations": 1})
+        capacity = max(int(line["peak_bytes"]) for line in full["lines"]) // 2
+    r = u.train("qwen3_moe", policy, capacity=capacity, **kw)
+    if r["oom"]:
+        raise SystemExit(f"{args.one}: out of memory: {r['oom']}")
+    out: Dict[str, Any] = {"first_s": r["times_ms"][0] / 1e3,
+                           "steady_ms": statistics.median(r["times_ms"][1:]),
+                           "capacity": capacity}
+    if policy is not None:
+        t = r["stats"]["tracker"]
+        out["moved"] = {"offloads": t["offloads"], "fp8": t["fp8_casts"],
+                        "recomputes": t["recomputes"]}
+    try:
+        from torch._dynamo.utils import counters
+        out["graphs"] = counters["stats"]["unique_graphs"]
+        out["breaks"] = sum(counters["graph_break"].values())
+    except ImportError:
+        pass
+    return out
+
+
+def run(config: str, args: argparse.Namespace) -> Dict[str, Any]:
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+        if args.cold:
+            env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", config,
+               "--width", str(args.width), "--seq", str(args.seq), "--iterations",
+               str(args.iterations), "--capacity", args.capacity, "--threads",
+               str(args.threads)]
+        p = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{config}: exit {p.returncode}\n{p.stdout[-2000:]}{p.stderr[-4000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def spread(xs: List[float], fmt: str) -> str:
+    return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--capacity", default="1GiB", help="room for everything")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cold", action="store_true", help="an empty inductor cache per run")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args)))
+        return 0
+    configs = args.configs.split(",")
+    results: Dict[str, List[Dict[str, Any]]] = {c: [] for c in configs}
+    for _ in range(args.repeats):
+        for c in configs:
+            results[c].append(run(c, args))
+    print(f"Qwen3-MoE width {args.width}, seq {args.seq}, 8 micro-batches, "
+          f"{args.iterations} iterations, {args.repeats} repeats"
+          f"{', cold inductor cache' if args.cold else ''}")
+    print("| configuration | first iteration (s) | later iterations (ms) | graphs / breaks | "
+          "capacity | moved (last run) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for c in configs:
+        rs = results[c]
+        g = f"{rs[-1].get('graphs', '-')} / {rs[-1].get('breaks', '-')}"
+        print(f"| {c} | {spread([r['first_s'] for r in rs], '{:.1f}')} | "
+              f"{spread([r['steady_ms'] for r in rs], '{:.0f}')} | {g} | "
+              f"{rs[-1]['capacity']} | {rs[-1].get('moved', '-')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
