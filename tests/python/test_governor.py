@@ -270,9 +270,9 @@ def _record_registrations(monkeypatch) -> List[Tuple[str, int, int, int, str]]:
     real_register = RemoteGovernor.register
 
     def recording_register(self, model, capacity, rank, job_id, gpu_index,
-                           budget_step_bytes=0, dual_batch=True):
+                           budget_step_bytes=0, dual_batch=True, calibration=None):
         real_register(self, model, capacity, rank, job_id, gpu_index, budget_step_bytes,
-                      dual_batch)
+                      dual_batch, calibration)
         out.append((json.dumps(model, sort_keys=True), capacity, rank, budget_step_bytes,
                     self.session_id))
 
