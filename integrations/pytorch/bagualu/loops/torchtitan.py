@@ -32,7 +32,7 @@ import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torchtitan.trainer import Trainer
@@ -92,6 +92,7 @@ class BagualuTrainer(Trainer):
         bagualu.instrument(parts[0], {"name": f"torchtitan-{config.model_spec.name}"},
                            layers="layers", ops=dict(TORCHTITAN_OPS),
                            dispatch=DISPATCH if ep else None)
+        self._bgl_handles = _fsdp_units(bagualu.current(), parts[0], ep)
         if pp:
             self.pp_schedule = bagualu.pipelining.wrap_schedule(self.pp_schedule)
         log.info("bagualu: managing torchtitan's activations (%s, %s, policy %s)",
@@ -171,7 +172,66 @@ class BagualuTrainer(Trainer):
     def close(self) -> None:
         import bagualu
         super().close()
+        for h in getattr(self, "_bgl_handles", []):
+            h.remove()
         bagualu.uninstall()
+
+
+def _fsdp_units(rt: Any, model: torch.nn.Module, expert_parallel: bool) -> List[Any]:
+    """What torchtitan's FSDP2 units need beyond bagualu's FSDP2 support, returns the hooks:
+
+    - Under expert parallelism the experts' weights are DTensors (sharded over the EP mesh)
+      that FSDP2 all-gathers into new storages before each forward of their unit, and
+      GroupedExperts saves views of their ``to_local()`` tensors (plain tensors, which the
+      tracker's parameter check by type does not see): while a unit's forward runs, the local
+      storages of its parameters are parameters' (``tracker.param_keys``), never activations.
+    - An operator inside an FSDP2 unit of its own within a block (torchtitan shards the
+      routed experts on their own mesh under EP) gets its parameters gathered at that unit's
+      pre-backward, which can come after the block's backward needs its rerun: it is never
+      recomputed (kept, or offloaded/cast as planned). So are the routed experts under expert
+      parallelism: their gathered weights are still DTensors (sharded over the EP mesh), which
+      the FSDP2 readiness check (discovery/sharding.py, Sharding.ready) takes for FSDP2's
+      shards, so it refuses their rerun."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    keys = rt.tracker.param_keys
+    handles: List[Any] = []
+    held: Dict[int, List[int]] = {}
+
+    def storages(m: torch.nn.Module) -> List[int]:
+        out = []
+        for p in m.parameters():
+            t = p.to_local() if isinstance(p, DTensor) else p
+            try:
+                st = t.untyped_storage()
+                if st.nbytes() > 0:
+                    out.append(st.data_ptr())
+            except RuntimeError:
+                continue
+        return out
+
+    def pre(m: torch.nn.Module, args: Any) -> None:
+        ptrs = [k for k in storages(m) if k not in keys]
+        keys.update(ptrs)
+        held[id(m)] = ptrs
+
+    def post(m: torch.nn.Module, args: Any, out: Any) -> None:
+        keys.difference_update(held.pop(id(m), ()))
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post))
+    auto = rt.auto
+    if auto is not None:
+        for li, sites in enumerate(auto.found.sites):
+            block = auto.found.blocks[auto.found.planned[li]]
+            units = [p for p, m in block.named_modules() if p and isinstance(m, FSDPModule)]
+            for site in sites:
+                if any(site.path == u or site.path.startswith(u + ".") for u in units) or \
+                        (expert_parallel and site.kind in ("expert_linear", "expert_activation")):
+                    auto.calls.no_replay.add(site.name)
+    return handles
 
 
 def _no_typecheck() -> Any:
