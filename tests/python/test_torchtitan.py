@@ -80,7 +80,7 @@ def lines_by_rank(text: str) -> Dict[int, List[re.Match]]:
     return out
 
 
-def test_pipeline_1f1b_deepseek_v3(assets, tmp_path) -> None:
+def test_pipeline_1f1b_deepseek_v3_on_two_ranks(assets, tmp_path) -> None:
     """PP 2 with torchtitan's Schedule1F1B (2 micro-batches per step), deepseek_v3
     debugmodel: bagualu below every rank's keep-all peak plans offloads/recomputes on both
     stages, and torchtitan's losses and gradient norms are those of its run without
@@ -105,7 +105,7 @@ def test_pipeline_1f1b_deepseek_v3(assets, tmp_path) -> None:
         assert all(float(m[3]) <= float(m[4]) for m in lines)
 
 
-def test_expert_parallel_with_fsdp_deepseek_v3(assets, tmp_path) -> None:
+def test_expert_parallel_with_fsdp_deepseek_v3_on_two_ranks(assets, tmp_path) -> None:
     """EP 2 with FSDP2 (dp_shard 2), deepseek_v3 debugmodel, torchtitan's all-to-all token
     dispatcher: bagualu at 28 MiB (about half of each rank's keep-all peak, 55 MiB) takes each
     rank's load factor from the tokens the dispatcher delivered (the two ranks' loads differ
