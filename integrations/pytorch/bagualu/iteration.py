@@ -26,6 +26,13 @@ class IterationLog:
         self.loads: List[float] = []
         self.recompute_ms = 0.0
         self.recompute_ops = 0
+        # The iteration's scheduling points: what each forward was planned to hold and what
+        # it held, so that a gap between plan and reality shows; and what planning cost.
+        self.points: List[Dict[str, Any]] = []
+        self._point_of: Dict[int, Dict[str, Any]] = {}
+        self.plan_ms = 0.0
+        self.cache_hits = 0
+        self.cache_misses = 0
         self._t0 = time.perf_counter()
         self._counters0: Dict[str, int] = {}
         self._ooms0 = 0
@@ -34,9 +41,39 @@ class IterationLog:
         self.loads = []
         self.recompute_ms = 0.0
         self.recompute_ops = 0
+        self.points = []
+        self._point_of = {}
+        self.plan_ms = 0.0
+        self.cache_hits = self.cache_misses = 0
         self._t0 = time.perf_counter()
         self._counters0 = dict(counters)
         self._ooms0 = ooms
+
+    def note_plan(self, unit: int, plan: Dict[str, Any], ms: float, in_use: int,
+                  evictions: int) -> None:
+        """The forward of ``unit`` was planned in ``ms`` against ``in_use`` bytes (what
+        Algorithm 1 counted as used); ``evictions``: the tracker's count before its forward."""
+        self.plan_ms += ms
+        if plan.get("cache_hit"):
+            self.cache_hits += 1
+        else:
+            self.cache_misses += 1
+        point = {"unit": unit, "in_use_bytes": in_use,
+                 "budget_bytes": int(plan["budget_bytes"]),
+                 "m0_bytes": int(plan.get("m0_bytes", 0)),
+                 "predicted_bytes": int(plan["predicted_bytes"]), "actual_bytes": None,
+                 "evictions": 0, "cache_hit": bool(plan.get("cache_hit")),
+                 "plan_ms": ms, "_evictions0": evictions}
+        self.points.append(point)
+        self._point_of[unit] = point
+
+    def note_forward(self, unit: int, actual: int, evictions: int) -> None:
+        """The planned forward of ``unit`` ended holding ``actual`` in-layer bytes once its
+        plan is carried out; ``evictions``: the tracker's count now."""
+        point = self._point_of.pop(unit, None)
+        if point is not None:
+            point["actual_bytes"] = int(actual)
+            point["evictions"] = evictions - point.pop("_evictions0")
 
     def note_recompute(self, ms: float, ops: int) -> None:
         """A checkpoint region of ``ops`` operators ran its forward in ``ms``."""
@@ -58,6 +95,11 @@ class IterationLog:
             "fp8_casts": c["fp8_casts"] - c0.get("fp8_casts", 0),
             "recomputed_ops": self.recompute_ops,
             "evictions": c["evictions"] - c0.get("evictions", 0),
+            "early_offloads": c.get("early_offloads", 0) - c0.get("early_offloads", 0),
+            "plan_ms": self.plan_ms, "plan_cache_hits": self.cache_hits,
+            "plan_cache_misses": self.cache_misses,
+            "points": [{k: v for k, v in p.items() if not k.startswith("_")}
+                       for p in self.points],
             "deferred": deferred, "overhead_ms": self.recompute_ms, "iteration_ms": elapsed,
             "ooms": ooms - self._ooms0,
         }
@@ -66,12 +108,15 @@ class IterationLog:
             budget_text = "-" if line["budget_bytes"] is None else _mib(line["budget_bytes"])
             strat = " ".join(f"{k}={v}" for k, v in strategies.items() if v)
             log.info("bagualu: iter %d policy %s load %.2f (max %.2f) budget %s peak %s/%s "
-                     "strategies %s offloads %d fp8 %d recomputed %d evictions %d deferred %d "
-                     "overhead %.1fms (%.1f%%)", line["iteration"], self.policy,
+                     "strategies %s offloads %d (early %d) fp8 %d recomputed %d evictions %d "
+                     "deferred %d overhead %.1fms (%.1f%%) plans %d hit %d miss %.1fms",
+                     line["iteration"], self.policy,
                      line["load_factor"], line["max_load_factor"], budget_text, _mib(peak),
-                     _mib(self.capacity), strat or "keep", line["offloads"], line["fp8_casts"],
+                     _mib(self.capacity), strat or "keep", line["offloads"],
+                     line["early_offloads"], line["fp8_casts"],
                      line["recomputed_ops"], line["evictions"], line["deferred"],
-                     line["overhead_ms"], 100 * line["overhead_ms"] / max(elapsed, 1e-9))
+                     line["overhead_ms"], 100 * line["overhead_ms"] / max(elapsed, 1e-9),
+                     self.cache_hits, self.cache_misses, self.plan_ms)
         self.iteration += 1
         return line
 

@@ -146,7 +146,9 @@ class Record:
         """The enforcer holds the data in its pinned pool now: let the device copy go; bytes
         freed."""
         t = self.tracker
-        self.planned = False
+        if self.planned:  # carried out before its O chain round (pressure, or no room)
+            self.planned = False
+            t.planned.pop(self.enf, None)
         self._leave_device()
         self.storage = None
         self.placement = HOST

@@ -89,9 +89,9 @@ class Runtime:
                                light_grain=max(settings.capacity >> 10, 4 << 10)
                                if pool is not None else 0,
                                evict_fp8=bagualu)
-        self.planning = Planning(settings, governor, self.strategies, self.tracker,
-                                 self.enforcer)
         self.log = IterationLog(settings.policy, settings.capacity, settings.log_iterations)
+        self.planning = Planning(settings, governor, self.strategies, self.tracker,
+                                 self.enforcer, self.log)
         self.governor = governor
         self.auto: Optional[AutoLayers] = None        # hooks of an unmodified model
         self.discovery: Optional[discover.Discovery] = None  # its layers and operators
@@ -341,7 +341,7 @@ class Runtime:
             stats = (self.memory.report_stats(t.device_bytes(),
                                               self.enforcer.stats().get("pinned_in_use", 0))
                      if getattr(self.governor, "remote", None) is not None else None)
-            self.planning.report(unit, t.retained_bytes(unit), stats)
+            self.planning.report(unit, t.planned_bytes(unit), stats)
 
     @contextmanager
     def backward(self, mb: int, chunk: int = 0) -> Iterator[None]:
@@ -385,6 +385,12 @@ class Runtime:
         if pool is not None:
             out["allocator"] = pool.stats()
         out["enforcer"] = self.enforcer.stats()
+        lines = self.log.history
+        out["planning"] = {"plan_ms": sum(x["plan_ms"] for x in lines),
+                           "cache_hits": sum(x["plan_cache_hits"] for x in lines),
+                           "cache_misses": sum(x["plan_cache_misses"] for x in lines),
+                           "early_offloads": sum(x["early_offloads"] for x in lines),
+                           "evictions": sum(x["evictions"] for x in lines)}
         model = self.log.memory_model()
         if model is not None:
             out["memory_model"] = model

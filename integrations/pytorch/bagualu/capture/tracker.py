@@ -21,7 +21,7 @@ from ..enforce import eviction
 from ..enforce.device import DeviceMemory
 from ..enforce.enforcer import Enforcer
 from ..enforce.order import PointIssuer
-from ..record import DEVICE, FP8_PLACE, Packed, Record, _Plain
+from ..record import DEVICE, FP8_PLACE, HOST, Packed, Record, _Plain
 from ..vocabulary import FP8, OFFLOAD, OUTSIDE, RECOMPUTE, Op
 from .light import LightSet
 
@@ -55,7 +55,7 @@ class Tracker:
         self.counters: Dict[str, int] = {
             "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
             "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0, "drops": 0,
-            "recomputes": 0, "scheduled_offloads": 0, "fp8_evictions": 0}
+            "recomputes": 0, "scheduled_offloads": 0, "fp8_evictions": 0, "early_offloads": 0}
         # Set by set_model at instrument: storages of parameters and buffers (never
         # activations). A storage follows the strategy of the operator that produced it.
         self.param_keys: Set[int] = set()
@@ -398,11 +398,40 @@ class Tracker:
         return (sum(r.pool_bytes for r in self.by_mb.get(micro_batch, ()))
                 + (ls.reserved if ls is not None else 0))
 
-    def retained_bytes(self, micro_batch: int) -> int:
-        """Bytes of the micro-batch's activations on the device (storage sizes)."""
-        return sum(r.nbytes if r.placement == DEVICE else
-                   (r.pool_bytes if r.placement == FP8_PLACE else 0)
-                   for r in self.by_mb.get(micro_batch, ())) + self.light_bytes(micro_batch)
+    def planned_bytes(self, micro_batch: Optional[int] = None) -> int:
+        """In-layer device bytes the live micro-batches (or ``micro_batch``) hold once their
+        plans are carried out: what Algorithm 1 counts as used. Planned offloads still waiting
+        for their point's O chain are not counted (the plan moves them), nor are bytes outside
+        the layers (set aside from the planned capacity at register)."""
+        units = (self.by_mb if micro_batch is None
+                 else {micro_batch: self.by_mb.get(micro_batch, ())})
+        total = sum(r.pool_bytes for recs in units.values() for r in recs
+                    if r.producer.layer >= 0 and not r.planned)
+        for unit, ls in self.light_sets.items():
+            if micro_batch is None or unit == micro_batch:
+                total += sum(n for _, n in ls.sizes.values() if n > 0)
+        return total
+
+    def pending_bytes(self) -> int:
+        """Device bytes of planned offloads still waiting for their point's O chain."""
+        return sum(r.pool_bytes for r in self.planned.values() if r.planned)
+
+    def offload_pending(self) -> int:
+        """Carries out now the planned offloads still waiting for their O chain (counted as
+        early offloads); returns the device bytes freed."""
+        freed = 0
+        for rec in sorted(self.planned.values(), key=lambda r: (-r.micro_batch, r.seq)):
+            if rec.planned and rec.movable():
+                got = rec.offload()
+                if got:
+                    freed += got
+                    self.counters["early_offloads"] += 1
+        return freed
+
+    def host_bytes(self, micro_batch: int) -> int:
+        """Bytes of ``micro_batch``'s activations offloaded to the host (what reloading it
+        brings back to the device)."""
+        return sum(r.nbytes for r in self.by_mb.get(micro_batch, ()) if r.placement == HOST)
 
     def evict(self, needed: int) -> int:
         """Pressure eviction (enforce/eviction.py) over the live records of every unit."""

@@ -6,11 +6,13 @@ Not thread-safe: the training thread."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..capture.tracker import Tracker
 from ..enforce import order
 from ..enforce.enforcer import Enforcer
+from ..iteration import IterationLog
 from ..record import Record
 from ..settings import Settings
 from . import graph
@@ -30,12 +32,14 @@ class Planning:
     """Plans for one process's forwards; ``governor`` None plans nothing (keep-all)."""
 
     def __init__(self, settings: Settings, governor: Optional[Governor],
-                 strategies: Strategies, tracker: Tracker, enforcer: Enforcer) -> None:
+                 strategies: Strategies, tracker: Tracker, enforcer: Enforcer,
+                 log: Optional[IterationLog] = None) -> None:
         self.settings = settings
         self.governor = governor
         self.strategies = strategies
         self.tracker = tracker
         self.enforcer = enforcer
+        self.log = log  # the iteration log the points are noted in
         self.layer_count = 0               # planned layers of this rank (all chunks)
         self.model_doc: Optional[Dict[str, Any]] = None    # what was registered
         self.description: Optional[Dict[str, Any]] = None  # the planner's stage graph
@@ -47,6 +51,8 @@ class Planning:
         self.index: Optional[order.StageGraphIndex] = None
         self._pinned_size: Optional[int] = None
         self.budget = math.inf   # the iteration's smallest budget
+        self.plan_capacity = 0   # the capacity the governor plans with (register)
+        self.reloaded_ahead: Set[int] = set()  # units an R chain reloads ahead of backward
         self.deferred = 0        # the iteration's deferred replans
 
     @property
@@ -69,6 +75,7 @@ class Planning:
         in_flight = max(s.pipeline_stages - s.pipeline_rank, 1)
         plan_capacity = int(s.capacity * 0.95) - outside_bytes * in_flight
         self.model_doc = doc
+        self.plan_capacity = plan_capacity
         self.tensor_names = names
         bagualu = s.policy == "bagualu"
         self.governor.register(doc, plan_capacity, s.pipeline_rank, allow_offload=bagualu,
@@ -109,26 +116,70 @@ class Planning:
             raise ValueError(f"unknown phase '{phase}' (warmup, steady, cooldown)")
         if forward_mb is None or self.settings.policy != "bagualu" or not self.ready:
             return None
+        load = max(self.last_load, 0.05)
+        forward = (forward_mb, forward_chunk)
+        backward = (backward_mb, backward_chunk) if backward_mb is not None else None
+        t = self.tracker
+        # Algorithm 1 counts what the live micro-batches hold once their plans are carried
+        # out (docs/algorithms.md sec. 3: a planned offload waiting for its O chain is gone;
+        # the bytes outside the layers were set aside from the capacity at register) and what
+        # R chains brought back, or this point's brings back, ahead of a backward.
+        in_use = t.planned_bytes() + sum(t.host_bytes(u) for u in self.reloaded_ahead)
+        recover = self._reload_ahead(backward, load, in_use)
+        if recover is not None:
+            in_use += t.host_bytes(unit_id(*recover))
         point: Dict[str, Any] = {"phase": phase, "forward_micro_batch": int(forward_mb),
-                                 "load_factor": max(self.last_load, 0.05),
-                                 "bytes_in_use": int(self.tracker.device_bytes())}
+                                 "load_factor": load, "bytes_in_use": int(in_use)}
         if backward_mb is not None:
             point["backward_micro_batch"] = int(backward_mb)
         if self.settings.chunks > 1:
             point["forward_chunk"] = int(forward_chunk)
             point["backward_chunk"] = int(backward_chunk)
+        t0 = time.perf_counter()
         plan = self.governor.plan(point)
         if plan is None:
             return None
         self.apply_grant()
-        unit = unit_id(forward_mb, forward_chunk)
+        unit = unit_id(*forward)
+        if self.log is not None:
+            self.log.note_plan(unit, plan, (time.perf_counter() - t0) * 1e3, int(in_use),
+                               t.counters["evictions"])
         self.plans[unit] = plan
         self.strategies.set_plan(unit, {self._global_name(o["name"], forward_chunk):
                                         o["strategy"] for o in plan["operators"]})
         self.budget = min(self.budget, plan["budget_bytes"])
-        self._issue(plan, (forward_mb, forward_chunk),
-                    (backward_mb, backward_chunk) if backward_mb is not None else None)
+        pending = t.pending_bytes()
+        if pending and in_use + pending + plan["predicted_bytes"] > self.plan_capacity:
+            # The earlier forward's offloads were to run under this one, but this forward's
+            # plan needs their room: they go first.
+            t.offload_pending()
+            pending = 0
+        # This forward's own offloads may wait for the next point's O chain while it holds
+        # them beside its plan's prediction (the next point flushes them if its forward needs
+        # the room); else they leave as their operators save them.
+        defer = in_use + pending + plan["predicted_bytes"] + plan.get("host_bytes", 0) \
+            <= self.plan_capacity
+        self._issue(plan, forward, backward, recover, defer)
         return plan
+
+    def _reload_ahead(self, backward: Optional[Tuple[int, int]], load: float,
+                      in_use: int) -> Optional[Tuple[int, int]]:
+        """The unit whose offloaded activations this point's R chain reloads ahead of its
+        backward (the backward after ``backward``), or None: only when they fit beside the
+        forward's keep-all, so that reloading early never costs the forward a mitigation.
+        Without it they come back during their own backward, a bounded number ahead of
+        need (the enforcer's prefetch)."""
+        rank = self.rank_schedule
+        if backward is None or rank is None or self.tracker.issuer is None:
+            return None
+        after = rank.backward_after(backward)
+        if after is None:
+            return None
+        keep_all = graph.keep_all_bytes(self.description, load)
+        if in_use + self.tracker.host_bytes(unit_id(*after)) + keep_all > self.plan_capacity:
+            return None
+        self.reloaded_ahead.add(unit_id(*after))
+        return after
 
     def apply_grant(self) -> None:
         """Sizes the enforcer's pinned pool to the node's grant for this process, never above
@@ -142,19 +193,20 @@ class Planning:
             self._pinned_size = size
 
     def _issue(self, plan: Dict[str, Any], forward: Tuple[int, int],
-               backward: Optional[Tuple[int, int]]) -> None:
+               backward: Optional[Tuple[int, int]], recover: Optional[Tuple[int, int]],
+               defer: bool) -> None:
         """Hands the point's issue order to the enforcer's stream scheduler (enforce/order.py);
-        the forward's planned offloads wait for a later point's O chain."""
+        the forward's planned offloads wait for a later point's O chain (``defer``)."""
         issuer = self.tracker.issuer
         if issuer is None or not plan.get("issue_order"):
             return
         rank = self.rank_schedule
-        before, after = rank.forward_before(forward), rank.backward_after(backward)
+        before, after = rank.forward_before(forward), recover
         issuer.begin(plan["issue_order"], unit_id(*forward),
                      unit_id(*backward) if backward is not None else -1,
                      unit_id(*before) if before is not None else -1,
                      unit_id(*after) if after is not None else -1)
-        if rank.has_later_forward(forward):
+        if defer and rank.has_later_forward(forward):
             self.tracker.scheduled.add(unit_id(*forward))
 
     # -- during a forward -------------------------------------------------------------------
@@ -191,16 +243,20 @@ class Planning:
     def report(self, unit: int, retained: int, stats: Optional[Dict[str, Any]]) -> None:
         """What the forward of ``unit`` retained on the device, to the governor."""
         if self.ready and unit in self.plans:
+            if self.log is not None:
+                self.log.note_forward(unit, retained, self.tracker.counters["evictions"])
             self.governor.report(unit % UNIT_STRIDE, unit // UNIT_STRIDE, retained, stats)
 
     def backward_ended(self, unit: int) -> None:
         self.plans.pop(unit, None)
+        self.reloaded_ahead.discard(unit)
 
     def begin_iteration(self) -> None:
         self.strategies.clear()
         self.plans.clear()
         self.budget = math.inf
         self.deferred = 0
+        self.reloaded_ahead.clear()
         if self.ready:
             self.governor.reset_iteration()
 
