@@ -21,7 +21,7 @@ from ..enforce import eviction
 from ..enforce.device import DeviceMemory
 from ..enforce.enforcer import Enforcer
 from ..enforce.order import PointIssuer
-from ..record import DEVICE, FP8_PLACE, HOST, Packed, Record, _Plain
+from ..record import HOST, Packed, Record, _Plain
 from ..vocabulary import FP8, OFFLOAD, OUTSIDE, RECOMPUTE, Op
 from .light import LightSet
 
@@ -150,9 +150,9 @@ class Tracker:
                 return t
             try:
                 st = t.untyped_storage()
-            except RuntimeError:  # sparse and other storage-less layouts
+                key = st.data_ptr()
+            except RuntimeError:  # sparse and other storage-less layouts, wrapper subclasses
                 return t
-            key = st.data_ptr()
             seen = light.get(key)
             if seen is not None and seen[0]() is not st:  # that storage died; a new one
                 self.light_sets[self.micro_batch].forget(abs(seen[1]))
@@ -180,8 +180,11 @@ class Tracker:
         self.packs_seen += 1  # recompute calls find their saved tensors by this count
         if self.micro_batch < 0 or t.numel() == 0 or t.is_sparse or is_parameter(t):
             return t
-        st = t.untyped_storage()
-        key = st.data_ptr()
+        try:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+        except RuntimeError:  # a wrapper subclass without storage (AsyncCollectiveTensor)
+            return t
         if key in self.param_keys:
             return t
         ls = self.light_sets.get(self.micro_batch)
@@ -219,8 +222,11 @@ class Tracker:
         find it: it stays on the device."""
         if t.numel() == 0 or t.is_sparse or self.micro_batch < 0 or is_parameter(t):
             return _Plain(t)
-        st = t.untyped_storage()
-        if st.data_ptr() in self.param_keys:
+        try:
+            st = t.untyped_storage()
+            if st.data_ptr() in self.param_keys:
+                return _Plain(t)
+        except RuntimeError:  # a wrapper subclass without storage
             return _Plain(t)
         rec = self.live.get(st.data_ptr())
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
