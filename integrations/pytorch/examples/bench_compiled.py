@@ -52,6 +52,8 @@ def one(args: argparse.Namespace) -> Dict[str, Any]:
         raise SystemExit(f"{args.one}: out of memory: {r['oom']}")
     out: Dict[str, Any] = {"first_s": r["times_ms"][0] / 1e3,
                            "steady_ms": statistics.median(r["times_ms"][1:]),
+                           "first_cpu_s": r["cpu_ms"][0] / 1e3,
+                           "steady_cpu_ms": statistics.median(r["cpu_ms"][1:]),
                            "capacity": capacity}
     if policy is not None:
         t = r["stats"]["tracker"]
@@ -108,15 +110,23 @@ def main() -> int:
     print(f"Qwen3-MoE width {args.width}, seq {args.seq}, 8 micro-batches, "
           f"{args.iterations} iterations, {args.repeats} repeats"
           f"{', cold inductor cache' if args.cold else ''}")
-    print("| configuration | first iteration (s) | later iterations (ms) | graphs / breaks | "
-          "capacity | moved (last run) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| configuration | first iteration, wall (s) | CPU (s) | later iterations, wall (ms) | "
+          "CPU (ms) | graphs / breaks | capacity | moved (last run) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in configs:
         rs = results[c]
         g = f"{rs[-1].get('graphs', '-')} / {rs[-1].get('breaks', '-')}"
         print(f"| {c} | {spread([r['first_s'] for r in rs], '{:.1f}')} | "
-              f"{spread([r['steady_ms'] for r in rs], '{:.0f}')} | {g} | "
+              f"{spread([r['first_cpu_s'] for r in rs], '{:.1f}')} | "
+              f"{spread([r['steady_ms'] for r in rs], '{:.0f}')} | "
+              f"{spread([r['steady_cpu_ms'] for r in rs], '{:.0f}')} | {g} | "
               f"{rs[-1]['capacity']} | {rs[-1].get('moved', '-')} |")
+    if len(configs) >= 2 and len(results[configs[0]]) > 0:
+        a, b = results[configs[0]], results[configs[1]]
+        for key in ("first_cpu_s", "steady_cpu_ms"):
+            ratios = [y[key] / x[key] for x, y in zip(a, b)]
+            print(f"{configs[1]} / {configs[0]}, {key}, per repeat: "
+                  f"{spread(ratios, '{:.3f}')}")
     return 0
 
 
