@@ -94,9 +94,17 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
         pool = DevicePool(cap)
     cal = None
     if calibration is not None or policy in ("bagualu", "static-under"):  # plans that mitigate
-        cal = calibrations.for_machine(
-            dev, lambda: Enforcer(dev, pinned, borrowed_free_is_safe=False, fp8_block=fp8_block),
-            cap, calibration)
+        measured: list = []
+
+        def measuring_enforcer() -> Enforcer:
+            measured.append(True)
+            return Enforcer(dev, pinned, borrowed_free_is_safe=False, fp8_block=fp8_block)
+
+        cal = calibrations.for_machine(dev, measuring_enforcer, cap, calibration)
+        if measured and pool is not None:
+            # The measurement's reloads and casts took blocks of the simulated device: a fresh
+            # pool, so that its pages are not left reserved (and fragmented) for the training.
+            pool = DevicePool(cap)
     gov = Governor(governor, deadline_s=deadline_s,
                    gpu_index=(dev.index or 0) if dev.type == "cuda" else pipeline_rank,
                    calibration=cal)
