@@ -2,18 +2,31 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <iterator>
 #include <limits>
 #include <map>
+#include <numeric>
+#include <string>
+#include <tuple>
 #include <utility>
 
 namespace bgl::plan::reference {
 
 namespace {
 
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
 double Fp8Size(double bytes, DType dtype) {
   const double elements = bytes / DTypeBytes(dtype);
   return elements + std::ceil(elements / 128.0) * 4.0;
+}
+
+// A double written without rounding (parts of the same shape are found by their text).
+std::string Exact(double x) {
+  char text[40];
+  std::snprintf(text, sizeof text, "%a", x);
+  return text;
 }
 
 bool Movable(const StageGraph& g, int op, Strategy s) {
@@ -97,9 +110,130 @@ Cost Evaluate(const StageGraph& g, const HardwareProfile& hw, double r, const As
 
 namespace {
 
+// The terms of an assignment (or of part of one) that add up: device bytes above M0, recompute
+// and FP8 seconds, D2H and H2D seconds, host bytes.
 struct Vec {
   double mem = 0, local = 0, d2h = 0, h2d = 0, host = 0;
 };
+Vec operator+(const Vec& a, const Vec& b) {
+  return {a.mem + b.mem, a.local + b.local, a.d2h + b.d2h, a.h2d + b.h2d, a.host + b.host};
+}
+
+// The chunk-wide data every part of the search needs.
+struct Problem {
+  const HardwareProfile* hw = nullptr;
+  double r = 1;
+  double forward = 0, backward = 0;  // the chunk's: the copy windows
+  double limit = 0;                  // budget - M0
+  bool with_host = false;
+  double host_limit = 0;
+  double slack = 0;      // bytes a sum may pass the limit by (its terms add in another order)
+  bool three_d = false;  // equal copy rooflines and no host limit: H2D seconds = D2H seconds
+  const Options* options = nullptr;
+  double Overhead(const Vec& v) const {
+    return v.local + std::max(0.0, v.d2h - forward) + std::max(0.0, v.h2d - backward);
+  }
+  // The copy terms' slopes to the right of v (one of the weights below): a subgradient of the
+  // convex copy cost there, so for any w >= 0 added, Overhead(v + w) >= Overhead(v) + w.local +
+  // the slopes times w's copy seconds.
+  int Slope(const Vec& v) const {
+    const int sd = v.d2h >= forward ? 1 : 0, sh = v.h2d >= backward ? 1 : 0;
+    return three_d ? 4 * (sd + sh) : 3 * (2 * sd) + 2 * sh;
+  }
+  // The weights (on D2H and H2D seconds, and the constant) of a linear lower bound of the copy
+  // cost: max(0, D - F) >= mu (D - F) for any mu in [0, 1], and the same for H2D against the
+  // backward. With equal rooflines H2D seconds equal D2H seconds and the two weights add on D2H
+  // (0 to 2 in steps of 1/4); else each is 0, 1/2 or 1 on its own term.
+  void Weights(int s, double& wd, double& wh, double& constant) const {
+    if (three_d) {
+      const double sigma = s / 4.0, lo = std::min(forward, backward);
+      wd = sigma;
+      wh = 0;
+      constant = std::min(sigma, 1.0) * lo + std::max(0.0, sigma - 1) * std::max(forward, backward);
+    } else {
+      wd = (s / 3) / 2.0;
+      wh = (s % 3) / 2.0;
+      constant = wd * forward + wh * backward;
+    }
+  }
+};
+
+constexpr int kSlopes = 9;
+// The prices of a byte (seconds per byte) of the Lagrangian bound: 0, then 2 per decade from
+// 1e-15 to 1e-9 s/B (a recompute or a copy costs 1e-13 to 1e-10 s/B at GPU magnitudes). Any
+// price gives a valid bound; the grid only decides how tight.
+constexpr int kPrices = 13;
+double Price(int k) { return k == 0 ? 0.0 : 1e-15 * std::pow(10.0, (k - 1) / 2.0); }
+
+// phi[s][k]: the least local + weights(s) x copy seconds + Price(k) x bytes over a part's
+// assignments (all of them: no budget), summed over some parts.
+using Phi = std::vector<std::vector<double>>;
+Phi ZeroPhi() { return Phi(kSlopes, std::vector<double>(kPrices, 0.0)); }
+
+// A lower bound of the overhead of an assignment whose terms are `v` plus those of parts with
+// summed `phi`, when those parts' bytes may add up to `cap` at most (weak duality: the budget
+// priced at Price(k), the copy windows at the weights of s). With `slope` >= 0 only that weight
+// and its constant are used, for a v that stands for a partial sum whose exact overhead is known.
+double Lagrangian(const Problem& p, const Vec& v, const Phi& phi, double cap, int slope = -1) {
+  double best = 0;
+  for (int s = 0; s < kSlopes; ++s) {
+    if (slope >= 0 && s != slope) continue;
+    double wd, wh, constant;
+    p.Weights(s, wd, wh, constant);
+    const double own = slope >= 0 ? 0.0 : v.local + wd * v.d2h + wh * v.h2d - constant;
+    for (int k = 0; k < kPrices; ++k) best = std::max(best, own + phi[s][k] - Price(k) * cap);
+  }
+  return best;
+}
+
+// Removes the dominated vectors of `items` (each with a payload), keeping the first of equals.
+// Copy seconds below `free_d2h` (`free_h2d`) compare as equal: whatever is added to them, the
+// chunk's copies stay inside the window, so they cost nothing either way.
+template <typename Item>
+void ParetoFilter(const Problem& p, std::vector<Item>& items, double free_d2h = 0,
+                  double free_h2d = 0) {
+  if (p.three_d) free_d2h = std::min(free_d2h, free_h2d);  // H2D seconds equal D2H seconds
+  auto key = [&](const Vec& v) {
+    return Vec{v.mem, v.local, std::max(v.d2h, free_d2h), std::max(v.h2d, free_h2d), v.host};
+  };
+  std::sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    const Vec x = key(a.v), y = key(b.v);
+    return std::tie(x.mem, x.local, x.d2h, x.h2d, x.host) <
+           std::tie(y.mem, y.local, y.d2h, y.h2d, y.host);
+  });
+  std::vector<Item> kept;
+  std::vector<Vec> kept_keys;
+  if (p.three_d) {
+    // In order of bytes, a vector is dominated when the staircase of (local, D2H) minima of the
+    // vectors before it reaches below it.
+    std::map<double, double> stairs;  // local -> least D2H among vectors with local <= it
+    for (Item& item : items) {
+      const Vec v = key(item.v);
+      auto it = stairs.upper_bound(v.local);
+      if (it != stairs.begin() && std::prev(it)->second <= v.d2h) continue;
+      auto pos = stairs.insert_or_assign(v.local, v.d2h).first;
+      for (auto next = std::next(pos); next != stairs.end() && next->second >= v.d2h;) {
+        next = stairs.erase(next);
+      }
+      kept.push_back(std::move(item));
+    }
+  } else {
+    for (Item& item : items) {
+      const Vec v = key(item.v);
+      bool dominated = false;
+      for (size_t k = 0; k < kept_keys.size() && !dominated; ++k) {
+        const Vec& w = kept_keys[k];
+        dominated = w.mem <= v.mem && w.local <= v.local && w.d2h <= v.d2h && w.h2d <= v.h2d &&
+                    (!p.with_host || w.host <= v.host);
+      }
+      if (!dominated) {
+        kept.push_back(std::move(item));
+        kept_keys.push_back(v);
+      }
+    }
+  }
+  items.swap(kept);
+}
 
 struct Label {
   Vec v;
@@ -107,55 +241,56 @@ struct Label {
   Strategy s = Strategy::kKeep;
 };
 
+// A point of a part's front: its terms and the assignment of its operators.
+struct Point {
+  Vec v;
+  Assignment a;
+};
+
 // Per tensor: 2 bits for the decided savers' agreed strategy (0 none, 1 keep, 2 offload,
 // 3 FP8) and 1 bit for "a rerun operator reads it".
-using Sig = std::vector<uint8_t>;
+// Packed, 3 bits per open tensor (at most 21 open tensors; a part with more is not solved).
+using Sig = uint64_t;
+constexpr size_t kMaxOpen = 21;
 
-// A lower bound of the overhead the operators before a cut must still add: the bytes to save
-// beyond what fits, taken at the cheapest rate each byte can have (offload free while the D2H
-// window has room, else at the copy bandwidth; a dropped byte at its producer's forward time
-// spread over the bytes it produces; an FP8 byte at its cast's cost), as a fractional knapsack.
+// Lower-bound pieces: the bytes a part's undecided operators can still save, at the cheapest
+// rate each byte can have (offload free while the D2H window has room, else at the copy
+// bandwidth; a dropped byte at its producer's forward time spread over the bytes it produces; an
+// FP8 byte at its cast's cost), as a fractional knapsack.
 struct Pieces {
   std::vector<double> bytes, cost;  // cumulative, cheapest rate first
   double keep_bytes = 0;            // the tensors' bytes all kept
 };
 
-}  // namespace
-
-Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double budget,
-              const Options& options, const Assignment& incumbent) {
-  Optimum out;
+// The Pareto front of one part `g` (a graph whose tensors other than block inputs touch no other
+// part) over the conflict-free assignments whose terms can still be in an assignment of the whole
+// chunk cheaper than `bound` (the other parts add at least the Lagrangian bound of `others`):
+// `limit` is the bytes above M0 the part may hold. A label-setting DP over the operators, last to
+// first: a tensor's placement is final once its producer is decided (its savers run at or after
+// it), and so is whether its producer reruns. Labels that agree on what the undecided operators can
+// still change (for every tensor produced before the cut and touched after it: the strategy its
+// decided savers agreed on, and whether a rerun operator reads it) are compared by dominance.
+// Returns false when the labels passed `labels_left` (or a cut has more than kMaxOpen open
+// tensors).
+//
+// With `scalar` (slope, price index) it instead finds the least scalar of phi (no budget, no
+// bound; one label per signature) and returns it in `least`.
+struct Scalar {
+  int slope = 0, price = 0;
+};
+bool Front(const Problem& p, const StageGraph& g, double limit, double bound, const Phi& others,
+           double others_d2h, double others_h2d, int64_t& labels_left, std::vector<Point>& front,
+           const Scalar* scalar = nullptr, double* least = nullptr) {
+  const Options& options = *p.options;
+  const double r = p.r;
+  const HardwareProfile& hw = *p.hw;
   const size_t n = g.ops.size(), nt = g.tensors.size();
-  const double forward = g.ForwardTime(r), backward = g.BackwardTime(r);
-  auto overhead = [&](const Vec& v) {
-    return v.local + std::max(0.0, v.d2h - forward) + std::max(0.0, v.h2d - backward);
-  };
-  double m0 = 0;
-  for (const SavedTensor& t : g.tensors) m0 += t.block_input ? t.Bytes(r) : 0;
-  const double limit = budget - m0;
-  const bool with_host = options.host_limit_bytes >= 0;
   auto allowed = [&](int o, Strategy s) {
     if (s == Strategy::kRecompute && !options.allow_recompute) return false;
     if (s == Strategy::kOffload && !options.allow_offload) return false;
     if (s == Strategy::kFp8 && !options.allow_fp8) return false;
     return Movable(g, o, s);
   };
-
-  double bound = std::numeric_limits<double>::infinity();
-  if (incumbent.size() == n) {
-    bool ok = true;
-    for (size_t o = 0; o < n; ++o) ok &= allowed(static_cast<int>(o), incumbent[o]);
-    const Cost c = Evaluate(g, hw, r, incumbent);
-    if (ok && !c.conflict && c.device_bytes <= budget &&
-        (!with_host || c.host_bytes <= options.host_limit_bytes)) {
-      out.feasible = true;
-      out.exposed_s = c.exposed_s;
-      out.assignment = incumbent;
-      bound = c.exposed_s;
-    }
-  }
-
-  // The tensors that matter: not block inputs, saved by someone or read by someone.
   std::vector<int> last(nt, -1);
   std::vector<std::vector<int>> produced(n);
   std::vector<int> outside;  // saved tensors made outside the chunk: placed at the end
@@ -183,6 +318,16 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
   }
   // Lower-bound pieces per cut: the saved tensors placed before it.
   std::vector<Pieces> pieces(n + 1);
+  // The most copy seconds the tensors placed before each cut can still add (all offloaded).
+  std::vector<double> rest_d2h(n + 1, 0), rest_h2d(n + 1, 0);
+  for (size_t c = 0; c <= n && options.allow_offload; ++c) {
+    for (size_t t = 0; t < nt; ++t) {
+      const SavedTensor& x = g.tensors[t];
+      if (x.block_input || x.savers.empty() || x.producer >= static_cast<int>(c)) continue;
+      rest_d2h[c] += hw.offload.Time(x.Bytes(r));
+      rest_h2d[c] += hw.reload.Time(x.Bytes(r));
+    }
+  }
   for (size_t c = 0; c <= n; ++c) {
     std::vector<std::pair<double, double>> items;  // (rate, bytes)
     for (size_t t = 0; t < nt; ++t) {
@@ -192,7 +337,7 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
       pieces[c].keep_bytes += b;
       if (b <= 0) continue;
       // Made outside the chunk: its savers may all recompute at no cost (nothing reruns).
-      double drop = x.producer < 0 ? 0.0 : std::numeric_limits<double>::infinity();
+      double drop = x.producer < 0 ? 0.0 : kInf;
       if (x.producer >= 0 && options.allow_recompute) {
         double made = 0;
         for (int u : produced[x.producer]) {
@@ -200,12 +345,10 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
         }
         drop = g.ops[x.producer].ForwardTime(r) / std::max(made, 1.0);
       }
-      const double copy = options.allow_offload ? 1.0 / hw.offload.peak_bytes_per_s
-                                                : std::numeric_limits<double>::infinity();
+      const double copy = options.allow_offload ? 1.0 / hw.offload.peak_bytes_per_s : kInf;
       const double fp8_saved = b - Fp8Size(b, x.dtype);
-      const double cast = options.allow_fp8 && fp8_saved > 0
-                              ? 2 * hw.fp8_cast.Time(b) / fp8_saved
-                              : std::numeric_limits<double>::infinity();
+      const double cast =
+          options.allow_fp8 && fp8_saved > 0 ? 2 * hw.fp8_cast.Time(b) / fp8_saved : kInf;
       if (fp8_saved > 0) items.push_back({std::min({drop, copy, cast}), fp8_saved});
       items.push_back({std::min(drop, copy), fp8_saved > 0 ? b - fp8_saved : b});
     }
@@ -213,51 +356,54 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
     double cb = 0, cc = 0;
     for (const auto& [rate, bytes] : items) {
       cb += bytes;
-      cc += std::isfinite(rate) ? rate * bytes : std::numeric_limits<double>::infinity();
+      cc += std::isfinite(rate) ? rate * bytes : kInf;
       pieces[c].bytes.push_back(cb);
       pieces[c].cost.push_back(cc);
     }
   }
   // What the operators before cut c must add at least, given the label's terms.
   auto rest = [&](size_t c, const Vec& v) {
-    const Pieces& p = pieces[c];
-    double need = v.mem + p.keep_bytes - limit;
-    if (options.allow_offload) need -= std::max(0.0, forward - v.d2h) * hw.offload.peak_bytes_per_s;
-    if (need <= 0) return 0.0;
-    if (p.bytes.empty() || p.bytes.back() < need * (1 - 1e-12)) {
-      return std::numeric_limits<double>::infinity();
+    const Pieces& pc = pieces[c];
+    double need = v.mem + pc.keep_bytes - limit;
+    if (options.allow_offload) {
+      need -= std::max(0.0, p.forward - v.d2h) * hw.offload.peak_bytes_per_s;
     }
-    const size_t i = std::lower_bound(p.bytes.begin(), p.bytes.end(), need) - p.bytes.begin();
-    if (i >= p.bytes.size()) return p.cost.back();
-    const double before_b = i ? p.bytes[i - 1] : 0, before_c = i ? p.cost[i - 1] : 0;
-    const double rate = (p.cost[i] - before_c) / std::max(p.bytes[i] - before_b, 1e-300);
+    if (need <= 0) return 0.0;
+    if (pc.bytes.empty() || pc.bytes.back() < need * (1 - 1e-12)) return kInf;
+    const size_t i = std::lower_bound(pc.bytes.begin(), pc.bytes.end(), need) - pc.bytes.begin();
+    if (i >= pc.bytes.size()) return pc.cost.back();
+    const double before_b = i ? pc.bytes[i - 1] : 0, before_c = i ? pc.cost[i - 1] : 0;
+    const double rate = (pc.cost[i] - before_c) / std::max(pc.bytes[i] - before_b, 1e-300);
     return before_c + rate * (need - before_b);
   };
 
+  struct Item {
+    Vec v;
+    Label label;
+    Sig sig;
+  };
   std::vector<std::vector<Label>> cuts(n + 1);
   cuts[n].push_back({});
-  std::vector<Sig> sigs_prev(1, Sig(open[n].size(), 0));
+  for (const auto& o : open) {
+    if (o.size() > kMaxOpen) return false;
+  }
+  std::vector<Sig> sigs_prev(1, 0);
   std::vector<uint8_t> val(nt, 0);
-  const double slack = 1e-9 * std::max(1.0, budget);
-  const double host_limit = options.host_limit_bytes * (1 + 1e-12);
-  std::vector<Sig> sigs_cur;
-  const bool three_d = !with_host && hw.offload.launch_floor_s == hw.reload.launch_floor_s &&
-                       hw.offload.peak_bytes_per_s == hw.reload.peak_bytes_per_s;
+  const double slack = p.slack;
+  const double host_limit = p.host_limit * (1 + 1e-12);
   for (size_t o = n; o-- > 0;) {
     const std::vector<int>& before = open[o + 1];
     const std::vector<int>& after = open[o];
-    std::map<Sig, std::vector<int>> groups;  // signature -> label indices in cuts[o]
-    std::vector<Label>& next = cuts[o];
-    std::vector<Sig> sig_of;
+    std::map<Sig, std::vector<Item>> groups;
     for (size_t li = 0; li < cuts[o + 1].size(); ++li) {
       const Label& from = cuts[o + 1][li];
-      const Sig& fs = sigs_prev[li];
+      const Sig fs = sigs_prev[li];
       for (Strategy s : kAllStrategies) {
         if (!allowed(static_cast<int>(o), s)) continue;
         for (int t : after) val[t] = 0;
         for (int t : produced[o]) val[t] = 0;
         for (int t : g.ops[o].saves) val[t] = 0;
-        for (size_t i = 0; i < before.size(); ++i) val[before[i]] = fs[i];
+        for (size_t i = 0; i < before.size(); ++i) val[before[i]] = (fs >> (3 * i)) & 7;
         const uint8_t code = s == Strategy::kKeep      ? 1
                              : s == Strategy::kOffload ? 2
                              : s == Strategy::kFp8     ? 3
@@ -304,78 +450,339 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
         if (o == 0) {
           for (int t : outside) place(t, val[t] & 3);
         }
-        if (x.v.mem > limit + slack || (with_host && x.v.host > host_limit)) continue;
-        if (overhead(x.v) + rest(o, x.v) >= bound) continue;
-        Sig sig(after.size());
-        for (size_t i = 0; i < after.size(); ++i) sig[i] = val[after[i]];
-        next.push_back(x);
-        sig_of.push_back(std::move(sig));
+        if (scalar == nullptr) {
+          if (x.v.mem > limit + slack || (p.with_host && x.v.host > host_limit)) continue;
+          // Its own overhead, what the rest of the part adds at least, and what the other parts
+          // add at least with the bytes left to them.
+          const double cap = p.limit - x.v.mem;
+          const double lb = std::max(
+              p.Overhead(x.v) + rest(o, x.v) + Lagrangian(p, x.v, others, cap, p.Slope(x.v)),
+              Lagrangian(p, x.v, others, cap));
+          if (lb >= bound) continue;
+        }
+        Sig sig = 0;
+        for (size_t i = 0; i < after.size(); ++i) sig |= Sig{val[after[i]]} << (3 * i);
+        groups[sig].push_back({x.v, x, {}});
       }
     }
     // Dominance within each signature.
-    for (size_t i = 0; i < next.size(); ++i) groups[sig_of[i]].push_back(static_cast<int>(i));
-    std::vector<Label> kept;
-    sigs_cur.clear();
+    std::vector<Label>& next = cuts[o];
+    std::vector<Sig> sigs_cur;
     for (auto& [sig, members] : groups) {
-      std::sort(members.begin(), members.end(), [&](int a, int b) {
-        const Vec &x = next[a].v, &y = next[b].v;
-        return std::tie(x.mem, x.local, x.d2h, x.h2d, x.host) <
-               std::tie(y.mem, y.local, y.d2h, y.h2d, y.host);
-      });
-      const size_t start = kept.size();
-      // With equal copy rooflines every label's H2D seconds equal its D2H seconds (the same
-      // sums), so dominance is three-dimensional: in order of bytes, a label is dominated when
-      // the staircase of (local, D2H) minima of the labels before it reaches below it.
-      std::map<double, double> stairs;  // local -> least D2H among labels with local <= it
-      for (int m : members) {
-        const Vec& v = next[m].v;
-        bool dominated = false;
-        if (three_d) {
-          auto it = stairs.upper_bound(v.local);
-          dominated = it != stairs.begin() && std::prev(it)->second <= v.d2h;
-          if (!dominated) {
-            auto pos = stairs.insert_or_assign(v.local, v.d2h).first;
-            for (auto after = std::next(pos); after != stairs.end() && after->second >= v.d2h;) {
-              after = stairs.erase(after);
-            }
-          }
+      if (scalar != nullptr) {
+        double wd, wh, constant;
+        p.Weights(scalar->slope, wd, wh, constant);
+        auto value = [&](const Vec& v) {
+          return v.local + wd * v.d2h + wh * v.h2d + Price(scalar->price) * v.mem;
+        };
+        size_t best = 0;
+        for (size_t k = 1; k < members.size(); ++k) {
+          if (value(members[k].v) < value(members[best].v)) best = k;
         }
-        for (size_t k = start; !three_d && k < kept.size() && !dominated; ++k) {
-          const Vec& w = kept[k].v;
-          dominated = w.mem <= v.mem && w.local <= v.local && w.d2h <= v.d2h && w.h2d <= v.h2d &&
-                      (!with_host || w.host <= v.host);
-        }
-        if (!dominated) {
-          kept.push_back(next[m]);
-          sigs_cur.push_back(sig);
-        }
+        std::swap(members[0], members[best]);
+        members.resize(1);
+        if (least != nullptr && o == 0) *least = value(members[0].v);
+      } else {
+        ParetoFilter(p, members, p.forward - others_d2h - rest_d2h[o],
+                     p.backward - others_h2d - rest_h2d[o]);
+      }
+      for (Item& m : members) {
+        next.push_back(m.label);
+        sigs_cur.push_back(sig);
       }
     }
-    next.swap(kept);
     sigs_prev.swap(sigs_cur);
-    out.labels += static_cast<int64_t>(next.size());
-    if (out.labels > options.max_labels) return out;  // not proven
+    labels_left -= static_cast<int64_t>(next.size());
+    if (labels_left < 0) return false;
   }
-  out.proven = true;
-  int best = -1;
+  front.clear();
+  if (scalar != nullptr) return true;
   for (size_t i = 0; i < cuts[0].size(); ++i) {
-    if (best < 0 || overhead(cuts[0][i].v) < overhead(cuts[0][best].v)) best = static_cast<int>(i);
-  }
-  if (best >= 0) {
-    Assignment a(n);
-    for (size_t o = 0, s = static_cast<size_t>(best); o < n; ++o) {
-      a[o] = cuts[o][s].s;
+    Point pt{cuts[0][i].v, Assignment(n)};
+    for (size_t o = 0, s = i; o < n; ++o) {
+      pt.a[o] = cuts[o][s].s;
       s = static_cast<size_t>(cuts[o][s].parent);
     }
+    front.push_back(std::move(pt));
+  }
+  return true;
+}
+
+// The parts of the chunk: operators joined by the tensors (other than block inputs) they make,
+// save or read. A block input is always retained, so the recompute closure never crosses it, and
+// every term of the cost adds up over the parts but the copy windows, which are the chunk's.
+struct Part {
+  std::vector<int> ops;  // chunk operator indices, in order
+  StageGraph graph;      // those operators and the tensors they touch, renumbered
+};
+
+std::vector<Part> Parts(const StageGraph& g) {
+  const size_t n = g.ops.size();
+  std::vector<int> root(n);
+  std::iota(root.begin(), root.end(), 0);
+  auto find = [&](int x) {
+    while (root[x] != x) x = root[x] = root[root[x]];
+    return x;
+  };
+  auto join = [&](int a, int b) {
+    a = find(a), b = find(b);
+    if (a != b) root[std::max(a, b)] = std::min(a, b);
+  };
+  std::vector<int> first(g.tensors.size(), -1);
+  auto touch = [&](int t, int o) {
+    if (g.tensors[t].block_input) return;
+    if (first[t] < 0) first[t] = o;
+    join(first[t], o);
+  };
+  for (size_t o = 0; o < n; ++o) {
+    for (int t : g.ops[o].inputs) touch(t, static_cast<int>(o));
+    for (int t : g.ops[o].saves) touch(t, static_cast<int>(o));
+  }
+  for (size_t t = 0; t < g.tensors.size(); ++t) {
+    if (g.tensors[t].producer >= 0) touch(static_cast<int>(t), g.tensors[t].producer);
+  }
+  std::map<int, int> index;
+  std::vector<Part> parts;
+  for (size_t o = 0; o < n; ++o) {
+    auto [it, added] = index.emplace(find(static_cast<int>(o)), static_cast<int>(parts.size()));
+    if (added) parts.emplace_back();
+    parts[it->second].ops.push_back(static_cast<int>(o));
+  }
+  for (Part& part : parts) {
+    std::vector<int> op_at(n, -1), tensor_at(g.tensors.size(), -1);
+    for (size_t i = 0; i < part.ops.size(); ++i) op_at[part.ops[i]] = static_cast<int>(i);
+    auto tensor = [&](int t) {
+      if (tensor_at[t] < 0) {
+        tensor_at[t] = static_cast<int>(part.graph.tensors.size());
+        SavedTensor x = g.tensors[t];
+        x.savers.clear();
+        x.producer = x.producer >= 0 ? op_at[x.producer] : -1;
+        part.graph.tensors.push_back(std::move(x));
+      }
+      return tensor_at[t];
+    };
+    for (int o : part.ops) {
+      Operator x = g.ops[o];
+      for (int& t : x.inputs) t = tensor(t);
+      for (int& t : x.saves) t = tensor(t);
+      part.graph.ops.push_back(std::move(x));
+    }
+    for (size_t o = 0; o < part.graph.ops.size(); ++o) {
+      for (int t : part.graph.ops[o].saves) {
+        part.graph.tensors[t].savers.push_back(static_cast<int>(o));
+      }
+    }
+  }
+  return parts;
+}
+
+}  // namespace
+
+Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double budget,
+              const Options& options, const Assignment& incumbent) {
+  Optimum out;
+  const size_t n = g.ops.size();
+  Problem p;
+  p.hw = &hw;
+  p.r = r;
+  p.forward = g.ForwardTime(r);
+  p.backward = g.BackwardTime(r);
+  double m0 = 0;
+  for (const SavedTensor& t : g.tensors) m0 += t.block_input ? t.Bytes(r) : 0;
+  p.limit = budget - m0;
+  p.with_host = options.host_limit_bytes >= 0;
+  p.host_limit = options.host_limit_bytes;
+  p.three_d = !p.with_host && hw.offload.launch_floor_s == hw.reload.launch_floor_s &&
+              hw.offload.peak_bytes_per_s == hw.reload.peak_bytes_per_s;
+  p.options = &options;
+  p.slack = 1e-9 * std::max(1.0, budget);
+  auto fits = [&](const Cost& c) {
+    return !c.conflict && c.device_bytes <= budget &&
+           (!p.with_host || c.host_bytes <= options.host_limit_bytes);
+  };
+  auto allowed = [&](int o, Strategy s) {
+    if (s == Strategy::kRecompute && !options.allow_recompute) return false;
+    if (s == Strategy::kOffload && !options.allow_offload) return false;
+    if (s == Strategy::kFp8 && !options.allow_fp8) return false;
+    return Movable(g, o, s);
+  };
+
+  double bound = kInf;
+  if (incumbent.size() == n) {
+    bool ok = true;
+    for (size_t o = 0; o < n; ++o) ok &= allowed(static_cast<int>(o), incumbent[o]);
+    const Cost c = Evaluate(g, hw, r, incumbent);
+    if (ok && fits(c)) {
+      out.feasible = true;
+      out.exposed_s = c.exposed_s;
+      out.assignment = incumbent;
+      bound = c.exposed_s;
+    }
+  }
+  if (out.feasible && bound <= 0) {  // nothing costs less than nothing
+    out.proven = true;
+    return out;
+  }
+
+  // The parts' fronts (parts of the same shape share one). A part's least bytes above its block
+  // inputs are 0 (every operator that saves something it can drop recomputes), so each part may
+  // use all of the chunk's limit.
+  std::vector<Part> parts = Parts(g);
+  const size_t np = parts.size();
+  int64_t labels_left = options.max_labels;
+  // Each part's phi (shared by parts of the same shape), their sum, and the sums over the parts
+  // after each one.
+  std::vector<Phi> phis(np);
+  std::vector<std::string> keys(np);
+  std::map<std::string, size_t> same;  // a part's shape -> the first part of that shape
+  for (size_t i = 0; i < np; ++i) {
+    std::string& key = keys[i];
+    for (const Operator& o : parts[i].graph.ops) {
+      key += std::to_string(static_cast<int>(o.kind)) + ":" + Exact(o.forward_s) + ":" +
+             std::to_string(o.scales_with_load) + std::to_string(o.fp8_allowed) + "(";
+      for (int t : o.inputs) key += std::to_string(t) + ",";
+      key += ")(";
+      for (int t : o.saves) key += std::to_string(t) + ",";
+      key += ")";
+    }
+    for (const SavedTensor& t : parts[i].graph.tensors) {
+      key += "[" + std::to_string(t.bytes) + ":" + std::to_string(static_cast<int>(t.dtype)) + ":" +
+             std::to_string(t.producer) + std::to_string(t.scales_with_load) +
+             std::to_string(t.block_input) + "]";
+    }
+    auto [it, added] = same.emplace(key, i);
+    if (!added) {
+      phis[i] = phis[it->second];
+      continue;
+    }
+    phis[i] = ZeroPhi();
+    std::vector<Point> unused;
+    for (int sl = 0; sl < kSlopes; ++sl) {
+      for (int k = 0; k < kPrices; ++k) {
+        const Scalar scalar{sl, k};
+        double least_value = 0;
+        if (!Front(p, parts[i].graph, 0, 0, phis[i], 0, 0, labels_left, unused, &scalar,
+                   &least_value)) {
+          out.labels = options.max_labels - labels_left;
+          return out;
+        }
+        phis[i][sl][k] = least_value;
+      }
+    }
+  }
+  std::vector<Phi> after(np + 1, ZeroPhi());  // after[i]: the sum over parts i..np-1
+  for (size_t i = np; i-- > 0;) {
+    for (int sl = 0; sl < kSlopes; ++sl) {
+      for (int k = 0; k < kPrices; ++k) after[i][sl][k] = after[i + 1][sl][k] + phis[i][sl][k];
+    }
+  }
+  // The most copy seconds of each part (everything it saves offloaded).
+  std::vector<double> most_d2h(np, 0), most_h2d(np, 0);
+  for (size_t i = 0; i < np && options.allow_offload; ++i) {
+    for (const SavedTensor& t : parts[i].graph.tensors) {
+      if (t.block_input || t.savers.empty()) continue;
+      most_d2h[i] += hw.offload.Time(t.Bytes(r));
+      most_h2d[i] += hw.reload.Time(t.Bytes(r));
+    }
+  }
+  std::vector<std::vector<Point>> fronts(np);
+  std::map<std::string, size_t> same_front;
+  for (size_t i = 0; i < np; ++i) {
+    Phi others = ZeroPhi();
+    for (size_t j = 0; j < np; ++j) {
+      for (int sl = 0; sl < kSlopes && j != i; ++sl) {
+        for (int k = 0; k < kPrices; ++k) others[sl][k] += phis[j][sl][k];
+      }
+    }
+    auto [it, added] = same_front.emplace(keys[i], i);
+    if (!added) {
+      fronts[i] = fronts[it->second];
+      continue;
+    }
+    double others_d2h = 0, others_h2d = 0;
+    for (size_t j = 0; j < np; ++j) {
+      if (j != i) others_d2h += most_d2h[j], others_h2d += most_h2d[j];
+    }
+    const bool ok = Front(p, parts[i].graph, p.limit, bound, others, others_d2h, others_h2d,
+                          labels_left, fronts[i]);
+    if (!ok) {
+      out.labels = options.max_labels - labels_left;
+      return out;  // not proven
+    }
+  }
+
+  // Combine the parts' fronts, first to last: partial sums stay on their Pareto front, and one
+  // that no longer fits, or whose Lagrangian bound with the parts still to add reaches the
+  // bound, is dropped.
+  struct Combo {
+    Vec v;
+    int parent = -1, choice = -1;
+  };
+  std::vector<std::vector<Combo>> combos(np + 1);
+  combos[0].push_back({});
+  for (size_t i = 0; i < np; ++i) {
+    std::vector<Point>& f = fronts[i];
+    std::sort(f.begin(), f.end(), [](const Point& a, const Point& b) { return a.v.mem < b.v.mem; });
+    std::vector<Combo> next;
+    // The last part needs no front: only the sums cheaper than every sum so far are kept (the
+    // cheapest is checked again below), and a sum costs a hundredth of a label.
+    const bool last = i + 1 == np;
+    double cheapest = bound;
+    int64_t pairs = 0;
+    for (size_t c = 0; c < combos[i].size(); ++c) {
+      const Vec& base = combos[i][c].v;
+      size_t k = 0;
+      for (; k < f.size(); ++k) {
+        const Vec v = base + f[k].v;
+        if (v.mem > p.limit + p.slack) break;
+        if (p.with_host && v.host > p.host_limit * (1 + 1e-12)) continue;
+        const double overhead = p.Overhead(v);
+        if (last) {
+          if (overhead > cheapest) continue;
+          cheapest = overhead;
+        } else if (overhead >= bound || Lagrangian(p, v, after[i + 1], p.limit - v.mem) >= bound) {
+          continue;
+        }
+        next.push_back({v, static_cast<int>(c), static_cast<int>(k)});
+      }
+      pairs += static_cast<int64_t>(k);
+      labels_left -= last ? pairs / 100 : pairs;
+      pairs = last ? pairs % 100 : 0;
+      if (labels_left < 0) {
+        out.labels = options.max_labels;
+        return out;
+      }
+    }
+    double later_d2h = 0, later_h2d = 0;
+    for (size_t j = i + 1; j < np; ++j) later_d2h += most_d2h[j], later_h2d += most_h2d[j];
+    ParetoFilter(p, next, p.forward - later_d2h, p.backward - later_h2d);
+    combos[i + 1] = std::move(next);
+  }
+  out.labels = options.max_labels - labels_left;
+  out.proven = true;
+  // The cheapest combination the full evaluation confirms (the sums add in another order than
+  // Evaluate: a combination at the budget is checked again).
+  std::vector<int> order(combos[np].size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    return p.Overhead(combos[np][a].v) < p.Overhead(combos[np][b].v);
+  });
+  for (int best : order) {
+    Assignment a(n, Strategy::kKeep);
+    for (size_t i = np, c = static_cast<size_t>(best); i-- > 0;) {
+      const Combo& x = combos[i + 1][c];
+      const Assignment& part = fronts[i][static_cast<size_t>(x.choice)].a;
+      for (size_t o = 0; o < part.size(); ++o) a[parts[i].ops[o]] = part[o];
+      c = static_cast<size_t>(x.parent);
+    }
     const Cost c = Evaluate(g, hw, r, a);
-    // The label sums add in another order than Evaluate: a label at the budget is checked again.
-    const bool fits = !c.conflict && c.device_bytes <= budget &&
-                      (!with_host || c.host_bytes <= options.host_limit_bytes);
-    if (fits && (!out.feasible || c.exposed_s < out.exposed_s)) {
+    if (!fits(c)) continue;
+    if (!out.feasible || c.exposed_s < out.exposed_s) {
       out.feasible = true;
       out.exposed_s = c.exposed_s;
       out.assignment = std::move(a);
     }
+    break;
   }
   return out;
 }

@@ -4,14 +4,23 @@
 // time beyond the forward and backward) and an exact search for the cheapest conflict-free
 // assignment within the budget (and host limit).
 //
-// The search is a label-setting DP over the operators, last to first: a tensor's placement is
-// final once its producer is decided (its savers run at or after it), and so is whether its
-// producer reruns. Labels that agree on what the undecided operators can still change (for every
-// tensor produced before the cut and touched after it: the strategy its decided savers agreed
-// on, and whether a rerun operator reads it) are compared by dominance on (bytes, recompute and
-// FP8 seconds, D2H seconds, H2D seconds, host bytes); a label is cut when its overhead plus a
-// lower bound of what the rest must add reaches the incumbent. Nothing is thinned, so the answer
-// is the proven optimum, or the search reports that it gave up (more than `max_labels` labels).
+// The search: the chunk splits into parts, operators joined by the tensors other than block
+// inputs they make, save or read (one part per layer in the shipped graphs). A block input is
+// always retained, so the recompute closure stays inside a part, and every term of the cost (bytes,
+// recompute and FP8 seconds, D2H and H2D seconds, host bytes) adds up over parts; only the copy
+// windows (max(0, D2H - forward), max(0, H2D - backward)) are the chunk's. Per part, a
+// label-setting DP over its operators, last to first, gives the Pareto front of those terms: a
+// tensor's placement is final once its producer is decided (its savers run at or after it), and
+// so is whether its producer reruns; labels that agree on what the undecided operators can still
+// change (per open tensor: the strategy its decided savers agreed on, and whether a rerun operator
+// reads it) are compared by dominance. The fronts are then combined part by part, partial sums
+// kept on their Pareto front. A label or a partial sum is cut when a lower bound of every
+// assignment through it reaches the incumbent: the fractional knapsack of what the rest of its
+// part must save, and a Lagrangian bound of the other parts (the budget priced per byte and the
+// copy windows by weights in [0, 1], each part's least priced cost found by the same DP with one
+// label per signature; weak duality). Parts of the same shape share their work. Nothing is
+// thinned, so the answer is the proven optimum, or the search reports that it gave up (more than
+// `max_labels` labels and partial sums).
 // Plain functions: call from any thread.
 #pragma once
 

@@ -16,7 +16,7 @@ namespace {
 TEST(ExactReference, MatchesExhaustiveSearchOnSmallGraphs) {
   std::mt19937 rng(2323);
   const HardwareProfile hw = *HardwareProfileByName("h200");
-  for (int i = 0; i < 150; ++i) {
+  for (int i = 0; i < 300; ++i) {
     testing::EdgeCase e = testing::RandomEdgeCase(rng, 7);
     const StageGraph& g = e.graph;
     CostEvaluator eval(g, hw);
@@ -42,6 +42,12 @@ TEST(ExactReference, MatchesExhaustiveSearchOnSmallGraphs) {
     const reference::Optimum opt = reference::Solve(g, hw, e.r, e.budget, {});
     ASSERT_TRUE(opt.proven && opt.feasible) << e.families;
     EXPECT_NEAR(opt.exposed_s, best, 1e-12 + 1e-9 * best) << "edge " << i << " " << e.families;
+    // With the planner's answer as the incumbent the bounds cut (the real-size test's path).
+    auto plan = SelectMitigation(eval, e.r, e.budget);
+    ASSERT_TRUE(plan.ok()) << e.families;
+    const reference::Optimum cut = reference::Solve(g, hw, e.r, e.budget, {}, plan->assignment);
+    ASSERT_TRUE(cut.proven && cut.feasible) << e.families;
+    EXPECT_NEAR(cut.exposed_s, best, 1e-12 + 1e-9 * best) << "edge " << i << " " << e.families;
   }
 }
 
