@@ -42,11 +42,13 @@ log = logging.getLogger("bagualu")
 # torchtitan's module names -> the planner's operator kinds, where discovery's guess needs
 # help: GroupedExperts holds the routed experts' stacked weights; the router's gate is part of
 # the router operator (TokenChoiceTopKRouter, which knows num_experts and top_k).
+# The leading '*' also matches inside torchtitan's activation-checkpoint wrapper
+# ('_checkpoint_wrapped_module.moe...').
 TORCHTITAN_OPS = {
-    "moe.routed_experts.inner_experts": "expert_linear",
-    "moe.router.gate": "none",
+    "*moe.routed_experts.inner_experts": "expert_linear",
+    "*moe.router.gate": "none",
 }
-DISPATCH = "moe.routed_experts.token_dispatcher.dispatch"
+DISPATCH = "*moe.routed_experts.token_dispatcher.dispatch"
 
 
 @dataclass(kw_only=True, slots=True)
