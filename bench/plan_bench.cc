@@ -3,14 +3,17 @@
 // iterations whose load factors follow the paper's distribution.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include "bench/load_distribution.h"
 #include "governor/planner/iteration.h"
 #include "governor/planner/mitigation.h"
 #include "governor/planner/planner.h"
+#include "tests/unit/planner/real_instances.h"
 
 namespace {
 
@@ -112,6 +115,46 @@ void BM_SelectMitigationGlm423SlowCopies(benchmark::State& state) {
 }
 BENCHMARK(BM_SelectMitigationGlm423SlowCopies)
     ->ArgsProduct({{0, 1}, {5, 30, 60}})
+    ->Unit(benchmark::kMicrosecond);
+
+// Algorithm 2 alone (a plan-cache miss's mitigation search) on the 4-layer chunks of issue 23's
+// real-sized instances (tests/unit/planner/real_instances.h: MoE blocks of 19 to 27 operators per
+// layer, the captured HF graphs of 12 to 20, every budget family). Each iteration plans one
+// instance in turn; p50/p99/max are over the instances' times. Args: 0 for the full search, 1
+// for the anytime path's first answer (MitigationOptions::fast); the operator DP's labels per cut
+// (dp_states; 512 is the default).
+void BM_SelectMitigationRealSize4Layers(benchmark::State& state) {
+  std::vector<testing::RealInstance> chunks;
+  for (auto& x : testing::RealInstances(BGL_PLANNER_TEST_DATA, 2323, 120, 20)) {
+    if (x.graph.layers == 4) chunks.push_back(std::move(x));
+  }
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  MitigationOptions options;
+  options.fast = state.range(0) != 0;
+  options.dp_states = static_cast<int>(state.range(1));
+  std::vector<double> times;
+  size_t i = 0;
+  for (auto _ : state) {
+    const testing::RealInstance& x = chunks[i++ % chunks.size()];
+    const CostEvaluator eval(x.graph, hw);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto selected = SelectMitigation(eval, x.r, x.budget, options);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    benchmark::DoNotOptimize(selected);
+  }
+  std::sort(times.begin(), times.end());
+  auto at = [&](double q) {
+    return times[std::min(times.size() - 1, static_cast<size_t>(q * times.size()))] * 1e6;
+  };
+  state.counters["chunks"] = static_cast<double>(chunks.size());
+  state.counters["p50_us"] = at(0.5);
+  state.counters["p99_us"] = at(0.99);
+  state.counters["max_us"] = at(1.0);
+}
+BENCHMARK(BM_SelectMitigationRealSize4Layers)
+    ->Args({0, 512})
+    ->Args({0, 2048})
+    ->Args({1, 512})
     ->Unit(benchmark::kMicrosecond);
 
 // Algorithm 2 alone on a small custom layer graph, where the layer search enumerates every
