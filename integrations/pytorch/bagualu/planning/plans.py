@@ -159,6 +159,8 @@ class Planning:
         # the room); else they leave as their operators save them.
         defer = in_use + pending + plan["predicted_bytes"] + plan.get("host_bytes", 0) \
             <= self.plan_capacity
+        if recover is not None and self.tracker.issuer is not None and plan.get("issue_order"):
+            self.reloaded_ahead.add(unit_id(*recover))  # only once an R chain is issued
         self._issue(plan, forward, backward, recover, defer)
         return plan
 
@@ -178,7 +180,6 @@ class Planning:
         keep_all = graph.keep_all_bytes(self.description, load)
         if in_use + self.tracker.host_bytes(unit_id(*after)) + keep_all > self.plan_capacity:
             return None
-        self.reloaded_ahead.add(unit_id(*after))
         return after
 
     def apply_grant(self) -> None:
