@@ -73,6 +73,9 @@ class Tracker:
         self.planned: Dict[int, Record] = {}
         self.issuer: Optional[PointIssuer] = None
         self._enforcer_warned = False
+        # True while the enforcer reloads ahead of the backward (prefetch): those reloads
+        # take only the room there is and never evict (evict() frees nothing meanwhile).
+        self._reloading_ahead = False
         self.op_ids: Dict[Op, int] = {}            # the enforcer's operator numbers
         self.micro_batch = -1                      # the unit whose forward runs (or ran last)
         self.live: Dict[int, Record] = {}          # storage ptr -> record (dedupe)
@@ -351,11 +354,21 @@ class Tracker:
         if self.enforcer is None:
             return
         self.collect_offloaded()
-        self.enforcer.prefetch(micro_batch)
+        self._prefetch(micro_batch)
 
     def acquired(self, micro_batch: int) -> None:
         """A reload of ``micro_batch`` was consumed: the enforcer may issue the next one."""
-        self.enforcer.prefetch(micro_batch)
+        self._prefetch(micro_batch)
+
+    def _prefetch(self, micro_batch: int) -> None:
+        """Reloads ahead of the backward in the room there is: evicting another micro-batch's
+        activations to bring one back early would only move the pressure (the acquire that
+        needs a tensor reloads it, and may evict, when its consumer runs)."""
+        self._reloading_ahead = True
+        try:
+            self.enforcer.prefetch(micro_batch)
+        finally:
+            self._reloading_ahead = False
 
     def enforcer_failed(self, what: str, error: Exception) -> None:
         """A move failed (e.g. the pinned pool is full): the activation stays on the device;
@@ -440,7 +453,10 @@ class Tracker:
         return sum(r.nbytes for r in self.by_mb.get(micro_batch, ()) if r.placement == HOST)
 
     def evict(self, needed: int) -> int:
-        """Pressure eviction (enforce/eviction.py) over the live records of every unit."""
+        """Pressure eviction (enforce/eviction.py) over the live records of every unit; nothing
+        while reloading ahead (_prefetch)."""
+        if self._reloading_ahead:
+            return 0
         records = [r for recs in self.by_mb.values() for r in recs]
         return eviction.evict(records, needed, self.enforcer, self.counters, self.evict_fp8)
 
