@@ -101,7 +101,8 @@ bgl_planner* bgl_planner_create(const char* model_json, const char* options_json
         !Optional(options, "allow_recompute", recompute, "options_json") ||
         !Optional(options, "budget_step_bytes", po.budget_step_bytes, "options_json") ||
         !Optional(options, "load_bucket", po.load_bucket, "options_json") ||
-        !Optional(options, "schedule_load_class", po.schedule_load_class, "options_json")) {
+        !Optional(options, "schedule_load_class", po.schedule_load_class, "options_json") ||
+        !Optional(options, "anytime_min_ops", po.anytime_min_ops, "options_json")) {
       return nullptr;
     }
     std::string issue = dual_batch ? "dual-batch" : "serial";

@@ -197,7 +197,11 @@ bool Reduce(std::vector<Label>& labels, const Problem& p, double mem_limit, bool
   // Thin on a grid, coarser until the labels fit.
   const double dm = std::max(mem_limit, 1.0);
   const double dd = std::max(p.forward_s_, 1e-9);
-  for (int cells = 64; labels.size() > cap && cells >= 1; cells /= 2) {
+  // Small caps (the anytime path's first answer) start coarser: a grid of 64 cells would keep
+  // most of a few dozen labels and only cost passes. From a cap of 128 up the grid starts at 64.
+  int first_cells = 1;
+  while (first_cells < 64 && 2 * first_cells <= static_cast<int>(cap / 2)) first_cells *= 2;
+  for (int cells = first_cells; labels.size() > cap && cells >= 1; cells /= 2) {
     struct Cell {
       uint64_t sig;
       int64_t m, d;
@@ -290,15 +294,27 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
     std::vector<Label>& next = cuts[o];
     const std::vector<Label>& prev = cuts[o + 1];
     next.reserve(prev.size() * op.choices.size());
+    // A choice changes only the codes of the operator's saves and inputs: the label's signature
+    // is decoded once and those codes are restored before each choice.
+    std::vector<uint8_t> touched(op.saves.size() + op.inputs.size());
     for (size_t s = 0; s < prev.size(); ++s) {
       if (deadline != nullptr) deadline->Check();
       const Label& from = prev[s];
+      for (int t : after) val[t] = 0;
+      for (int t : op.outputs) val[t] = 0;
+      for (int t : op.saves) val[t] = 0;
+      for (size_t i = 0; i < before.size(); ++i) {
+        val[before[i]] = static_cast<uint8_t>((from.sig >> (kSlotBits * i)) & 7u);
+      }
+      for (size_t i = 0; i < op.saves.size(); ++i) touched[i] = val[op.saves[i]];
+      for (size_t i = 0; i < op.inputs.size(); ++i) {
+        touched[op.saves.size() + i] = val[op.inputs[i]];
+      }
       for (Strategy choice : op.choices) {
-        for (int t : after) val[t] = 0;
-        for (int t : op.outputs) val[t] = 0;
-        for (int t : op.saves) val[t] = 0;
-        for (size_t i = 0; i < before.size(); ++i) {
-          val[before[i]] = static_cast<uint8_t>((from.sig >> (kSlotBits * i)) & 7u);
+        // Every snapshot was taken from the same decoded state, so the order does not matter.
+        for (size_t i = 0; i < op.saves.size(); ++i) val[op.saves[i]] = touched[i];
+        for (size_t i = 0; i < op.inputs.size(); ++i) {
+          val[op.inputs[i]] = touched[op.saves.size() + i];
         }
         bool conflict = false;
         const uint8_t code = Code(choice);

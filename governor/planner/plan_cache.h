@@ -76,6 +76,12 @@ class LruCache {
     return &it->second->second;
   }
 
+  // The entry under `key` or null, without counting or reordering (to update it in place).
+  Value* Peek(const Key& key) {
+    auto it = index_.find(key);
+    return it == index_.end() ? nullptr : &it->second->second;
+  }
+
   const Value& Insert(const Key& key, Value value) {
     auto it = index_.find(key);
     if (it != index_.end()) {

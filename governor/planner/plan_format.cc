@@ -36,6 +36,8 @@ std::string FormatPlanTable(const Plan& plan, const StagePlanner& planner) {
       << " on device, " << FormatBytes(plan.host_bytes) << " on host\n";
   if (plan.infeasible) out << "PRESSURE: free memory is below k x M0; evict before this forward\n";
   if (plan.fallback_full_recompute) out << "fallback: full recompute of the chunk\n";
+  if (plan.first_answer) out << "first answer: the full search refines it in the background\n";
+  if (plan.refined) out << "refined: the background full search's plan\n";
   out << "exposed overhead " << FormatSeconds(plan.overhead_s) << "; point serial "
       << FormatSeconds(plan.serial_s) << ", dual-batch overlapped "
       << FormatSeconds(plan.overlapped_s) << (plan.cache_hit ? " (cache hit)" : "") << "\n\n";
@@ -91,6 +93,8 @@ nlohmann::json PlanToJson(const Plan& plan, const StageGraph& g) {
   j["fallback_full_recompute"] = plan.fallback_full_recompute;
   j["deferred"] = plan.deferred;
   j["cache_hit"] = plan.cache_hit;
+  j["first_answer"] = plan.first_answer;
+  j["refined"] = plan.refined;
   auto& ops = j["operators"] = nlohmann::json::array();
   for (size_t o = 0; o < plan.strategies.size() && o < g.ops.size(); ++o) {
     ops.push_back({{"name", g.ops[o].name},

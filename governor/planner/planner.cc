@@ -79,10 +79,45 @@ StagePlanner::StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOption
     }
   }
   keep_all_ = Intern(Assignment(graph_.ops.size(), Strategy::kKeep), 1.0, false);
+  if (options_.anytime_min_ops > 0 &&
+      graph_.ops.size() >= static_cast<size_t>(options_.anytime_min_ops)) {
+    refiner_ = std::make_unique<Refiner>(graph_, options_.refine_timeout_ms);
+  }
 }
 
 PlannerCacheStats StagePlanner::cache_stats() const {
-  return {mitigation_cache_.counters(), schedule_cache_.counters()};
+  PlannerCacheStats stats{mitigation_cache_.counters(), schedule_cache_.counters()};
+  stats.first_answers = first_answers_;
+  stats.refined = refined_;
+  stats.improved = improved_;
+  stats.refine_expired = refine_expired_;
+  return stats;
+}
+
+void StagePlanner::ApplyRefinements() {
+  if (!refiner_ || !refiner_->HasDone()) return;
+  for (RefineDone& done : refiner_->TakeDone()) {
+    if (done.generation != generation_) continue;  // the caches were cleared since
+    CachedAssignment* entry = mitigation_cache_.Peek(done.key);
+    if (entry == nullptr || !entry->first_answer) continue;  // evicted: a miss plans it again
+    if (done.expired) {
+      ++refine_expired_;
+      continue;
+    }
+    if (done.improved) {
+      entry->id = Intern(std::move(done.assignment), done.r, done.fallback_full_recompute);
+      ++improved_;
+    }
+    entry->first_answer = false;
+    entry->refined = true;
+    ++refined_;
+  }
+}
+
+void StagePlanner::WaitForRefinements() {
+  if (!refiner_) return;
+  refiner_->WaitIdle();
+  ApplyRefinements();
 }
 
 void StagePlanner::ResetIteration() {
@@ -91,6 +126,7 @@ void StagePlanner::ResetIteration() {
 }
 
 void StagePlanner::ClearCaches() {
+  ++generation_;
   mitigation_cache_.Clear();
   schedule_cache_.Clear();
 }
@@ -160,8 +196,9 @@ int StagePlanner::Intern(Assignment assignment, double planned_r, bool fallback)
   return id;
 }
 
-int StagePlanner::AssignmentFor(const MitigationKey& key, bool& hit) {
-  if (const int* cached = mitigation_cache_.Find(key)) {
+const StagePlanner::CachedAssignment& StagePlanner::AssignmentFor(const MitigationKey& key,
+                                                                  bool& hit) {
+  if (const CachedAssignment* cached = mitigation_cache_.Find(key)) {
     hit = true;
     return *cached;
   }
@@ -177,11 +214,30 @@ int StagePlanner::AssignmentFor(const MitigationKey& key, bool& hit) {
     mitigation.host_limit_bytes =
         static_cast<double>(key.host_bucket) * static_cast<double>(options_.budget_step_bytes);
   }
-  auto selected = SelectMitigation(EvaluatorFor(key.share_bucket), r_plan, budget_plan, mitigation);
-  const int id = selected.ok() ? Intern(std::move(selected->assignment), r_plan,
-                                        selected->fallback_full_recompute)
-                               : Intern(FullRecompute(*eval_), r_plan, true);
-  return mitigation_cache_.Insert(key, id);
+  // The anytime path: the first answer now, the full search on the refiner's thread.
+  CostEvaluator& eval = EvaluatorFor(key.share_bucket);
+  MitigationOptions first = mitigation;
+  first.fast = refiner_ != nullptr;
+  auto selected = SelectMitigation(eval, r_plan, budget_plan, first);
+  CachedAssignment entry;
+  entry.first_answer = selected.ok() && selected->first_answer;
+  if (entry.first_answer) {
+    RefineJob job;
+    job.key = key;
+    job.generation = generation_;
+    job.hw = eval.hw();
+    job.r = r_plan;
+    job.budget = budget_plan;
+    job.options = mitigation;
+    job.first_answer = selected->assignment;
+    job.first_exposed_s = selected->cost.exposed_s;
+    refiner_->Submit(std::move(job));
+    ++first_answers_;
+  }
+  entry.id = selected.ok() ? Intern(std::move(selected->assignment), r_plan,
+                                    selected->fallback_full_recompute)
+                           : Intern(FullRecompute(*eval_), r_plan, true);
+  return mitigation_cache_.Insert(key, entry);
 }
 
 CostEvaluator& StagePlanner::EvaluatorFor(int share_bucket) {
@@ -243,6 +299,7 @@ Result<Plan> StagePlanner::WithDeadline(const Deadline& deadline, F&& plan) {
 
 Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point, const Deadline& deadline) {
   BGL_RETURN_IF_ERROR(Validate(point));
+  ApplyRefinements();
   (void)EvaluatorFor(ShareBucket(point.bandwidth_share));  // created before the deadline is set
   return WithDeadline(deadline, [&] { return PlanPointUnchecked(point, deadline); });
 }
@@ -284,7 +341,13 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
     const Interned& keep_all = interned_[keep_all_];  // its memory line: keep-all at any r
     const bool fits_all =
         d.budget >= keep_all.device_fixed + keep_all.device_per_load * point.load_factor;
-    const int id = fits_all ? keep_all_ : AssignmentFor(key, hit_mitigation);
+    int id = keep_all_;
+    if (!fits_all) {
+      const CachedAssignment& cached = AssignmentFor(key, hit_mitigation);
+      id = cached.id;
+      plan.first_answer = cached.first_answer;
+      plan.refined = cached.refined;
+    }
     const Interned& a = interned_[id];
     plan.strategies = a.assignment;
     plan.fallback_full_recompute = a.fallback;

@@ -1,7 +1,9 @@
 // StagePlanner: the planner's one entry point. Given a stage and a scheduling point (phase,
 // micro-batch ids, load factor, bytes in use) it returns a Plan: the budget, each operator's
 // strategy, the issue order, the predicted memory and the time overhead. One per GPU; not
-// thread-safe (the daemon serialises calls per session).
+// thread-safe (the daemon serialises calls per session). On large chunks it owns the anytime
+// path's refinement worker (refiner.h), which runs on its own thread and touches none of the
+// planner's state: finished refinements enter the cache on the planner's calling thread.
 #pragma once
 
 #include <map>
@@ -18,6 +20,7 @@
 #include "governor/planner/model_config.h"
 #include "governor/planner/pipeline_schedule.h"
 #include "governor/planner/plan_cache.h"
+#include "governor/planner/refiner.h"
 #include "governor/planner/stage_graph.h"
 
 namespace bgl::plan {
@@ -30,7 +33,7 @@ enum class IssuePolicy {
                // engines run O beside F and R's reloads beside R's recomputes
 };
 
-// How one stage is planned.
+// How one stage is planned. A plain value.
 struct PlannerOptions {
   int64_t capacity_bytes = 0;  // device memory; 0: the hardware profile's
   int pipeline_rank = 0;
@@ -41,6 +44,16 @@ struct PlannerOptions {
   size_t cache_entries = 4096;
   MitigationOptions mitigation;
   IssuePolicy issue_policy = IssuePolicy::kDualBatch;
+  // The anytime path (issue 23): on a chunk of at least anytime_min_ops operators a mitigation
+  // cache miss is answered with the first answer (MitigationOptions::fast, the operator DP on
+  // fast_dp_states labels) and the full search for the same key runs on a background thread
+  // (refiner.h); its plan, never costlier, replaces the first answer in the cache, so the key's
+  // next hit returns it (Plan::first_answer, Plan::refined). <= 0: off, every miss runs the full
+  // search on the caller's thread. 64: the full search of a 2-layer chunk of 32 operators takes
+  // tens of milliseconds, the shipped small models stay on the exact path.
+  int anytime_min_ops = 64;
+  // A refinement running longer is dropped and the first answer stays (<= 0: no limit).
+  int64_t refine_timeout_ms = 30000;
 };
 
 // A pipeline scheduling point F_x B_y (either side may be absent in warmup or cooldown).
@@ -85,13 +98,23 @@ struct Plan {
   bool fallback_full_recompute = false;
   bool deferred = false;  // produced by the post-gate call
   bool cache_hit = false;
+  // The anytime path (PlannerOptions::anytime_min_ops): first_answer, the assignment is the quick
+  // first answer, its refinement pending (or past refine_timeout_ms); refined, the assignment is
+  // the background full search's, cached under this point's key. Both false: the full search ran
+  // on the call (or the plan is keep-all).
+  bool first_answer = false;
+  bool refined = false;
   double bandwidth_share = 1.0;  // the share the plan assumed (rounded down to 1/kShareSteps)
 };
 
-// Counters of both caches.
+// Counters of both caches and of the anytime path. A plain value.
 struct PlannerCacheStats {
   CacheCounters mitigation;
   CacheCounters schedule;
+  uint64_t first_answers = 0;   // misses answered with the first answer (refinements submitted)
+  uint64_t refined = 0;         // refinements that entered the cache
+  uint64_t improved = 0;        // of those, cheaper than their first answer
+  uint64_t refine_expired = 0;  // past refine_timeout_ms: the first answer stayed
 };
 
 class StagePlanner {
@@ -112,8 +135,16 @@ class StagePlanner {
   Status Report(int micro_batch, int chunk, int64_t actual_bytes);
   // Starts a new iteration: live micro-batches are forgotten, caches are kept.
   void ResetIteration();
-  // Drops every cached plan (after a calibration change, or to measure a cold planner).
+  // Drops every cached plan (after a calibration change, or to measure a cold planner);
+  // refinements in flight then never enter the cache.
   void ClearCaches();
+  // The anytime path: puts finished refinements into the cache (PlanPoint does it first) ...
+  void ApplyRefinements();
+  // ... and waits for every submitted refinement first (tests, benchmarks, a host between
+  // iterations).
+  void WaitForRefinements();
+  // Refinements queued or running.
+  size_t refinements_pending() const { return refiner_ ? refiner_->Pending() : 0; }
 
   const ModelConfig& config() const { return config_; }
   const HardwareProfile& hardware() const { return hw_; }
@@ -155,6 +186,14 @@ class StagePlanner {
     int share_bucket = kShareSteps;
   };
 
+  // An assignment cache entry: the interned id and where it came from (Plan::first_answer,
+  // Plan::refined).
+  struct CachedAssignment {
+    int id = -1;
+    bool first_answer = false;
+    bool refined = false;
+  };
+
   StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOptions options, StageGraph graph,
                std::vector<Step> steps, double m_max);
   Status Validate(const SchedulePoint& point) const;
@@ -166,7 +205,7 @@ class StagePlanner {
   template <typename F>
   Result<Plan> WithDeadline(const Deadline& deadline, F&& plan);
   int Intern(Assignment assignment, double planned_r, bool fallback);
-  int AssignmentFor(const MitigationKey& key, bool& hit);
+  const CachedAssignment& AssignmentFor(const MitigationKey& key, bool& hit);
   void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, int share_bucket,
                     bool use_cache, const Deadline& deadline);
   // The evaluator for a share bucket (kShareSteps: eval_), created on first use.
@@ -192,9 +231,12 @@ class StagePlanner {
   std::vector<UnitState> units_;
   std::vector<Interned> interned_;
   std::map<Assignment, int> intern_index_;
-  LruCache<MitigationKey, int> mitigation_cache_;
+  LruCache<MitigationKey, CachedAssignment> mitigation_cache_;
   LruCache<ScheduleKey, DualBatchSchedule> schedule_cache_;
   int keep_all_ = -1;
+  uint64_t generation_ = 0;  // ClearCaches() count: older refinements are dropped
+  uint64_t first_answers_ = 0, refined_ = 0, improved_ = 0, refine_expired_ = 0;
+  std::unique_ptr<Refiner> refiner_;  // last: destroyed (joined) first; null: anytime off
 };
 
 }  // namespace bgl::plan

@@ -26,8 +26,10 @@ typedef struct bgl_planner bgl_planner;
  * "pipeline_rank", "gpu" (profile name), "calibration" (object), "issue_policy" ("dual-batch"
  * (default), "lockstep" or "serial"; "dual_batch": false is "serial"), "allow_offload",
  * "allow_fp8", "allow_recompute" (bools), and the plan-cache steps "budget_step_bytes" (default 64
- * MiB; small models want less), "load_bucket" (0.05) and "schedule_load_class" (0.25). NULL on
- * error. */
+ * MiB; small models want less), "load_bucket" (0.05) and "schedule_load_class" (0.25), and
+ * "anytime_min_ops" (64; 0: off): chunks of at least that many operators answer a plan-cache miss
+ * with a quick first answer and refine it on a background thread (the plan's "first_answer" and
+ * "refined" say which). NULL on error. */
 BGL_PLANNER_API bgl_planner* bgl_planner_create(const char* model_json, const char* options_json);
 BGL_PLANNER_API void bgl_planner_destroy(bgl_planner* planner);
 

@@ -1,0 +1,95 @@
+#include "governor/planner/refiner.h"
+
+#include <utility>
+
+#include "governor/planner/deadline.h"
+
+namespace bgl::plan {
+
+Refiner::Refiner(const StageGraph& graph, int64_t limit_ms)
+    : graph_(graph), limit_ms_(limit_ms), worker_([this] { Run(); }) {}
+
+Refiner::~Refiner() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_.store(true, std::memory_order_relaxed);
+    queue_.clear();
+  }
+  work_.notify_all();
+  idle_.notify_all();
+  worker_.join();
+}
+
+void Refiner::Submit(RefineJob job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_.load(std::memory_order_relaxed)) return;
+    queue_.push_back(std::move(job));
+  }
+  work_.notify_one();
+}
+
+std::vector<RefineDone> Refiner::TakeDone() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<RefineDone> out;
+  out.swap(done_);
+  done_count_.store(0, std::memory_order_release);
+  return out;
+}
+
+void Refiner::WaitIdle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_.wait(lock, [&] {
+    return stopping_.load(std::memory_order_relaxed) || (queue_.empty() && running_ == 0);
+  });
+}
+
+size_t Refiner::Pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size() + running_;
+}
+
+void Refiner::Run() {
+  for (;;) {
+    RefineJob job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_.wait(lock,
+                 [&] { return stopping_.load(std::memory_order_relaxed) || !queue_.empty(); });
+      if (stopping_.load(std::memory_order_relaxed)) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      ++running_;
+    }
+    RefineDone done;
+    done.key = job.key;
+    done.generation = job.generation;
+    done.r = job.r;
+    done.assignment = job.first_answer;
+    CostEvaluator eval(graph_, job.hw);
+    const Deadline deadline(limit_ms_, &stopping_);
+    eval.set_deadline(&deadline);
+    try {
+      Result<MitigationResult> full = SelectMitigation(eval, job.r, job.budget, job.options);
+      if (full.ok() && full->fits && !full->cost.conflict &&
+          full->cost.exposed_s < job.first_exposed_s) {
+        done.assignment = std::move(full->assignment);
+        done.fallback_full_recompute = full->fallback_full_recompute;
+        done.improved = true;
+      }
+    } catch (const detail::DeadlineExpired&) {
+      done.expired = true;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --running_;
+      if (!stopping_.load(std::memory_order_relaxed)) {
+        done_.push_back(std::move(done));
+        done_count_.store(done_.size(), std::memory_order_release);
+      }
+    }
+    idle_.notify_all();
+  }
+}
+
+}  // namespace bgl::plan

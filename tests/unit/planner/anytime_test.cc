@@ -1,0 +1,228 @@
+// The anytime path (issue 23): a plan-cache miss on a large chunk is answered with the first
+// answer (the operator DP on a small front), the full search runs on the refiner's thread, and
+// the next hit of the same key gets its plan. Also run under ThreadSanitizer (label tsan).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "governor/planner/iteration.h"
+#include "governor/planner/mitigation.h"
+#include "governor/planner/planner.h"
+#include "governor/planner/refiner.h"
+
+namespace bgl::plan {
+namespace {
+
+// The Table II GLM-423B-A30B stage (two layers of 14 operators per chunk) with copy engines at a
+// twentieth of the paper's bandwidth, so plans have an overhead and the searches differ.
+HardwareProfile SlowCopies() {
+  HardwareProfile hw = *HardwareProfileByName("paper");
+  hw.offload.peak_bytes_per_s /= 20;
+  hw.reload.peak_bytes_per_s /= 20;
+  return hw;
+}
+
+std::unique_ptr<StagePlanner> Glm423(int anytime_min_ops, int64_t refine_timeout_ms = 30000) {
+  auto config = LoadModelConfig(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json");
+  EXPECT_TRUE(config.ok());
+  PlannerOptions options;
+  options.capacity_bytes = int64_t{64} * 1000 * 1000 * 1000;
+  options.anytime_min_ops = anytime_min_ops;  // the chunk has 28: on below, off at 0
+  options.refine_timeout_ms = refine_timeout_ms;
+  auto planner = StagePlanner::Create(*config, SlowCopies(), options);
+  EXPECT_TRUE(planner.ok()) << planner.status().message();
+  return std::move(planner).value();
+}
+
+// Two loads, so budgets and load buckets differ between micro-batches (few keys: each
+// refinement is a full search).
+std::vector<double> Loads(const StagePlanner& p) {
+  std::vector<double> loads(static_cast<size_t>(p.config().MicroBatches()));
+  for (size_t i = 0; i < loads.size(); ++i) loads[i] = i % 4 == 1 ? 2.6 : 1.0;
+  return loads;
+}
+
+// The inputs a plan's cache key is planned for (the bucket's worst case, planner.cc).
+struct KeyInputs {
+  double r = 1, budget = 0;
+};
+KeyInputs InputsOf(const StagePlanner& p, const Plan& plan) {
+  const PlannerOptions& o = p.options();
+  KeyInputs k;
+  k.r = std::ceil(plan.load_factor / o.load_bucket - 1e-9) * o.load_bucket;
+  const double step = static_cast<double>(o.budget_step_bytes);
+  k.budget =
+      std::max(p.graph().M0(k.r), std::floor(static_cast<double>(plan.budget_bytes) / step) * step);
+  return k;
+}
+
+// Replays iterations until one has no first answer left (every refinement landed), waiting for
+// the refiner between iterations; returns the iterations' plans.
+std::vector<IterationReplay> UntilRefined(StagePlanner& p, int max_iterations = 8) {
+  std::vector<IterationReplay> out;
+  for (int i = 0; i < max_iterations; ++i) {
+    auto replay = ReplayIteration(p, Loads(p));
+    EXPECT_TRUE(replay.ok());
+    if (!replay.ok()) break;
+    out.push_back(std::move(*replay));
+    p.WaitForRefinements();
+    bool first = false;
+    for (const Plan& plan : out.back().plans) first |= plan.first_answer;
+    if (!first) break;
+  }
+  return out;
+}
+
+TEST(Anytime, AMissAnswersWithTheFirstAnswerAndTheNextHitGetsTheRefinedPlan) {
+  auto p = Glm423(/*anytime_min_ops=*/1);
+  std::vector<IterationReplay> runs = UntilRefined(*p);
+  ASSERT_GE(runs.size(), 2u);
+  const PlannerCacheStats stats = p->cache_stats();
+  // The first iteration's first mitigated point is a miss answered with the first answer; later
+  // points may hit its key before or after its refinement landed (either is right). Every plan
+  // flagged as a first answer is the operator DP on the small front, at the key's inputs.
+  int first_answers = 0;
+  for (const Plan& plan : runs[0].plans) {
+    EXPECT_FALSE(plan.first_answer && plan.refined);
+    if (first_answers == 0 && plan.refined) ADD_FAILURE() << "refined before any first answer";
+    if (!plan.first_answer) continue;
+    if (first_answers++ == 0) {
+      EXPECT_FALSE(plan.cache_hit);
+    }
+    const KeyInputs k = InputsOf(*p, plan);
+    MitigationOptions fast;
+    fast.fast = true;
+    auto quick = SelectMitigation(p->evaluator(), k.r, k.budget, fast);
+    ASSERT_TRUE(quick.ok());
+    EXPECT_TRUE(quick->first_answer);
+    EXPECT_EQ(plan.strategies, quick->assignment);
+    EXPECT_LE(plan.predicted_bytes, plan.budget_bytes);
+  }
+  EXPECT_GT(first_answers, 0);
+  EXPECT_EQ(stats.first_answers, stats.refined + stats.refine_expired);
+  EXPECT_EQ(stats.refine_expired, 0u);
+  EXPECT_GT(stats.improved, 0u) << "the full search never beat the first answer here";
+  // The last iteration: every mitigated plan is a hit of a refined key (or planned in full on the
+  // call), never costlier than the first answer, and the full search's plan where that is cheaper.
+  int refined = 0;
+  for (const Plan& plan : runs.back().plans) {
+    EXPECT_FALSE(plan.first_answer);
+    if (!plan.refined) continue;
+    ++refined;
+    const KeyInputs k = InputsOf(*p, plan);
+    MitigationOptions fast;
+    fast.fast = true;
+    auto quick = SelectMitigation(p->evaluator(), k.r, k.budget, fast);
+    auto full = SelectMitigation(p->evaluator(), k.r, k.budget, MitigationOptions{});
+    ASSERT_TRUE(quick.ok() && full.ok());
+    EXPECT_LE(plan.overhead_s, quick->cost.exposed_s + 1e-15);
+    if (full->cost.exposed_s < quick->cost.exposed_s) {
+      EXPECT_EQ(plan.strategies, full->assignment);
+    } else {
+      EXPECT_EQ(plan.strategies, quick->assignment);
+    }
+    EXPECT_LE(plan.predicted_bytes, plan.budget_bytes);
+  }
+  EXPECT_GT(refined, 0);
+  // The iteration's plans cost no more than the same iteration planned without the anytime path.
+  auto exact = Glm423(/*anytime_min_ops=*/0);
+  auto reference = ReplayIteration(*exact, Loads(*exact));
+  ASSERT_TRUE(reference.ok());
+  for (const Plan& plan : reference->plans) {
+    EXPECT_FALSE(plan.first_answer);
+    EXPECT_FALSE(plan.refined);
+  }
+  EXPECT_EQ(exact->cache_stats().first_answers, 0u);
+}
+
+TEST(Anytime, DeterministicWhateverTheTiming) {
+  // A planner that waits for the refiner after every iteration and one that plans three
+  // iterations without waiting (its refinements land whenever they finish) end with the same
+  // plans once every refinement has landed.
+  auto a = Glm423(1), c = Glm423(1);
+  std::vector<IterationReplay> ra = UntilRefined(*a);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(ReplayIteration(*c, Loads(*c)).ok());
+  std::vector<IterationReplay> rc = UntilRefined(*c);
+  const std::vector<Plan>& last_a = ra.back().plans;
+  const std::vector<Plan>& last_c = rc.back().plans;
+  ASSERT_EQ(last_a.size(), last_c.size());
+  for (size_t j = 0; j < last_a.size(); ++j) {
+    EXPECT_EQ(last_a[j].strategies, last_c[j].strategies) << "point " << j;
+  }
+}
+
+TEST(Anytime, ShutdownWithRefinementsInFlight) {
+  // The planner (and its refiner) goes while jobs are queued and one runs: the job in flight is
+  // cancelled, the queue dropped, the worker joined.
+  for (int round = 0; round < 2; ++round) {
+    auto p = Glm423(1);
+    ASSERT_TRUE(ReplayIteration(*p, Loads(*p)).ok());
+    EXPECT_GT(p->cache_stats().first_answers, 0u);
+    p.reset();
+  }
+  // ClearCaches with refinements in flight: they never enter the new cache.
+  auto p = Glm423(1);
+  ASSERT_TRUE(ReplayIteration(*p, Loads(*p)).ok());
+  p->ClearCaches();
+  p->WaitForRefinements();
+  EXPECT_EQ(p->cache_stats().refined, 0u);
+  EXPECT_EQ(p->refinements_pending(), 0u);
+  // A Refiner on its own, destroyed at once after a submit.
+  Refiner refiner(p->graph(), 0);
+  RefineJob job;
+  job.hw = p->hardware();
+  job.r = 1;
+  job.budget = p->graph().M0(1);
+  job.first_answer = FullRecompute(p->evaluator());
+  job.first_exposed_s = 1;
+  refiner.Submit(job);
+}
+
+TEST(Anytime, Deadlines) {
+  auto p = Glm423(1);
+  const std::vector<double> loads = Loads(*p);
+  // A cancelled call: the first answer is not computed, nothing is submitted, state unchanged.
+  std::atomic<bool> cancel{true};
+  SchedulePoint point;
+  point.forward_micro_batch = 0;
+  point.load_factor = 2.6;
+  point.bytes_in_use = 0;
+  // The budget of a point after the whole warmup would pass keep-all; the first point of the
+  // stage with nothing in use does too, so the test shrinks the budget through bytes_in_use.
+  point.bytes_in_use = static_cast<int64_t>(p->activation_capacity() - 1.5 * p->m0());
+  auto refused = p->PlanPoint(point, Deadline(0, &cancel));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(p->cache_stats().first_answers, 0u);
+  EXPECT_EQ(p->refinements_pending(), 0u);
+  // The same call with a live deadline: a first answer; its refinement is not bound by the call's
+  // deadline (which is gone when the refiner runs) but by refine_timeout_ms.
+  std::atomic<bool> keep_going{false};
+  auto planned = p->PlanPoint(point, Deadline(60000, &keep_going));
+  ASSERT_TRUE(planned.ok()) << planned.status().message();
+  EXPECT_TRUE(planned->first_answer);
+  p->WaitForRefinements();
+  EXPECT_EQ(p->cache_stats().refined, 1u);
+  // refine_timeout_ms of 1 ms: each refinement lands or expires (its first answer then stays and
+  // keeps its flag); none is lost either way.
+  auto tight = Glm423(1, /*refine_timeout_ms=*/1);
+  ASSERT_TRUE(ReplayIteration(*tight, loads).ok());
+  tight->WaitForRefinements();
+  const PlannerCacheStats s = tight->cache_stats();
+  EXPECT_GT(s.first_answers, 0u);
+  EXPECT_EQ(s.first_answers, s.refined + s.refine_expired);
+  auto again = ReplayIteration(*tight, loads);
+  ASSERT_TRUE(again.ok());
+  for (const Plan& plan : again->plans) {
+    EXPECT_FALSE(plan.first_answer && plan.refined);
+    if (plan.first_answer && plan.cache_hit) {
+      EXPECT_GT(s.refine_expired, 0u);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace bgl::plan
