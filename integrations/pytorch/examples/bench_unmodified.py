@@ -10,6 +10,14 @@ times wider with ``--seq``-token micro-batches; per model the median over repeat
 run's median CPU time per iteration, and the overhead as the median (range) of the per-pair
 ratios.
 
+``--same-capacity``: at half of keep-all's peak (``--width``, ``--seq``, every expert local):
+plain PyTorch, torch.utils.checkpoint around every block, save_on_cpu, the static policies
+(full recompute: bagualu's static-over; offload-all: every operator forced to offload) and
+bagualu, alternating; iteration time (median and range of each run's median over iterations
+1..), the peak of the activations on the simulated device and the pressure evictions per
+iteration. ``--spike N``: the same with expert parallelism simulated (4 ranks, this one's
+experts computed) and a skewed batch every N-th micro-batch, so routing spikes.
+
 ``--issue-order``: bagualu at half of keep-all's peak with the plans' dual-batch issue order
 carried out against the same plans issued in program order (serial), alternating; per model
 the median iteration time of each and the median (range) of the per-pair ratios.
@@ -36,10 +44,16 @@ def main() -> int:
                     help="measure the hook overhead with nothing to mitigate")
     ap.add_argument("--issue-order", action="store_true",
                     help="compare the dual-batch issue order with the serial one")
+    ap.add_argument("--same-capacity", action="store_true",
+                    help="every policy at half of keep-all's peak (issue 22's table)")
+    ap.add_argument("--spike", type=int, default=0,
+                    help="--same-capacity: simulated EP, a skewed batch every N micro-batches")
     ap.add_argument("--width", type=int, default=4, help="--overhead: model width factor")
     ap.add_argument("--seq", type=int, default=128, help="--overhead: tokens per sequence")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.same_capacity:
+        return same_capacity(args)
     if args.overhead:
         return overhead(args)
     if args.issue_order:
@@ -129,6 +143,67 @@ def overhead(args: argparse.Namespace) -> int:
         print(f"| {name} | {args.width} x {args.seq} | {statistics.median(plain):.1f} | "
               f"{statistics.median(hooked):.1f} | {statistics.median(ratios):+.2f}% "
               f"({min(ratios):+.2f}% to {max(ratios):+.2f}%) | {strat} |", flush=True)
+    return 0
+
+
+SAME_CAPACITY = ("plain", "checkpoint every block", "save_on_cpu", "full recompute",
+                 "offload-all", "bagualu")
+
+
+def same_capacity(args: argparse.Namespace) -> int:
+    """Issue 22's table: every policy at half of keep-all's peak, alternating runs."""
+    import bagualu
+    kw = dict(width=args.width, seq=args.seq, ep=args.spike > 0, spike_every=args.spike)
+    print("| model | policy | ms/iteration, median (range) | vs plain | vs checkpoint | "
+          "activation peak | fits | evictions/iteration | strategies (last iteration) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.models.split(","):
+        peak = u.keep_all_peak(name, **kw)
+        cap = peak // 2
+        offload_all = {op: "offload" for op in bagualu.operators(u.build(name, width=args.width))}
+        times: Dict[str, List[float]] = {k: [] for k in SAME_CAPACITY}
+        info: Dict[str, Dict] = {}
+        for _ in range(args.repeats):
+            for k in SAME_CAPACITY:
+                gc.collect()
+                policy = {"full recompute": "static-over", "offload-all": "keep-all",
+                          "bagualu": "bagualu"}.get(k)
+                r = u.train(name, policy, capacity=cap, iterations=args.iterations,
+                            checkpoint_layers=k == "checkpoint every block",
+                            save_on_cpu=k == "save_on_cpu",
+                            forced=offload_all if k == "offload-all" else None, **kw)
+                if r["oom"] is not None:
+                    info[k] = {"oom": r["oom"]}
+                    continue
+                times[k].append(statistics.median(r["times_ms"][1:]))  # first: warm-up
+                lines = r["lines"][1:]
+                if lines:
+                    info[k] = {"peak": max(x["peak_bytes"] for x in lines),
+                               "evictions": max(x["evictions"] for x in lines),
+                               "strategies": {s: n for s, n in lines[-1]["strategies"].items()
+                                              if n}}
+        base = statistics.median(times["plain"])
+        ckpt = statistics.median(times["checkpoint every block"])
+        for k in SAME_CAPACITY:
+            v, i = times[k], info.get(k, {})
+            if "oom" in i:
+                print(f"| {name} | {k} | out of memory | | | | no | | |", flush=True)
+                continue
+            med = statistics.median(v)
+            if k == "plain":
+                peak_cell, fits = f"{peak / 2**20:.2f} MiB (keep-all)", "no"
+            elif k == "save_on_cpu":
+                peak_cell, fits = "0 (all saved on the host)", "yes"
+            elif k == "checkpoint every block":
+                peak_cell, fits = "not counted (its saves bypass the pool)", "-"
+            else:
+                peak_cell = f"{i['peak'] / 2**20:.2f} MiB"
+                fits = "yes" if i["peak"] <= cap else "no"
+            print(f"| {name} | {k} | {med:.1f} ({min(v):.1f}-{max(v):.1f}) | {med / base:.2f}x "
+                  f"| {ckpt / med:.2f}x | {peak_cell} | {fits} | {i.get('evictions', '')} | "
+                  f"{i.get('strategies', '')} |", flush=True)
+        print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
+              f"{peak / 2**20:.2f} MiB) | | | | | | |", flush=True)
     return 0
 
 
