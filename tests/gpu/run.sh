@@ -99,6 +99,16 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   # The plans' issue order against the same plans in program order (docs/benchmarks.md).
   run "bagualu issue order" timeout 600 python3 tests/gpu/bagualu_cuda.py issue-order \
     --iterations 4 --repeats 3 --json-out "$(dirname "$out")/bagualu-issue-order.json"
+  # Issue 22's table on CUDA, where the copies overlap compute: every policy at half of
+  # keep-all's peak, without and with a routing spike (docs/benchmarks.md).
+  run "bagualu same capacity" timeout 600 env PYTHONPATH=integrations/pytorch python3 \
+    integrations/pytorch/examples/bench_unmodified.py --same-capacity --device cuda \
+    --models qwen3_moe,mixtral --seq 512 --repeats 3 --iterations 4 \
+    --json-out "$(dirname "$out")/bagualu-same-capacity.json"
+  run "bagualu same capacity spike" timeout 600 env PYTHONPATH=integrations/pytorch python3 \
+    integrations/pytorch/examples/bench_unmodified.py --same-capacity --device cuda \
+    --models qwen3_moe,mixtral --seq 512 --repeats 2 --iterations 4 --spike 16 \
+    --json-out "$(dirname "$out")/bagualu-same-capacity-spike.json"
   for config in default large; do
     run "bagualu bench $config" timeout 300 python3 tests/gpu/bagualu_cuda.py bench \
       --config "$config" --iterations 6 --json-out "$(dirname "$out")/bagualu-bench-$config.json"

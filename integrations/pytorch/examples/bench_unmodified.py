@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 from typing import Dict, List
@@ -48,6 +49,8 @@ def main() -> int:
                     help="every policy at half of keep-all's peak (issue 22's table)")
     ap.add_argument("--spike", type=int, default=0,
                     help="--same-capacity: simulated EP, a skewed batch every N micro-batches")
+    ap.add_argument("--device", default="cpu", help="--same-capacity: cpu or cuda")
+    ap.add_argument("--json-out", default="", help="--same-capacity: the table as JSON too")
     ap.add_argument("--width", type=int, default=4, help="--overhead: model width factor")
     ap.add_argument("--seq", type=int, default=128, help="--overhead: tokens per sequence")
     args = ap.parse_args()
@@ -153,7 +156,9 @@ SAME_CAPACITY = ("plain", "checkpoint every block", "save_on_cpu", "full recompu
 def same_capacity(args: argparse.Namespace) -> int:
     """Issue 22's table: every policy at half of keep-all's peak, alternating runs."""
     import bagualu
-    kw = dict(width=args.width, seq=args.seq, ep=args.spike > 0, spike_every=args.spike)
+    kw = dict(width=args.width, seq=args.seq, ep=args.spike > 0, spike_every=args.spike,
+              device=args.device)
+    table: Dict[str, Dict] = {}
     print("| model | policy | ms/iteration, median (range) | vs plain | vs checkpoint | "
           "activation peak | fits | evictions/iteration | strategies (last iteration) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -184,6 +189,8 @@ def same_capacity(args: argparse.Namespace) -> int:
                                               if n}}
         base = statistics.median(times["plain"])
         ckpt = statistics.median(times["checkpoint every block"])
+        table[name] = {"capacity_bytes": cap, "keep_all_peak_bytes": peak,
+                       "runs": {k: {"ms": times[k], **info.get(k, {})} for k in SAME_CAPACITY}}
         for k in SAME_CAPACITY:
             v, i = times[k], info.get(k, {})
             if "oom" in i:
@@ -204,6 +211,10 @@ def same_capacity(args: argparse.Namespace) -> int:
                   f"{i.get('strategies', '')} |", flush=True)
         print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
               f"{peak / 2**20:.2f} MiB) | | | | | | |", flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": args.device, "width": args.width, "seq": args.seq,
+                       "spike": args.spike, "models": table}, f, indent=1)
     return 0
 
 
