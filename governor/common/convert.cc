@@ -92,6 +92,8 @@ void PlanToProto(const plan::Plan& p, const plan::StageGraph* graph, pb::Plan* o
   out->set_fallback_full_recompute(p.fallback_full_recompute);
   out->set_deferred(p.deferred);
   out->set_cache_hit(p.cache_hit);
+  out->set_first_answer(p.first_answer);
+  out->set_refined(p.refined);
   out->set_bandwidth_share(p.bandwidth_share);
 }
 
@@ -129,6 +131,8 @@ plan::Plan PlanFromProto(const pb::Plan& in) {
   p.fallback_full_recompute = in.fallback_full_recompute();
   p.deferred = in.deferred();
   p.cache_hit = in.cache_hit();
+  p.first_answer = in.first_answer();
+  p.refined = in.refined();
   p.bandwidth_share = in.bandwidth_share() > 0 ? in.bandwidth_share() : 1.0;
   return p;
 }
