@@ -4,7 +4,8 @@ bagualu.torchtitan``; the CPU adjustments live in the harness (torchtitan_cpu.py
 torchtitan install in .venv-torchtitan (scripts/setup-torchtitan.sh). Each run is compared with
 torchtitan's own run without bagualu (activation checkpointing off, the same seed): losses
 and gradient norms equal, bit for bit, on every step; bagualu plans below the keep-all peak
-on every rank."""
+on every rank. The interleaved run plans against a bgl-governord the test starts (every rank of
+the job registered with it); the EP run's second step is a routing spike onto one rank."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 from conftest import ROOT, check_torchrun, require_libs
+from test_torchrun import daemon, daemon_binary  # noqa: F401  (the daemon fixture)
 
 VENV = ROOT / ".venv-torchtitan"
 HARNESS = ROOT / "tests" / "python" / "torchtitan_cpu.py"
@@ -27,7 +29,17 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2",
        "--parallelism.pipeline_parallel_microbatch_size", "1"]
 LINE = re.compile(r"bagualu: iter (\d+) policy \S+ load ([\d.]+) \(max [\d.]+\) budget \S+ "
                   r"peak ([\d.]+)MiB/([\d.]+)MiB .*?offloads (\d+) .*?fp8 (\d+) "
-                  r"recomputed (\d+) evictions (\d+)")
+                  r"recomputed (\d+) evictions (\d+) deferred (\d+)")
+# Interleaved1F1B, 2 stages per rank (4 in all, micro-batches of 1): torchtitan's own module
+# split, one decoder layer per stage (qwen3's MoE debug model has 8, all MoE: the first 4 are
+# kept, which also keeps the run short; its 64 experts make each layer 38M parameters).
+INTERLEAVED = ["--parallelism.pipeline_parallel_degree", "2",
+               "--parallelism.data_parallel_shard_degree", "1",
+               "--parallelism.pipeline_parallel_microbatch_size", "1",
+               "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+               "--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0",
+               "layers.1", "layers.2", "layers.3,norm,lm_head"]
+CAPACITY_INTERLEAVED = "16MiB"
 EP2 = ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
        "2", "--parallelism.spmd_backend", "partial_dtensor"]
 
@@ -48,13 +60,15 @@ def assets(tmp_path_factory) -> Path:
     return root
 
 
-def run(assets: Path, tmp: Path, args: List[str]) -> str:
-    """One torchrun of torchtitan.train through the harness; its output."""
+def run(assets: Path, tmp: Path, args: List[str], harness: Tuple[str, ...] = ()) -> str:
+    """One torchrun of torchtitan.train through the harness (``harness``: its own flags);
+    its output."""
     require_libs()
     env = dict(os.environ, OMP_NUM_THREADS="1", BGL_CACHE_DIR=str(tmp / "cache"),
                PYTHONPATH=str(ROOT / "integrations" / "pytorch"))
     cmd = [str(python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--tee", "3", "--log-line-prefix-template", "[rank${rank}]:", str(HARNESS), str(assets), "--dump_folder", str(tmp / "out"), *COMMON, *args]
+           "--tee", "3", "--log-line-prefix-template", "[rank${rank}]:", str(HARNESS),
+           str(assets), *harness, "--dump_folder", str(tmp / "out"), *COMMON, *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
     text = out.stdout + out.stderr
     check_torchrun(out.returncode, text)
@@ -108,27 +122,67 @@ def test_pipeline_1f1b_deepseek_v3_on_two_ranks(assets, tmp_path) -> None:
 def test_expert_parallel_with_fsdp_deepseek_v3_on_two_ranks(assets, tmp_path) -> None:
     """EP 2 with FSDP2 (dp_shard 2), deepseek_v3 debugmodel, torchtitan's all-to-all token
     dispatcher: bagualu at 28 MiB (about half of each rank's keep-all peak, 55 MiB) takes each
-    rank's load factor from the tokens the dispatcher delivered (the two ranks' loads differ
-    and average 1), mitigates on both ranks, and torchtitan's losses and gradient norms are
-    those of its run without bagualu, bit for bit."""
+    rank's load factor from the tokens the dispatcher delivered (step 1: the two ranks' loads
+    differ and average 1), mitigates on both ranks, and torchtitan's losses and gradient norms
+    are those of its run without bagualu, bit for bit. Step 2 is a routing spike (the
+    harness's --spike-step, in both runs): every token goes to EP rank 1's experts, load 2
+    there and 0 on rank 0; rank 1 replans at the dispatch (a deferred replan: the forward
+    was planned at step 1's load) and recomputes, rank 0 does not replan."""
     (tmp_path / "plain").mkdir()
     (tmp_path / "bagualu").mkdir()
+    spike = ("--spike-step", "2")
     plain = run(assets, tmp_path / "plain", ["--module", "deepseek_v3", "--config",
                                              "deepseek_v3_debugmodel", *EP2,
-                                             "activation-checkpoint:none"])
+                                             "activation-checkpoint:none"], spike)
     ours = run(assets, tmp_path / "bagualu", ["--module", "bagualu.torchtitan", "--config",
                                               "deepseek_v3_debugmodel", *EP2,
                                               "--bagualu.capacity", "28MiB",
-                                              "--bagualu.governor", "none"])
+                                              "--bagualu.governor", "none"], spike)
     ref, got = losses(plain), losses(ours)
     assert len(ref) == 4 and ref == got, (ref, got)
     by_rank = lines_by_rank(ours)
     assert all(len(by_rank[r]) == 2 for r in (0, 1)), by_rank
-    for step in (0, 1):
-        loads = [float(by_rank[r][step][2]) for r in (0, 1)]
-        assert loads[0] != loads[1] and abs(sum(loads) / 2 - 1.0) < 0.02, loads
+    loads = [float(by_rank[r][0][2]) for r in (0, 1)]
+    assert loads[0] != loads[1] and abs(sum(loads) / 2 - 1.0) < 0.02, loads
     for rank in (0, 1):
         lines = by_rank[rank]
         moved = sum(int(m[5]) + int(m[6]) + int(m[7]) + int(m[8]) for m in lines)
         assert moved > 0, f"rank {rank}: nothing mitigated: {[m[0] for m in lines]}"
         assert all(float(m[3]) <= float(m[4]) for m in lines)
+    quiet, spiked = by_rank[0][1], by_rank[1][1]
+    assert float(spiked[2]) > 1.95 and float(quiet[2]) < 0.05, (spiked[0], quiet[0])
+    assert int(spiked[9]) > 0 and int(spiked[7]) > 0, spiked[0]   # replanned, recomputes
+    assert int(quiet[9]) == 0, quiet[0]                           # no replan there
+
+
+def test_pipeline_interleaved_1f1b_qwen3_against_the_daemon_on_two_ranks(
+        assets, tmp_path, daemon) -> None:
+    """PP 2 with torchtitan's Interleaved1F1B (2 stages per rank, 2 micro-batches), qwen3's
+    MoE debug model cut to 4 layers by torchtitan's module split: bagualu's chunks are each
+    rank's two stages, and at 16 MiB (keep-all's peaks: 28 and 21 MiB) both ranks plan
+    offloads at every step, all planned by one bgl-governord (both ranks register with it,
+    as one job); torchtitan's losses and gradient norms are those of its run without
+    bagualu, bit for bit."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "bagualu").mkdir()
+    plain = run(assets, tmp_path / "plain", ["--module", "qwen3", "--config",
+                                             "qwen3_moe_debug", *INTERLEAVED,
+                                             "activation-checkpoint:none"])
+    ours = run(assets, tmp_path / "bagualu", ["--module", "bagualu.torchtitan", "--config",
+                                              "qwen3_moe_debug", *INTERLEAVED,
+                                              "--bagualu.capacity", CAPACITY_INTERLEAVED,
+                                              "--bagualu.governor", daemon])
+    ref, got = losses(plain), losses(ours)
+    assert len(ref) == 4 and ref == got, (ref, got)
+    by_rank = lines_by_rank(ours)
+    for rank in (0, 1):
+        lines = by_rank[rank]
+        assert len(lines) == 2, (rank, [m[0] for m in lines])
+        assert all(int(m[5]) > 0 for m in lines), (rank, [m[0] for m in lines])
+        assert all(float(m[3]) <= float(m[4]) for m in lines)
+    sessions = set(re.findall(r"\[rank[01]\]:.*bagualu: registered with the governor at "
+                              + re.escape(daemon) + r" \(session (\S+)\)", ours))
+    assert len(sessions) == 2, sessions
+    jobs = re.findall(r"\[rank([01])\]:.*bagualu: done: planned by the remote planner "
+                      r"\(job (\S+)\)", ours)
+    assert sorted(r for r, _ in jobs) == ["0", "1"] and len({j for _, j in jobs}) == 1, jobs

@@ -1,7 +1,7 @@
 """The test harness that runs torchtitan 0.3.0 on a CPU-only machine (gloo), and the assets its
 runs need; test-only: neither torchtitan nor bagualu has a CPU path for this.
 
-    python torchtitan_cpu.py ASSETS [torchtitan.train arguments]   # one rank (under torchrun)
+    python torchtitan_cpu.py ASSETS [--spike-step N] [--measure] [torchtitan.train arguments]
     python torchtitan_cpu.py --assets DIR                           # writes DIR's assets
 
 The four adjustments (docs/torchtitan.md, "On CPU"), made in this process before torchtitan
@@ -16,18 +16,21 @@ builds anything, with no change to torchtitan's files:
 - expert parallelism's token exchange: gloo's list all_to_all needs equal sizes; the runs pass
   ``--parallelism.spmd_backend partial_dtensor``, whose dispatcher uses all_to_all_single with
   uneven splits (no patch).
-It also prints each step's loss in full (torchtitan's line rounds it). The assets: a byte-level BPE tokenizer trained with the ``tokenizers`` package on text this
+It also prints each step's loss in full (torchtitan's line rounds it), and with ``--spike-step
+N`` makes step N a routing spike (``spike_routing``); ``--measure`` prints each step's time and
+heap peak (``measure_steps``, for bench/python/torchtitan_ac.py). The assets: a byte-level BPE tokenizer trained with the ``tokenizers`` package on text this
 module writes, and a local JSON-lines dataset of that text (nothing is downloaded).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
 import sys
 import types
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Callable, List
 
 import torch
 
@@ -147,14 +150,111 @@ def print_exact_losses() -> None:
     metrics.MetricsProcessor.log = log
 
 
+def spike_routing(step: int) -> None:
+    """Step ``step`` of every run in this process is a routing spike: before its forward the
+    harness adds 100 to the load-balancing bias (``expert_bias_E``, which torchtitan's router
+    adds to the scores it picks experts by, not to the gate weights) of the upper half of
+    each MoE layer's experts, so every token routes to them: under expert parallelism 2 all
+    tokens go to EP rank 1's experts (load 2 there, 0 on rank 0). The bias is the model's own
+    buffer and the same in torchtitan's run and bagualu's, so their losses stay comparable."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan import trainer
+    real_step = trainer.Trainer.train_step
+
+    def train_step(self: Any, data_iterator: Any) -> Any:
+        if self.step == step:
+            with torch.no_grad():
+                for part in self.model_parts:
+                    for m in part.modules():
+                        bias = getattr(m, "expert_bias_E", None)
+                        if isinstance(bias, torch.Tensor):
+                            local = bias.to_local() if isinstance(bias, DTensor) else bias
+                            local[local.shape[0] // 2:] += 100.0
+        return real_step(self, data_iterator)
+
+    trainer.Trainer.train_step = train_step
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+
+
+def heap_in_use() -> Callable[[], int]:
+    """glibc's bytes in use by malloc (mallinfo2: small blocks + mmapped chunks), where
+    PyTorch's CPU tensors live; bagualu's own pools are mappings of their own, not counted."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Mallinfo2
+
+    def in_use() -> int:
+        m = libc.mallinfo2()
+        return int(m.uordblks + m.hblkhd)
+    return in_use
+
+
+def measure_steps(cuda: bool = False) -> None:
+    """Each step prints 'HARNESS rank R step S ms T heap_peak B': the step's wall time and
+    the high-water mark of the heap during it above its level at the step's start, sampled
+    every 0.5 ms by a thread (no dispatch mode, so compiled blocks run as they would): the
+    activations, temporaries and gradients PyTorch allocates, whatever keeps or recomputes
+    them. ``cuda`` (tests/gpu): the device's allocated bytes instead (the CUDA allocator's
+    peak, reset at the step's start; the thread samples nothing)."""
+    import threading
+    import time
+    from torchtitan import trainer
+    in_use = heap_in_use() if not cuda else torch.cuda.memory_allocated
+    real_step = trainer.Trainer.train_step
+
+    def train_step(self: Any, data_iterator: Any) -> Any:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = in_use()
+        peak = [base]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set() and not cuda:
+                peak[0] = max(peak[0], in_use())
+                time.sleep(0.0005)
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        t0 = time.perf_counter()
+        try:
+            return real_step(self, data_iterator)
+        finally:
+            if cuda:
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3
+            done.set()
+            th.join()
+            peak[0] = max(peak[0], torch.cuda.max_memory_allocated() if cuda else in_use())
+            print(f"HARNESS rank {os.environ.get('RANK', '0')} step {self.step} ms {ms:.1f} "
+                  f"heap_peak {peak[0] - base}", flush=True)
+
+    trainer.Trainer.train_step = train_step
+
+
 def main(argv: List[str]) -> int:
     if argv[:1] == ["--assets"]:
         write_assets(Path(argv[1]))
         return 0
     assets, args = Path(argv[0]), argv[1:]
+    spike = None
+    if args[:1] == ["--spike-step"]:
+        spike, args = int(args[1]), args[2:]
+    measure = args[:1] == ["--measure"]
+    if measure:
+        args = args[1:]
     torch.set_num_threads(1)
     patch()
     print_exact_losses()
+    if spike is not None:
+        spike_routing(spike)
+    if measure:
+        measure_steps()
     # The assets' flags first: tyro takes what follows a subcommand
     # (activation-checkpoint:none) as that subcommand's.
     sys.argv = [sys.argv[0], "--hf_assets_path", str(assets / "tokenizer"),

@@ -17,7 +17,8 @@ What the trainer does, with no change to torchtitan's files:
   expert parallelism the load factor comes from the token dispatcher's output
   (``moe.routed_experts.token_dispatcher.dispatch``: the tokens the all-to-all delivered);
 - plans at every scheduling point: under pipeline parallelism torchtitan's schedule is wrapped
-  by ``bagualu.pipelining.wrap_schedule`` (1F1B and the other single-stage schedules), without
+  by ``bagualu.pipelining.wrap_schedule`` (1F1B, GPipe; Interleaved1F1B with the rank's
+  stages as bagualu's chunks, each stage's blocks one chunk's layers), without
   it every gradient-accumulation micro-batch is one forward and one backward of
   ``bagualu.micro_batches``.
 torchtitan's activation checkpointing is off in the configs returned here (bagualu plans
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -86,19 +88,27 @@ class BagualuTrainer(Trainer):
         pp = self.parallel_dims.pp_enabled
         ep = self.parallel_dims.ep_enabled
         parts = self.model_parts
-        if len(parts) != 1:
+        if pp and len(parts) > 1:  # in stage order (the adapter's chunk order)
+            stages = sorted(self.pp_schedule._stages, key=lambda st: st.stage_index)
+            parts = [st.submod for st in stages]
+        if len(parts) != self._bgl_chunks:
             raise bagualu.BagualuError(
-                f"bagualu.torchtitan: {len(parts)} model parts on this rank; schedules with "
-                "several stages per rank are not supported here yet (use a single-stage "
-                "schedule: 1F1B, GPipe)")
-        bagualu.instrument(parts[0], {"name": f"torchtitan-{config.model_spec.name}"},
-                           layers="layers", ops=dict(TORCHTITAN_OPS),
+                f"bagualu.torchtitan: {len(parts)} model parts on this rank, bagualu was "
+                f"installed for {self._bgl_chunks} (from torchtitan's pipeline config)")
+        # Several stages per rank (Interleaved1F1B): the rank's parts in stage order are
+        # bagualu's chunks, each part's blocks one chunk's layers.
+        model = parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
+        layers: Any = "layers" if len(parts) == 1 else \
+            [f"{i}.layers" for i in range(len(parts))]
+        bagualu.instrument(model, {"name": f"torchtitan-{config.model_spec.name}"},
+                           layers=layers, ops=dict(TORCHTITAN_OPS),
                            dispatch=DISPATCH if ep else None)
-        self._bgl_handles = _fsdp_units(bagualu.current(), parts[0], ep)
+        self._bgl_handles = _fsdp_units(bagualu.current(), model, ep)
         if pp:
             self.pp_schedule = bagualu.pipelining.wrap_schedule(self.pp_schedule)
         log.info("bagualu: managing torchtitan's activations (%s, %s, policy %s)",
-                 f"pipeline stage {self._bgl_stage[0]} of {self._bgl_stage[1]}" if pp
+                 f"pipeline rank {self._bgl_stage[0]} of {self._bgl_stage[1]}, "
+                 f"{len(parts)} stage(s) on it" if pp
                  else f"{self._bgl_micro_batches} micro-batches per step",
                  "expert parallel" if ep else "no expert parallelism",
                  config.bagualu.policy)
@@ -112,11 +122,13 @@ class BagualuTrainer(Trainer):
             raise bagualu.BagualuError("bagualu.torchtitan: give --bagualu.capacity (the "
                                        "activation memory per rank, e.g. 512MiB)")
         training, parallelism = self.config.training, self.config.parallelism
+        chunks = 1
         if parallel_dims.pp_enabled:
             stages = parallel_dims.pp
             rank = parallel_dims.get_mesh("pp").get_local_rank()
             micro_batches = training.local_batch_size // \
                 parallelism.pipeline_parallel_microbatch_size
+            chunks = _stages_per_rank(parallel_dims, parallelism, self.config)
         else:
             stages, rank = 1, 0
             degree = parallel_dims.dp_replicate * parallel_dims.dp_shard
@@ -125,13 +137,19 @@ class BagualuTrainer(Trainer):
                 global_batch = training.local_batch_size * degree
             micro_batches = max(global_batch // (training.local_batch_size * degree), 1)
         self._bgl_stage = (rank, stages)
+        self._bgl_chunks = chunks
         self._bgl_micro_batches = micro_batches
+        # Every rank of this torchrun job is one job on the node's daemon.
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            os.environ.setdefault("BGL_JOB_ID",
+                                  "torchtitan-" + os.environ["TORCHELASTIC_RUN_ID"])
         device = torch.device(f"cuda:{torch.cuda.current_device()}") \
             if torch.cuda.is_available() else torch.device("cpu")
         bagualu.install(capacity=cfg.capacity, policy=cfg.policy,
                         governor=cfg.governor or None, device=str(device),
                         pipeline_rank=rank, pipeline_stages=stages,
-                        micro_batches=micro_batches, issue_order=cfg.issue_order,
+                        micro_batches=micro_batches, chunks=chunks,
+                        issue_order=cfg.issue_order,
                         log_iterations=cfg.log_iterations)
         return parallel_dims
 
@@ -176,7 +194,25 @@ class BagualuTrainer(Trainer):
         super().close()
         for h in getattr(self, "_bgl_handles", []):
             h.remove()
+        from ..runtime import active
+        if active() is not None:
+            st = bagualu.stats()
+            log.info("bagualu: done: planned by the %s planner (job %s)",
+                     st["governor"] or "embedded", st["job_id"])
         bagualu.uninstall()
+
+
+def _stages_per_rank(parallel_dims: Any, parallelism: Any, config: Any) -> int:
+    """The pipeline stages torchtitan will put on each rank (bagualu's chunks), as its
+    pipeline_llm counts them: the explicit module split's parts over the ranks, else its
+    metadata (2 per rank for a multi-stage schedule, or from the layers per stage)."""
+    parts = parallelism.module_fqns_per_model_part
+    if parts:
+        total = len(parts)
+    else:
+        from torchtitan.distributed.pipeline_parallel import _get_pipeline_metadata
+        total = _get_pipeline_metadata(parallel_dims, parallelism, config.model_spec.model)[0]
+    return max(total // parallel_dims.pp, 1)
 
 
 def _fsdp_units(rt: Any, model: torch.nn.Module, expert_parallel: bool) -> List[Any]:
