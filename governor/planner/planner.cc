@@ -127,6 +127,7 @@ void StagePlanner::ResetIteration() {
 
 void StagePlanner::ClearCaches() {
   ++generation_;
+  if (refiner_) refiner_->DropQueued();  // their keys are gone
   mitigation_cache_.Clear();
   schedule_cache_.Clear();
 }

@@ -37,6 +37,14 @@ std::vector<RefineDone> Refiner::TakeDone() {
   return out;
 }
 
+void Refiner::DropQueued() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.clear();
+  }
+  idle_.notify_all();
+}
+
 void Refiner::WaitIdle() {
   std::unique_lock<std::mutex> lock(mu_);
   idle_.wait(lock, [&] {

@@ -64,6 +64,8 @@ class Refiner {
   void Submit(RefineJob job);
   // The jobs finished since the last call, in submission order.
   std::vector<RefineDone> TakeDone();
+  // Drops the queued jobs (the one running finishes; its result is still handed back).
+  void DropQueued();
   // Blocks until every submitted job has finished (or the Refiner is stopping).
   void WaitIdle();
   // Jobs queued or running.
