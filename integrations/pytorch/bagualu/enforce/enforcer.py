@@ -344,7 +344,8 @@ class Enforcer:
         stream); waits for the copy unless PyTorch may free the source before it ends (or
         ``wait`` is False: the caller keeps the source until wait())."""
         rc = self._offload(self.handle, handle)
-        if rc == 0 and wait and not self.borrowed_free_is_safe:
+        # Synchronous copies (the host backend's, on the training thread) are done already.
+        if rc == 0 and wait and not self.borrowed_free_is_safe and not self.sync_copies:
             rc = self._wait_tensor(self.handle, handle)
         if rc != 0:
             self._check(rc, "offload")
