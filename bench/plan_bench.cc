@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <vector>
 
 #include "bench/load_distribution.h"
@@ -18,6 +19,12 @@
 namespace {
 
 using namespace bgl::plan;
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 std::unique_ptr<StagePlanner> Glm423Planner(bool layer_search = true) {
   auto config = LoadModelConfig(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json");
@@ -156,6 +163,161 @@ BENCHMARK(BM_SelectMitigationRealSize4Layers)
     ->Args({0, 2048})
     ->Args({1, 512})
     ->Unit(benchmark::kMicrosecond);
+
+// The same on issue 23's latency bar: production blocks of 32 operators per layer (MLA, RoPE,
+// shared experts, TP, dropout, the router's auxiliary loss; real_instances.h), 4 layers per
+// chunk, 40 chunks over every budget family. Args: 0 the full search (dp_states labels), 1 the
+// anytime path's first answer (fast_dp_states labels).
+void BM_SelectMitigationProduction4Layers(benchmark::State& state) {
+  const std::vector<testing::RealInstance> chunks = testing::ProductionInstances(3232, 40, 4);
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  MitigationOptions options;
+  options.fast = state.range(0) != 0;
+  if (options.fast) {
+    options.fast_dp_states = static_cast<int>(state.range(1));
+  } else {
+    options.dp_states = static_cast<int>(state.range(1));
+  }
+  // Wall time and the thread's CPU time per call: on a shared machine the wall time also counts
+  // the other processes' time slices.
+  std::vector<double> times, cpu_times;
+  size_t i = 0;
+  double unfit = 0, overhead = 0;
+  for (auto _ : state) {
+    const testing::RealInstance& x = chunks[i++ % chunks.size()];
+    const CostEvaluator eval(x.graph, hw);
+    const double c0 = ThreadCpuSeconds();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto selected = SelectMitigation(eval, x.r, x.budget, options);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    cpu_times.push_back(ThreadCpuSeconds() - c0);
+    benchmark::DoNotOptimize(selected);
+    if (!selected.ok() || !selected->fits || selected->cost.conflict) unfit += 1;
+    if (selected.ok() && i <= chunks.size()) overhead += selected->cost.exposed_s;
+  }
+  auto at = [](std::vector<double>& v, double q) {
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))] * 1e6;
+  };
+  state.counters["chunks"] = static_cast<double>(chunks.size());
+  state.counters["ops_per_layer"] = static_cast<double>(chunks[0].graph.ops.size()) / 4;
+  state.counters["p50_us"] = at(times, 0.5);
+  state.counters["p99_us"] = at(times, 0.99);
+  state.counters["max_us"] = at(times, 1.0);
+  state.counters["cpu_p50_us"] = at(cpu_times, 0.5);
+  state.counters["cpu_p99_us"] = at(cpu_times, 0.99);
+  state.counters["cpu_max_us"] = at(cpu_times, 1.0);
+  state.counters["unfit"] = unfit;
+  // The sum of the plans' exposed overhead over the chunks (once each): the answer's quality.
+  state.counters["sum_overhead_us"] = overhead * 1e6;
+}
+// The full search once per chunk (40 iterations), the first answers over many rounds.
+BENCHMARK(BM_SelectMitigationProduction4Layers)
+    ->Args({0, 2048})
+    ->Iterations(40)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_SelectMitigationProduction4Layers)
+    ->Args({1, 24})
+    ->Args({1, 12})
+    ->Args({1, 8})
+    ->Args({1, 4})
+    ->Unit(benchmark::kMicrosecond);
+
+// A whole plan-cache miss and hit (PlanPoint: the budget, the mitigation search, the dual-batch
+// issue order) on a large chunk: GLM-423B-A30B with 144 layers and 9 per virtual stage, so a
+// chunk holds 9 layers of 14 operators (126, about issue 23's 32 x 4), copy engines at a
+// twentieth of the paper's so plans have an overhead. Arg: anytime_min_ops (0: the full search on
+// the call; 64: the first answer on the call, the full search on the refiner's thread).
+std::unique_ptr<StagePlanner> LargeChunkPlanner(int anytime_min_ops) {
+  auto doc = LoadJsonOrYaml(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json", "model");
+  if (!doc.ok()) std::exit(1);
+  (*doc)["layers"] = 144;
+  (*doc)["vp"] = 9;
+  auto config = ModelConfigFromJson(*doc, "glm-423b-a30b.json");
+  if (!config.ok()) {
+    std::fprintf(stderr, "%s\n", config.status().message().c_str());
+    std::exit(1);
+  }
+  HardwareProfile hw = *HardwareProfileByName("paper");
+  hw.offload.peak_bytes_per_s /= 20;
+  hw.reload.peak_bytes_per_s /= 20;
+  PlannerOptions options;
+  options.capacity_bytes = int64_t{141} * 1000 * 1000 * 1000;
+  options.anytime_min_ops = anytime_min_ops;
+  auto planner = StagePlanner::Create(*config, hw, options);
+  if (!planner.ok()) {
+    std::fprintf(stderr, "%s\n", planner.status().message().c_str());
+    std::exit(1);
+  }
+  return std::move(*planner);
+}
+
+// The points the bench plans: forward of micro-batch 0 at loads 1 to 2.6 with budgets from near
+// M0 to near keep-all (through bytes_in_use), 40 keys.
+std::vector<SchedulePoint> LargeChunkPoints(const StagePlanner& planner) {
+  std::vector<SchedulePoint> points;
+  const double m0 = planner.m0(), keep = planner.graph().KeepAllBytes(1.0);
+  for (int b = 0; b < 10; ++b) {
+    for (double r : {1.0, 1.3, 2.0, 2.6}) {
+      SchedulePoint p;
+      p.forward_micro_batch = 0;
+      p.load_factor = r;
+      const double budget = 1.05 * m0 + (keep - 1.05 * m0) * b / 10.0;
+      p.bytes_in_use = static_cast<int64_t>(planner.activation_capacity() - budget);
+      points.push_back(p);
+    }
+  }
+  return points;
+}
+
+void PlanLargeChunk(benchmark::State& state, bool hit) {
+  auto planner = LargeChunkPlanner(static_cast<int>(state.range(0)));
+  const std::vector<SchedulePoint> points = LargeChunkPoints(*planner);
+  std::vector<double> times, cpu_times;
+  size_t i = 0;
+  int first_answers = 0, refined = 0;
+  double point_s = 0;  // the longest point planned (its dual-batch makespan)
+  if (hit) {
+    for (const SchedulePoint& p : points) (void)planner->PlanPoint(p);
+    planner->WaitForRefinements();
+  }
+  for (auto _ : state) {
+    const SchedulePoint& p = points[i++ % points.size()];
+    if (!hit) {
+      state.PauseTiming();
+      planner->ClearCaches();
+      state.ResumeTiming();
+    }
+    const double c0 = ThreadCpuSeconds();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto plan = planner->PlanPoint(p);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    cpu_times.push_back(ThreadCpuSeconds() - c0);
+    benchmark::DoNotOptimize(plan);
+    if (plan.ok()) {
+      first_answers += plan->first_answer ? 1 : 0;
+      refined += plan->refined ? 1 : 0;
+      point_s = std::max(point_s, plan->overlapped_s);
+    }
+  }
+  auto at = [](std::vector<double>& v, double q) {
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))] * 1e6;
+  };
+  state.counters["ops"] = static_cast<double>(planner->graph().ops.size());
+  state.counters["p50_us"] = at(times, 0.5);
+  state.counters["p99_us"] = at(times, 0.99);
+  state.counters["cpu_p50_us"] = at(cpu_times, 0.5);
+  state.counters["cpu_p99_us"] = at(cpu_times, 0.99);
+  state.counters["first_answers"] = first_answers;
+  state.counters["refined"] = refined;
+  state.counters["point_ms"] = point_s * 1e3;
+}
+void BM_PlanLargeChunkMiss(benchmark::State& state) { PlanLargeChunk(state, false); }
+void BM_PlanLargeChunkHit(benchmark::State& state) { PlanLargeChunk(state, true); }
+BENCHMARK(BM_PlanLargeChunkMiss)->Arg(0)->Iterations(40)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PlanLargeChunkMiss)->Arg(64)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PlanLargeChunkHit)->Arg(0)->Arg(64)->Unit(benchmark::kMicrosecond);
 
 // Algorithm 2 alone on a small custom layer graph, where the layer search enumerates every
 // assignment of a layer: two layers of a 7-operator chain (each saves its input; one tensor has

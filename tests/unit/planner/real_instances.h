@@ -42,6 +42,11 @@ class MoeBlockBuilder {
     minimal_ = !mla_ && !shared_ && tp_ == 0 && half(rng_);
     rope_ = !minimal_ && half(rng_);
     uneven_ = half(rng_);
+    if (production_) {  // after the draws, so the default instances stay the same
+      mla_ = shared_ = rope_ = true;
+      minimal_ = false;
+      tp_ = std::max(tp_, 1);
+    }
     const double k = std::uniform_int_distribution<int>(2, 8)(rng_);
     const double mh = std::uniform_int_distribution<int>(1, 4)(rng_) * 512.0;
     const double local = tokens / tp;  // sequence parallel
@@ -62,6 +67,10 @@ class MoeBlockBuilder {
   }
 
   int ops_per_layer() const { return ops_per_layer_; }
+  // The production block of issue 23 (32 operators per layer): MLA, RoPE, shared experts and TP
+  // (the draws above decide only sizes), with attention and MoE dropout, the router's auxiliary
+  // loss and the shared experts' own TP gather and reduce-scatter.
+  void set_production(bool on) { production_ = on; }
 
  private:
   int Tensor(const std::string& name, double bytes, DType dtype, int producer,
@@ -157,6 +166,11 @@ class MoeBlockBuilder {
     const double attn_flops = 2.0 * tokens * tokens * h / tp;
     Op("core_attn", OpKind::kAttention, hw_.KernelTime(attn_flops, 4 * tokens * h / tp * e),
        attn_in, attn_saves);
+    if (production_) {
+      int dropped = Tensor("attn_dropout", tokens * h / tp * e, DType::kBF16, Next());
+      Op("attn_dropout", OpKind::kOther, Elementwise(3 * tokens * h / tp * e), {attn}, {attn});
+      attn = dropped;
+    }
     int o = Tensor("o_proj_out", tokens * h * e, DType::kBF16, Next());
     Op("o_proj", OpKind::kLinear, Gemm(tokens, h / tp, h), {attn}, {attn});
     if (tp_ > 0) {
@@ -175,6 +189,11 @@ class MoeBlockBuilder {
     if (!minimal_) {
       probs = Tensor("topk_probs", local * k * 4, DType::kFP32, Next());
       Op("topk", OpKind::kRouter, Elementwise(local * experts * 8), {logits}, {logits, probs});
+    }
+    if (production_) {
+      Tensor("aux_loss", 4, DType::kFP32, Next());
+      Op("router_aux_loss", OpKind::kRouter, Elementwise(local * experts * 8), {logits},
+         {logits, probs});
     }
     const double routed = local * k;
     int disp = Tensor("dispatched", routed * h * e, DType::kBF16, Next(), true);
@@ -200,18 +219,33 @@ class MoeBlockBuilder {
     int combined = Tensor("combined", local * h * e, DType::kBF16, Next());
     Op("combine", OpKind::kCombine, Collective(routed * h * e) * 4, {down, probs}, {down, probs},
        true);
+    if (production_) {
+      int dropped = Tensor("moe_dropout", local * h * e, DType::kBF16, Next());
+      Op("moe_dropout", OpKind::kOther, Elementwise(3 * local * h * e), {combined}, {combined});
+      combined = dropped;
+    }
     std::vector<int> out_in = {h1, combined};
     if (shared_) {
       const double sh = mh * 2;
+      int shared_in = n2;
+      if (production_) {
+        shared_in = Tensor("shared_gathered", tokens * h * e, DType::kBF16, Next());
+        Op("shared_tp_all_gather", OpKind::kComm, Collective(tokens * h * e), {n2}, {});
+      }
       int sg = Tensor("shared_gate", local * sh * e, DType::kBF16, Next());
-      Op("shared_gate", OpKind::kSharedLinear, Gemm(local, h, sh), {n2}, {n2});
+      Op("shared_gate", OpKind::kSharedLinear, Gemm(local, h, sh), {shared_in}, {shared_in});
       int su = Tensor("shared_up", local * sh * e, DType::kBF16, Next());
-      Op("shared_up", OpKind::kSharedLinear, Gemm(local, h, sh), {n2}, {n2});
+      Op("shared_up", OpKind::kSharedLinear, Gemm(local, h, sh), {shared_in}, {shared_in});
       int sa = Tensor("shared_act", local * sh * e, DType::kBF16, Next());
       Op("shared_act", OpKind::kSharedActivation, Elementwise(3 * local * sh * e), {sg, su},
          {sg, su});
       int sd = Tensor("shared_down", local * h * e, DType::kBF16, Next());
       Op("shared_down", OpKind::kSharedLinear, Gemm(local, sh, h), {sa}, {sa});
+      if (production_) {
+        int rs = Tensor("shared_scattered", local * h * e, DType::kBF16, Next());
+        Op("shared_tp_reduce_scatter", OpKind::kComm, Collective(tokens * h * e), {sd}, {});
+        sd = rs;
+      }
       out_in.push_back(sd);
     }
     int out = Tensor("output", local * h * e, DType::kBF16, Next());
@@ -226,6 +260,7 @@ class MoeBlockBuilder {
   StageGraph g_;
   int layer_ = 0, tp_ = 0, ops_per_layer_ = 0;
   bool mla_ = false, shared_ = false, minimal_ = false, rope_ = false, uneven_ = false;
+  bool production_ = false;
   double jitter_ = 1;
 };
 
@@ -285,6 +320,29 @@ inline StageGraph RescaledCapture(const std::string& path, int layers, double in
     o.backward_s *= st;
   }
   return std::move(*g);
+}
+
+// `count` production blocks (32 operators per layer) of `layers` layers, budgets of every family
+// in turn (issue 23's latency bar: 32 operators per layer, 4 layers per chunk).
+inline std::vector<RealInstance> ProductionInstances(uint32_t seed, int count, int layers) {
+  std::mt19937 rng(seed);
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  std::vector<RealInstance> out;
+  constexpr double kLoads[] = {1.0, 1.0, 1.3, 2.6};
+  for (int i = 0; i < count; ++i) {
+    RealInstance x;
+    x.set = "production-block";
+    MoeBlockBuilder builder(rng, hw);
+    builder.set_production(true);
+    std::string shape;
+    x.graph = builder.Build(layers, shape);
+    x.r = kLoads[std::uniform_int_distribution<int>(0, 3)(rng)];
+    x.label = "production #" + std::to_string(i) + " " + shape + " (" +
+              std::to_string(builder.ops_per_layer()) + " ops/layer) r=" + std::to_string(x.r);
+    x.budget = DrawBudget(rng, x.graph, x.r, i % 5, x.label);
+    out.push_back(std::move(x));
+  }
+  return out;
 }
 
 // `count_blocks` random MoE chunks and `per_capture` instances of each captured model.
