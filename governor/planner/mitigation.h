@@ -42,7 +42,7 @@ struct MitigationOptions {
   // fast_dp_states labels (no greedy, no layer search, no local search); the planner sets it on a
   // large chunk's cache miss and refines the answer off the critical path (refiner.h).
   // MitigationResult::first_answer says so. 4 labels: 0.5 ms p99 of CPU time at 32 operators x
-  // 4 layers where 24 took 2.5 ms (docs/planner.md).
+  // 4 layers where 24 took 2.4 ms (docs/planner.md).
   bool fast = false;
   int fast_dp_states = 4;
   // Pinned host bytes the assignment may offload (the session's grant, issue 14); negative: no
