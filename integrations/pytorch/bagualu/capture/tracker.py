@@ -21,7 +21,7 @@ from ..enforce import eviction
 from ..enforce.device import DeviceMemory
 from ..enforce.enforcer import Enforcer
 from ..enforce.order import PointIssuer
-from ..record import HOST, Packed, Record, _Plain
+from ..record import DROPPED, FP8_PLACE, HOST, Packed, Record, _Plain
 from ..vocabulary import FP8, OFFLOAD, OUTSIDE, RECOMPUTE, Op
 from .light import LightSet
 
@@ -451,6 +451,23 @@ class Tracker:
         """Bytes of ``micro_batch``'s activations offloaded to the host (what reloading it
         brings back to the device)."""
         return sum(r.nbytes for r in self.by_mb.get(micro_batch, ()) if r.placement == HOST)
+
+    def backward_bytes(self, micro_batch: int, ahead: int) -> int:
+        """Device bytes the backward of ``micro_batch`` brings back at once beyond what it
+        holds: its ``ahead`` + 1 largest offloaded (or FP8-stored) records, which come back a
+        bounded number ahead of their consumers, and the dropped records of its largest
+        recompute call, which one rerun regenerates together."""
+        moved: List[int] = []
+        calls: Dict[int, int] = {}
+        for r in self.by_mb.get(micro_batch, ()):
+            if r.placement == HOST:
+                moved.append(r.nbytes)
+            elif r.placement == FP8_PLACE:
+                moved.append(max(r.nbytes - r.pool_bytes, 0))
+            elif r.placement == DROPPED and r.regen is not None:
+                calls[id(r.regen)] = calls.get(id(r.regen), 0) + r.nbytes
+        moved.sort(reverse=True)
+        return sum(moved[:ahead + 1]) + max(calls.values(), default=0)
 
     def evict(self, needed: int) -> int:
         """Pressure eviction (enforce/eviction.py) over the live records of every unit; nothing

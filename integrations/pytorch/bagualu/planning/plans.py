@@ -20,6 +20,9 @@ from .governor import Governor
 from .strategies import Strategies
 
 UNIT_STRIDE = 1 << 20  # unit id = micro-batch + chunk * UNIT_STRIDE
+# Reloads the enforcer keeps ahead of a backward's consumers (EnforcerOptions::max_inflight,
+# the package's default).
+BACKWARD_AHEAD = 4
 
 
 def unit_id(mb: int, chunk: int) -> int:
@@ -125,6 +128,10 @@ class Planning:
         # the bytes outside the layers were set aside from the capacity at register) and what
         # R chains brought back, or this point's brings back, ahead of a backward.
         in_use = t.planned_bytes() + sum(t.host_bytes(u) for u in self.reloaded_ahead)
+        if backward is not None and unit_id(*backward) not in self.reloaded_ahead:
+            # This point's backward runs after the forward planned here, and brings its
+            # offloaded and dropped activations back while it runs: their room at once.
+            in_use += t.backward_bytes(unit_id(*backward), BACKWARD_AHEAD)
         recover = self._reload_ahead(backward, load, in_use)
         if recover is not None:
             in_use += t.host_bytes(unit_id(*recover))
