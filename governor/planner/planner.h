@@ -101,7 +101,7 @@ struct Plan {
   // The anytime path (PlannerOptions::anytime_min_ops): first_answer, the assignment is the quick
   // first answer, its refinement pending (or past refine_timeout_ms); refined, the assignment is
   // the background full search's, cached under this point's key. Both false: the full search ran
-  // on the call (or the plan is keep-all).
+  // on the call, the first answer was proven optimal (its DP never thinned), or keep-all.
   bool first_answer = false;
   bool refined = false;
   double bandwidth_share = 1.0;  // the share the plan assumed (rounded down to 1/kShareSteps)
