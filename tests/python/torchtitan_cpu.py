@@ -18,8 +18,9 @@ builds anything, with no change to torchtitan's files:
   uneven splits (no patch).
 It also prints each step's loss in full (torchtitan's line rounds it), and with ``--spike-step
 N`` makes step N a routing spike (``spike_routing``); ``--measure`` prints each step's time and
-heap peak (``measure_steps``, for bench/python/torchtitan_ac.py). The assets: a byte-level BPE tokenizer trained with the ``tokenizers`` package on text this
-module writes, and a local JSON-lines dataset of that text (nothing is downloaded).
+heap peak (``measure_steps``, for bench/python/torchtitan_ac.py). The assets: a byte-level
+BPE tokenizer trained with the ``tokenizers`` package on text this module writes, and a local
+JSON-lines dataset of that text (nothing is downloaded).
 """
 from __future__ import annotations
 
@@ -193,48 +194,79 @@ def heap_in_use() -> Callable[[], int]:
     return in_use
 
 
+PERIOD_S = float(os.environ.get("BGL_HARNESS_PERIOD_S", "0.005"))
+
+
 def measure_steps(cuda: bool = False) -> None:
-    """Each step prints 'HARNESS rank R step S ms T heap_peak B': the step's wall time and
-    the high-water mark of the heap during it above its level at the step's start, sampled
-    every 0.5 ms by a thread (no dispatch mode, so compiled blocks run as they would): the
-    activations, temporaries and gradients PyTorch allocates, whatever keeps or recomputes
-    them. ``cuda`` (tests/gpu): the device's allocated bytes instead (the CUDA allocator's
-    peak, reset at the step's start; the thread samples nothing)."""
+    """Each step prints 'HARNESS rank R step S ms T heap_peak B': the step's wall time and,
+    on the last step only, the high-water mark of the heap during its forwards and backwards
+    (not the optimizer's step, whose temporaries are the same under every policy) above its
+    level at each forward's start, sampled every 5 ms by a thread (no dispatch mode, so
+    compiled blocks run as they would): the activations and temporaries PyTorch allocates,
+    whatever keeps or recomputes them (the gradients are kept allocated between steps, zeroed
+    instead of freed, so they are in the base from the second step on). The sampling (mallinfo2 walks malloc's free
+    lists under its lock) slows the step it samples several times over, so only the last step
+    is sampled and only the others are timed. ``cuda`` (tests/gpu): the device's allocated
+    bytes instead (the CUDA allocator's peak over the whole step, reset at its start, every
+    step; no thread samples)."""
     import threading
     import time
     from torchtitan import trainer
     in_use = heap_in_use() if not cuda else torch.cuda.memory_allocated
     real_step = trainer.Trainer.train_step
+    real_fb = trainer.Trainer.forward_backward_step
+    real_pp = trainer.Trainer.pp_forward_backward_step
+    peak = [0]
+
+    def sampled(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if cuda or self.step != self.config.training.steps:
+                return real(self, *args, **kwargs)
+            base = in_use()
+            high = [base]
+            done = threading.Event()
+
+            def sample() -> None:
+                while not done.is_set():
+                    high[0] = max(high[0], in_use())
+                    done.wait(PERIOD_S)
+
+            th = threading.Thread(target=sample, daemon=True)
+            th.start()
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                done.set()
+                th.join()
+                peak[0] = max(peak[0], high[0] - base)
+        return call
 
     def train_step(self: Any, data_iterator: Any) -> Any:
+        peak[0] = 0
+        if not getattr(self.optimizers, "_bgl_keeps_grads", False):
+            # The gradients stay allocated between steps (zeroed, not freed: the same sums),
+            # so that a step's heap growth is its activations and temporaries.
+            real_zero = self.optimizers.zero_grad
+            self.optimizers.zero_grad = lambda *a, **k: real_zero(set_to_none=False)
+            self.optimizers._bgl_keeps_grads = True
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        base = in_use()
-        peak = [base]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set() and not cuda:
-                peak[0] = max(peak[0], in_use())
-                time.sleep(0.0005)
-
-        th = threading.Thread(target=sample, daemon=True)
-        th.start()
+            base = in_use()
         t0 = time.perf_counter()
         try:
             return real_step(self, data_iterator)
         finally:
             if cuda:
                 torch.cuda.synchronize()
+                peak[0] = torch.cuda.max_memory_allocated() - base
             ms = (time.perf_counter() - t0) * 1e3
-            done.set()
-            th.join()
-            peak[0] = max(peak[0], torch.cuda.max_memory_allocated() if cuda else in_use())
             print(f"HARNESS rank {os.environ.get('RANK', '0')} step {self.step} ms {ms:.1f} "
-                  f"heap_peak {peak[0] - base}", flush=True)
+                  f"heap_peak {peak[0]}", flush=True)
 
     trainer.Trainer.train_step = train_step
+    trainer.Trainer.forward_backward_step = sampled(real_fb)
+    trainer.Trainer.pp_forward_backward_step = sampled(real_pp)
 
 
 def main(argv: List[str]) -> int:
