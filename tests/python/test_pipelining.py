@@ -433,7 +433,8 @@ def test_accumulate_misuse_is_refused() -> None:
 
 # -- two ranks under torchrun -------------------------------------------------------------------
 ARGS = ["--iterations", "2", "--layers", "2", "--micro-batches", "4", "--hidden", "64",
-        "--seq-len", "32", "--spike-every", "3", "--pipeline", "torch"]
+        "--seq-len", "32", "--spike-every", "3", "--pipeline", "torch",
+        "--no-fp8"]  # bit for bit against plain PyTorch: no plan may choose FP8
 
 
 def _torchrun(tmp_path: Any, *extra: str) -> str:
@@ -548,7 +549,7 @@ def _hf_pipeline(tmp_path: Any, daemon: str, schedule: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(ROOT / "integrations" / "pytorch" / "examples" / "unmodified_pipeline.py"),
            "--model", "qwen3_moe", "--schedule", schedule, "--governor", daemon,
-           "--fraction", "0.5"]
+           "--fraction", "0.5", "--no-fp8"]  # bit for bit: no plan may choose FP8
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     check_torchrun(out.returncode, text)

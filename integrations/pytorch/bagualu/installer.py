@@ -49,7 +49,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
             deadline_s: float = 0.5, gc_freeze: bool = True,
             pinned_capacity: Union[int, str] = "16GiB", chunks: int = 1,
             issue_order: str = "dual-batch",
-            calibration: Optional[str] = None) -> "runtime.Runtime":
+            calibration: Optional[str] = None,
+            allow_fp8: bool = True) -> "runtime.Runtime":
     """Installs bagualu in this process and returns its runtime.
 
     capacity: activation memory of the (simulated) device, bytes or '256MiB'. On CPU the host
@@ -73,6 +74,9 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
       rooflines; default $BGL_CALIBRATION, else measured once per machine and cached
       (planning/calibration.py; 'profile': the built-in profile). CalibrationError when the
       file is missing or bad.
+    allow_fp8: False: no plan (and no pressure eviction) stores an activation in FP8, so that
+      training stays bit for bit what PyTorch computes (offload and recompute are exact; FP8
+      is within its tolerance, docs/pytorch.md).
     """
     check_policy(policy)
     check_issue_order(issue_order)
@@ -113,7 +117,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
         pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         log_iterations=log_iterations, fp8_block=fp8_block,
         pinned_capacity=pinned, chunks=chunks, gc_freeze=gc_freeze,
-        issue_order=issue_order, sync_copies=pool is not None and not calibrations.overlaps(cal))
+        issue_order=issue_order, sync_copies=pool is not None and not calibrations.overlaps(cal),
+        allow_fp8=bool(allow_fp8))
     rt = runtime.Runtime(settings, gov, pool)
     _active.runtime = rt
     return rt

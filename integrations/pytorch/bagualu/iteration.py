@@ -63,6 +63,8 @@ class IterationLog:
                  "m0_bytes": int(plan.get("m0_bytes", 0)),
                  "predicted_bytes": int(plan["predicted_bytes"]), "actual_bytes": None,
                  "evictions": 0, "cache_hit": bool(plan.get("cache_hit")),
+                 "first_answer": bool(plan.get("first_answer")),
+                 "refined": bool(plan.get("refined")),
                  "plan_ms": ms, "_evictions0": evictions}
         self.points.append(point)
         self._point_of[unit] = point

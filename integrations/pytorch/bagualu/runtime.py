@@ -88,7 +88,7 @@ class Runtime:
                                fp8_block=settings.fp8_block,
                                light_grain=max(settings.capacity >> 10, 4 << 10)
                                if pool is not None else 0,
-                               evict_fp8=bagualu)
+                               evict_fp8=bagualu and settings.allow_fp8)
         self.log = IterationLog(settings.policy, settings.capacity, settings.log_iterations)
         self.planning = Planning(settings, governor, self.strategies, self.tracker,
                                  self.enforcer, self.log)

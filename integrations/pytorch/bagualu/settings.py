@@ -61,6 +61,9 @@ class Settings:
     chunks: int = 1                # local stages of an interleaved schedule
     gc_freeze: bool = True
     issue_order: str = "dual-batch"  # or "serial" (enforce/order.py)
+    # Whether plans (and pressure eviction under the bagualu policy) may store activations
+    # in FP8; False keeps training bit for bit reproducible (offload and recompute are exact).
+    allow_fp8: bool = True
     # The host backend's copies on the training thread (the calibration's copy_overlap is 0:
     # they would not overlap compute; enforce/enforcer.py).
     sync_copies: bool = False

@@ -234,7 +234,8 @@ def run_torch_pipeline(args: argparse.Namespace, cfg: MoEConfig, rank: int, worl
         policy = "bagualu" if args.policy == "all" else args.policy
         bagualu.install(capacity=args.capacity, policy=policy, device=device,
                         governor=args.governor, pipeline_rank=rank, pipeline_stages=world,
-                        micro_batches=args.micro_batches, chunks=chunks)
+                        micro_batches=args.micro_batches, chunks=chunks,
+                        allow_fp8=not args.no_fp8)
     indices = [rank + c * world for c in range(chunks)]  # this rank's stages, chunk order
     modules = [_build_stage(cfg, args.seed, i, n_stages, device) for i in indices]
     stage = modules[0] if chunks == 1 else torch.nn.ModuleList(modules)
@@ -362,6 +363,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="comma-separated policies that must finish every iteration (exit "
                         "status 1 otherwise), e.g. bagualu,static-over")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--no-fp8", action="store_true",
+                   help="--pipeline torch: plans never store activations in FP8, so the losses "
+                        "are bit for bit plain PyTorch's (install(allow_fp8=False))")
     p.add_argument("--pipeline", choices=("p2p", "torch"), default="p2p",
                    help="under torchrun: bagualu.schedule.P2PStage (send/recv) or a "
                    "torch.distributed.pipelining schedule (--policy plain: without bagualu)")

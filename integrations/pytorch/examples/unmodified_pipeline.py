@@ -90,7 +90,8 @@ def train(args: argparse.Namespace, rank: int, world: int, policy: Optional[str]
         bagualu.install(capacity=capacity, policy=policy,
                         governor=args.governor if policy == "bagualu" else "none",
                         pipeline_rank=rank, pipeline_stages=world, micro_batches=n_mb,
-                        chunks=chunks, log_iterations=False)
+                        chunks=chunks, log_iterations=False,
+                        allow_fp8=not getattr(args, "no_fp8", False))
     indices = [rank + c * world for c in range(chunks)]  # this rank's stages, chunk order
     modules = [build_stage(args.model, i, n_stages, args.layers, args.seed) for i in indices]
     if getattr(args, "fsdp", False):
@@ -156,6 +157,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("mixtral", "qwen3_moe"), default="qwen3_moe")
     p.add_argument("--schedule", choices=("1f1b", "interleaved"), default="1f1b")
+    p.add_argument("--no-fp8", action="store_true",
+                   help="plans never store activations in FP8: the losses are bit for bit "
+                        "plain PyTorch's (install(allow_fp8=False))")
     p.add_argument("--governor", default="auto",
                    help="governor address for the bagualu run (auto, none, unix://...)")
     p.add_argument("--fraction", type=float, default=0.5,

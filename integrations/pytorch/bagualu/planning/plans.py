@@ -82,7 +82,8 @@ class Planning:
         self.tensor_names = names
         bagualu = s.policy == "bagualu"
         self.governor.register(doc, plan_capacity, s.pipeline_rank, allow_offload=bagualu,
-                               allow_fp8=bagualu, dual_batch=s.issue_order == "dual-batch")
+                               allow_fp8=bagualu and s.allow_fp8,
+                               dual_batch=s.issue_order == "dual-batch")
         self.description = self.governor.description
         self.apply_grant()
         if bagualu and self.description is not None:

@@ -131,7 +131,7 @@ class RemoteGovernor:
             "predicted_bytes": p.predicted_bytes, "host_bytes": p.host_bytes,
             "overhead_s": p.overhead_s, "serial_s": p.serial_s, "overlapped_s": p.overlapped_s,
             "fallback_full_recompute": p.fallback_full_recompute, "deferred": p.deferred,
-            "cache_hit": p.cache_hit,
+            "cache_hit": p.cache_hit, "first_answer": p.first_answer, "refined": p.refined,
             "operators": [{"name": self.operator_names[i] if i < len(self.operator_names)
                            else str(i), "strategy": enum_name(pb.Strategy, s, "keep")}
                           for i, s in enumerate(p.strategies)],
