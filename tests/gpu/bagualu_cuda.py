@@ -34,6 +34,14 @@ Scenarios:
                offloaded, recomputed (bitwise) and in FP8 (within 10%); the first iteration
                (the compile) and later iterations of plain compile and bagualu with nothing to
                mitigate (--json-out).
+  torchtitan   torchtitan 0.3.0's own trainer (torchtitan.train, one rank) on its deepseek_v3
+               debug model, through --module bagualu.torchtitan: keep-all (its run without
+               activation checkpointing, deterministic), bagualu at half of keep-all's step
+               peak (the CUDA allocator's) with keep-all's losses and gradient norms bit for
+               bit, and torchtitan's full, selective and memory_budget (0.25, 0.5, 0.75;
+               compiled with inductor) checkpointing: each one's step time (median after
+               the first) and peak side by side (--json-out; docs/benchmarks.md). --device
+               cpu runs it through the CPU harness (tests/python/torchtitan_cpu.py), smaller.
 """
 from __future__ import annotations
 
@@ -442,10 +450,81 @@ def scenario_issue_order(iterations: int, repeats: int, json_out: str) -> dict:
     return out
 
 
+def scenario_torchtitan(json_out: str) -> dict:
+    import re
+    import subprocess
+    out: dict = {"skipped": []}
+    try:
+        import tokenizers  # noqa: F401
+        import torchtitan  # noqa: F401
+    except ImportError as e:  # the GPU machine may lack them (scripts/setup-torchtitan.sh)
+        out["skipped"] = [str(e)]
+        return out
+    sys.path.insert(0, str(ROOT / "tests" / "python"))
+    import torchtitan_cpu as harness
+    work = Path(tempfile.mkdtemp(prefix="bgl-torchtitan-"))
+    assets = work / "assets"
+    harness.write_assets(assets)
+    cuda = DEVICE == "cuda"
+    runner = ROOT / "tests" / ("gpu/torchtitan_cuda.py" if cuda else "python/torchtitan_cpu.py")
+    shape = ["--training.local_batch_size", "4" if cuda else "2",
+             "--training.seq_len", "2048" if cuda else "64"]
+    steps = 4 if cuda else 3
+    tt = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel"]
+
+    def launch(name: str, args: list) -> dict:
+        d = work / name
+        d.mkdir()
+        env = dict(os.environ, BGL_CACHE_DIR=str(d / "cache"),
+                   PYTHONPATH=str(ROOT / "integrations" / "pytorch"))
+        if not cuda:
+            env["OMP_NUM_THREADS"] = "1"
+        extra = [] if cuda else ["--measure"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "1", str(runner), str(assets), *extra,
+               "--dump_folder", str(d / "out"), *shape, "--training.steps", str(steps),
+               "--checkpoint.no-enable", "--debug.seed", "0", "--debug.deterministic",
+               "--metrics.log_freq", "1", "--training.disable_cuda_graphs", *args]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=d)
+        text = r.stdout + r.stderr
+        steps_seen = {int(m[1]): (float(m[2]), int(m[3])) for m in re.finditer(
+            r"HARNESS rank 0 step (\d+) ms ([\d.]+) heap_peak (-?\d+)", text)}
+        later = [v for k, v in sorted(steps_seen.items()) if k > 1]
+        res = {"rc": r.returncode,
+               "losses": [(m[2], m[3]) for m in re.finditer(
+                   r"HARNESS rank 0 step (\d+) loss (\S+) grad_norm (\S+)", text)],
+               "ms": statistics.median(v[0] for v in later) if later else None,
+               "peak_bytes": max(v[1] for v in later) if later else None,
+               "lines": re.findall(r"bagualu: iter \d+ .*", text)}
+        if r.returncode != 0:
+            res["tail"] = text[-3000:]
+        return res
+
+    runs = {"keep-all": launch("keep-all", tt + ["activation-checkpoint:none"])}
+    peak = runs["keep-all"]["peak_bytes"] or 0
+    capacity = f"{max(peak // 2, 1 << 20)}B"
+    runs["bagualu"] = launch("bagualu", ["--module", "bagualu.torchtitan", "--config",
+                                         "deepseek_v3_debugmodel", "--bagualu.capacity",
+                                         capacity, "--bagualu.governor", "none"])
+    runs["full"] = launch("full", tt + ["activation-checkpoint:full"])
+    runs["selective"] = launch("selective", tt + ["activation-checkpoint:selective"])
+    backend = ["--compile.enable"] + ([] if cuda else ["--compile.backend", "aot_eager"])
+    for b in (0.25, 0.5, 0.75):
+        runs[f"budget-{b:g}"] = launch(f"budget-{b:g}", tt + backend + [
+            "activation-checkpoint:memory-budget", "--activation-checkpoint.memory-budget",
+            str(b)])
+    out.update({"capacity": capacity, "keep_all_peak": peak, "runs": runs,
+                "same_losses": runs["bagualu"]["losses"] == runs["keep-all"]["losses"]})
+    if json_out:
+        Path(json_out).write_text(json.dumps(out, indent=1))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scenario", choices=["swap", "late", "correctness", "bench", "unmodified",
-                                         "overhead", "issue-order", "fsdp2", "compiled"])
+                                         "overhead", "issue-order", "fsdp2", "compiled",
+                                         "torchtitan"])
     ap.add_argument("--config", default="default", choices=["default", "large"])
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--json-out", default="")
@@ -473,6 +552,8 @@ def main() -> int:
         emit(scenario_fsdp2())
     elif args.scenario == "compiled":
         emit(scenario_compiled(args.json_out))
+    elif args.scenario == "torchtitan":
+        emit(scenario_torchtitan(args.json_out))
     elif args.scenario == "overhead":
         emit(scenario_overhead(args.iterations, args.repeats, args.json_out))
     elif args.scenario == "issue-order":
