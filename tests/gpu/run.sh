@@ -93,7 +93,11 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   # keep-all, then the example's policies side by side (iteration wall time).
   export BGL_LIB_DIR=${BGL_LIB_DIR:-$PWD/$build}
   run "bagualu cuda tests" timeout 600 python3 -m pytest -q -s -p no:cacheprovider \
-    tests/gpu/test_bagualu_cuda.py
+    tests/gpu/test_bagualu_cuda.py -k "not torchtitan"
+  # torchtitan's own trainer under bagualu and beside its activation checkpointing (7 runs,
+  # inductor compiles for memory_budget): needs torchtitan (.venv-torchtitan or python3's).
+  run "bagualu torchtitan" timeout 3000 python3 -m pytest -q -s -p no:cacheprovider \
+    tests/gpu/test_bagualu_cuda.py -k torchtitan
   run "bagualu overhead unmodified" timeout 600 python3 tests/gpu/bagualu_cuda.py overhead \
     --iterations 4 --json-out "$(dirname "$out")/bagualu-overhead.json"
   # The plans' issue order against the same plans in program order (docs/benchmarks.md).
