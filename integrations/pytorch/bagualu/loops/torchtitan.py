@@ -70,6 +70,10 @@ class BagualuConfig:
     issue_order: str = "dual-batch"
     """The plans' issue order: dual-batch or serial."""
 
+    allow_fp8: bool = True
+    """Whether plans may store activations in FP8 (False: training stays bit for bit what
+    torchtitan computes; offload and recompute are exact)."""
+
     log_iterations: bool = True
     """Log bagualu's line per training step on every rank."""
 
@@ -149,7 +153,7 @@ class BagualuTrainer(Trainer):
                         governor=cfg.governor or None, device=str(device),
                         pipeline_rank=rank, pipeline_stages=stages,
                         micro_batches=micro_batches, chunks=chunks,
-                        issue_order=cfg.issue_order,
+                        issue_order=cfg.issue_order, allow_fp8=cfg.allow_fp8,
                         log_iterations=cfg.log_iterations)
         return parallel_dims
 
