@@ -112,6 +112,19 @@ def test_the_plans_hold_without_pressure_evictions(name: str) -> None:
     assert planning["plan_ms"] > 0
 
 
+def test_a_capacity_without_room_for_the_layers_is_a_clear_error() -> None:
+    """What stays outside the planned layers (embeddings, head, loss), counted for every
+    micro-batch a rank may hold, over the capacity: a PolicyError that names the bytes and the
+    capacity needed, not the planner's "capacity: must be non-negative" (issue 21's finding)."""
+    require_libs()
+    try:
+        with pytest.raises(bagualu.PolicyError, match=r"leaves no room for the layers: .* "
+                           r"200 micro-batches .* give at least [0-9.]+ MiB"):
+            unmodified.train("qwen3_moe", "bagualu", capacity="2MiB", stages=200, iterations=1)
+    finally:
+        bagualu.uninstall()
+
+
 def test_issue_order_setting_is_checked() -> None:
     require_libs()
     with pytest.raises(bagualu.PolicyError, match="issue_order 'fifo'"):

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from ..capture.tracker import Tracker
 from ..enforce import order
 from ..enforce.enforcer import Enforcer
+from ..errors import PolicyError
 from ..iteration import IterationLog
 from ..record import Record
 from ..settings import Settings
@@ -77,6 +78,17 @@ class Planning:
                                    vp=self.layer_count // s.chunks if s.chunks > 1 else 0)
         in_flight = max(s.pipeline_stages - s.pipeline_rank, 1)
         plan_capacity = int(s.capacity * 0.95) - outside_bytes * in_flight
+        if plan_capacity <= 0:
+            mib = 1 << 20
+            raise PolicyError(
+                f"install(capacity={s.capacity / mib:.2f} MiB) leaves no room for the layers: "
+                f"{outside_bytes / mib:.2f} MiB of each micro-batch's saved activations are "
+                f"outside the planned layers (embeddings, the head, the loss) and are counted "
+                f"for each of the {in_flight} micro-batches this rank may hold (pipeline_stages "
+                f"{s.pipeline_stages} - pipeline_rank {s.pipeline_rank}): "
+                f"{outside_bytes * in_flight / mib:.2f} MiB, over 95% of the capacity; give "
+                f"at least {outside_bytes * in_flight / 0.95 / mib:.2f} MiB plus the layers' "
+                f"own room")
         self.model_doc = doc
         self.plan_capacity = plan_capacity
         self.tensor_names = names
