@@ -105,6 +105,8 @@ class Enforcer:
         # reload the training thread waits for costs no hand-off to a copy thread.
         opts.sync_copies = int(bool(sync_copies) and not self.cuda)
         self.sync_copies = bool(opts.sync_copies)
+        # Reloads prefetch keeps waiting for their first consumer (the library's default).
+        self.max_inflight = int(opts.max_inflight)
         handle = ctypes.c_void_p()
         self._check(self.lib.bgl_enf_create(ctypes.byref(opts), ctypes.byref(handle)), "create")
         self.handle = handle.value

@@ -21,9 +21,6 @@ from .governor import Governor
 from .strategies import Strategies
 
 UNIT_STRIDE = 1 << 20  # unit id = micro-batch + chunk * UNIT_STRIDE
-# Reloads the enforcer keeps ahead of a backward's consumers (EnforcerOptions::max_inflight,
-# the package's default).
-BACKWARD_AHEAD = 4
 
 
 def unit_id(mb: int, chunk: int) -> int:
@@ -144,7 +141,7 @@ class Planning:
         if backward is not None and unit_id(*backward) not in self.reloaded_ahead:
             # This point's backward runs after the forward planned here, and brings its
             # offloaded and dropped activations back while it runs: their room at once.
-            in_use += t.backward_bytes(unit_id(*backward), BACKWARD_AHEAD)
+            in_use += t.backward_bytes(unit_id(*backward), self.enforcer.max_inflight)
         recover = self._reload_ahead(backward, load, in_use)
         if recover is not None:
             in_use += t.host_bytes(unit_id(*recover))
