@@ -125,6 +125,33 @@ def test_a_capacity_without_room_for_the_layers_is_a_clear_error() -> None:
         bagualu.uninstall()
 
 
+def test_without_fp8_no_plan_and_no_eviction_stores_fp8(monkeypatch) -> None:
+    """install(allow_fp8=False): the stage registers with FP8 disallowed, pressure eviction
+    has no FP8 fallback, and at a third of keep-all's peak the plans mitigate without FP8 and
+    the losses are keep-all's bit for bit."""
+    require_libs()
+    from bagualu.planning.governor import Governor
+    seen = []
+    register = Governor.register
+
+    def recording(self, *a, **k):
+        seen.append(k.get("allow_fp8"))
+        return register(self, *a, **k)
+    monkeypatch.setattr(Governor, "register", recording)
+    kw = dict(iterations=2, spike_every=0)
+    peak = unmodified.keep_all_peak("mixtral", **kw)
+    full = unmodified.train("mixtral", "keep-all", capacity="4GiB", forced={}, **kw)
+    r = unmodified.train("mixtral", "bagualu", capacity=peak // 3, allow_fp8=False, **kw)
+    assert r["oom"] is None and seen[-1] is False, (r["oom"], seen)
+    assert all(line["fp8_casts"] == 0 and line["strategies"]["fp8"] == 0 for line in r["lines"])
+    assert sum(line["offloads"] + line["recomputed_ops"] for line in r["lines"]) > 0
+    assert r["stats"]["tracker"]["fp8_evictions"] == 0
+    assert r["losses"] == full["losses"]
+    seen.clear()
+    unmodified.train("mixtral", "bagualu", capacity=peak // 3, **kw)
+    assert seen[-1] is True, seen  # the default allows FP8
+
+
 def test_issue_order_setting_is_checked() -> None:
     require_libs()
     with pytest.raises(bagualu.PolicyError, match="issue_order 'fifo'"):

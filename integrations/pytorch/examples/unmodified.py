@@ -177,7 +177,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           ep: bool = True, width: int = 1, seq: int = 32, device: str = "cpu",
           issue_order: str = "dual-batch", layers: int = 3, compiled: Optional[str] = None,
           compile_options: Optional[Dict[str, Any]] = None,
-          compile_after: bool = False) -> Dict[str, Any]:
+          compile_after: bool = False, allow_fp8: bool = True) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
@@ -195,7 +195,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     if policy is not None:  # first: on CUDA install() swaps the allocator before any tensor
         bagualu.install(capacity=capacity, policy=policy, governor=governor, device=device,
                         pipeline_stages=stages, micro_batches=micro_batches,
-                        log_iterations=False, issue_order=issue_order)
+                        log_iterations=False, issue_order=issue_order, allow_fp8=allow_fp8)
     model = build(name, seed, layers=layers, ep_size=4 if ep else 1, width=width).to(device)
     xs = [x.to(device) for x in batches(micro_batches * iterations, spike_every=spike_every,
                                         seq=seq)]
