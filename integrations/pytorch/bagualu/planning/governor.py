@@ -187,9 +187,8 @@ class Governor:
             self._options["calibration"] = calibration
         # The anytime path at every chunk size (docs/planner.md): a plan-cache miss is
         # answered at once with the planner's first answer while the full search runs on its
-        # worker thread, whose plan a later point of the same key gets. In a training process
-        # a miss is on the critical path: 35-60 ms each at 42 operators on 2 CPU cores, and
-        # the first iterations and every spike miss.
+        # worker thread, whose plan a later point of the same key gets: in a training process
+        # a miss is on the critical path, and the first iterations and every spike miss.
         self.embedded = plannermod.EmbeddedPlanner(
             model, dict(self._options, anytime_min_ops=EMBEDDED_ANYTIME_MIN_OPS))
         self.description = self.embedded.description
