@@ -22,10 +22,7 @@ def main(argv: list) -> int:
     assets, args = Path(argv[0]), argv[1:]
     harness.print_exact_losses()
     harness.measure_steps(cuda=True)
-    sys.argv = [sys.argv[0], "--hf_assets_path", str(assets / "tokenizer"),
-                "--dataloader.dataset_path", str(assets / "c4_test"), *args]
-    from torchtitan.train import main as train
-    train()
+    harness.train_on(assets, args)
     return 0
 
 

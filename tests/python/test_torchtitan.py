@@ -77,6 +77,22 @@ def run(assets: Path, tmp: Path, args: List[str], harness: Tuple[str, ...] = ())
     return text
 
 
+def plain_and_bagualu(assets: Path, tmp: Path, model: str, config: str, args: List[str],
+                      capacity: str, governor: str,
+                      harness: Tuple[str, ...] = ()) -> Tuple[str, str]:
+    """torchtitan's own run of ``model``/``config`` (no activation checkpointing) and the same
+    through bagualu's trainer at ``capacity`` planned by ``governor``, FP8 off (the tests
+    compare the two bit for bit); their outputs."""
+    (tmp / "plain").mkdir()
+    (tmp / "bagualu").mkdir()
+    plain = run(assets, tmp / "plain", ["--module", model, "--config", config, *args,
+                                        "activation-checkpoint:none"], harness)
+    ours = run(assets, tmp / "bagualu", ["--module", "bagualu.torchtitan", "--config", config,
+                                         *args, "--bagualu.capacity", capacity,
+                                         "--bagualu.governor", governor, *EXACT], harness)
+    return plain, ours
+
+
 def losses(text: str) -> Dict[Tuple[int, int], Tuple[float, float]]:
     """(rank, step) -> (loss, grad norm) from the harness's exact lines."""
     out = {}
@@ -101,15 +117,8 @@ def test_pipeline_1f1b_deepseek_v3_on_two_ranks(assets, tmp_path) -> None:
     debugmodel: bagualu below every rank's keep-all peak plans offloads/recomputes on both
     stages, and torchtitan's losses and gradient norms are those of its run without
     bagualu, bit for bit."""
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "bagualu").mkdir()
-    plain = run(assets, tmp_path / "plain", ["--module", "deepseek_v3", "--config",
-                                             "deepseek_v3_debugmodel", *PP2,
-                                             "activation-checkpoint:none"])
-    ours = run(assets, tmp_path / "bagualu", ["--module", "bagualu.torchtitan", "--config",
-                                              "deepseek_v3_debugmodel", *PP2,
-                                              "--bagualu.capacity", "10MiB",
-                                              "--bagualu.governor", "none", *EXACT])
+    plain, ours = plain_and_bagualu(assets, tmp_path, "deepseek_v3", "deepseek_v3_debugmodel",
+                                    PP2, "10MiB", "none")
     ref, got = losses(plain), losses(ours)
     assert len(ref) == 4 and ref == got, (ref, got)
     by_rank = lines_by_rank(ours)
@@ -130,16 +139,8 @@ def test_expert_parallel_with_fsdp_deepseek_v3_on_two_ranks(assets, tmp_path) ->
     harness's --spike-step, in both runs): every token goes to EP rank 1's experts, load 2
     there and 0 on rank 0; rank 1 replans at the dispatch (a deferred replan: the forward
     was planned at step 1's load) and recomputes, rank 0 does not replan."""
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "bagualu").mkdir()
-    spike = ("--spike-step", "2")
-    plain = run(assets, tmp_path / "plain", ["--module", "deepseek_v3", "--config",
-                                             "deepseek_v3_debugmodel", *EP2,
-                                             "activation-checkpoint:none"], spike)
-    ours = run(assets, tmp_path / "bagualu", ["--module", "bagualu.torchtitan", "--config",
-                                              "deepseek_v3_debugmodel", *EP2,
-                                              "--bagualu.capacity", "28MiB",
-                                              "--bagualu.governor", "none", *EXACT], spike)
+    plain, ours = plain_and_bagualu(assets, tmp_path, "deepseek_v3", "deepseek_v3_debugmodel",
+                                    EP2, "28MiB", "none", ("--spike-step", "2"))
     ref, got = losses(plain), losses(ours)
     assert len(ref) == 4 and ref == got, (ref, got)
     by_rank = lines_by_rank(ours)
@@ -165,15 +166,8 @@ def test_pipeline_interleaved_1f1b_qwen3_against_the_daemon_on_two_ranks(
     offloads at every step, all planned by one bgl-governord (both ranks register with it,
     as one job); torchtitan's losses and gradient norms are those of its run without
     bagualu, bit for bit."""
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "bagualu").mkdir()
-    plain = run(assets, tmp_path / "plain", ["--module", "qwen3", "--config",
-                                             "qwen3_moe_debug", *INTERLEAVED,
-                                             "activation-checkpoint:none"])
-    ours = run(assets, tmp_path / "bagualu", ["--module", "bagualu.torchtitan", "--config",
-                                              "qwen3_moe_debug", *INTERLEAVED,
-                                              "--bagualu.capacity", CAPACITY_INTERLEAVED,
-                                              "--bagualu.governor", daemon, *EXACT])
+    plain, ours = plain_and_bagualu(assets, tmp_path, "qwen3", "qwen3_moe_debug", INTERLEAVED,
+                                    CAPACITY_INTERLEAVED, daemon)
     ref, got = losses(plain), losses(ours)
     assert len(ref) == 4 and ref == got, (ref, got)
     by_rank = lines_by_rank(ours)

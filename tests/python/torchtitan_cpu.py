@@ -287,13 +287,18 @@ def main(argv: List[str]) -> int:
         spike_routing(spike)
     if measure:
         measure_steps()
-    # The assets' flags first: tyro takes what follows a subcommand
-    # (activation-checkpoint:none) as that subcommand's.
+    train_on(assets, args)
+    return 0
+
+
+def train_on(assets: Path, args: List[str]) -> None:
+    """torchtitan's own ``torchtitan.train`` on the test's tokenizer and dataset in
+    ``assets``, with ``args``. The assets' flags go first: tyro takes what follows a subcommand
+    (activation-checkpoint:none) as that subcommand's."""
     sys.argv = [sys.argv[0], "--hf_assets_path", str(assets / "tokenizer"),
                 "--dataloader.dataset_path", str(assets / "c4_test"), *args]
     from torchtitan.train import main as train
     train()
-    return 0
 
 
 if __name__ == "__main__":
