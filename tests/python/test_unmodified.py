@@ -42,7 +42,7 @@ def test_half_of_the_keep_all_peak(name: str, monkeypatch) -> None:
     cap = peak // 2
     keep = unmodified.train(name, "keep-all", capacity=cap)
     assert keep["oom"] is not None, "keep-all must run out of memory at half its peak"
-    r = unmodified.train(name, "bagualu", capacity=cap)
+    r = unmodified.train(name, "bagualu", capacity=cap, allow_fp8=False)  # bitwise below
     assert r["oom"] is None, r["oom"]
     assert len(r["lines"]) == 2 and all(line["ooms"] == 0 for line in r["lines"])
     moved = sum(line["offloads"] + line["fp8_casts"] + line["recomputed_ops"]
@@ -66,14 +66,16 @@ def test_the_plans_issue_order_is_carried_out(name: str) -> None:
     assert full["oom"] is None, full["oom"]
     cap = max(line["peak_bytes"] for line in full["lines"]) // 2
     count = parameters(name)
-    r = unmodified.train(name, "bagualu", capacity=cap, issue_order="dual-batch")
+    r = unmodified.train(name, "bagualu", capacity=cap, issue_order="dual-batch",
+                         allow_fp8=False)
     assert r["oom"] is None, r["oom"]
     enf, tracker = r["stats"]["enforcer"], r["stats"]["tracker"]
     assert enf["scheduled_issued"] > 0 and tracker["scheduled_offloads"] > 0, (enf, tracker)
     assert enf["offloads"] >= tracker["offloads"] > 0
     assert r["losses"] == full["losses"]
     assert_grads(full["grads"], r["grads"], count, what="dual-batch order")
-    serial = unmodified.train(name, "bagualu", capacity=cap, issue_order="serial")
+    serial = unmodified.train(name, "bagualu", capacity=cap, issue_order="serial",
+                              allow_fp8=False)
     assert serial["oom"] is None and serial["losses"] == full["losses"]
     assert_grads(full["grads"], serial["grads"], count, what="serial order")
     assert serial["stats"]["enforcer"]["scheduled_issued"] > 0
@@ -174,7 +176,8 @@ def test_the_router_downgrades_the_rest_of_its_layer() -> None:
     for cap in (peak * 3 // 5, peak // 2, peak * 2 // 5):
         # The serial order: when a dual-batch offload completes moves the bytes in use a
         # router's replan sees, and with them whether it must downgrade (about 1 run in 4).
-        r = unmodified.train("mixtral", "bagualu", capacity=cap, issue_order="serial")
+        r = unmodified.train("mixtral", "bagualu", capacity=cap, issue_order="serial",
+                             allow_fp8=False)
         assert r["oom"] is None and r["losses"] == full["losses"]
         assert_grads(full["grads"], r["grads"], count, what=f"capacity {cap}")
         deferred += sum(line["deferred"] for line in r["lines"])
