@@ -17,6 +17,16 @@ call without its copy is the difference (and the 256-byte rows have next to no c
 
     BGL_LIB_DIR=build .venv/bin/python bench/python/hot_path.py [--calls 2000] [--json out.json]
 
+Side by side with another version of the package (``--against DIR``: the integrations/pytorch
+folder of, e.g., a git worktree of an older commit): the two run alternately, ``--rounds``
+processes each, and every row shows both medians (the median over rounds of each round's
+median, with the range) and their ratio. Absolute timings on a shared machine move by up to 2x
+with its state; the alternation is what makes the ratio mean something.
+
+    git worktree add /tmp/before <commit>
+    BGL_LIB_DIR=build .venv/bin/python bench/python/hot_path.py \
+        --against /tmp/before/integrations/pytorch --rounds 3
+
 Sizes: ``--bytes`` (default 64 KiB, the median saved storage of examples/unmodified.py's
 train(..., width=4, seq=128) on Qwen3-MoE) and 256 bytes.
 """
@@ -30,10 +40,21 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "integrations", "pytorch"))
+OWN_PACKAGE = os.path.join(HERE, "..", "..", "integrations", "pytorch")
+
+
+def _package_dir() -> str:
+    """The package this process measures: ``--package DIR`` (set by --against), else ours."""
+    argv = sys.argv
+    if "--package" in argv:
+        return argv[argv.index("--package") + 1]
+    return OWN_PACKAGE
+
+
+sys.path.insert(0, _package_dir())
 
 import torch  # noqa: E402
 
@@ -178,7 +199,13 @@ def main() -> int:
     ap.add_argument("--per-micro-batch", type=int, default=190,
                     help="saved storages per micro-batch (one round of each row)")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--against", default="",
+                    help="integrations/pytorch of another version: run both alternately")
+    ap.add_argument("--rounds", type=int, default=3, help="--against: processes per version")
+    ap.add_argument("--package", default="", help=argparse.SUPPRESS)  # read at import
     args = ap.parse_args()
+    if args.against:
+        return compare(args)
     torch.set_num_threads(1)
     sizes = [args.bytes, 256]
     capacity = 1 << 31
@@ -201,6 +228,54 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Runs this benchmark on ``args.against`` and on this package alternately, one process
+    each per round, and prints both medians per row and their ratio."""
+    import subprocess
+    import tempfile
+    versions = {"before": os.path.abspath(args.against), "now": os.path.abspath(OWN_PACKAGE)}
+    if not os.path.isdir(os.path.join(versions["before"], "bagualu")):
+        print(f"hot_path: --against {args.against}: no bagualu package there", file=sys.stderr)
+        return 2
+    runs: Dict[str, List[Dict[str, Any]]] = {k: [] for k in versions}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for name, pkg in versions.items():
+                out = os.path.join(tmp, f"{name}-{r}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), "--package", pkg,
+                       "--calls", str(args.calls), "--bytes", str(args.bytes),
+                       "--background", str(args.background),
+                       "--per-micro-batch", str(args.per_micro_batch), "--json", out]
+                print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                with open(out) as f:
+                    runs[name].append(json.load(f)["results"])
+    sizes = list(runs["now"][0])
+    head = " | ".join(f"{n} B before | {n} B now | {n} B now/before" for n in sizes)
+    print(f"| call (median us, range over rounds) | {head} |")
+    print("| --- |" + " --- |" * (3 * len(sizes)))
+
+    def cell(name: str, size: str, row: str) -> Tuple[float, str]:
+        v = [run[size][row]["median_us"] for run in runs[name] if row in run[size]]
+        if not v:
+            return float("nan"), "-"
+        m = statistics.median(v)
+        return m, f"{m:.1f} ({min(v):.1f}-{max(v):.1f})"
+
+    for row in runs["now"][0][sizes[0]]:
+        cells = []
+        for size in sizes:
+            b, bs = cell("before", size, row)
+            n, ns_ = cell("now", size, row)
+            ratio = f"{n / b:.2f}x" if b == b and b > 0 else "-"
+            cells += [bs, ns_, ratio]
+        print(f"| {row} | " + " | ".join(cells) + " |")
+    print(f"({args.rounds} alternating rounds of {args.calls} calls per row, "
+          f"{args.background} background records, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs)")
     return 0
 
 

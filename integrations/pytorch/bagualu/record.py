@@ -39,6 +39,8 @@ class Owner(Protocol):
 
     def retire(self, rec: "Record") -> None: ...
 
+    def track(self, rec: "Record") -> int: ...
+
 
 class Record:
     """One saved storage of one micro-batch."""
@@ -46,7 +48,7 @@ class Record:
     __slots__ = ("ptr", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
                  "placement", "storage", "pool_block", "pool_bytes", "refs", "in_backward",
                  "tracker", "ref", "seq", "packs", "enf", "enf_block", "live_block", "released",
-                 "regen", "regenerating", "planned", "__weakref__")
+                 "regen", "regenerating", "planned", "lazy", "__weakref__")
 
     def __init__(self, tracker: Owner, storage: torch.UntypedStorage, dtype: torch.dtype,
                  producer: Op, micro_batch: int, seq: int) -> None:
@@ -74,6 +76,9 @@ class Record:
         self.regen: Any = None   # the recompute.Call that regenerates it while dropped
         self.regenerating = False
         self.planned = False     # offload left to the plan's issue order
+        # Kept: registered with the enforcer only once something must move it (enf 0 till
+        # then); set by the tracker where the enforcer could move it.
+        self.lazy = False
 
     def same_storage(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` is this record's storage (the original, even after it moved)."""
@@ -115,7 +120,15 @@ class Record:
         but the enforcer has it dropped until the callback returns (pressure eviction inside
         the rerun must not pick it)."""
         return (self.placement == DEVICE and self.storage is not None
-                and self.enf != 0 and not self.regenerating)
+                and (self.enf != 0 or self.lazy) and not self.regenerating)
+
+    def tracked(self) -> int:
+        """The enforcer's handle, registering a kept record first (0: another record tracks
+        its storage already, so it stays where it is)."""
+        if self.lazy:
+            self.lazy = False
+            self.enf = self.tracker.track(self)
+        return self.enf
 
     def offload(self) -> int:
         """Copies the storage to the enforcer's pinned pool and lets the device copy go; bytes
@@ -124,6 +137,8 @@ class Record:
             return 0  # e.g. CPU scalars saved by a CUDA forward are not device memory
         t = self.tracker
         try:
+            if not self.tracked():
+                return 0
             if not (self.planned and t.enforcer.offloaded(self.enf)):
                 t.enforcer.offload(self.enf)  # in need_order() (given at registration)
         except BagualuError as e:  # e.g. the pinned pool is full: the data stays
@@ -162,7 +177,7 @@ class Record:
         """Lets the data go; ``call`` regenerates it at ``key`` when it is needed; bytes freed."""
         if self.placement != DEVICE or self.storage is None:
             return 0
-        if self.enf:
+        if self.tracked():
             try:
                 self.tracker.enforcer.set_strategy(self.enf, RECOMPUTE)
                 self.tracker.enforcer.drop(self.enf, self._regenerate)
@@ -186,6 +201,8 @@ class Record:
             return 0
         t = self.tracker
         try:
+            if not self.tracked():
+                return 0
             fp8_bytes = t.enforcer.store_fp8(self.enf)
         except BagualuError as e:
             t.enforcer_failed("fp8 cast", e)

@@ -22,7 +22,7 @@ from ..enforce.device import DeviceMemory
 from ..enforce.enforcer import Enforcer
 from ..enforce.order import PointIssuer
 from ..record import DROPPED, FP8_PLACE, HOST, Packed, Record, _Plain
-from ..vocabulary import FP8, OFFLOAD, OUTSIDE, RECOMPUTE, Op
+from ..vocabulary import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op
 from .light import LightSet
 
 log = logging.getLogger("bagualu")
@@ -43,6 +43,8 @@ class Tracker:
         self.device_alloc: Callable[[int], int] = memory.alloc
         self.device_free: Callable[[int, int], None] = memory.free
         self.pool_backed = memory.pool_backed  # device_alloc gives pool blocks (CPU)
+        # Offloads complete before the call returns (the host backend's copies on this thread).
+        self.sync_offloads = bool(enforcer is not None and enforcer.sync_copies)
         self.device_type = memory.device.type  # where activations live; only those move
         self.enforcer = enforcer  # every move of a record goes through it
         self.strategy_of = strategy_of
@@ -206,12 +208,22 @@ class Tracker:
         """A new record under producer strategies: its producer's strategy applies once. A
         recompute producer's call drops it if its rerun can find it again: by ``pack_index``
         (the pack being made now) while the call runs, by its outputs after. ``consumer``: the
-        operator saving it now (registered with it)."""
+        operator saving it now (registered with it). A kept record meets the enforcer only if
+        something must move it later (pressure eviction); an offload the training thread
+        carries out at once on the host backend's synchronous copies is never accounted on
+        the device (its copy is complete when the pack returns)."""
         producer, call = self._producer_call(st, op)
-        rec = self.new_record(st, dtype, producer, consumer)
         s = self.strategy_of(producer, self.micro_batch)
+        at_once = (s == OFFLOAD and self.sync_offloads
+                   and self.micro_batch not in self.scheduled)
+        rec = self.new_record(st, dtype, producer, consumer, register=s != KEEP,
+                              account=not at_once)
+        if s == KEEP:
+            return rec
         if s != RECOMPUTE:
             self._apply(rec, s)
+            if at_once and rec.placement != HOST:  # the offload failed: it stays here
+                rec._account(rec.nbytes)
         elif call is not None:
             k = call.key_for(rec.ptr, pack_index)
             if k is not None:
@@ -241,24 +253,43 @@ class Tracker:
         return p.unpack() if isinstance(p, Packed) else p
 
     def new_record(self, st: torch.UntypedStorage, dtype: torch.dtype, producer: Op,
-                   consumer: Optional[Op] = None) -> Record:
+                   consumer: Optional[Op] = None, register: bool = True,
+                   account: bool = True) -> Record:
         """A record of ``st``, registered with the enforcer in one call (its reload order and
-        ``consumer``, the operator saving it now, if any) and accounted on the device."""
+        ``consumer``, the operator saving it now, if any) or, not ``register``, when a move
+        needs it (track); accounted on the device unless not ``account``."""
         self._seq += 1
         rec = Record(self, st, dtype, producer, self.micro_batch, self._seq)
         if consumer is not None:
             rec.consumers.append(consumer)
         if self.enforcer is not None and st.device.type == self.device_type:
-            rec.enf = self.enforcer.register(
-                st, dtype, self.op_id(producer), self.micro_batch, rec.need_order(),
-                self.op_id(consumer) if consumer is not None else -1)
-        rec._account(rec.nbytes)
+            if register:
+                rec.enf = self.enforcer.register(
+                    st, dtype, self.op_id(producer), self.micro_batch, rec.need_order(),
+                    self.op_id(consumer) if consumer is not None else -1)
+            else:
+                rec.lazy = True
+        if account:
+            rec._account(rec.nbytes)
         self.live[rec.ptr] = rec
         self.by_mb.setdefault(rec.micro_batch, set()).add(rec)
         self.counters["records"] += 1
         if self.capture:
             self.captured.append(rec)
         return rec
+
+    def track(self, rec: Record) -> int:
+        """Registers a kept record with the enforcer (its first move is coming): its reload
+        order and every operator that saved it; returns the handle (0: another record tracks
+        the storage)."""
+        ops = rec.consumers
+        h = self.enforcer.register(rec.storage, rec.dtype, self.op_id(rec.producer),
+                                   rec.micro_batch, rec.need_order(),
+                                   self.op_id(ops[0]) if ops else -1)
+        if h:
+            for op in ops[1:]:
+                self.enforcer.add_consumer(h, self.op_id(op))
+        return h
 
     def op_id(self, op: Op) -> int:
         """The enforcer's number of ``op`` (stable for the life of the tracker)."""

@@ -36,46 +36,45 @@ def fp8_supported(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
-_np: Any = None
-
-
-def _numpy() -> Any:
-    """NumPy, imported at the first reload on the host backend (its array interface makes a
-    tensor of a block the enforcer owns)."""
-    global _np
-    if _np is None:
-        import numpy
-        _np = numpy
-    return _np
-
-
 class _Block:
-    """A block the enforcer made (a reload or an uncast) as the owner of a tensor's memory
-    (NumPy's array interface on the host backend, ``__cuda_array_interface__`` on CUDA);
-    ``done`` tells the enforcer when PyTorch lets go of the memory."""
+    """A block the enforcer made (a reload or an uncast) as the owner of a tensor's memory:
+    ``__cuda_array_interface__`` on CUDA; on the host backend the bytes as a ctypes array
+    (``host_bytes``) that torch.frombuffer keeps alive. ``done`` tells the enforcer when
+    PyTorch lets go of the memory (this object dies with the tensor's storage)."""
 
-    __slots__ = ("interface", "cuda", "done", "__weakref__")
+    __slots__ = ("interface", "done", "__weakref__")
 
-    def __init__(self, ptr: int, nbytes: int, cuda: bool, done: Any) -> None:
+    def __init__(self, ptr: int, nbytes: int, done: Any) -> None:
         self.interface = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                          "version": 2 if cuda else 3}
-        self.cuda = cuda
+                          "version": 2}
         self.done = done
 
     @property
-    def __array_interface__(self) -> Dict[str, Any]:
-        if self.cuda:
-            raise AttributeError("__array_interface__")
-        return self.interface
-
-    @property
     def __cuda_array_interface__(self) -> Dict[str, Any]:
-        if not self.cuda:
-            raise AttributeError("__cuda_array_interface__")
         return self.interface
 
     def __del__(self) -> None:
         self.done()
+
+
+class _HostDone:
+    """Runs ``done`` when the ctypes array holding it (the host block's bytes) dies."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: Any) -> None:
+        self.done = done
+
+    def __del__(self) -> None:
+        self.done()
+
+
+def host_bytes(ptr: int, nbytes: int, done: Any) -> torch.UntypedStorage:
+    """The host backend's block at ``ptr`` as a storage (no copy) whose death runs ``done``:
+    torch.frombuffer of a ctypes array, about half the cost of a NumPy array interface."""
+    arr = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    arr._bgl_done = _HostDone(done)  # freed with the array, once torch lets go of it
+    return torch.frombuffer(arr, dtype=torch.uint8).untyped_storage()
 
 
 class Enforcer:
@@ -384,12 +383,10 @@ class Enforcer:
             on_done()
             self._destroy_if_done()
 
-        block = _Block(ptr, nbytes, self.cuda, done)
         if self.cuda:
-            t = torch.as_tensor(block, device=self.device)
-        else:
-            t = torch.from_numpy(_numpy().asarray(block))
-        return t.untyped_storage()
+            t = torch.as_tensor(_Block(ptr, nbytes, done), device=self.device)
+            return t.untyped_storage()
+        return host_bytes(ptr, nbytes, done)
 
     def recompute(self, handle: int) -> None:
         """Brings a dropped tensor back through its regenerator (borrowed again: the package
