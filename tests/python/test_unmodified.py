@@ -114,6 +114,30 @@ def test_the_plans_hold_without_pressure_evictions(name: str) -> None:
     assert planning["plan_ms"] > 0
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_routing_spike_on_one_rank_runs_keep_all_out_of_memory_and_bagualu_through(
+        name: str) -> None:
+    """Issue 22's spike on unmodified models: expert parallelism simulated (4 ranks, this
+    process computes one rank's experts), and every 8th micro-batch repeats the two tokens
+    whose routing lands most on one rank (measured on the model: spike_rank), which this
+    process stands for. At a capacity between the balanced keep-all peak and the spike's,
+    keep-all runs out of memory at the spike; bagualu finishes without a pressure eviction,
+    its plans seeing a load of at least twice balance."""
+    require_libs()
+    kw = dict(iterations=2, ep=True, spike_every=8, spike_on_rank=True)
+    balanced = unmodified.keep_all_peak(name, **dict(kw, spike_every=0))
+    spiked = unmodified.keep_all_peak(name, **kw)
+    assert spiked > balanced * 1.05, (balanced, spiked)
+    cap = (balanced + spiked) // 2
+    keep = unmodified.train(name, "keep-all", capacity=cap, forced={}, **kw)
+    assert keep["oom"] is not None
+    r = unmodified.train(name, "bagualu", capacity=cap, **kw)
+    assert r["oom"] is None, r["oom"]
+    assert max(line["max_load_factor"] for line in r["lines"]) >= 2.0, r["lines"]
+    assert all(line["evictions"] == 0 for line in r["lines"]), r["lines"]
+    assert max(line["peak_bytes"] for line in r["lines"]) <= cap
+
+
 def test_a_capacity_without_room_for_the_layers_is_a_clear_error() -> None:
     """What stays outside the planned layers (embeddings, head, loss), counted for every
     micro-batch a rank may hold, over the capacity: a PolicyError that names the bytes and the

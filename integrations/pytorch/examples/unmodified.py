@@ -19,7 +19,7 @@ import gc
 import math
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -150,18 +150,69 @@ def instrument_kwargs(name: str) -> Dict[str, Any]:
 
 
 def batches(n: int, seed: int = 1, batch: int = 2, seq: int = 32, vocab: int = 128,
-            spike_every: int = 0) -> List[torch.Tensor]:
-    """Token batches; every ``spike_every``-th repeats few tokens, so routing skews (a spike
-    at some EP rank) and the load factor moves away from the capture's."""
+            spike_every: int = 0, spike_tokens: Optional[Sequence[int]] = None
+            ) -> List[torch.Tensor]:
+    """Token batches; every ``spike_every``-th repeats few tokens (``spike_tokens``, one per
+    sequence in turn; default: random ones of the first four), so routing skews (a spike at
+    some EP rank) and the load factor moves away from the capture's."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         if spike_every and i % spike_every == spike_every - 1:
-            t = torch.randint(0, 4, (batch, seq), generator=g)
+            if spike_tokens:
+                rows = [spike_tokens[j % len(spike_tokens)] for j in range(batch)]
+                t = torch.tensor(rows).view(batch, 1).expand(batch, seq).contiguous()
+            else:
+                t = torch.randint(0, 4, (batch, seq), generator=g)
         else:
             t = torch.randint(0, vocab, (batch, seq), generator=g)
         out.append(t)
     return out
+
+
+_SPIKES: Dict[Tuple[str, int, int, int], Tuple[int, List[int], List[float]]] = {}
+
+
+def spike_rank(name: str, model: nn.Module, seed: int, width: int, seq: int,
+               ep_size: int = 4) -> Tuple[int, List[int], List[float]]:
+    """Where a routing spike lands: the EP rank (experts split evenly and in order, as
+    ``expert_parallel`` splits them) and the two tokens that, each repeated over a sequence,
+    send the most of their top-k choices to that rank's experts, summed over the layers; and
+    the load factor per layer of a batch of them (1.0: balance). Measured on the model itself
+    (every token alone through it, its routers' top-k), so the spike is what this model does
+    with such a batch, not a number set here. Cached per model."""
+    key = (name, seed, width, seq)
+    if key in _SPIKES:
+        return _SPIKES[key]
+    top_k = model.config.num_experts_per_tok
+    routers = [m for n, m in model.named_modules()
+               if n.endswith(".gate") and getattr(m, "weight", None) is not None]
+    experts = routers[0].weight.shape[0]
+    per_rank = experts // ep_size
+    picked: List[torch.Tensor] = []
+
+    def hook(mod: nn.Module, args: Tuple[Any, ...]) -> None:
+        h = args[0].reshape(-1, args[0].shape[-1])[:1].float()  # every position is alike
+        picked.append(torch.topk(h @ mod.weight.float().t(), top_k, dim=-1).indices[0])
+
+    handles = [m.register_forward_pre_hook(hook) for m in routers]
+    local = torch.zeros(model.config.vocab_size, ep_size, len(routers))
+    try:
+        with torch.no_grad():
+            for tok in range(model.config.vocab_size):
+                picked.clear()
+                model(input_ids=torch.full((1, seq), tok), use_cache=False)
+                for layer, idx in enumerate(picked):
+                    local[tok, :, layer] = torch.bincount(idx // per_rank, minlength=ep_size)
+    finally:
+        for h in handles:
+            h.remove()
+    score = local.sum(-1)  # [token, rank]
+    rank = int(score.max(0).values.argmax())
+    tokens = [int(t) for t in torch.argsort(score[:, rank], descending=True, stable=True)[:2]]
+    loads = [float(v) for v in local[tokens, rank].mean(0) * ep_size / top_k]
+    _SPIKES[key] = (rank, tokens, loads)
+    return _SPIKES[key]
 
 
 def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +228,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           ep: bool = True, width: int = 1, seq: int = 32, device: str = "cpu",
           issue_order: str = "dual-batch", layers: int = 3, compiled: Optional[str] = None,
           compile_options: Optional[Dict[str, Any]] = None,
-          compile_after: bool = False, allow_fp8: bool = True) -> Dict[str, Any]:
+          compile_after: bool = False, allow_fp8: bool = True,
+          spike_on_rank: bool = False) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
@@ -188,7 +240,10 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     larger model (``build``) and longer micro-batches. ``compiled``: every block compiled
     (``compile_blocks``: "in-place" or "wrapped", with ``compile_options``), before
     ``bagualu.instrument`` or, ``compile_after``, after it. Per iteration: wall and CPU times
-    (``device`` "cuda": wall time after a synchronize)."""
+    (``device`` "cuda": wall time after a synchronize). ``spike_on_rank`` (with ``ep`` and
+    ``spike_every``): this process stands for the EP rank the spike lands on, and the spike's
+    batches repeat the tokens that put it there (``spike_rank``); else rank 0 and a batch of
+    few random tokens."""
     import bagualu
     one_f_one_b = bagualu.schedule.one_f_one_b
     cuda = device.startswith("cuda")
@@ -197,14 +252,19 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
                         pipeline_stages=stages, micro_batches=micro_batches,
                         log_iterations=False, issue_order=issue_order, allow_fp8=allow_fp8)
     model = build(name, seed, layers=layers, ep_size=4 if ep else 1, width=width).to(device)
+    ep_kwargs = instrument_kwargs(name) if ep else {}
+    tokens = None
+    if spike_on_rank and ep and spike_every and name != "fused":
+        rank, tokens, _ = spike_rank(name, model, seed, width, seq)
+        ep_kwargs["ep_rank"] = rank
     xs = [x.to(device) for x in batches(micro_batches * iterations, spike_every=spike_every,
-                                        seq=seq)]
+                                        seq=seq, spike_tokens=tokens)]
     out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "times_ms": [],
                            "cpu_ms": []}
     if compiled is not None and not (compile_after and policy is not None):
         compile_blocks(model, compiled, **(compile_options or {}))
     if policy is not None:
-        bagualu.instrument(model, **(instrument_kwargs(name) if ep else {}))
+        bagualu.instrument(model, **ep_kwargs)
         if forced is not None:
             bagualu.force_strategies(forced)
         if compiled is not None and compile_after:

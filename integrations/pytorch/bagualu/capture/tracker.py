@@ -43,8 +43,11 @@ class Tracker:
         self.device_alloc: Callable[[int], int] = memory.alloc
         self.device_free: Callable[[int, int], None] = memory.free
         self.pool_backed = memory.pool_backed  # device_alloc gives pool blocks (CPU)
-        # Offloads complete before the call returns (the host backend's copies on this thread).
+        # Copies complete before the call returns (the host backend's, on this thread): an
+        # offload is done at once, and reloading ahead of the backward would only move the
+        # same copy earlier (nothing overlaps it), so each acquire reloads what it needs.
         self.sync_offloads = bool(enforcer is not None and enforcer.sync_copies)
+        self.reload_ahead = enforcer is not None and not self.sync_offloads
         self.device_type = memory.device.type  # where activations live; only those move
         self.enforcer = enforcer  # every move of a record goes through it
         self.strategy_of = strategy_of
@@ -385,11 +388,13 @@ class Tracker:
         if self.enforcer is None:
             return
         self.collect_offloaded()
-        self._prefetch(micro_batch)
+        if self.reload_ahead:
+            self._prefetch(micro_batch)
 
     def acquired(self, micro_batch: int) -> None:
         """A reload of ``micro_batch`` was consumed: the enforcer may issue the next one."""
-        self._prefetch(micro_batch)
+        if self.reload_ahead:
+            self._prefetch(micro_batch)
 
     def _prefetch(self, micro_batch: int) -> None:
         """Reloads ahead of the backward in the room there is: evicting another micro-batch's
