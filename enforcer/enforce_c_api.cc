@@ -248,6 +248,19 @@ BGL_ALLOC_API int bgl_enf_register_saved(bgl_enforcer* enf, const bgl_enf_tensor
               });
 }
 
+BGL_ALLOC_API int bgl_enf_offload_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
+                                        int64_t need_order, const int* consumers, size_t count,
+                                        uint64_t* handle) {
+  return Call(enf, __func__, {desc, handle, count > 0 ? static_cast<const void*>(consumers) : desc},
+              [&](Enforcer& e) {
+                *handle = 0;
+                TensorDesc d;
+                Status s = ToDesc(desc, "bgl_enf_offload_saved", &d);
+                if (s == Status::kOk) s = e.register_saved(d, need_order, consumers, count, handle);
+                return s != Status::kOk ? s : e.offload(*handle);
+              });
+}
+
 BGL_ALLOC_API int bgl_enf_add_consumer(bgl_enforcer* enf, uint64_t handle, int consumer_op) {
   return Call(enf, __func__, {}, [&](Enforcer& e) { return e.add_consumer(handle, consumer_op); });
 }

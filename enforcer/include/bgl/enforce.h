@@ -210,6 +210,14 @@ BGL_ALLOC_API int bgl_enf_register(bgl_enforcer* enf, const bgl_enf_tensor_desc*
 BGL_ALLOC_API int bgl_enf_register_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
                                          int64_t need_order, const int* consumers, size_t count,
                                          uint64_t* handle);
+/* bgl_enf_register_saved, then bgl_enf_offload of the new tensor, in one call: the pack of a
+ * storage whose operator's strategy is offload, carried out at once. When the registration
+ * fails nothing is registered (*handle 0); when the offload fails (e.g. the pinned pool is full)
+ * the tensor stays registered and on the device: *handle is set and the offload's error is
+ * returned. */
+BGL_ALLOC_API int bgl_enf_offload_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
+                                        int64_t need_order, const int* consumers, size_t count,
+                                        uint64_t* handle);
 /* Adds a consumer (operator index) that saved the tensor; BGL_ERR_DUPLICATE if already added. */
 BGL_ALLOC_API int bgl_enf_add_consumer(bgl_enforcer* enf, uint64_t handle, int consumer_op);
 /* Test and tool support.

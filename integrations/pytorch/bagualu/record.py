@@ -263,10 +263,13 @@ class Record:
                                "regenerate this storage")
         return self.storage.data_ptr()
 
-    def _block_died(self) -> None:
+    def _block_died(self) -> bool:
+        """PyTorch let go of the enforcer's block; True when that retired the record."""
         self.live_block = False
-        if self.released:
+        if self.released and self.enf:
             self._retire()
+            return True
+        return False
 
     def _retire(self) -> None:
         if self.enf:

@@ -173,6 +173,61 @@ TEST_F(EnforceCApi, RegisterSavedSetsNeedOrderAndConsumersInOneCall) {
   bgl_free(p, 4096, 0, compute_);
 }
 
+// bgl_enf_offload_saved: registration and offload in one call; a failed offload (the pinned
+// pool is full) leaves the tensor registered on the device, its handle returned with the
+// error; a failed registration leaves nothing.
+TEST_F(EnforceCApi, OffloadSavedRegistersAndOffloadsInOneCall) {
+  auto desc = [&](void* p, std::size_t bytes) {
+    bgl_enf_tensor_desc d{};
+    d.ptr = p;
+    d.bytes = bytes;
+    d.dtype = BGL_DTYPE_F32;
+    d.producer_op = 3;
+    d.graph_tensor = -1;
+    d.micro_batch = 1;
+    d.stream = compute_;
+    return d;
+  };
+  void* p = bgl_alloc(4096, 0, compute_);
+  ASSERT_NE(p, nullptr);
+  std::memset(p, 0x5a, 4096);
+  bgl_enf_tensor_desc d = desc(p, 4096);
+  const int consumers[1] = {4};
+  uint64_t h = 0;
+  ASSERT_EQ(bgl_enf_offload_saved(enf_, &d, 77, consumers, 1, &h), BGL_OK)
+      << bgl_enf_last_error();
+  ASSERT_EQ(bgl_enf_wait_tensor(enf_, h), BGL_OK);
+  bgl_enf_tensor_info info;
+  ASSERT_EQ(bgl_enf_query(enf_, h, &info), BGL_OK);
+  EXPECT_EQ(info.placement, BGL_PLACE_HOST);
+  EXPECT_EQ(info.need_order, 77);
+  EXPECT_EQ(info.num_consumers, 1);
+
+  // Larger than the pinned pool (8 MiB): registered, left on the device, the error returned.
+  const std::size_t big = 16 << 20;
+  void* q = bgl_alloc(big, 0, compute_);
+  ASSERT_NE(q, nullptr);
+  bgl_enf_tensor_desc dq = desc(q, big);
+  uint64_t hq = 0;
+  EXPECT_NE(bgl_enf_offload_saved(enf_, &dq, 0, nullptr, 0, &hq), BGL_OK);
+  ASSERT_NE(hq, 0u);
+  ASSERT_EQ(bgl_enf_query(enf_, hq, &info), BGL_OK);
+  EXPECT_EQ(info.placement, BGL_PLACE_DEVICE);
+  ASSERT_EQ(bgl_enf_unregister(enf_, hq), BGL_OK);
+
+  // A bad description: nothing registered, the handle zeroed.
+  uint64_t h2 = 99;
+  dq.dtype = 17;
+  EXPECT_EQ(bgl_enf_offload_saved(enf_, &dq, 0, nullptr, 0, &h2), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(h2, 0u);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("bgl_enf_offload_saved: dtype 17"),
+            std::string::npos);
+  EXPECT_EQ(bgl_enf_offload_saved(enf_, nullptr, 0, nullptr, 0, &h2), BGL_ERR_INVALID_ARGUMENT);
+  ASSERT_EQ(bgl_enf_unregister(enf_, h), BGL_OK);
+  bgl_free(q, big, 0, compute_);
+  bgl_free(p, 4096, 0, compute_);
+}
+
 // sync_copies on the host backend: copies and casts run on the calling thread, so an offload,
 // a reload and an FP8 round trip are complete when the call returns (nothing pending) and the
 // data comes back bit for bit.

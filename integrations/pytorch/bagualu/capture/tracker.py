@@ -219,19 +219,36 @@ class Tracker:
         s = self.strategy_of(producer, self.micro_batch)
         at_once = (s == OFFLOAD and self.sync_offloads
                    and self.micro_batch not in self.scheduled)
-        rec = self.new_record(st, dtype, producer, consumer, register=s != KEEP,
-                              account=not at_once)
+        rec = self.new_record(st, dtype, producer, consumer,
+                              register=s != KEEP and not at_once, account=not at_once)
         if s == KEEP:
             return rec
-        if s != RECOMPUTE:
+        if at_once:
+            self._offload_at_once(rec)
+        elif s != RECOMPUTE:
             self._apply(rec, s)
-            if at_once and rec.placement != HOST:  # the offload failed: it stays here
-                rec._account(rec.nbytes)
         elif call is not None:
             k = call.key_for(rec.ptr, pack_index)
             if k is not None:
                 rec.drop(call, k)
         return rec
+
+    def _offload_at_once(self, rec: Record) -> None:
+        """Registers and offloads a new record in one call of the enforcer (synchronous
+        copies: done when it returns); a record the enforcer cannot take (another tracks its
+        storage) or whose offload failed stays on the device, accounted there."""
+        if rec.lazy:
+            rec.lazy = False
+            ops = rec.consumers
+            rec.enf, error = self.enforcer.offload_saved(
+                rec.storage, rec.dtype, self.op_id(rec.producer), rec.micro_batch,
+                rec.need_order(), self.op_id(ops[0]) if ops else -1)
+            if rec.enf and error is None:
+                rec.left_for_host()
+                return
+            if error is not None:
+                self.enforcer_failed("offload", error)
+        rec._account(rec.nbytes)
 
     def hold(self, t: torch.Tensor) -> Any:
         """A handle that keeps ``t`` for a recompute call: through its record (which follows

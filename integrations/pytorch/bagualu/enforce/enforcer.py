@@ -138,6 +138,7 @@ class Enforcer:
         self._dtype_bytes = self.vocab.dtype_bytes
         lib = self.lib
         self._register_saved = lib.bgl_enf_register_saved
+        self._offload_saved = lib.bgl_enf_offload_saved
         self._add_consumer = lib.bgl_enf_add_consumer
         self._offload = lib.bgl_enf_offload
         self._wait_tensor = lib.bgl_enf_wait_tensor
@@ -195,6 +196,47 @@ class Enforcer:
         another record tracks the storage already (one storage saved by two micro-batches,
         e.g. a chunk's output that the next chunk of this rank saves too: it stays where it
         is)."""
+        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, graph_tensor)
+        if need_order is None:  # bgl_enf_set_need_order's default
+            need_order = (micro_batch << 32) + (1 << 31) - 1 - producer_op
+        rc = self._register_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
+                                  self._out_ref)
+        if rc != 0:
+            if rc == self.vocab.duplicate:
+                return 0
+            self._check(rc, "register")
+        self.tracked += 1
+        return self._out.value
+
+    def offload_saved(self, storage: torch.UntypedStorage, dtype: torch.dtype,
+                      producer_op: int, micro_batch: int, need_order: int,
+                      consumer: int = -1) -> Tuple[int, Optional[BagualuError]]:
+        """register() and offload() in one call of the C ABI (a pack whose strategy is
+        offload, carried out at once on synchronous copies): the handle (0 as register's) and
+        None, or the handle of a tensor left on the device and why its offload failed."""
+        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, -1)
+        rc = self._offload_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
+                                 self._out_ref)
+        h = self._out.value
+        if rc == 0 or h:
+            self.tracked += 1
+        if rc == 0:
+            if not self.borrowed_free_is_safe and not self.sync_copies:
+                self._check(self._wait_tensor(self.handle, h), "offload")
+            return h, None
+        if not h:
+            if rc == self.vocab.duplicate:
+                return 0, None
+            self._check(rc, "register")
+        try:
+            self._check(rc, "offload")
+        except BagualuError as e:
+            return h, e
+        return h, None
+
+    def _describe(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
+                  micro_batch: int, consumer: int, graph_tensor: int) -> int:
+        """Fills the reused description and consumer buffers; returns the consumer count."""
         d = self._desc
         d.ptr = storage.data_ptr()
         d.bytes = storage.nbytes()
@@ -204,20 +246,10 @@ class Enforcer:
         d.micro_batch = micro_batch
         if self.cuda:
             d.stream = self._stream()
-        if need_order is None:  # bgl_enf_set_need_order's default
-            need_order = (micro_batch << 32) + (1 << 31) - 1 - producer_op
-        n = 1
         if consumer >= 0:
             self._consumers[1] = consumer
-            n = 2
-        rc = self._register_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
-                                  self._out_ref)
-        if rc != 0:
-            if rc == self.vocab.duplicate:
-                return 0
-            self._check(rc, "register")
-        self.tracked += 1
-        return self._out.value
+            return 2
+        return 1
 
     def add_consumer(self, handle: int, op: int) -> None:
         """Operator ``op`` saved the tensor too."""
@@ -369,18 +401,23 @@ class Enforcer:
         self.regenerators[handle] = regenerate
 
     def acquire(self, handle: int, nbytes: int,
-                on_done: Callable[[], None]) -> torch.UntypedStorage:
+                on_done: Callable[[], bool]) -> torch.UntypedStorage:
         """The full-precision data of an offloaded or FP8 tensor as a storage on the device
         (reloaded or uncast into a block of the enforcer); the current stream waits for it.
-        ``on_done`` runs when the storage dies."""
+        ``on_done`` runs when the storage dies and says whether it retired the tensor (on
+        the host backend, whose memory no stream order guards, the retirement frees the block
+        in the same call; on CUDA the release first tells the pool PyTorch's stream)."""
         ptr = self._acquire(handle, nbytes)
         self.live_blocks += 1
 
         def done(h: int = handle) -> None:
             self.live_blocks -= 1
-            if not self.destroyed:
-                self._release(self.handle, h, -1, self._stream())
-            on_done()
+            if self.cuda or self.destroyed:
+                if not self.destroyed:
+                    self._release(self.handle, h, -1, self._stream())
+                on_done()
+            elif not on_done():  # not retired yet: the record still holds the tensor
+                self._release(self.handle, h, -1, None)
             self._destroy_if_done()
 
         if self.cuda:
