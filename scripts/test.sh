@@ -61,7 +61,7 @@ run_python_asan() {
     tests/python/test_planner_api.py tests/python/test_governor.py
     tests/python/test_governor_cases.py tests/python/test_unmodified.py
     tests/python/test_own_checkpointing.py tests/python/test_quiet_exit.py -k
-    "not two_ranks and not four_ranks and not two_stage and not small_node_budget")
+    "not two_ranks and not four_ranks and not two_stage and not small_node_budget and not plans_hold and not routing_spike")
   # shellcheck disable=SC2206  # a word list on purpose
   [[ -n ${BGL_ASAN_PYTEST_ARGS:-} ]] && selection=($BGL_ASAN_PYTEST_ARGS)
   echo "=== asan+ubsan: the Python suite against ${dir}'s libraries (${asan_rt})"

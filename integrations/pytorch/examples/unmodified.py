@@ -197,13 +197,15 @@ def spike_rank(name: str, model: nn.Module, seed: int, width: int, seq: int,
 
     handles = [m.register_forward_pre_hook(hook) for m in routers]
     local = torch.zeros(model.config.vocab_size, ep_size, len(routers))
+    device = routers[0].weight.device
     try:
         with torch.no_grad():
             for tok in range(model.config.vocab_size):
                 picked.clear()
-                model(input_ids=torch.full((1, seq), tok), use_cache=False)
+                model(input_ids=torch.full((1, seq), tok, device=device), use_cache=False)
                 for layer, idx in enumerate(picked):
-                    local[tok, :, layer] = torch.bincount(idx // per_rank, minlength=ep_size)
+                    local[tok, :, layer] = torch.bincount(idx.cpu() // per_rank,
+                                                          minlength=ep_size)
     finally:
         for h in handles:
             h.remove()

@@ -42,7 +42,13 @@ class DevicePool:
         self.device = device
         self.capacity_bytes = int(capacity_bytes)
         if configure:
+            # The mapping page: 64 KiB, or less under a small capacity (at most 1/256 of it,
+            # at least 4 KiB), so a capacity of a few pages does not run out of memory on page
+            # fragmentation no device of that size would have (a GPU's 2 MiB page is well
+            # under 1/1000 of its memory).
             page = 64 << 10
+            while page > 4 << 10 and page * 256 > self.capacity_bytes:
+                page //= 2
             self.capacity_bytes = (self.capacity_bytes + page - 1) // page * page
             conf = f"backend:host,capacity:{self.capacity_bytes},page_size:{page},log:false"
             if history:
