@@ -27,6 +27,9 @@ with its state; the alternation is what makes the ratio mean something.
     BGL_LIB_DIR=build .venv/bin/python bench/python/hot_path.py \
         --against /tmp/before/integrations/pytorch --rounds 3
 
+``--training MODEL``: the same calls inside a training run instead (hot_path_training.py), alone
+or ``--against`` another version.
+
 Sizes: ``--bytes`` (default 64 KiB, the median saved storage of examples/unmodified.py's
 train(..., width=4, seq=128) on Qwen3-MoE) and 256 bytes.
 """
@@ -202,10 +205,21 @@ def main() -> int:
     ap.add_argument("--against", default="",
                     help="integrations/pytorch of another version: run both alternately")
     ap.add_argument("--rounds", type=int, default=3, help="--against: processes per version")
+    ap.add_argument("--training", default="", metavar="MODEL",
+                    help="the calls inside a training run of MODEL instead (qwen3_moe, mixtral)")
+    ap.add_argument("--iterations", type=int, default=4, help="--training: iterations")
     ap.add_argument("--package", default="", help=argparse.SUPPRESS)  # read at import
     args = ap.parse_args()
     if args.against:
         return compare(args)
+    if args.training:
+        import hot_path_training
+        res = hot_path_training.measure(_package_dir(), args.training, args.iterations)
+        print("\n".join(hot_path_training.table(res)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "results": {args.training: res}}, f, indent=1)
+        return 0
     torch.set_num_threads(1)
     sizes = [args.bytes, 256]
     capacity = 1 << 31
@@ -246,6 +260,7 @@ def compare(args: argparse.Namespace) -> int:
             for name, pkg in versions.items():
                 out = os.path.join(tmp, f"{name}-{r}.json")
                 cmd = [sys.executable, os.path.abspath(__file__), "--package", pkg,
+                       "--training", args.training, "--iterations", str(args.iterations),
                        "--calls", str(args.calls), "--bytes", str(args.bytes),
                        "--background", str(args.background),
                        "--per-micro-batch", str(args.per_micro_batch), "--json", out]

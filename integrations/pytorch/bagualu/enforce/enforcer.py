@@ -1,10 +1,10 @@
 """The enforcer of libbgl_enforce.so (bgl/enforce.h) through ctypes: the one place where a saved
-activation changes placement. Every captured storage is registered with it (its producer, the
-operators that saved it, the plan's strategy); it offloads to its pinned host pool on its D2H
-stream and reloads on its H2D stream into a block of the allocator's pool, casts to FP8 and back
-with the kernels of kernels/ (the CUDA kernels on a GPU, their bit-identical host twin on CPU),
-and drops data for recompute, calling back into the package (recompute.py) when the data is
-needed again.
+activation changes placement. Every captured storage that moves is registered with it (its
+producer, the operators that saved it, the plan's strategy; a kept one when it first moves); it
+offloads to its pinned host pool on its D2H stream and reloads on its H2D stream into a block of
+the allocator's pool, casts to FP8 and back with the kernels of kernels/ (the CUDA kernels on a
+GPU, their bit-identical host twin on CPU), and drops data for recompute, calling back into the
+package (recompute.py) when the data is needed again.
 
 PyTorch keeps owning the memory it allocated (registrations are borrowed); the enforcer owns the
 pinned copies, the FP8 copies and the blocks it reloads or uncasts into, which PyTorch sees as a
