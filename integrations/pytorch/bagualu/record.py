@@ -48,7 +48,7 @@ class Record:
     __slots__ = ("ptr", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
                  "placement", "storage", "pool_block", "pool_bytes", "refs", "in_backward",
                  "tracker", "ref", "seq", "packs", "enf", "enf_block", "live_block", "released",
-                 "regen", "regenerating", "planned", "lazy", "__weakref__")
+                 "regen", "regenerating", "planned", "lazy", "stream", "__weakref__")
 
     def __init__(self, tracker: Owner, storage: torch.UntypedStorage, dtype: torch.dtype,
                  producer: Op, micro_batch: int, seq: int) -> None:
@@ -79,6 +79,7 @@ class Record:
         # Kept: registered with the enforcer only once something must move it (enf 0 till
         # then); set by the tracker where the enforcer could move it.
         self.lazy = False
+        self.stream: Optional[int] = None  # a kept record's producing CUDA stream
 
     def same_storage(self, st: torch.UntypedStorage) -> bool:
         """Whether ``st`` is this record's storage (the original, even after it moved)."""

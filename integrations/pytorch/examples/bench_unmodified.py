@@ -15,7 +15,9 @@ plain PyTorch, torch.utils.checkpoint around every block, save_on_cpu, the stati
 (full recompute: bagualu's static-over; offload-all: every operator forced to offload) and
 bagualu, alternating; iteration time (median and range of each run's median over iterations
 1..), the peak of the activations on the simulated device and the pressure evictions per
-iteration. ``--spike N``: the same with expert parallelism simulated (4 ranks, this one's
+iteration; and the paired ratios, per round, of bagualu over plain and of checkpointing over
+bagualu (each run right after the other, so a drift of the machine's speed over minutes
+cancels), median and range over rounds. ``--spike N``: the same with expert parallelism simulated (4 ranks, this one's
 experts computed) and every N-th micro-batch a batch of the two tokens whose routing lands
 most on one rank, which this process stands for (unmodified.spike_rank: a load of 2.67x balance
 on Qwen3-MoE and 2.0x on Mixtral at width 4), so routing spikes there.
@@ -151,8 +153,20 @@ def overhead(args: argparse.Namespace) -> int:
     return 0
 
 
-SAME_CAPACITY = ("plain", "checkpoint every block", "save_on_cpu", "full recompute",
-                 "offload-all", "bagualu")
+# bagualu runs right after plain and checkpointing right after bagualu in every round, so that
+# the paired ratios compare runs seconds apart (the machine's speed drifts over minutes).
+SAME_CAPACITY = ("plain", "bagualu", "checkpoint every block", "save_on_cpu", "full recompute",
+                 "offload-all")
+
+
+def _paired(times: Dict[str, List[float]]) -> Dict[str, List[float]]:
+    """Per round, bagualu over plain and checkpointing over bagualu (runs seconds apart)."""
+    b, p, c = (times.get(k, []) for k in ("bagualu", "plain", "checkpoint every block"))
+    n = min(len(b), len(p), len(c))
+    if n == 0 or len(b) != len(p) or len(b) != len(c):
+        return {}
+    return {"bagualu/plain": [b[i] / p[i] for i in range(n)],
+            "checkpoint/bagualu": [c[i] / b[i] for i in range(n)]}
 
 
 def same_capacity(args: argparse.Namespace) -> int:
@@ -220,6 +234,12 @@ def same_capacity(args: argparse.Namespace) -> int:
                   f"{format(i['max_load'], '.2f') if 'max_load' in i else ''} |", flush=True)
         print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
               f"{peak / 2**20:.2f} MiB) | | | | | | | |", flush=True)
+        paired = _paired(times)
+        if paired:
+            table[name]["paired"] = paired
+            print(f"| {name} | paired, same round | " + "; ".join(
+                f"{k} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"
+                for k, v in paired.items()) + " | | | | | | | |", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": args.device, "width": args.width, "seq": args.seq,

@@ -289,6 +289,8 @@ class Tracker:
                     self.op_id(consumer) if consumer is not None else -1)
             else:
                 rec.lazy = True
+                if self.enforcer.cuda:  # its first move is ordered after the producer's work
+                    rec.stream = self.enforcer.current_stream()
         if account:
             rec._account(rec.nbytes)
         self.live[rec.ptr] = rec
@@ -305,7 +307,7 @@ class Tracker:
         ops = rec.consumers
         h = self.enforcer.register(rec.storage, rec.dtype, self.op_id(rec.producer),
                                    rec.micro_batch, rec.need_order(),
-                                   self.op_id(ops[0]) if ops else -1)
+                                   self.op_id(ops[0]) if ops else -1, stream=rec.stream)
         if h:
             for op in ops[1:]:
                 self.enforcer.add_consumer(h, self.op_id(op))

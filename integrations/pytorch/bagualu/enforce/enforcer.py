@@ -165,8 +165,11 @@ class Enforcer:
             raise OutOfMemoryError(text)
         raise BagualuError(text)
 
-    def _stream(self) -> Optional[int]:
+    def current_stream(self) -> Optional[int]:
+        """The current CUDA stream's handle (None on the host backend)."""
         return torch.cuda.current_stream(self.device).cuda_stream if self.cuda else None
+
+    _stream = current_stream
 
     def _recompute(self, handle: int, producer_op: int, micro_batch: int, user: Any,
                    out: Any) -> int:
@@ -189,14 +192,15 @@ class Enforcer:
     # -- tracker ----------------------------------------------------------------------------
     def register(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
                  micro_batch: int, need_order: Optional[int] = None, consumer: int = -1,
-                 graph_tensor: int = -1) -> int:
+                 graph_tensor: int = -1, stream: Optional[int] = None) -> int:
         """Tracks a saved storage (borrowed: PyTorch keeps its memory) with its reload order
         key (``need_order``; None: the enforcer's default) and the operator that saved it
         (``consumer``, -1: none yet), in one call of the C ABI; returns the handle, or 0 when
         another record tracks the storage already (one storage saved by two micro-batches,
         e.g. a chunk's output that the next chunk of this rank saves too: it stays where it
-        is)."""
-        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, graph_tensor)
+        is). ``stream``: the CUDA stream that produced it (None: the current one)."""
+        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, graph_tensor,
+                           stream)
         if need_order is None:  # bgl_enf_set_need_order's default
             need_order = (micro_batch << 32) + (1 << 31) - 1 - producer_op
         rc = self._register_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
@@ -235,7 +239,8 @@ class Enforcer:
         return h, None
 
     def _describe(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
-                  micro_batch: int, consumer: int, graph_tensor: int) -> int:
+                  micro_batch: int, consumer: int, graph_tensor: int,
+                  stream: Optional[int] = None) -> int:
         """Fills the reused description and consumer buffers; returns the consumer count."""
         d = self._desc
         d.ptr = storage.data_ptr()
@@ -245,7 +250,7 @@ class Enforcer:
         d.graph_tensor = graph_tensor
         d.micro_batch = micro_batch
         if self.cuda:
-            d.stream = self._stream()
+            d.stream = stream if stream is not None else self._stream()
         if consumer >= 0:
             self._consumers[1] = consumer
             return 2
