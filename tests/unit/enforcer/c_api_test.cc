@@ -194,8 +194,7 @@ TEST_F(EnforceCApi, OffloadSavedRegistersAndOffloadsInOneCall) {
   bgl_enf_tensor_desc d = desc(p, 4096);
   const int consumers[1] = {4};
   uint64_t h = 0;
-  ASSERT_EQ(bgl_enf_offload_saved(enf_, &d, 77, consumers, 1, &h), BGL_OK)
-      << bgl_enf_last_error();
+  ASSERT_EQ(bgl_enf_offload_saved(enf_, &d, 77, consumers, 1, &h), BGL_OK) << bgl_enf_last_error();
   ASSERT_EQ(bgl_enf_wait_tensor(enf_, h), BGL_OK);
   bgl_enf_tensor_info info;
   ASSERT_EQ(bgl_enf_query(enf_, h, &info), BGL_OK);
