@@ -236,29 +236,34 @@ BGL_ALLOC_API int bgl_enf_register(bgl_enforcer* enf, const bgl_enf_tensor_desc*
   });
 }
 
+namespace {
+
+// bgl_enf_register_saved and, `offload`, bgl_enf_offload_saved: one registration path.
+int RegisterSaved(bgl_enforcer* enf, const char* fn, const bgl_enf_tensor_desc* desc,
+                  int64_t need_order, const int* consumers, size_t count, uint64_t* handle,
+                  bool offload) {
+  return Call(enf, fn, {desc, handle, count > 0 ? static_cast<const void*>(consumers) : desc},
+              [&](Enforcer& e) {
+                *handle = 0;
+                TensorDesc d;
+                Status s = ToDesc(desc, fn, &d);
+                if (s == Status::kOk) s = e.register_saved(d, need_order, consumers, count, handle);
+                return s != Status::kOk || !offload ? s : e.offload(*handle);
+              });
+}
+
+}  // namespace
+
 BGL_ALLOC_API int bgl_enf_register_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
                                          int64_t need_order, const int* consumers, size_t count,
                                          uint64_t* handle) {
-  return Call(enf, __func__, {desc, handle, count > 0 ? static_cast<const void*>(consumers) : desc},
-              [&](Enforcer& e) {
-                TensorDesc d;
-                const Status s = ToDesc(desc, "bgl_enf_register_saved", &d);
-                return s != Status::kOk ? s
-                                        : e.register_saved(d, need_order, consumers, count, handle);
-              });
+  return RegisterSaved(enf, __func__, desc, need_order, consumers, count, handle, false);
 }
 
 BGL_ALLOC_API int bgl_enf_offload_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
                                         int64_t need_order, const int* consumers, size_t count,
                                         uint64_t* handle) {
-  return Call(enf, __func__, {desc, handle, count > 0 ? static_cast<const void*>(consumers) : desc},
-              [&](Enforcer& e) {
-                *handle = 0;
-                TensorDesc d;
-                Status s = ToDesc(desc, "bgl_enf_offload_saved", &d);
-                if (s == Status::kOk) s = e.register_saved(d, need_order, consumers, count, handle);
-                return s != Status::kOk ? s : e.offload(*handle);
-              });
+  return RegisterSaved(enf, __func__, desc, need_order, consumers, count, handle, true);
 }
 
 BGL_ALLOC_API int bgl_enf_add_consumer(bgl_enforcer* enf, uint64_t handle, int consumer_op) {

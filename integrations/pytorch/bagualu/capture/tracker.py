@@ -239,10 +239,7 @@ class Tracker:
         storage) or whose offload failed stays on the device, accounted there."""
         if rec.lazy:
             rec.lazy = False
-            ops = rec.consumers
-            rec.enf, error = self.enforcer.offload_saved(
-                rec.storage, rec.dtype, self.op_id(rec.producer), rec.micro_batch,
-                rec.need_order(), self.op_id(ops[0]) if ops else -1)
+            rec.enf, error = self.track(rec, offload=True)
             if rec.enf and error is None:
                 rec.left_for_host()
                 return
@@ -300,18 +297,22 @@ class Tracker:
             self.captured.append(rec)
         return rec
 
-    def track(self, rec: Record) -> int:
-        """Registers a kept record with the enforcer (its first move is coming): its reload
-        order and every operator that saved it; returns the handle (0: another record tracks
-        the storage)."""
+    def track(self, rec: Record, offload: bool = False) -> Any:
+        """Registers a record kept so far with the enforcer (its first move is coming): its
+        reload order and every operator that saved it; returns the handle (0: another record
+        tracks the storage). ``offload``: offloads it in the same call and returns the handle
+        and None, or the handle and why the offload failed."""
         ops = rec.consumers
-        h = self.enforcer.register(rec.storage, rec.dtype, self.op_id(rec.producer),
-                                   rec.micro_batch, rec.need_order(),
-                                   self.op_id(ops[0]) if ops else -1, stream=rec.stream)
+        args = (rec.storage, rec.dtype, self.op_id(rec.producer), rec.micro_batch,
+                rec.need_order(), self.op_id(ops[0]) if ops else -1)
+        if offload:
+            h, error = self.enforcer.offload_saved(*args)
+        else:
+            h, error = self.enforcer.register(*args, stream=rec.stream), None
         if h:
             for op in ops[1:]:
                 self.enforcer.add_consumer(h, self.op_id(op))
-        return h
+        return (h, error) if offload else h
 
     def op_id(self, op: Op) -> int:
         """The enforcer's number of ``op`` (stable for the life of the tracker)."""

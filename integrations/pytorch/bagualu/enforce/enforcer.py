@@ -38,32 +38,19 @@ def fp8_supported(dtype: torch.dtype) -> bool:
 
 class _Block:
     """A block the enforcer made (a reload or an uncast) as the owner of a tensor's memory:
-    ``__cuda_array_interface__`` on CUDA; on the host backend the bytes as a ctypes array
-    (``host_bytes``) that torch.frombuffer keeps alive. ``done`` tells the enforcer when
-    PyTorch lets go of the memory (this object dies with the tensor's storage)."""
+    its ``__cuda_array_interface__`` on CUDA; on the host backend it rides on the ctypes array
+    of the bytes (``host_bytes``) that torch.frombuffer keeps alive. ``done`` tells the
+    enforcer when PyTorch lets go of the memory (this object dies with the tensor's storage)."""
 
-    __slots__ = ("interface", "done", "__weakref__")
+    __slots__ = ("ptr", "nbytes", "done", "__weakref__")
 
     def __init__(self, ptr: int, nbytes: int, done: Any) -> None:
-        self.interface = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                          "version": 2}
-        self.done = done
+        self.ptr, self.nbytes, self.done = ptr, nbytes, done
 
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]:
-        return self.interface
-
-    def __del__(self) -> None:
-        self.done()
-
-
-class _HostDone:
-    """Runs ``done`` when the ctypes array holding it (the host block's bytes) dies."""
-
-    __slots__ = ("done",)
-
-    def __init__(self, done: Any) -> None:
-        self.done = done
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+                "version": 2}
 
     def __del__(self) -> None:
         self.done()
@@ -71,9 +58,9 @@ class _HostDone:
 
 def host_bytes(ptr: int, nbytes: int, done: Any) -> torch.UntypedStorage:
     """The host backend's block at ``ptr`` as a storage (no copy) whose death runs ``done``:
-    torch.frombuffer of a ctypes array, about half the cost of a NumPy array interface."""
+    torch.frombuffer of a ctypes array (cheaper than a NumPy array interface)."""
     arr = (ctypes.c_uint8 * nbytes).from_address(ptr)
-    arr._bgl_done = _HostDone(done)  # freed with the array, once torch lets go of it
+    arr._bgl_block = _Block(ptr, nbytes, done)  # freed with the array, once torch lets go
     return torch.frombuffer(arr, dtype=torch.uint8).untyped_storage()
 
 
@@ -169,8 +156,6 @@ class Enforcer:
         """The current CUDA stream's handle (None on the host backend)."""
         return torch.cuda.current_stream(self.device).cuda_stream if self.cuda else None
 
-    _stream = current_stream
-
     def _recompute(self, handle: int, producer_op: int, micro_batch: int, user: Any,
                    out: Any) -> int:
         """The enforcer needs a dropped tensor: the package reruns its producer."""
@@ -250,7 +235,7 @@ class Enforcer:
         d.graph_tensor = graph_tensor
         d.micro_batch = micro_batch
         if self.cuda:
-            d.stream = stream if stream is not None else self._stream()
+            d.stream = stream if stream is not None else self.current_stream()
         if consumer >= 0:
             self._consumers[1] = consumer
             return 2
@@ -417,9 +402,10 @@ class Enforcer:
 
         def done(h: int = handle) -> None:
             self.live_blocks -= 1
-            if self.cuda or self.destroyed:
-                if not self.destroyed:
-                    self._release(self.handle, h, -1, self._stream())
+            if self.destroyed:
+                on_done()
+            elif self.cuda:  # the pool learns PyTorch's stream before the block goes
+                self._release(self.handle, h, -1, self.current_stream())
                 on_done()
             elif not on_done():  # not retired yet: the record still holds the tensor
                 self._release(self.handle, h, -1, None)
@@ -434,7 +420,7 @@ class Enforcer:
         """Brings a dropped tensor back through its regenerator (borrowed again: the package
         holds the new storage)."""
         self._acquire(handle, 0)
-        self.lib.bgl_enf_release(self.handle, handle, -1, self._stream())
+        self.lib.bgl_enf_release(self.handle, handle, -1, self.current_stream())
 
     def _acquire(self, handle: int, nbytes: int) -> int:
         if self.destroyed:
@@ -445,7 +431,7 @@ class Enforcer:
         ptr = self._ptr if depth == 0 else ctypes.c_void_p()
         self._acquiring = depth + 1
         try:
-            rc = self._acquire_fn(self.handle, handle, -1, self._stream(),
+            rc = self._acquire_fn(self.handle, handle, -1, self.current_stream(),
                                   self._ptr_ref if depth == 0 else ctypes.byref(ptr))
         finally:
             self._acquiring = depth
@@ -454,7 +440,7 @@ class Enforcer:
         ptr = ctypes.c_void_p()
 
         def attempt() -> None:
-            self._check(self._acquire_fn(self.handle, handle, -1, self._stream(),
+            self._check(self._acquire_fn(self.handle, handle, -1, self.current_stream(),
                                          ctypes.byref(ptr)), "acquire")
         try:
             self._check(rc, "acquire")
