@@ -55,6 +55,8 @@ def main() -> int:
                     help="--same-capacity: simulated EP, a skewed batch every N micro-batches")
     ap.add_argument("--device", default="cpu", help="--same-capacity: cpu or cuda")
     ap.add_argument("--json-out", default="", help="--same-capacity: the table as JSON too")
+    ap.add_argument("--policies", default="",
+                    help="--same-capacity: only these (comma-separated; plain always runs)")
     ap.add_argument("--width", type=int, default=4, help="--overhead: model width factor")
     ap.add_argument("--seq", type=int, default=128, help="--overhead: tokens per sequence")
     args = ap.parse_args()
@@ -160,13 +162,15 @@ SAME_CAPACITY = ("plain", "bagualu", "checkpoint every block", "save_on_cpu", "f
 
 
 def _paired(times: Dict[str, List[float]]) -> Dict[str, List[float]]:
-    """Per round, bagualu over plain and checkpointing over bagualu (runs seconds apart)."""
+    """Per round, bagualu over plain and checkpointing over bagualu (runs seconds apart), of
+    the policies that ran every round."""
     b, p, c = (times.get(k, []) for k in ("bagualu", "plain", "checkpoint every block"))
-    n = min(len(b), len(p), len(c))
-    if n == 0 or len(b) != len(p) or len(b) != len(c):
-        return {}
-    return {"bagualu/plain": [b[i] / p[i] for i in range(n)],
-            "checkpoint/bagualu": [c[i] / b[i] for i in range(n)]}
+    out: Dict[str, List[float]] = {}
+    if b and len(b) == len(p):
+        out["bagualu/plain"] = [b[i] / p[i] for i in range(len(b))]
+    if b and len(b) == len(c):
+        out["checkpoint/bagualu"] = [c[i] / b[i] for i in range(len(b))]
+    return out
 
 
 def same_capacity(args: argparse.Namespace) -> int:
@@ -185,6 +189,14 @@ def same_capacity(args: argparse.Namespace) -> int:
         offload_all = {op: "offload" for op in bagualu.operators(u.build(name, width=args.width))}
         # Under a spike, keep-all at the same capacity too (it runs out of memory).
         policies = SAME_CAPACITY + (("keep-all",) if args.spike else ())
+        if args.policies:
+            chosen = set(args.policies.split(",")) | {"plain"}
+            unknown = chosen - set(policies)
+            if unknown:
+                print(f"bench_unmodified: unknown policies {sorted(unknown)}; known: "
+                      f"{', '.join(policies)}", file=sys.stderr)
+                return 2
+            policies = tuple(k for k in policies if k in chosen)
         times: Dict[str, List[float]] = {k: [] for k in policies}
         info: Dict[str, Dict] = {}
         for _ in range(args.repeats):
@@ -210,7 +222,7 @@ def same_capacity(args: argparse.Namespace) -> int:
                                "strategies": {s: n for s, n in lines[-1]["strategies"].items()
                                               if n}}
         base = statistics.median(times["plain"])
-        ckpt = statistics.median(times["checkpoint every block"])
+        ckpt = statistics.median(times.get("checkpoint every block") or [float("nan")])
         table[name] = {"capacity_bytes": cap, "keep_all_peak_bytes": peak,
                        "runs": {k: {"ms": times[k], **info.get(k, {})} for k in policies}}
         for k in policies:

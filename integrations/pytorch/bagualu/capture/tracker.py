@@ -21,7 +21,7 @@ from ..enforce import eviction
 from ..enforce.device import DeviceMemory
 from ..enforce.enforcer import Enforcer
 from ..enforce.order import PointIssuer
-from ..record import DROPPED, FP8_PLACE, HOST, Packed, Record, _Plain
+from ..record import DEVICE, DROPPED, FP8_PLACE, HOST, Packed, Record, _Plain
 from ..vocabulary import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op
 from .light import LightSet
 
@@ -92,6 +92,10 @@ class Tracker:
         # masks); light capture counts them outside the layers, as records do.
         self.external: Dict[int, Any] = {}
         self.captured: List[Record] = []           # filled while capture is on
+        # storage ptr -> (record, call): storages a recompute call made and handed to an
+        # operator inside it before anything packed them (held by that operator's own call),
+        # dropped once a pack inside the call tells where its rerun makes them again.
+        self.unkeyed: Dict[int, Tuple[Record, Any]] = {}
         self.capture = False
         self._seq = 0
 
@@ -202,6 +206,8 @@ class Tracker:
         rec = self.live.get(key)
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
             rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1, consumer=op)
+        elif self.unkeyed:
+            self._drop_found(rec, self.packs_seen - 1)
         if op not in rec.consumers:
             self.add_consumer(rec, op)
         return Packed(rec, t)
@@ -231,7 +237,24 @@ class Tracker:
             k = call.key_for(rec.ptr, pack_index)
             if k is not None:
                 rec.drop(call, k)
+            elif call.open:  # held by an inner call: a later pack inside this one finds it
+                self.unkeyed[rec.ptr] = (rec, call)
         return rec
+
+    def _drop_found(self, rec: Record, pack_index: int) -> None:
+        """``rec``'s storage is packed now (pack ``pack_index``): if its producer's recompute
+        call made it and could not drop it when an inner operator's call held it first (e.g.
+        an expert's gate-up output, which the activation's own call holds), that call's rerun
+        makes it again at this pack: it is dropped as its plan says."""
+        hit = self.unkeyed.get(rec.ptr)
+        if hit is None or hit[0] is not rec:
+            return
+        del self.unkeyed[rec.ptr]
+        call = hit[1]
+        if call.open and rec.storage is not None and rec.placement == DEVICE:
+            k = call.key_for(rec.ptr, pack_index)
+            if k is not None:
+                rec.drop(call, k)
 
     def _offload_at_once(self, rec: Record) -> None:
         """Registers and offloads a new record in one call of the enforcer (synchronous
@@ -399,6 +422,7 @@ class Tracker:
         self.producers.clear()
         self.external.clear()
         self.calls.clear()
+        self.unkeyed.clear()
         self.light = None
 
     # -- reloads through the enforcer ------------------------------------------------------
@@ -463,6 +487,7 @@ class Tracker:
         self.producers.clear()
         self.external.clear()
         self.calls.clear()
+        self.unkeyed.clear()
 
     # -- queries and pressure --------------------------------------------------------------
     def device_bytes(self, micro_batch: Optional[int] = None) -> int:
