@@ -7,6 +7,7 @@
 #include "allocator/host_stream.h"
 #include "enforcer/device_ops.h"
 #include "kernels/fp8_cast.h"
+#include "kernels/stream_copy.h"
 
 namespace bgl::enf {
 namespace {
@@ -59,7 +60,8 @@ class HostDeviceOps final : public DeviceOps {
   }
 
   Status copy(void* dst, const void* src, std::size_t n, Stream s) override {
-    run(s, [dst, src, n] { std::memcpy(dst, src, n); });
+    // Offloads and reloads: their destination is read later, not now (stream_copy.h).
+    run(s, [dst, src, n] { kern::stream_copy_host(dst, src, n); });
     return Status::kOk;
   }
   Status cast_to_fp8(const void* src, kern::DType t, std::size_t n, std::uint8_t* dst,
