@@ -50,13 +50,14 @@ class Record:
                  "tracker", "ref", "seq", "packs", "enf", "enf_block", "live_block", "released",
                  "regen", "regenerating", "planned", "lazy", "stream", "__weakref__")
 
-    def __init__(self, tracker: Owner, storage: torch.UntypedStorage, dtype: torch.dtype,
-                 producer: Op, micro_batch: int, seq: int) -> None:
+    def __init__(self, tracker: Owner, storage: torch.UntypedStorage, ptr: int, nbytes: int,
+                 device: torch.device, dtype: torch.dtype, producer: Op, micro_batch: int,
+                 seq: int) -> None:
         self.tracker = tracker
-        self.ptr = storage.data_ptr()
-        self.nbytes = storage.nbytes()
+        self.ptr = ptr  # the storage's (the caller read them from it once)
+        self.nbytes = nbytes
         self.dtype = dtype
-        self.device = storage.device
+        self.device = device
         self.producer = producer
         self.consumers: List[Op] = []
         self.micro_batch = micro_batch
@@ -363,4 +364,4 @@ class Packed:
 
 
 def _view_meta(t: torch.Tensor) -> Tuple[Any, ...]:
-    return (t.dtype, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+    return (t.dtype, t.storage_offset(), t.size(), t.stride())

@@ -299,10 +299,12 @@ class Tracker:
         ``consumer``, the operator saving it now, if any) or, not ``register``, when a move
         needs it (track); accounted on the device unless not ``account``."""
         self._seq += 1
-        rec = Record(self, st, dtype, producer, self.micro_batch, self._seq)
+        device = st.device
+        rec = Record(self, st, st.data_ptr(), st.nbytes(), device, dtype, producer,
+                     self.micro_batch, self._seq)
         if consumer is not None:
             rec.consumers.append(consumer)
-        if self.enforcer is not None and st.device.type == self.device_type:
+        if self.enforcer is not None and device.type == self.device_type:
             if register:
                 rec.enf = self.enforcer.register(
                     st, dtype, self.op_id(producer), self.micro_batch, rec.need_order(),
@@ -314,7 +316,10 @@ class Tracker:
         if account:
             rec._account(rec.nbytes)
         self.live[rec.ptr] = rec
-        self.by_mb.setdefault(rec.micro_batch, set()).add(rec)
+        recs = self.by_mb.get(rec.micro_batch)
+        if recs is None:
+            recs = self.by_mb[rec.micro_batch] = set()
+        recs.add(rec)
         self.counters["records"] += 1
         if self.capture:
             self.captured.append(rec)
