@@ -405,7 +405,8 @@ class Tracker:
         """Light capture for the forward of ``micro_batch`` (see __post_init__). A set left by
         an earlier forward of the same id whose backward never ran is dropped first."""
         self.drop_light(micro_batch)
-        ls = self.light_sets[micro_batch] = LightSet(self.device_alloc, self.device_free, self.light_grain, micro_batch)
+        ls = self.light_sets[micro_batch] = LightSet(self.device_alloc, self.device_free,
+                                                     self.light_grain, micro_batch)
         self.light = ls.sizes
 
     def drop_light(self, micro_batch: int) -> None:

@@ -14,10 +14,10 @@ this machine, 0 (copies planned as synchronous) below one half. ``gpu`` names th
 Where it comes from, first match: ``install(calibration=PATH)``, ``$BGL_CALIBRATION`` (a path;
 ``profile``: no calibration, the built-in profile as it is), else the cache
 (``$BGL_CACHE_DIR`` or ``~/.cache/bagualu``, ``calibration-<machine>.json``, one file per
-device kind, device name, CPU model and thread count), else a measurement (about a second)
-written to the cache. A file the user gives must exist and be valid: unknown keys and values
-outside their range are CalibrationError naming the field (the planner's own check,
-``bgl_planner_calibrated_profile``); a bad cached file is measured again.
+device kind, device name, CPU model, thread count and measuring method), else a measurement
+(about a second) written to the cache. A file the user gives must exist and be valid: unknown
+keys and values outside their range are CalibrationError naming the field (the planner's own
+check, ``bgl_planner_calibrated_profile``); a bad cached file is measured again.
 
 Not thread-safe: the training thread, once at registration.
 """
@@ -98,8 +98,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BGL_CACHE_DIR", Path.home() / ".cache" / "bagualu"))
 
 
+# Bumped when what a measurement measures changes (the host backend's copies became streaming
+# copies in 2): a cache of an older method is measured again, not planned with.
+METHOD = 2
+
+
 def machine_key(device: torch.device) -> str:
-    """What a measurement holds for: the device kind and name, the CPU model, the threads."""
+    """What a measurement holds for: the device kind and name, the CPU model, the threads, and
+    the method (METHOD)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -111,7 +117,7 @@ def machine_key(device: torch.device) -> str:
                     break
         except OSError:
             pass
-    text = f"{device.type}|{name}|{os.cpu_count()}|{torch.get_num_threads()}"
+    text = f"{device.type}|{name}|{os.cpu_count()}|{torch.get_num_threads()}|{METHOD}"
     return f"{device.type}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
