@@ -274,3 +274,103 @@ def test_light_capture_tells_a_reused_pointer_from_the_dead_storage() -> None:
     assert tr.light_sets[0].holds(key, b.untyped_storage())
     tr.pack(b)
     assert tr.light_bytes(0) == 48 << 10
+
+
+def _calibration(tmp_path, overlap: float) -> str:
+    """A calibration file whose host copies overlap compute (``overlap`` 1) or not (0)."""
+    import json
+    doc = {"gpu": "host", "copy_overlap": overlap, "source": "test",
+           "rooflines": {"offload": {"launch_floor_us": 1, "peak_GBps": 8},
+                         "reload": {"launch_floor_us": 1, "peak_GBps": 8}}}
+    path = tmp_path / f"overlap{overlap}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_offloads_overlap_the_forward_where_the_copies_do(tmp_path) -> None:
+    """Where the host backend's copy threads overlap compute (the calibration's copy_overlap),
+    an offload at pack time does not wait for its copy: the record keeps the device data the
+    copy reads until the copy is done (poll_copies), then leaves it; a record whose last holder
+    goes while its copy runs waits for it and counts the offload. Gradients stay bitwise; with
+    synchronous copies each offload is complete when the pack returns."""
+    require_libs()
+    y0, g0 = plain_run()
+    offload = {n: bagualu.OFFLOAD for n in ("qkv_proj", "out_proj", "expert_act")}
+    for overlap in (1, 0):
+        torch.manual_seed(0)
+        m = Tiny()
+        x = torch.randn(32, 16, requires_grad=True)
+        rt = bagualu.install(capacity="1MiB", policy="keep-all", governor="none",
+                             log_iterations=False, calibration=_calibration(tmp_path, overlap))
+        try:
+            t = rt.tracker
+            assert t.offload_behind == (overlap == 1) and t.sync_offloads == (overlap == 0)
+            bagualu.instrument(m)
+            bagualu.force_strategies(offload)
+            issued = []
+            from bagualu.record import Record
+            orig = Record.offload_behind
+
+            def spy(rec):
+                ok = orig(rec)
+                issued.append((ok, rec.placement, rec.storage is not None))
+                return ok
+
+            Record.offload_behind = spy
+            try:
+                with bagualu.forward(0):
+                    y = m(x).square().sum()
+            finally:
+                Record.offload_behind = orig
+            recs = [r for r in t.by_mb[0] if r.producer.name in offload]
+            if overlap:
+                # Issued, and still holding the data the copy reads when the pack returned.
+                assert issued and all(ok and p == "device" and held for ok, p, held in issued)
+                rt.enforcer.synchronize()
+                t.poll_copies()
+            else:
+                assert not issued
+            assert recs and all(r.placement == "host" and r.storage is None for r in recs)
+            assert not t.copying and not t.planned
+            with bagualu.backward(0):
+                y.backward()
+            assert t.counters["offloads"] == t.counters["reloads"] == len(recs)
+            assert torch.equal(y.detach(), y0)
+            assert_grads(g0, named([p.grad for p in m.parameters()] + [x.grad]), GRADS)
+        finally:
+            bagualu.uninstall()
+
+
+def test_a_record_released_while_its_copy_runs_waits_for_it(tmp_path) -> None:
+    """The last holder of an offloaded storage goes before its copy (issued without waiting)
+    was seen done: the release waits for the copy before PyTorch may free the memory it
+    reads, counts the offload and retires the tensor (nothing stays tracked or pinned)."""
+    require_libs()
+    rt = bagualu.install(capacity="256MiB", policy="keep-all", governor="none",
+                         log_iterations=False, calibration=_calibration(tmp_path, 1))
+    try:
+        t = rt.tracker
+        assert t.offload_behind
+        op = bagualu.vocabulary.Op("w", "linear", 0)
+        t.strategy_of = lambda o, mb: bagualu.OFFLOAD
+        t.begin_forward(0, capture=False)
+        t.scope.append(op)
+        big = torch.randn(16 << 20)  # 64 MiB: its copy takes milliseconds
+        packed = t.pack(big)
+        rec = packed.rec
+        assert rec.issued and rec.storage is not None and t.copying
+        ref = weakref.ref(big.untyped_storage())
+        del big
+        assert ref() is not None  # the record keeps what the copy reads
+        del packed  # released: waits for the copy
+        gc.collect()
+        assert ref() is None and not rec.issued and not t.planned
+        assert t.counters["offloads"] == 1 and t.counters["bytes_d2h"] == 64 << 20
+        t.poll_copies()
+        assert not t.copying
+        st = rt.enforcer.stats()
+        assert st["tracked"] == 0 and st["pinned_in_use"] == 0
+    finally:
+        t.scope.clear()
+        t.end_forward()
+        bagualu.uninstall()

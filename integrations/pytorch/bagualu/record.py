@@ -48,7 +48,7 @@ class Record:
     __slots__ = ("ptr", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
                  "placement", "storage", "pool_block", "pool_bytes", "refs", "in_backward",
                  "tracker", "ref", "seq", "packs", "enf", "enf_block", "live_block", "released",
-                 "regen", "regenerating", "planned", "lazy", "stream", "__weakref__")
+                 "regen", "regenerating", "planned", "issued", "lazy", "stream", "__weakref__")
 
     def __init__(self, tracker: Owner, storage: torch.UntypedStorage, ptr: int, nbytes: int,
                  device: torch.device, dtype: torch.dtype, producer: Op, micro_batch: int,
@@ -76,7 +76,8 @@ class Record:
         self.released = False    # every holder is gone
         self.regen: Any = None   # the recompute.Call that regenerates it while dropped
         self.regenerating = False
-        self.planned = False     # offload left to the plan's issue order
+        self.planned = False     # offload left to the plan's issue order, or issued:
+        self.issued = False      # its copy issued without waiting (offload_behind)
         # Kept: registered with the enforcer only once something must move it (enf 0 till
         # then); set by the tracker where the enforcer could move it.
         self.lazy = False
@@ -148,6 +149,25 @@ class Record:
             return 0
         return self.left_for_host()
 
+    def offload_behind(self) -> bool:
+        """Issues the offload without waiting for its copy (the host backend's copy threads
+        overlap compute): the device data stays, the copy reading it, until the tracker sees
+        the copy done (Tracker.poll_copies: left_for_host); whether it was issued."""
+        if not self.movable():
+            return False
+        t = self.tracker
+        try:
+            if not self.tracked():
+                return False
+            t.enforcer.offload(self.enf, wait=False)
+        except BagualuError as e:
+            t.enforcer_failed("offload", e)
+            return False
+        self.planned = self.issued = True  # offload() completes it as a planned offload
+        t.planned[self.enf] = self
+        t.copying.append(self)
+        return True
+
     def plan_offload(self) -> None:
         """The offload is left to the plan's issue order: the stream scheduler issues it when
         compute reaches its round (left_for_host follows)."""
@@ -164,7 +184,7 @@ class Record:
         freed."""
         t = self.tracker
         if self.planned:  # carried out before its O chain round (pressure, or no room)
-            self.planned = False
+            self.planned = self.issued = False
             t.planned.pop(self.enf, None)
         self._leave_device()
         self.storage = None
@@ -293,13 +313,16 @@ class Record:
 
     def release(self) -> None:
         """Every holder is gone: the storage is no longer an activation."""
+        if self.issued and self.storage is not None:  # its copy may still read the storage
+            self.tracker.enforcer.wait(self.enf)
+            self.left_for_host()  # the offload it was, counted
         self._unaccount()
-        self.storage = self.regen = None
-        self.packs = None
-        self.released = True
         if self.planned:
             self.planned = False
             self.tracker.planned.pop(self.enf, None)
+        self.storage = self.regen = None
+        self.packs = None
+        self.released = True
         if not self.live_block:  # else once PyTorch lets go of the enforcer's block
             self._retire()
         self.tracker.retire(self)

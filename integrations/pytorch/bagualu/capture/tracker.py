@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -48,6 +49,14 @@ class Tracker:
         # same copy earlier (nothing overlaps it), so each acquire reloads what it needs.
         self.sync_offloads = bool(enforcer is not None and enforcer.sync_copies)
         self.reload_ahead = enforcer is not None and not self.sync_offloads
+        # Copies on the host backend's copy threads (they overlap compute here): an offload at
+        # pack time does not wait for its copy, which reads PyTorch's memory; the record keeps
+        # the device data until poll_copies sees the copy done (``copying``, in issue order:
+        # one D2H stream completes them in order). On CUDA the allocator orders the free after
+        # the copy stream instead (borrowed_free_is_safe), and offload() does not wait there.
+        self.offload_behind = (enforcer is not None and not self.sync_offloads
+                               and not enforcer.cuda and not enforcer.borrowed_free_is_safe)
+        self.copying: Deque[Record] = deque()
         self.device_type = memory.device.type  # where activations live; only those move
         self.enforcer = enforcer  # every move of a record goes through it
         self.strategy_of = strategy_of
@@ -360,6 +369,11 @@ class Tracker:
             if rec.micro_batch in self.scheduled and rec.movable():
                 rec.plan_offload()
                 self.planned[rec.enf] = rec
+            elif self.offload_behind:
+                if self.copying:
+                    self.poll_copies()
+                if not rec.offload_behind():
+                    rec.offload()
             else:
                 rec.offload()
         elif strategy == FP8:
@@ -384,8 +398,23 @@ class Tracker:
             del self.planned[h]
             rec.offload()
 
+    def poll_copies(self) -> None:
+        """Lets go of the device data of offloads issued without waiting (offload_behind)
+        whose copy is done, oldest first; stops at the first still copying."""
+        copying = self.copying
+        while copying:
+            rec = copying[0]
+            if rec.issued and rec.storage is not None:  # else it left or was released
+                if not self.enforcer.copy_done(rec.enf):
+                    return
+                rec.left_for_host()
+            copying.popleft()
+
     def collect_offloaded(self) -> None:
-        """Lets go of the device copies whose scheduled offload completed."""
+        """Lets go of the device copies whose scheduled (or issued, poll_copies) offload
+        completed."""
+        if self.copying:
+            self.poll_copies()
         if not self.planned:
             return
         for h in self.enforcer.take_offloaded():
@@ -422,7 +451,9 @@ class Tracker:
 
     def end_forward(self) -> None:
         """The forward ended: forgets its scopes and producers (their pointers may be
-        reused)."""
+        reused); lets go of what finished copying."""
+        if self.copying:
+            self.poll_copies()
         self.scope.clear()
         self.capture = False
         self.producers.clear()
@@ -494,6 +525,7 @@ class Tracker:
         self.external.clear()
         self.calls.clear()
         self.unkeyed.clear()
+        self.copying.clear()  # each record waits for its copy when released
 
     # -- queries and pressure --------------------------------------------------------------
     def device_bytes(self, micro_batch: Optional[int] = None) -> int:
@@ -528,10 +560,12 @@ class Tracker:
         freed = 0
         for rec in sorted(self.planned.values(), key=lambda r: (-r.micro_batch, r.seq)):
             if rec.planned and rec.movable():
+                issued = rec.issued  # its copy runs already: completing it is no early offload
                 got = rec.offload()
                 if got:
                     freed += got
-                    self.counters["early_offloads"] += 1
+                    if not issued:
+                        self.counters["early_offloads"] += 1
         return freed
 
     def host_bytes(self, micro_batch: int) -> int:

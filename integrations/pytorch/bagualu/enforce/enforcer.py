@@ -373,6 +373,11 @@ class Enforcer:
         if rc != 0:
             self._check(rc, "offload")
 
+    def copy_done(self, handle: int) -> bool:
+        """Whether no copy or cast of the tensor may still run (never blocks)."""
+        self._check(self._query(self.handle, handle, self._info_ref), "query")
+        return not self._info.pending
+
     def wait(self, handle: int) -> None:
         """Blocks until the tensor's queued copies and casts completed."""
         self._check(self._wait_tensor(self.handle, handle), "wait")

@@ -1,6 +1,7 @@
-"""Pressure eviction: the fallback when an allocation finds no room. First carries out early
-the plan's own offloads still waiting for their point's O chain (counted as early offloads, not
-evictions: the plan moves those bytes anyway), then offloads the other movable device-resident
+"""Pressure eviction: the fallback when an allocation finds no room. First completes offloads
+whose copy was issued without waiting, carries out early the plan's own offloads still waiting
+for their point's O chain (counted as early offloads, not evictions: the plan moves those bytes
+anyway), then offloads the other movable device-resident
 records needed last (later micro-batches first; within one, the earliest saved, whose backward
 runs last), stores in FP8 what the full pinned pool cannot take (when allowed),
 and gives back reloads no consumer took yet. Each move goes through the record (and so the
@@ -23,8 +24,11 @@ def evict(records: Iterable[Any], needed: int, enforcer: Any, counters: Dict[str
     for r in cands:
         if freed >= needed:
             break
-        planned = r.planned
+        planned, issued = r.planned, r.issued
         got = r.offload()
+        if issued and got:  # its copy ran already (offload_behind): completing it moves nothing
+            freed += got
+            continue
         early = planned and got > 0
         if not got and fp8_fallback and r.movable():
             got = r.store_fp8()  # no pinned room left: a quarter or half the bytes stay
