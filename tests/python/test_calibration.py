@@ -197,3 +197,41 @@ def test_the_daemon_plans_with_the_same_calibration(tmp_path: Path,
             gov.close()
         finally:
             d.stop()
+
+
+def test_the_copy_overlap_is_measured_through_the_hooks_against_synchronous_copies(
+        monkeypatch) -> None:
+    """copy_overlap on the host backend is what the copy threads save where training pays for
+    copies: the saved-tensor hooks' own path (Tracker.pack with strategy offload, then the
+    unpacks that reload), with the threaded enforcer and with one copying on the calling
+    thread (sync_copies), alternating; a result is 0 (planned synchronous) or at least the
+    threshold, never more than 1."""
+    import torch
+    from bagualu.capture.tracker import Tracker
+    from bagualu.enforce.enforcer import Enforcer
+    from bagualu.enforce.pool import DevicePool
+
+    packs = {True: 0, False: 0}
+    pack = Tracker.pack
+
+    def counting(self, t):
+        packs[self.sync_offloads] += 1
+        return pack(self, t)
+
+    monkeypatch.setattr(Tracker, "pack", counting)
+    made = []
+
+    def make(sync_copies: bool = False) -> Enforcer:
+        made.append(sync_copies)
+        return Enforcer(torch.device("cpu"), 64 << 20, borrowed_free_is_safe=False,
+                        sync_copies=sync_copies)
+
+    DevicePool(8 << 20)
+    enf = make()
+    try:
+        overlap = calibration._host_overlap(enf, make, 8 << 20)
+    finally:
+        enf.close()
+    assert made == [False, True]
+    assert packs[True] == 48 * 6 and packs[False] == 48 * 3  # alone 3 times, then 3 rounds each
+    assert overlap == 0 or calibration.OVERLAP_THRESHOLD <= overlap <= 1

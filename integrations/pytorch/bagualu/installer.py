@@ -100,9 +100,10 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
     if calibration is not None or policy in ("bagualu", "static-under"):  # plans that mitigate
         measured: list = []
 
-        def measuring_enforcer() -> Enforcer:
+        def measuring_enforcer(sync_copies: bool = False) -> Enforcer:
             measured.append(True)
-            return Enforcer(dev, pinned, borrowed_free_is_safe=False, fp8_block=fp8_block)
+            return Enforcer(dev, pinned, borrowed_free_is_safe=False, fp8_block=fp8_block,
+                            sync_copies=sync_copies)
 
         cal = calibrations.for_machine(dev, measuring_enforcer, cap, calibration)
         if measured and pool is not None:

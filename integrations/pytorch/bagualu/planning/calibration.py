@@ -7,8 +7,9 @@ bandwidth and launch floor per direction (``rooflines.offload`` device to host,
 matmul and memory rates (``peak_tflops``, ``hbm_GBps``, their efficiencies 1: the measured rates
 are the achieved ones), the dispatch floor of a small kernel (``kernel_launch_us``) and
 ``copy_overlap``, the fraction of compute time copies hide under: 1 on a GPU (copy engines run
-beside the kernels), and on the host backend what its copy threads really overlap a matmul on
-this machine, 0 (copies planned as synchronous) below one half. ``gpu`` names the base profile
+beside the kernels), and on the host backend the part of the copies' cost its copy threads
+really save on this machine, through the saved-tensor hooks beside matmuls (_host_overlap), 0
+(copies planned as synchronous) below one half. ``gpu`` names the base profile
 (``host`` on CPU, ``h200`` on CUDA); fields the file leaves out keep the profile's.
 
 Where it comes from, first match: ``install(calibration=PATH)``, ``$BGL_CALIBRATION`` (a path;
@@ -98,9 +99,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BGL_CACHE_DIR", Path.home() / ".cache" / "bagualu"))
 
 
-# Bumped when what a measurement measures changes (the host backend's copies became streaming
-# copies in 2): a cache of an older method is measured again, not planned with.
-METHOD = 2
+# Bumped when what a measurement measures changes (2: the host backend's copies became streaming
+# copies; 3: the copy overlap is measured on activation-sized offloads as training issues them):
+# a cache of an older method is measured again, not planned with.
+METHOD = 3
 
 
 def machine_key(device: torch.device) -> str:
@@ -124,8 +126,8 @@ def machine_key(device: torch.device) -> str:
 def for_machine(device: torch.device, enforcer: Callable[[], Any], capacity: int,
                 path: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """The calibration to plan with (see the module docstring); None: the built-in profile.
-    ``enforcer()`` makes the enforcer a measurement uses (over an empty device pool of
-    ``capacity`` bytes), and is called only when one is needed; it is closed after."""
+    ``enforcer(sync_copies=False)`` makes an enforcer a measurement uses (over an empty device
+    pool of ``capacity`` bytes), and is called only when one is needed; each is closed after."""
     path = path or os.environ.get(ENV) or None
     if path == PROFILE_ONLY:
         return None
@@ -139,7 +141,7 @@ def for_machine(device: torch.device, enforcer: Callable[[], Any], capacity: int
             log.warning("bagualu: %s; measuring again", e)
     enf = enforcer() if device.type != "cuda" else None  # the host backend's copies
     try:
-        doc = measure(device, enf, capacity)
+        doc = measure(device, enf, capacity, enforcer)
     finally:
         if enf is not None:
             enf.close()
@@ -194,10 +196,12 @@ def _compute_rates(device: torch.device, sync: Callable[[], None]) -> Dict[str, 
             "kernel_launch_us": round(min(max(launch * 1e6, 0.001), 1e6), 3)}
 
 
-def _host_moves(enforcer: Any, largest: int) -> Dict[str, Any]:
+def _host_moves(enforcer: Any, largest: int, make_enforcer: Callable[..., Any],
+                capacity: int) -> Dict[str, Any]:
     """Offload, reload and FP8 cast through the enforcer on the host backend (its pinned pool,
-    its copy streams), at 16 KiB and ``largest`` bytes, and how much its D2H copies overlap a
-    matmul. Reloads and casts take blocks of the (empty) device pool: ``largest`` fits it."""
+    its copy streams), at 16 KiB and ``largest`` bytes, and what its copy threads save
+    (_host_overlap). Reloads and casts take blocks of the (empty) device pool of ``capacity``
+    bytes: ``largest`` fits it."""
     mb = -(1 << 30)  # a micro-batch id no training uses
     none = lambda: None  # noqa: E731
     points: Dict[str, List[Tuple[int, float]]] = {"offload": [], "reload": [], "fp8_cast": []}
@@ -228,39 +232,78 @@ def _host_moves(enforcer: Any, largest: int) -> Dict[str, Any]:
         points["reload"].append((nbytes, statistics.median(t_re)))
         points["fp8_cast"].append((nbytes, statistics.median(t_cast)))
     out: Dict[str, Any] = {"rooflines": {k: roofline(*v) for k, v in points.items()}}
-    out["copy_overlap"] = _host_overlap(enforcer, mb)
+    out["copy_overlap"] = _host_overlap(enforcer, make_enforcer, capacity)
     return out
 
 
-def _host_overlap(enforcer: Any, mb: int) -> float:
-    """The fraction of a copy on the enforcer's D2H stream that a matmul on this thread hides:
-    (copy + compute - both) / the shorter one; 0 below OVERLAP_THRESHOLD."""
-    src = torch.randn((32 << 20) // 4)
-    a = torch.randn(256, 256)
+def _host_overlap(enforcer: Any, make_enforcer: Callable[..., Any], capacity: int) -> float:
+    """The fraction of the copies' cost that the host backend's copy threads hide, as training
+    pays it: the saved-tensor hooks' own path (capture/tracker.py, strategy offload) packs 48
+    activation-sized storages (256 KiB, less on a device pool of under 64 MiB ``capacity``),
+    each beside a slice of matmuls, and unpacks them (the reloads) in the backward's order,
+    once with ``enforcer``'s copy threads and once with an enforcer of
+    ``make_enforcer(sync_copies=True)`` copying on this thread, alternating, 3 rounds each:
+    (synchronous - threaded) / (synchronous - compute alone); 0 below OVERLAP_THRESHOLD. The
+    threads' hand-offs and the work each copy costs this thread count
+    against them: where they eat what the overlap saves, copies are planned as synchronous."""
+    from ..capture.tracker import Tracker  # the hooks' path (capture does not import planning)
+    from ..enforce.device import DeviceMemory
+    from ..enforce.pool import DevicePool
+    from ..vocabulary import OFFLOAD, Op
+
+    n = 48
+    size = max(min(256 << 10, capacity // 256), 4 << 10) // 4096 * 4096
+    srcs = [torch.randn(size // 4) for _ in range(n)]
+    a = torch.randn(128, 128)
+    op = Op("calibration", "linear", 0)
+    memory = DeviceMemory(torch.device("cpu"), DevicePool(size, configure=False), None)
 
     def compute(k: int) -> None:
         for _ in range(k):
             torch.mm(a, a)
 
-    def copy(wait_after: Optional[Callable[[], None]]) -> float:
-        h = enforcer.register(src.untyped_storage(), src.dtype, 0, mb)
+    unit = 1 << 30  # a unit no training uses (the hooks skip negative ones)
+
+    def train_like(tracker: Any, k: int) -> float:
+        tracker.begin_forward(unit, capture=False)
+        tracker.scope.append(op)
         t0 = time.perf_counter()
-        enforcer.offload(h, wait=False)  # queued on the D2H stream; the wait comes after
-        if wait_after is not None:
-            wait_after()
-        enforcer.wait(h)
+        packed = []
+        for src in srcs:
+            packed.append(tracker.pack(src))
+            compute(k)
+        tracker.end_forward()
+        tracker.begin_backward(unit)
+        tracker.scope.append(op)
+        while packed:  # each reload released once used, as autograd does
+            Tracker.unpack(packed.pop())
+            compute(k)
+        tracker.end_backward(unit)
         t = time.perf_counter() - t0
-        enforcer.retire(h)
+        tracker.end_forward()
         return t
 
-    t_copy = statistics.median(copy(None) for _ in range(3))
-    t0 = time.perf_counter()
-    compute(4)
-    per = (time.perf_counter() - t0) / 4
-    k = max(int(t_copy / max(per, 1e-6)), 1)
-    t_comp = statistics.median(_median_s(lambda: compute(k), 1, none_sync) for _ in range(3))
-    t_both = statistics.median(copy(lambda: compute(k)) for _ in range(3))
-    hidden = (t_copy + t_comp - t_both) / max(min(t_copy, t_comp), 1e-9)
+    sync_enf = make_enforcer(sync_copies=True)
+    try:
+        threaded = Tracker(memory, enforcer, lambda o, u: OFFLOAD)
+        synchronous = Tracker(memory, sync_enf, lambda o, u: OFFLOAD)
+        t_copy = statistics.median(train_like(synchronous, 0) for _ in range(3))
+        t0 = time.perf_counter()
+        compute(16)
+        per = (time.perf_counter() - t0) / 16
+        k = max(int(t_copy / (2 * n) / max(per, 1e-7)), 1)  # compute per hook: its copy's time
+        t_comp = statistics.median(_median_s(lambda: compute(2 * n * k), 1, none_sync)
+                                   for _ in range(3))
+        t_sync: List[float] = []
+        t_threads: List[float] = []
+        for _ in range(3):
+            t_sync.append(train_like(synchronous, k))
+            t_threads.append(train_like(threaded, k))
+    finally:
+        enforcer.synchronize()
+        sync_enf.close()
+    sync_s, threads_s = statistics.median(t_sync), statistics.median(t_threads)
+    hidden = (sync_s - threads_s) / max(sync_s - t_comp, 1e-9)
     overlap = min(max(hidden, 0.0), 1.0)
     return 0.0 if overlap < OVERLAP_THRESHOLD else round(overlap, 2)
 
@@ -296,16 +339,23 @@ def _cuda_moves(device: torch.device) -> Dict[str, Any]:
     return {"rooflines": {k: roofline(*v) for k, v in points.items()}, "copy_overlap": 1}
 
 
-def measure(device: torch.device, enforcer: Any, capacity: int = 64 << 20) -> Dict[str, Any]:
+def measure(device: torch.device, enforcer: Any, capacity: int = 64 << 20,
+            make_enforcer: Optional[Callable[..., Any]] = None) -> Dict[str, Any]:
     """Measures this machine's rooflines (see the module docstring), with an enforcer whose
-    device pool of ``capacity`` bytes is empty; about a second."""
+    device pool of ``capacity`` bytes is empty (and, on the host backend, one more from
+    ``make_enforcer(sync_copies=True)`` for the copy overlap); about a second."""
     t0 = time.perf_counter()
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else none_sync
     doc: Dict[str, Any] = {"gpu": base_profile(device)}
     doc.update(_compute_rates(device, sync))
     largest = max(64 << 10, min(4 << 20, capacity // 4)) // 4096 * 4096
-    doc.update(_cuda_moves(device) if cuda else _host_moves(enforcer, largest))
+    if cuda:
+        doc.update(_cuda_moves(device))
+    else:
+        if make_enforcer is None:
+            raise BagualuError("calibration: measuring the host backend needs make_enforcer")
+        doc.update(_host_moves(enforcer, largest, make_enforcer, capacity))
     doc["source"] = (f"measured by bagualu on {platform.node()} ({machine_key(device)}), "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}, {time.perf_counter() - t0:.2f} s")
     resolve(doc, "the measured calibration")  # the planner takes it
