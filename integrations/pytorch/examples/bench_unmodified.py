@@ -241,7 +241,7 @@ def same_capacity(args: argparse.Namespace) -> int:
                 peak_cell = f"{i['peak'] / 2**20:.2f} MiB"
                 fits = "yes" if i["peak"] <= cap else "no"
             print(f"| {name} | {k} | {med:.1f} ({min(v):.1f}-{max(v):.1f}) | {med / base:.2f}x "
-                  f"| {ckpt / med:.2f}x | {peak_cell} | {fits} | {i.get('evictions', '')} | "
+                  f"| {format(ckpt / med, '.2f') + 'x' if ckpt == ckpt else ''} | {peak_cell} | {fits} | {i.get('evictions', '')} | "
                   f"{i.get('strategies', '')} | "
                   f"{format(i['max_load'], '.2f') if 'max_load' in i else ''} |", flush=True)
         print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
