@@ -240,8 +240,9 @@ def same_capacity(args: argparse.Namespace) -> int:
             else:
                 peak_cell = f"{i['peak'] / 2**20:.2f} MiB"
                 fits = "yes" if i["peak"] <= cap else "no"
+            vs_ckpt = f"{ckpt / med:.2f}x" if ckpt == ckpt else ""  # nan: it did not run
             print(f"| {name} | {k} | {med:.1f} ({min(v):.1f}-{max(v):.1f}) | {med / base:.2f}x "
-                  f"| {format(ckpt / med, '.2f') + 'x' if ckpt == ckpt else ''} | {peak_cell} | {fits} | {i.get('evictions', '')} | "
+                  f"| {vs_ckpt} | {peak_cell} | {fits} | {i.get('evictions', '')} | "
                   f"{i.get('strategies', '')} | "
                   f"{format(i['max_load'], '.2f') if 'max_load' in i else ''} |", flush=True)
         print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
