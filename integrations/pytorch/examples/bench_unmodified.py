@@ -17,10 +17,11 @@ bagualu, alternating; iteration time (median and range of each run's median over
 1..), the peak of the activations on the simulated device and the pressure evictions per
 iteration; and the paired ratios, per round, of bagualu over plain and of checkpointing over
 bagualu (each run right after the other, so a drift of the machine's speed over minutes
-cancels), median and range over rounds. ``--spike N``: the same with expert parallelism simulated (4 ranks, this one's
-experts computed) and every N-th micro-batch a batch of the two tokens whose routing lands
-most on one rank, which this process stands for (unmodified.spike_rank: a load of 2.67x balance
-on Qwen3-MoE and 2.0x on Mixtral at width 4), so routing spikes there.
+cancels), median and range over rounds. ``--policies bagualu,...``: only those (and plain).
+``--spike N``: the same with expert parallelism simulated (4 ranks, this one's experts computed)
+and every N-th micro-batch a batch of the two tokens whose routing lands most on one rank,
+which this process stands for (unmodified.spike_rank: a load of 2.67x balance on Qwen3-MoE and
+2.0x on Mixtral at width 4), so routing spikes there.
 
 ``--issue-order``: bagualu at half of keep-all's peak with the plans' dual-batch issue order
 carried out against the same plans issued in program order (serial), alternating; per model
