@@ -113,7 +113,8 @@ def test_wrapped_1f1b_matches_plain_schedule_bitwise(world_of_one) -> None:
     require_libs()
     ref_losses, ref_grads = _train(*_schedule())
     bagualu.install(capacity="512KiB", policy="bagualu", governor="none", pipeline_rank=0,
-                    pipeline_stages=1, micro_batches=MB, log_iterations=False)
+                    pipeline_stages=1, micro_batches=MB, log_iterations=False,
+                    allow_fp8=False)
     schedule, model = _schedule()
     bagualu.instrument(model, small_config().info())
     pipe = bagualu.pipelining.wrap_schedule(schedule)
@@ -256,7 +257,8 @@ def test_wrapped_interleaved_matches_plain_schedule_bitwise(world_of_one) -> Non
     require_libs()
     ref_losses, ref_grads = _train(*_interleaved())
     bagualu.install(capacity="512KiB", policy="bagualu", governor="none", pipeline_rank=0,
-                    pipeline_stages=1, micro_batches=MB, chunks=2, log_iterations=False)
+                    pipeline_stages=1, micro_batches=MB, chunks=2, log_iterations=False,
+                    allow_fp8=False)
     schedule, model = _interleaved()
     bagualu.instrument(model, small_config().info())
     pipe = pipelining.wrap_schedule(schedule)
@@ -347,7 +349,8 @@ def test_accumulate_gradients_matches_plain_pytorch_bitwise(monkeypatch) -> None
         loss.backward()
         ref_losses.append(loss.detach())
     bagualu.install(capacity="512KiB", policy="bagualu", governor="none", pipeline_rank=0,
-                    pipeline_stages=1, micro_batches=MB, log_iterations=False)
+                    pipeline_stages=1, micro_batches=MB, log_iterations=False,
+                    allow_fp8=False)
     model = _model()
     bagualu.instrument(model, small_config().info())
     seen: List[Tuple[Any, ...]] = []
@@ -642,7 +645,8 @@ def test_unmodified_hf_model_under_torch_schedules(world_of_one, cls) -> None:
     bagualu.uninstall()
     del schedule, lm
     bagualu.install(capacity=peak // 2, policy="bagualu",
-                    governor="none", pipeline_stages=1, micro_batches=mb, log_iterations=False)
+                    governor="none", pipeline_stages=1, micro_batches=mb, log_iterations=False,
+                    allow_fp8=False)
     schedule, lm = build()
     bagualu.instrument(lm)
     pipe = bagualu.pipelining.wrap_schedule(schedule)
