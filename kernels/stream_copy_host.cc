@@ -13,6 +13,7 @@
 namespace bgl::kern {
 
 void stream_copy_host(void* dst, const void* src, std::size_t n) {
+  if (n == 0) return;  // nothing to copy (and memcpy must not see a null pointer)
 #if BGL_KERN_STREAM_STORES
   if (n >= kStreamCopyMin) {
     auto* d = static_cast<char*>(dst);
