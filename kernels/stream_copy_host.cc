@@ -1,7 +1,7 @@
+#include "kernels/stream_copy.h"
+
 #include <cstdint>
 #include <cstring>
-
-#include "kernels/stream_copy.h"
 
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>

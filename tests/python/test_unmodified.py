@@ -425,3 +425,35 @@ def test_gradient_accumulation_on_an_unmodified_model() -> None:
         assert torch.equal(a.grad, b.grad), name
     t = bagualu.stats()["tracker"]
     assert t["offloads"] + t["drops"] > 0
+
+
+def test_offloads_behind_the_forward_on_an_unmodified_model(tmp_path, monkeypatch) -> None:
+    """Offloads issued without waiting for their copy (a calibration whose host copies
+    overlap compute) on transformers' Qwen3-MoE at half of keep-all's peak: the records keep
+    the data the copies read until they are done, and the run is plain PyTorch's bit for bit."""
+    require_libs()
+    import json
+    from bagualu.record import Record
+    doc = {"gpu": "host", "copy_overlap": 1, "source": "test",
+           "rooflines": {"offload": {"launch_floor_us": 1, "peak_GBps": 8},
+                         "reload": {"launch_floor_us": 1, "peak_GBps": 8}}}
+    path = tmp_path / "overlap.json"
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv("BGL_CALIBRATION", str(path))
+    issued = []
+    behind = Record.offload_behind
+
+    def spy(rec):
+        ok = behind(rec)
+        issued.append(ok)
+        return ok
+
+    monkeypatch.setattr(Record, "offload_behind", spy)
+    kw = dict(ep=False, spike_every=0)
+    peak = unmodified.keep_all_peak("qwen3_moe", **kw)
+    r = unmodified.train("qwen3_moe", "bagualu", capacity=peak // 2, allow_fp8=False, **kw)
+    assert r["oom"] is None
+    assert issued and all(issued), len(issued)
+    plain = unmodified.train("qwen3_moe", None, **kw)
+    assert r["losses"] == plain["losses"]
+    assert_grads(plain["grads"], r["grads"], parameters("qwen3_moe"), what="qwen3_moe")

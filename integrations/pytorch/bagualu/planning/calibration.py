@@ -244,8 +244,8 @@ def _host_overlap(enforcer: Any, make_enforcer: Callable[..., Any], capacity: in
     once with ``enforcer``'s copy threads and once with an enforcer of
     ``make_enforcer(sync_copies=True)`` copying on this thread, alternating, 3 rounds each:
     (synchronous - threaded) / (synchronous - compute alone); 0 below OVERLAP_THRESHOLD. The
-    threads' hand-offs and the work each copy costs this thread count
-    against them: where they eat what the overlap saves, copies are planned as synchronous."""
+    threads' hand-offs and the work each copy costs this thread count against them: where they
+    eat what the overlap saves, copies are planned as synchronous."""
     from ..capture.tracker import Tracker  # the hooks' path (capture does not import planning)
     from ..enforce.device import DeviceMemory
     from ..enforce.pool import DevicePool
