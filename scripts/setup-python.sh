@@ -36,11 +36,24 @@ if [[ -f $venv/.bgl-stamp && $(cat $venv/.bgl-stamp) == "$stamp" ]] &&
   exit 0
 fi
 
+# torch with its CUDA runtime wheels takes about 5.6 GiB installed, and pip unpacks each wheel in
+# $TMPDIR first: say so up front rather than fail with ENOSPC halfway through (BGL_MIN_FREE_GIB
+# lowers the bar where the wheels are known to fit).
+need_gib=${BGL_MIN_FREE_GIB:-8}
+for dir in "$(dirname "$(realpath -m "$venv")")" "${TMPDIR:-/tmp}"; do
+  free_gib=$(( $(df -Pk "$dir" | awk 'NR == 2 {print $4}') / 1048576 ))
+  if (( free_gib < need_gib )); then
+    echo "setup-python: $dir has ${free_gib} GiB free; installing torch needs about ${need_gib} GiB" \
+      "(free some space, or set BGL_MIN_FREE_GIB to try with less)" >&2
+    exit 2
+  fi
+done
+
 start=$(date +%s)
 py=$(find_python)
 echo "setup-python: creating $venv with $py ($("$py" --version 2>&1))"
 "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
 "${pip[@]}" --upgrade pip setuptools wheel
 # The PyPI wheel of torch depends on the nvidia-* CUDA runtime wheels; it does not import on
 # CPU-only machines without them, so it is installed with its dependencies.
