@@ -16,6 +16,8 @@ void RegistrationToProto(const Registration& r, bagualu::v1::RegisterRequest* ou
   out->set_disable_dual_batch(r.disable_dual_batch);
   out->set_budget_step_bytes(r.budget_step_bytes);
   out->set_host_request_bytes(r.host_request_bytes);
+  out->set_disallow_offload(r.disallow_offload);
+  out->set_disallow_fp8(r.disallow_fp8);
 }
 
 SessionInfo SessionInfoFromProto(const bagualu::v1::RegisterResponse& in) {

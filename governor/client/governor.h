@@ -31,6 +31,8 @@ struct Registration {
   bool disable_dual_batch = false;
   int64_t budget_step_bytes = 0;   // plan-cache budget bucket; 0: the planner's 64 MiB
   int64_t host_request_bytes = 0;  // pinned host bytes asked of the node; 0: a fair share
+  bool disallow_offload = false;   // plans never offload
+  bool disallow_fp8 = false;       // plans never store in FP8
 };
 
 // What registration returns.

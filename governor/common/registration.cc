@@ -234,6 +234,8 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(
   if (req.budget_step_bytes() != 0) options.budget_step_bytes = req.budget_step_bytes();
   options.issue_policy =
       req.disable_dual_batch() ? plan::IssuePolicy::kSerial : plan::IssuePolicy::kDualBatch;
+  options.mitigation.allow_offload = !req.disallow_offload();
+  options.mitigation.allow_fp8 = !req.disallow_fp8();
   try {
     auto planner = plan::StagePlanner::Create(*config, profile, options);
     if (!planner.ok()) {

@@ -80,6 +80,37 @@ def test_daemon_session_has_the_real_capacity(model_doc, daemon, tmp_path,  # no
         gov.close()
 
 
+def test_disallowed_strategies_reach_the_daemons_plans(model_doc, daemon, tmp_path,  # noqa: F811
+                                                        monkeypatch) -> None:
+    """install(allow_fp8=False) against the daemon: the registration says so and no plan of the
+    session stores in FP8 (the losses of such a run are plain PyTorch's bit for bit). On a
+    machine whose FP8 cast costs next to nothing and whose copies and recomputes are dear, the
+    same point is planned with FP8 where only offloads are disallowed."""
+    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))
+    pytest.importorskip("grpc_tools")
+    calibration = {"gpu": "host", "peak_tflops": 0.01, "hbm_GBps": 1, "copy_overlap": 0.0,
+                   "rooflines": {"offload": {"peak_GBps": 0.01}, "reload": {"peak_GBps": 0.01},
+                                 "fp8_cast": {"peak_GBps": 1e4}}}
+    used = {}
+    for fp8 in (True, False):
+        gov = Governor(daemon, deadline_s=2.0)
+        gov.register(model_doc, CAPACITY, 0, allow_offload=False, allow_fp8=fp8,
+                     calibration=calibration)
+        try:
+            assert gov.kind == "remote", "the daemon refused or did not answer"
+            keep_all = _graph_bytes(model_doc)
+            plan = gov.plan({"phase": "steady", "forward_micro_batch": 0, "load_factor": 1.0,
+                             "bytes_in_use": CAPACITY - keep_all * 7 // 10})
+            assert gov.kind == "remote" and plan is not None
+            assert plan["budget_bytes"] < plan["keep_all_bytes"], plan["budget_bytes"]
+            used[fp8] = {o["strategy"] for o in plan["operators"]}
+        finally:
+            gov.close()
+    assert "fp8" in used[True] and "offload" not in used[True], used
+    assert "fp8" not in used[False] and "offload" not in used[False], used
+    assert "recompute" in used[False], used
+
+
 # -- the daemon goes away and comes back --------------------------------------------------------
 
 class Daemon:
@@ -270,9 +301,9 @@ def _record_registrations(monkeypatch) -> List[Tuple[str, int, int, int, str]]:
     real_register = RemoteGovernor.register
 
     def recording_register(self, model, capacity, rank, job_id, gpu_index,
-                           budget_step_bytes=0, dual_batch=True, calibration=None):
+                           budget_step_bytes=0, **options):
         real_register(self, model, capacity, rank, job_id, gpu_index, budget_step_bytes,
-                      dual_batch, calibration)
+                      **options)
         out.append((json.dumps(model, sort_keys=True), capacity, rank, budget_step_bytes,
                     self.session_id))
 

@@ -1,9 +1,11 @@
 // RegisterRequest.budget_step_bytes: it reaches the session's planner and sets the width of the
-// plan cache's budget buckets; out-of-range values are INVALID_ARGUMENT naming the field.
+// plan cache's budget buckets; out-of-range values are INVALID_ARGUMENT naming the field. The
+// daemon's and the session's calibration, and the strategies a session disallows, reach it too.
 #include "governor/common/registration.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "governor/service/governor_core.h"
@@ -120,6 +122,51 @@ TEST(Registration, NodeCalibrationReachesThePlannerAndTheSessionsOwnComesAfter) 
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("calibration.copy_overlap"), std::string::npos)
       << bad.status().message();
+}
+
+// RegisterRequest.disallow_offload / disallow_fp8 (install(allow_fp8=False) against the daemon):
+// they reach the session's planner, and its plans under pressure use neither strategy. On a
+// machine whose FP8 cast costs next to nothing and whose recomputes are dear, the same point's
+// plan stores in FP8 where only offloads are disallowed (the test would not tell otherwise).
+TEST(Registration, DisallowedStrategiesReachThePlannerAndItsPlans) {
+  auto uses = [](const plan::Plan& p, plan::Strategy s) {
+    return std::count(p.strategies.begin(), p.strategies.end(), s) > 0;
+  };
+  pb::RegisterRequest req = TinyRegister(kMiB);
+  pb::Calibration& cal = *req.mutable_calibration();
+  cal.mutable_fp8_cast()->set_peak_gbps(1e4);
+  cal.mutable_offload()->set_peak_gbps(0.01);
+  cal.mutable_reload()->set_peak_gbps(0.01);
+  cal.set_copy_overlap(0);
+  cal.set_peak_tflops(0.01);
+  cal.set_hbm_gbps(1);
+  auto plan_tight = [&](bool offload, bool fp8) {
+    req.set_disallow_offload(!offload);
+    req.set_disallow_fp8(!fp8);
+    auto p = CreatePlannerFromRequest(req, RequestLimits{});
+    EXPECT_TRUE(p.ok()) << p.status().message();
+    if (!p.ok()) return plan::Plan{};
+    EXPECT_EQ((*p)->options().mitigation.allow_offload, offload);
+    EXPECT_EQ((*p)->options().mitigation.allow_fp8, fp8);
+    plan::SchedulePoint point;
+    point.forward_micro_batch = 0;
+    point.bytes_in_use = 7340 * kMiB;  // about 69 MiB of the tiny model's 94 MiB keep-all
+    auto r = (*p)->PlanPoint(point);
+    EXPECT_TRUE(r.ok()) << r.status().message();
+    return r.ok() ? *r : plan::Plan{};
+  };
+  const plan::Plan fp8 = plan_tight(false, true);
+  ASSERT_LT(fp8.budget_bytes, fp8.keep_all_bytes);
+  EXPECT_TRUE(uses(fp8, plan::Strategy::kFp8));
+  EXPECT_FALSE(uses(fp8, plan::Strategy::kOffload));
+  const plan::Plan recompute_only = plan_tight(false, false);
+  EXPECT_EQ(recompute_only.budget_bytes, fp8.budget_bytes);
+  EXPECT_FALSE(uses(recompute_only, plan::Strategy::kFp8));
+  EXPECT_FALSE(uses(recompute_only, plan::Strategy::kOffload));
+  EXPECT_TRUE(uses(recompute_only, plan::Strategy::kRecompute));
+  const plan::Plan no_fp8 = plan_tight(true, false);
+  EXPECT_FALSE(uses(no_fp8, plan::Strategy::kFp8));
+  EXPECT_TRUE(uses(no_fp8, plan::Strategy::kOffload) || uses(no_fp8, plan::Strategy::kRecompute));
 }
 
 }  // namespace

@@ -129,7 +129,9 @@ class Governor:
                             self._options["pipeline_rank"], self.job_id, self.gpu_index,
                             budget_step_bytes=self._options["budget_step_bytes"],
                             dual_batch=self._options["dual_batch"],
-                            calibration=self._options.get("calibration"))
+                            calibration=self._options.get("calibration"),
+                            allow_offload=self._options["allow_offload"],
+                            allow_fp8=self._options["allow_fp8"])
         except BaseException:
             remote.close()
             raise

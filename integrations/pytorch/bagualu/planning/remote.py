@@ -100,15 +100,18 @@ class RemoteGovernor:
 
     def register(self, model: Dict[str, Any], capacity: int, rank: int, job_id: str,
                  gpu_index: int, budget_step_bytes: int = 0, dual_batch: bool = True,
-                 calibration: Optional[Dict[str, Any]] = None) -> None:
+                 calibration: Optional[Dict[str, Any]] = None, allow_offload: bool = True,
+                 allow_fp8: bool = True) -> None:
         """budget_step_bytes: the plan cache's budget bucket (0: the daemon's 64 MiB);
         dual_batch False: plans issue in program order (serial); calibration: the machine's
-        rooflines (planning/calibration.py), as the embedded planner gets them."""
+        rooflines (planning/calibration.py), as the embedded planner gets them;
+        allow_offload, allow_fp8 False: no plan of the session uses that strategy."""
         import json
         req = self.pb.RegisterRequest(
             gpu_uuid=f"host-{gpu_index}", gpu_index=gpu_index, pid=os.getpid(), job_id=job_id,
             pipeline_rank=rank, capacity_bytes=int(capacity), model_json=json.dumps(model),
-            disable_dual_batch=not dual_batch, budget_step_bytes=int(budget_step_bytes))
+            disable_dual_batch=not dual_batch, budget_step_bytes=int(budget_step_bytes),
+            disallow_offload=not allow_offload, disallow_fp8=not allow_fp8)
         if calibration:
             fill_calibration(req.calibration, calibration, self.pb)
         resp = self.stub.Register(req, timeout=max(self.deadline, 2.0))
