@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -375,89 +374,3 @@ def test_a_record_released_while_its_copy_runs_waits_for_it(tmp_path) -> None:
         t.scope.clear()
         t.end_forward()
         bagualu.uninstall()
-
-
-def _mixed_backward(rt: Any, m: nn.Module, x: torch.Tensor, unit: int) -> Tuple[Any, int, int]:
-    """Forward and backward of micro-batch ``unit`` under the forced strategies; (its records'
-    producers and placements after the forward,
-    its device bytes after the forward, its device bytes when the input's gradient is made:
-    every operator's backward has run and let go of what it saved)."""
-    with bagualu.forward(unit):
-        y = m(x).square().sum()
-    t = rt.tracker
-    recs = [(r.producer.name, r.placement)
-            for r in sorted(t.by_mb.get(unit, ()), key=lambda r: r.seq)]
-    after_forward = t.device_bytes(unit)
-    at_input: List[int] = []
-    h = x.register_hook(lambda g: at_input.append(t.device_bytes(unit)))
-    with bagualu.backward(unit):
-        y.backward()
-    h.remove()
-    return recs, after_forward, at_input[0]
-
-
-def test_kept_storages_of_a_micro_batch_that_moves_others_need_no_records() -> None:
-    """A micro-batch whose plan offloads one operator keeps the rest without records: only
-    the offloaded storage is a record, the kept ones are counted in its light set, each one's
-    bytes go back as it dies in the backward (as a record's release gives its block back: by
-    the input's gradient the device holds what it holds with records, within a grain), and it trains bit for bit as plain PyTorch. The capture micro-batch (records
-    for the memory model) and a micro-batch under bagualu whose plan leaves no room keep
-    records, which pressure eviction can move."""
-    require_libs()
-    want_y, want = plain_run()
-    results = {}
-    for light in (True, False):
-        rt, m, x = install_tiny()
-        if not light:  # as where the plan leaves no room: every storage a record
-            rt._room_for_light = lambda unit: False
-        bagualu.force_strategies({"qkv_proj": bagualu.OFFLOAD})
-        capture, _, _ = _mixed_backward(rt, m, x, 0)  # the capture micro-batch
-        assert {name for name, _ in capture} >= {"attn_norm", "qkv_proj", "combine"}
-        x.grad = None
-        for p in m.parameters():
-            p.grad = None
-        recs, after_forward, at_input = _mixed_backward(rt, m, x, 1)
-        results[light] = (recs, after_forward, at_input)
-        grads = {n: p.grad for n, p in m.named_parameters()}
-        grads["input"] = x.grad
-        for n, g in want.items():
-            assert torch.equal(grads[n], g), n
-        assert 1 not in rt.tracker.light_sets  # dropped when its backward ended
-        assert rt.memory.pool.stats()["allocated_bytes_current"] == 0
-        bagualu.uninstall()
-    light_recs, light_after, light_at_input = results[True]
-    assert light_recs == [("qkv_proj", "host")]
-    record_recs, record_after, record_at_input = results[False]
-    assert len(record_recs) > 1
-    assert all(where == "device" for name, where in record_recs if name != "qkv_proj")
-    grain = 4 << 10  # the tracker's light_grain at 1 MiB (its floor)
-    assert 0 < record_after <= light_after < record_after + grain
-    # within a grain: the input, which the caller holds, stays counted till the backward ends
-    assert record_at_input <= light_at_input <= record_at_input + grain
-    assert light_at_input < light_after  # given back during the backward
-
-
-def test_a_kept_storage_without_record_goes_back_when_it_dies() -> None:
-    """LightSet.keep counts a storage and gives its bytes (and every block no longer needed)
-    back to the device when PyTorch lets go of it, in any order; a storage that dies after
-    its set was freed changes nothing."""
-    from bagualu.capture.light import LightSet
-    from bagualu.enforce.device import DeviceMemory
-    memory = DeviceMemory(torch.device("cpu"), None, None)  # counts only
-    ls = LightSet(memory.alloc, memory.free, 1 << 10, 0)
-    ts = [torch.empty(n) for n in (64, 1024, 16)]  # 256 B, 4 KiB, 64 B
-    for t in ts:
-        ls.keep(t.untyped_storage().data_ptr(), t.untyped_storage(), t.nbytes, True)
-    assert ls.used == ls.kept == 256 + 4096 + 64 and memory.counted == ls.reserved
-    assert memory.counted == 1024 + 3328 + 1024  # a grain, what the 4 KiB needs more, a grain
-    del ts[1]  # the 4 KiB storage dies first: the last block is no longer needed
-    assert ls.used == ls.kept == 256 + 64
-    assert memory.counted == ls.reserved and ls.reserved - ls.used < 4 << 10
-    keys = [t.untyped_storage().data_ptr() for t in ts]
-    assert all(ls.holds(k, t.untyped_storage()) for k, t in zip(keys, ts))
-    del ts[0]
-    assert ls.used == 64 and memory.counted == ls.reserved
-    ls.free()
-    assert memory.counted == 0 and ls.kept == 0
-    del ts[0]  # dies after the set was freed
-    assert memory.counted == 0 and ls.used == 64  # nothing counted twice

@@ -280,12 +280,13 @@ class Runtime:
         return self.planning.step_point(phase, forward_mb, backward_mb, forward_chunk,
                                         backward_chunk)
 
-    def _room_for_light(self, unit: int) -> bool:
-        """Whether the forward of ``unit`` may count what it keeps without records: light
-        capture where every operator keeps its activations, else the kept storages of the
-        operators that keep theirs (tracker.keep_light). Nothing can move such a storage
-        later; under bagualu on the simulated device pressure eviction needs records, so the
-        plan must leave a quarter of its prediction free."""
+    def _light(self, unit: int) -> bool:
+        """Whether the forward of ``unit`` can use light capture: every operator keeps its
+        activations and nothing may have to move them later. Under bagualu on the simulated
+        device, pressure eviction needs records, so light capture also needs the plan to
+        leave a quarter of its prediction free."""
+        if not self.strategies.all_keep(unit):
+            return False
         if self.policy != "bagualu" or not self.memory.pool_backed:
             return True
         predicted = self.planning.plans.get(unit, {}).get("predicted_bytes", self.capacity)
@@ -309,11 +310,8 @@ class Runtime:
         self.forwarding = True
         self.planning.loads[unit] = []
         before = self._mitigations()
-        if not capture and self._room_for_light(unit):
-            if self.strategies.all_keep(unit):
-                t.begin_light(unit)
-            elif self.strategies.moves_some(unit):
-                t.keep_light = True
+        if not capture and self._light(unit):
+            t.begin_light(unit)
         try:
             with torch.autograd.graph.saved_tensors_hooks(t.pack, t.unpack):
                 yield

@@ -81,10 +81,6 @@ class Tracker:
         # (a graph piece dropped during the forward).
         self.light: Optional[Dict[int, Tuple[Any, int]]] = None  # the current forward's
         self.light_sets: Dict[int, LightSet] = {}         # unit -> its light set
-        # The current forward (of a micro-batch that moves some activations) counts the
-        # storages it keeps in its light set too, without records (set by the runtime where
-        # the plan leaves room: nothing can move them later); cleared at end_forward.
-        self.keep_light = False
         # Offloads left to the plan's issue order (enforce/order.py): the units whose records
         # wait for it, and those records by enforcer handle until the enforcer moved them.
         self.scheduled: Set[int] = set()
@@ -214,18 +210,11 @@ class Tracker:
             return t
         ls = self.light_sets.get(self.micro_batch)
         if ls is not None and ls.holds(key, st):
-            return t  # counted there (before the plan changed mid-forward, or kept): it stays
+            return t  # counted before the plan changed mid-forward; it stays kept
         op = self.scope[-1] if self.scope else OUTSIDE
         rec = self.live.get(key)
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
-            found = self._producer_call(st, op)
-            if self.keep_light and self.strategy_of(found[0], self.micro_batch) == KEEP:
-                if ls is None:
-                    ls = self._new_light_set(self.micro_batch)
-                ls.keep(key, st, st.nbytes(), found[0].layer >= 0)
-                return t
-            rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1, consumer=op,
-                                        found=found)
+            rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1, consumer=op)
         elif self.unkeyed:
             self._drop_found(rec, self.packs_seen - 1)
         if op not in rec.consumers:
@@ -233,17 +222,15 @@ class Tracker:
         return Packed(rec, t)
 
     def _produced_record(self, st: torch.UntypedStorage, dtype: torch.dtype, op: Op,
-                         pack_index: Optional[int], consumer: Optional[Op] = None,
-                         found: Optional[Tuple[Op, Any]] = None) -> Record:
+                         pack_index: Optional[int], consumer: Optional[Op] = None) -> Record:
         """A new record under producer strategies: its producer's strategy applies once. A
         recompute producer's call drops it if its rerun can find it again: by ``pack_index``
         (the pack being made now) while the call runs, by its outputs after. ``consumer``: the
         operator saving it now (registered with it). A kept record meets the enforcer only if
         something must move it later (pressure eviction); an offload the training thread
         carries out at once on the host backend's synchronous copies is never accounted on
-        the device (its copy is complete when the pack returns). ``found``: what
-        _producer_call gave for ``st`` already."""
-        producer, call = found if found is not None else self._producer_call(st, op)
+        the device (its copy is complete when the pack returns)."""
+        producer, call = self._producer_call(st, op)
         s = self.strategy_of(producer, self.micro_batch)
         at_once = (s == OFFLOAD and self.sync_offloads
                    and self.micro_batch not in self.scheduled)
@@ -305,11 +292,7 @@ class Tracker:
                 return _Plain(t)
         except RuntimeError:  # a wrapper subclass without storage
             return _Plain(t)
-        key = st.data_ptr()
-        ls = self.light_sets.get(self.micro_batch)
-        if ls is not None and ls.holds(key, st):
-            return _Plain(t)  # counted there (light capture, or kept without a record)
-        rec = self.live.get(key)
+        rec = self.live.get(st.data_ptr())
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
             rec = self._produced_record(st, t.dtype, self.current_op(), None)
         return Packed(rec, t)
@@ -451,12 +434,9 @@ class Tracker:
         """Light capture for the forward of ``micro_batch`` (see __post_init__). A set left by
         an earlier forward of the same id whose backward never ran is dropped first."""
         self.drop_light(micro_batch)
-        self.light = self._new_light_set(micro_batch).sizes
-
-    def _new_light_set(self, micro_batch: int) -> LightSet:
         ls = self.light_sets[micro_batch] = LightSet(self.device_alloc, self.device_free,
                                                      self.light_grain, micro_batch)
-        return ls
+        self.light = ls.sizes
 
     def drop_light(self, micro_batch: int) -> None:
         """Frees the light accounting of ``micro_batch`` (its backward ended, or its forward
@@ -481,7 +461,6 @@ class Tracker:
         self.calls.clear()
         self.unkeyed.clear()
         self.light = None
-        self.keep_light = False
 
     # -- reloads through the enforcer ------------------------------------------------------
     def begin_backward(self, micro_batch: int) -> None:

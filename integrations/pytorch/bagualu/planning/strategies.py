@@ -49,21 +49,6 @@ class Strategies:
             return all(s == KEEP for s in self.static.values())
         return all(s == KEEP for s in self.per_unit.get(unit, {"": RECOMPUTE}).values())
 
-    def moves_some(self, unit: int) -> bool:
-        """Whether some operator of ``unit``'s forward moves its activations (offload, FP8 or
-        recompute) by the policy, the plan or the forced strategies. Forced strategies that
-        keep everything (``force_strategies({})``: one block per storage, an exact peak) move
-        nothing."""
-        if self.forced is not None:
-            return any(s != KEEP for s in self.forced.values())
-        if self.policy == "keep-all":
-            return False
-        if self.policy == "static-over":
-            return True
-        if self.policy == "static-under":
-            return any(s != KEEP for s in self.static.values())
-        return any(s != KEEP for s in self.per_unit.get(unit, {}).values())
-
     def force(self, strategies: Optional[Dict[str, str]]) -> None:
         """Overrides every plan: operator name ('expert_fc1', every layer) or qualname
         ('L0.expert_fc1') -> strategy; None returns to the policy."""
