@@ -162,21 +162,6 @@ class Bench:
             timed(lambda i: packed2.__setitem__(i, None), k)
             row("release (the last holder goes)", lambda i: packed.__setitem__(i, None), k)
 
-            # The same storages where the plan moves others of the micro-batch (the runtime
-            # sets keep_light where it leaves room): counted without a record, given back when
-            # the storage dies (its row includes torch freeing the tensor).
-            if hasattr(tr, "keep_light"):
-                ts = self.tensors(k, nbytes)
-                tr.keep_light = True
-                row("pack, keep (no record: the micro-batch moves others)",
-                    lambda i: packed.__setitem__(i, tr.pack(ts[i])), k)
-                tr.keep_light = False
-                timed(lambda i: packed.__setitem__(i, None), k)
-                row("release, kept without a record (the storage dies)",
-                    lambda i: ts.__setitem__(i, None), k)
-                tr.drop_light(mb)
-                del ts
-
             # Offload at pack time, reload at unpack (each with its copy), as the backward
             # needs them (last saved first); FP8 the same.
             for strategy, move, back in ((OFFLOAD, "pack, offload (includes the D2H copy)",
