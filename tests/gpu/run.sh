@@ -107,11 +107,11 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   # keep-all's peak, without and with a routing spike (docs/benchmarks.md).
   run "bagualu same capacity" timeout 600 env PYTHONPATH=integrations/pytorch python3 \
     integrations/pytorch/examples/bench_unmodified.py --same-capacity --device cuda \
-    --models qwen3_moe,mixtral --seq 512 --repeats 3 --iterations 4 \
+    --models qwen3_moe,mixtral --seq 512 --repeats 3 --iterations 8 --warmup 3 \
     --json-out "$(dirname "$out")/bagualu-same-capacity.json"
   run "bagualu same capacity spike" timeout 600 env PYTHONPATH=integrations/pytorch python3 \
     integrations/pytorch/examples/bench_unmodified.py --same-capacity --device cuda \
-    --models qwen3_moe,mixtral --seq 512 --repeats 2 --iterations 4 --spike 16 \
+    --models qwen3_moe,mixtral --seq 512 --repeats 2 --iterations 8 --warmup 3 --spike 16 \
     --json-out "$(dirname "$out")/bagualu-same-capacity-spike.json"
   for config in default large; do
     run "bagualu bench $config" timeout 300 python3 tests/gpu/bagualu_cuda.py bench \

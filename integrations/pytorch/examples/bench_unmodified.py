@@ -13,9 +13,12 @@ ratios.
 ``--same-capacity``: at half of keep-all's peak (``--width``, ``--seq``, every expert local):
 plain PyTorch, torch.utils.checkpoint around every block, save_on_cpu, the static policies
 (full recompute: bagualu's static-over; offload-all: every operator forced to offload) and
-bagualu, alternating; iteration time (median and range of each run's median over iterations
-1..), the peak of the activations on the simulated device and the pressure evictions per
-iteration; and the paired ratios, per round, of bagualu over plain and of checkpointing over
+bagualu, alternating; the steady iteration time (median and range of each run's median over
+iterations ``--warmup``.., default 3 of ``--iterations`` 10), the warm-up (each run's mean over
+its first ``--warmup`` iterations: bagualu's first plans are coarse while it refines them in the
+background, and its pools grow), the peak of the activations on the simulated device and the
+pressure evictions per iteration (both over every iteration, the warm-up included); and the
+paired ratios of the steady times, per round, of bagualu over plain and of checkpointing over
 bagualu (each run right after the other, so a drift of the machine's speed over minutes
 cancels), median and range over rounds. ``--policies bagualu,...``: only those (and plain).
 ``--spike N``: the same with expert parallelism simulated (4 ranks, this one's experts computed)
@@ -45,7 +48,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(u.MODELS))
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=None,
+                    help="iterations per run (default 10 with --same-capacity, else 3)")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="--same-capacity: iterations before the steady time is measured")
     ap.add_argument("--overhead", action="store_true",
                     help="measure the hook overhead with nothing to mitigate")
     ap.add_argument("--issue-order", action="store_true",
@@ -62,7 +68,13 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128, help="--overhead: tokens per sequence")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.iterations is None:
+        args.iterations = 10 if args.same_capacity else 3
     if args.same_capacity:
+        if not 0 < args.warmup < args.iterations:
+            print(f"bench_unmodified: --warmup {args.warmup} must be at least 1 and below "
+                  f"--iterations {args.iterations}", file=sys.stderr)
+            return 2
         return same_capacity(args)
     if args.overhead:
         return overhead(args)
@@ -180,10 +192,12 @@ def same_capacity(args: argparse.Namespace) -> int:
     kw = dict(width=args.width, seq=args.seq, ep=args.spike > 0, spike_every=args.spike,
               device=args.device, spike_on_rank=args.spike > 0)
     table: Dict[str, Dict] = {}
-    print("| model | policy | ms/iteration, median (range) | vs plain | vs checkpoint | "
+    w = args.warmup
+    print(f"| model | policy | ms/iteration from iteration {w}, median (range) | vs plain | "
+          f"vs checkpoint | warm-up: ms/iteration of iterations 0-{w - 1}, median (range) | "
           "activation peak | fits | evictions/iteration | strategies (last iteration) | "
           "max load factor |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models.split(","):
         peak = u.keep_all_peak(name, **kw)
         cap = peak // 2
@@ -199,6 +213,7 @@ def same_capacity(args: argparse.Namespace) -> int:
                 return 2
             policies = tuple(k for k in policies if k in chosen)
         times: Dict[str, List[float]] = {k: [] for k in policies}
+        warm: Dict[str, List[float]] = {k: [] for k in policies}
         info: Dict[str, Dict] = {}
         for _ in range(args.repeats):
             for k in policies:
@@ -214,8 +229,9 @@ def same_capacity(args: argparse.Namespace) -> int:
                 if r["oom"] is not None:
                     info[k] = {"oom": r["oom"]}
                     continue
-                times[k].append(statistics.median(r["times_ms"][1:]))  # first: warm-up
-                lines = r["lines"][1:]
+                times[k].append(statistics.median(r["times_ms"][w:]))
+                warm[k].append(statistics.fmean(r["times_ms"][:w]))
+                lines = r["lines"]  # peak and evictions: every iteration, the warm-up too
                 if lines:
                     info[k] = {"peak": max(x["peak_bytes"] for x in lines),
                                "evictions": max(x["evictions"] for x in lines),
@@ -225,11 +241,13 @@ def same_capacity(args: argparse.Namespace) -> int:
         base = statistics.median(times["plain"])
         ckpt = statistics.median(times.get("checkpoint every block") or [float("nan")])
         table[name] = {"capacity_bytes": cap, "keep_all_peak_bytes": peak,
-                       "runs": {k: {"ms": times[k], **info.get(k, {})} for k in policies}}
+                       "warmup_iterations": w,
+                       "runs": {k: {"ms": times[k], "warmup_ms": warm[k], **info.get(k, {})}
+                                for k in policies}}
         for k in policies:
             v, i = times[k], info.get(k, {})
             if "oom" in i:
-                print(f"| {name} | {k} | out of memory | | | | no | | | |", flush=True)
+                print(f"| {name} | {k} | out of memory | | | | | no | | | |", flush=True)
                 continue
             med = statistics.median(v)
             if k == "plain":
@@ -242,18 +260,20 @@ def same_capacity(args: argparse.Namespace) -> int:
                 peak_cell = f"{i['peak'] / 2**20:.2f} MiB"
                 fits = "yes" if i["peak"] <= cap else "no"
             vs_ckpt = f"{ckpt / med:.2f}x" if ckpt == ckpt else ""  # nan: it did not run
+            wv = warm[k]
             print(f"| {name} | {k} | {med:.1f} ({min(v):.1f}-{max(v):.1f}) | {med / base:.2f}x "
-                  f"| {vs_ckpt} | {peak_cell} | {fits} | {i.get('evictions', '')} | "
+                  f"| {vs_ckpt} | {statistics.median(wv):.1f} ({min(wv):.1f}-{max(wv):.1f}) | "
+                  f"{peak_cell} | {fits} | {i.get('evictions', '')} | "
                   f"{i.get('strategies', '')} | "
                   f"{format(i['max_load'], '.2f') if 'max_load' in i else ''} |", flush=True)
         print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
-              f"{peak / 2**20:.2f} MiB) | | | | | | | |", flush=True)
+              f"{peak / 2**20:.2f} MiB) | | | | | | | | |", flush=True)
         paired = _paired(times)
         if paired:
             table[name]["paired"] = paired
             print(f"| {name} | paired, same round | " + "; ".join(
                 f"{k} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"
-                for k, v in paired.items()) + " | | | | | | | |", flush=True)
+                for k, v in paired.items()) + " | | | | | | | | |", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": args.device, "width": args.width, "seq": args.seq,
