@@ -11,9 +11,10 @@ blocks as in training), while ``--background`` records of three other micro-batc
 tracked, as with four in flight at stage 0 of a 4-stage 1F1B pipeline (defaults: about 1,520
 saved storages per iteration of 8 micro-batches, 190 each): a call whose cost grows with the
 number of records shows it (try ``--background 6000``).
-Moves include their copy: the ``copy`` rows time the same bytes copied by torch alone (and the
-host twin of the FP8 cast alone, through the enforcer at ``--bytes``), so that the cost of the
-call without its copy is the difference (and the 256-byte rows have next to no copy).
+Moves include their copy: the ``copy`` row times the same bytes copied by torch alone and the
+``Enforcer.store_fp8`` row the FP8 cast alone (the host twin's kernel through one enforcer
+call), so that the cost of a call without its copy or cast is the difference (and the 256-byte
+rows have next to no copy).
 
     BGL_LIB_DIR=build .venv/bin/python bench/python/hot_path.py [--calls 2000] [--json out.json]
 
@@ -143,6 +144,13 @@ class Bench:
             row("Enforcer.prefetch (reloads in flight at the bound)",
                 lambda i: enf.prefetch(mb), k)
             row("Enforcer.retire", lambda i: enf.retire(hs[i]), k)
+            # The FP8 cast alone (the host twin's kernel through one enforcer call), the
+            # cast inside "pack, fp8" below.
+            ts = self.tensors(k, nbytes)
+            sts = [t.untyped_storage() for t in ts]
+            timed(lambda i: hs.__setitem__(i, enf.register(sts[i], torch.float32, 1, mb)), k)
+            row("Enforcer.store_fp8 (the cast alone)", lambda i: enf.store_fp8(hs[i]), k)
+            timed(lambda i: enf.retire(hs[i]), k)
             del ts, sts
 
             # The hooks under keep: a new record per storage, a second view of it, unpack,
