@@ -238,17 +238,29 @@ BGL_ALLOC_API int bgl_enf_register(bgl_enforcer* enf, const bgl_enf_tensor_desc*
 
 namespace {
 
-// bgl_enf_register_saved and, `offload`, bgl_enf_offload_saved: one registration path.
+// What a saved storage's registration does next: nothing (bgl_enf_register_saved), an
+// offload (bgl_enf_offload_saved) or an FP8 cast (bgl_enf_store_fp8_saved).
+enum class ThenMove { kNone, kOffload, kFp8 };
+
+// The one registration path of the three.
 int RegisterSaved(bgl_enforcer* enf, const char* fn, const bgl_enf_tensor_desc* desc,
                   int64_t need_order, const int* consumers, size_t count, uint64_t* handle,
-                  bool offload) {
+                  ThenMove then, size_t* fp8_bytes = nullptr) {
   return Call(enf, fn, {desc, handle, count > 0 ? static_cast<const void*>(consumers) : desc},
               [&](Enforcer& e) {
                 *handle = 0;
                 TensorDesc d;
                 Status s = ToDesc(desc, fn, &d);
                 if (s == Status::kOk) s = e.register_saved(d, need_order, consumers, count, handle);
-                return s != Status::kOk || !offload ? s : e.offload(*handle);
+                if (s != Status::kOk || then == ThenMove::kNone) return s;
+                if (then == ThenMove::kOffload) return e.offload(*handle);
+                s = e.store_fp8(*handle);
+                if (s == Status::kOk && fp8_bytes != nullptr) {
+                  bgl_enf_tensor_info info;
+                  s = e.info(*handle, &info);
+                  *fp8_bytes = info.fp8_bytes;
+                }
+                return s;
               });
 }
 
@@ -257,13 +269,21 @@ int RegisterSaved(bgl_enforcer* enf, const char* fn, const bgl_enf_tensor_desc* 
 BGL_ALLOC_API int bgl_enf_register_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
                                          int64_t need_order, const int* consumers, size_t count,
                                          uint64_t* handle) {
-  return RegisterSaved(enf, __func__, desc, need_order, consumers, count, handle, false);
+  return RegisterSaved(enf, __func__, desc, need_order, consumers, count, handle, ThenMove::kNone);
 }
 
 BGL_ALLOC_API int bgl_enf_offload_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
                                         int64_t need_order, const int* consumers, size_t count,
                                         uint64_t* handle) {
-  return RegisterSaved(enf, __func__, desc, need_order, consumers, count, handle, true);
+  return RegisterSaved(enf, __func__, desc, need_order, consumers, count, handle,
+                       ThenMove::kOffload);
+}
+
+BGL_ALLOC_API int bgl_enf_store_fp8_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
+                                          int64_t need_order, const int* consumers, size_t count,
+                                          uint64_t* handle, size_t* fp8_bytes) {
+  return RegisterSaved(enf, __func__, desc, need_order, consumers, count, handle, ThenMove::kFp8,
+                       fp8_bytes);
 }
 
 BGL_ALLOC_API int bgl_enf_add_consumer(bgl_enforcer* enf, uint64_t handle, int consumer_op) {

@@ -374,3 +374,46 @@ def test_a_record_released_while_its_copy_runs_waits_for_it(tmp_path) -> None:
         t.scope.clear()
         t.end_forward()
         bagualu.uninstall()
+
+
+def test_fp8_pack_on_synchronous_casts_registers_and_casts_at_once() -> None:
+    """On the host backend's synchronous copies and casts, a pack whose strategy is fp8 is one
+    call of the enforcer (bgl_enf_store_fp8_saved): the record holds the FP8 copy, which is all
+    the simulated device counts (the full-precision original never enters the pool), the
+    backward reads it back within e4m3's error, and its release gives the pool back."""
+    require_libs()
+    from bagualu.capture.tracker import Tracker
+    from bagualu.enforce.device import DeviceMemory
+    from bagualu.enforce.enforcer import Enforcer
+    from bagualu.enforce.pool import DevicePool
+    from bagualu.vocabulary import Op
+    cpu = torch.device("cpu")
+    pool = DevicePool(1 << 20)
+    enf = Enforcer(cpu, 1 << 20, borrowed_free_is_safe=False, sync_copies=True)
+    tr = Tracker(DeviceMemory(cpu, pool, None), enf, lambda op, mb: bagualu.FP8)
+    assert tr.sync_offloads
+    calls = []
+    for name in ("register", "store_fp8", "store_fp8_saved"):
+        real = getattr(enf, name)
+        setattr(enf, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    tr.scope.append(Op("experts", "expert_linear", 0))
+    tr.begin_forward(0, capture=False)
+    x = torch.randn(1000) * torch.linspace(0.01, 100, 1000)
+    p = tr.pack(x)
+    rec = p.rec
+    assert calls == ["store_fp8_saved"]
+    assert rec.placement == "fp8" and tr.counters["fp8_casts"] == 1
+    fp8_bytes = enf.query(rec.enf).fp8_bytes
+    assert fp8_bytes == (1000 + 15) // 16 * 16 + (1000 + 127) // 128 * 4
+    # The FP8 block (the enforcer's, from the pool) only: the record took no block of its own.
+    assert rec.device_bytes() == tr.device_bytes() == fp8_bytes and rec.pool_block == 0
+    tr.end_forward()
+    tr.begin_backward(0)
+    y = tr.unpack(p)
+    assert tr.counters["fp8_uncasts"] == 1
+    for b in range(0, 1000, 128):
+        sl = slice(b, b + 128)
+        assert float((y[sl] - x[sl]).abs().max()) <= float(x[sl].abs().max()) / 16 + 1e-6
+    del y, p
+    gc.collect()
+    assert tr.device_bytes() == 0 and enf.stats()["tracked"] == 0

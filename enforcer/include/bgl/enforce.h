@@ -218,6 +218,15 @@ BGL_ALLOC_API int bgl_enf_register_saved(bgl_enforcer* enf, const bgl_enf_tensor
 BGL_ALLOC_API int bgl_enf_offload_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
                                         int64_t need_order, const int* consumers, size_t count,
                                         uint64_t* handle);
+/* bgl_enf_register_saved, then bgl_enf_store_fp8 of the new tensor, in one call: the pack of a
+ * storage whose operator's strategy is fp8, carried out at once; *fp8_bytes (may be null) gets
+ * the FP8 buffer's bytes (bgl_enf_tensor_info.fp8_bytes). Failures as bgl_enf_offload_saved's:
+ * a failed registration registers nothing (*handle 0); a failed cast (not F32/F16/BF16, or no
+ * room for the FP8 buffer) leaves the tensor registered on the device, *handle set and the
+ * cast's error returned. */
+BGL_ALLOC_API int bgl_enf_store_fp8_saved(bgl_enforcer* enf, const bgl_enf_tensor_desc* desc,
+                                          int64_t need_order, const int* consumers, size_t count,
+                                          uint64_t* handle, size_t* fp8_bytes);
 /* Adds a consumer (operator index) that saved the tensor; BGL_ERR_DUPLICATE if already added. */
 BGL_ALLOC_API int bgl_enf_add_consumer(bgl_enforcer* enf, uint64_t handle, int consumer_op);
 /* Test and tool support.

@@ -229,12 +229,17 @@ class Record:
         except BagualuError as e:
             t.enforcer_failed("fp8 cast", e)
             return 0
+        return self.stored_fp8(fp8_bytes)
+
+    def stored_fp8(self, fp8_bytes: int) -> int:
+        """The enforcer holds the data as an FP8 copy of ``fp8_bytes`` now: let the device copy
+        go; bytes freed."""
         self._leave_device()
         before = self.pool_bytes
         self._enforcer_bytes(fp8_bytes)
         self.storage = None
         self.placement = FP8_PLACE
-        t.counters["fp8_casts"] += 1
+        self.tracker.counters["fp8_casts"] += 1
         return max(before - self.pool_bytes, 0)
 
     def _enforcer_bytes(self, nbytes: int) -> None:

@@ -227,6 +227,84 @@ TEST_F(EnforceCApi, OffloadSavedRegistersAndOffloadsInOneCall) {
   bgl_free(p, 4096, 0, compute_);
 }
 
+// bgl_enf_store_fp8_saved: registration and FP8 cast in one call, the FP8 buffer's bytes
+// returned (as bgl_enf_query tells them), the data back within e4m3's error; a failed cast (a
+// dtype FP8 does not take) leaves the tensor registered on the device with its handle and the
+// error; a failed registration leaves nothing.
+TEST_F(EnforceCApi, StoreFp8SavedRegistersAndCastsInOneCall) {
+  std::vector<float> data(4096);
+  std::mt19937 rng(11);
+  for (auto& x : data) x = static_cast<float>(rng() % 1000) / 7.0f;
+  const size_t bytes = data.size() * sizeof(float);
+  void* p = bgl_alloc(bytes, 0, compute_);
+  ASSERT_NE(p, nullptr);
+  std::memcpy(p, data.data(), bytes);
+  bgl_enf_tensor_desc d{};
+  d.ptr = p;
+  d.bytes = bytes;
+  d.dtype = BGL_DTYPE_F32;
+  d.producer_op = 3;
+  d.graph_tensor = -1;
+  d.micro_batch = 1;
+  d.stream = compute_;
+  const int consumers[2] = {4, 5};
+  uint64_t h = 0;
+  size_t fp8_bytes = 0;
+  ASSERT_EQ(bgl_enf_store_fp8_saved(enf_, &d, 77, consumers, 2, &h, &fp8_bytes), BGL_OK)
+      << bgl_enf_last_error();
+  ASSERT_NE(h, 0u);
+  ASSERT_EQ(bgl_enf_wait_tensor(enf_, h), BGL_OK);
+  bgl_enf_tensor_info info;
+  ASSERT_EQ(bgl_enf_query(enf_, h, &info), BGL_OK);
+  EXPECT_EQ(info.placement, BGL_PLACE_FP8);
+  EXPECT_EQ(info.need_order, 77);
+  EXPECT_EQ(info.num_consumers, 2);
+  EXPECT_EQ(fp8_bytes, info.fp8_bytes);
+  EXPECT_GE(fp8_bytes, data.size());  // a byte per element, plus the scales
+  EXPECT_LT(fp8_bytes, bytes);
+  void* back = nullptr;
+  ASSERT_EQ(bgl_enf_acquire(enf_, h, 4, compute_, &back), BGL_OK) << bgl_enf_last_error();
+  ASSERT_EQ(bgl_enf_stream_synchronize(enf_, compute_), BGL_OK);
+  const float* f = static_cast<const float*>(back);
+  for (size_t i = 0; i < data.size(); ++i) ASSERT_NEAR(f[i], data[i], data[i] / 8 + 1e-3);
+  ASSERT_EQ(bgl_enf_release(enf_, h, 4, compute_), BGL_OK);
+  ASSERT_EQ(bgl_enf_unregister(enf_, h), BGL_OK);
+
+  // Bytes are not a dtype FP8 takes: registered, left on the device, the cast's error returned
+  // (the bytes out untouched; null is allowed).
+  void* q = bgl_alloc(4096, 0, compute_);
+  ASSERT_NE(q, nullptr);
+  bgl_enf_tensor_desc dq = d;
+  dq.ptr = q;
+  dq.bytes = 4096;
+  dq.dtype = BGL_DTYPE_BYTES;
+  uint64_t hq = 0;
+  fp8_bytes = 123;
+  EXPECT_EQ(bgl_enf_store_fp8_saved(enf_, &dq, 0, nullptr, 0, &hq, &fp8_bytes),
+            BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("FP8 needs an F32/F16/BF16 tensor"),
+            std::string::npos)
+      << bgl_enf_last_error();
+  EXPECT_EQ(fp8_bytes, 123u);
+  ASSERT_NE(hq, 0u);
+  ASSERT_EQ(bgl_enf_query(enf_, hq, &info), BGL_OK);
+  EXPECT_EQ(info.placement, BGL_PLACE_DEVICE);
+  ASSERT_EQ(bgl_enf_unregister(enf_, hq), BGL_OK);
+
+  // A bad description: nothing registered, the handle zeroed.
+  uint64_t h2 = 99;
+  dq.dtype = 17;
+  EXPECT_EQ(bgl_enf_store_fp8_saved(enf_, &dq, 0, nullptr, 0, &h2, nullptr),
+            BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(h2, 0u);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("bgl_enf_store_fp8_saved: dtype 17"),
+            std::string::npos);
+  EXPECT_EQ(bgl_enf_store_fp8_saved(enf_, nullptr, 0, nullptr, 0, &h2, nullptr),
+            BGL_ERR_INVALID_ARGUMENT);
+  bgl_free(q, 4096, 0, compute_);
+  bgl_free(p, bytes, 0, compute_);
+}
+
 // sync_copies on the host backend: copies and casts run on the calling thread, so an offload,
 // a reload and an FP8 round trip are complete when the call returns (nothing pending) and the
 // data comes back bit for bit.

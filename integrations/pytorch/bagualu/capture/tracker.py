@@ -20,7 +20,7 @@ import torch
 from ..discovery.sharding import is_parameter, local_storage_ptrs
 from ..enforce import eviction
 from ..enforce.device import DeviceMemory
-from ..enforce.enforcer import Enforcer
+from ..enforce.enforcer import Enforcer, fp8_supported
 from ..enforce.order import PointIssuer
 from ..record import DEVICE, DROPPED, FP8_PLACE, HOST, Packed, Record, _Plain
 from ..vocabulary import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op
@@ -232,14 +232,15 @@ class Tracker:
         the device (its copy is complete when the pack returns)."""
         producer, call = self._producer_call(st, op)
         s = self.strategy_of(producer, self.micro_batch)
-        at_once = (s == OFFLOAD and self.sync_offloads
-                   and self.micro_batch not in self.scheduled)
+        at_once = self.sync_offloads and (
+            (s == OFFLOAD and self.micro_batch not in self.scheduled)
+            or (s == FP8 and fp8_supported(dtype)))
         rec = self.new_record(st, dtype, producer, consumer,
                               register=s != KEEP and not at_once, account=not at_once)
         if s == KEEP:
             return rec
         if at_once:
-            self._offload_at_once(rec)
+            self._move_at_once(rec, s)
         elif s != RECOMPUTE:
             self._apply(rec, s)
         elif call is not None:
@@ -265,18 +266,25 @@ class Tracker:
             if k is not None:
                 rec.drop(call, k)
 
-    def _offload_at_once(self, rec: Record) -> None:
-        """Registers and offloads a new record in one call of the enforcer (synchronous
-        copies: done when it returns); a record the enforcer cannot take (another tracks its
-        storage) or whose offload failed stays on the device, accounted there."""
+    def _move_at_once(self, rec: Record, strategy: str) -> None:
+        """Registers a new record and offloads it or casts it to FP8 (``strategy``) in one
+        call of the enforcer (synchronous copies and casts: done when it returns); a record
+        the enforcer cannot take (another tracks its storage) or whose move failed stays on
+        the device, accounted there."""
         if rec.lazy:
             rec.lazy = False
-            rec.enf, error = self.track(rec, offload=True)
-            if rec.enf and error is None:
-                rec.left_for_host()
-                return
+            if strategy == OFFLOAD:
+                rec.enf, error = self.track(rec, OFFLOAD)
+                if rec.enf and error is None:
+                    rec.left_for_host()
+                    return
+            else:
+                rec.enf, fp8_bytes, error = self.track(rec, FP8)
+                if rec.enf and error is None:
+                    rec.stored_fp8(fp8_bytes)
+                    return
             if error is not None:
-                self.enforcer_failed("offload", error)
+                self.enforcer_failed("offload" if strategy == OFFLOAD else "fp8 cast", error)
         rec._account(rec.nbytes)
 
     def hold(self, t: torch.Tensor) -> Any:
@@ -334,22 +342,29 @@ class Tracker:
             self.captured.append(rec)
         return rec
 
-    def track(self, rec: Record, offload: bool = False) -> Any:
+    def track(self, rec: Record, move: str = KEEP) -> Any:
         """Registers a record kept so far with the enforcer (its first move is coming): its
         reload order and every operator that saved it; returns the handle (0: another record
-        tracks the storage). ``offload``: offloads it in the same call and returns the handle
-        and None, or the handle and why the offload failed."""
+        tracks the storage). ``move`` OFFLOAD: offloads it in the same call and returns the
+        handle and None, or the handle and why the offload failed; FP8: casts it in the same
+        call and returns the handle, the FP8 copy's bytes and None, or the handle, 0 and why
+        the cast failed."""
         ops = rec.consumers
         args = (rec.storage, rec.dtype, self.op_id(rec.producer), rec.micro_batch,
                 rec.need_order(), self.op_id(ops[0]) if ops else -1)
-        if offload:
+        fp8_bytes, error = 0, None
+        if move == OFFLOAD:
             h, error = self.enforcer.offload_saved(*args)
+        elif move == FP8:
+            h, fp8_bytes, error = self.enforcer.store_fp8_saved(*args)
         else:
-            h, error = self.enforcer.register(*args, stream=rec.stream), None
+            h = self.enforcer.register(*args, stream=rec.stream)
         if h:
             for op in ops[1:]:
                 self.enforcer.add_consumer(h, self.op_id(op))
-        return (h, error) if offload else h
+        if move == OFFLOAD:
+            return h, error
+        return (h, fp8_bytes, error) if move == FP8 else h
 
     def op_id(self, op: Op) -> int:
         """The enforcer's number of ``op`` (stable for the life of the tracker)."""

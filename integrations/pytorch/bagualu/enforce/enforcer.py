@@ -145,6 +145,9 @@ class Enforcer:
         lib = self.lib
         self._register_saved = lib.bgl_enf_register_saved
         self._offload_saved = lib.bgl_enf_offload_saved
+        self._store_fp8_saved = lib.bgl_enf_store_fp8_saved
+        self._fp8_bytes = ctypes.c_size_t()
+        self._fp8_bytes_ref = ctypes.byref(self._fp8_bytes)
         self._add_consumer = lib.bgl_enf_add_consumer
         self._offload = lib.bgl_enf_offload
         self._wait_tensor = lib.bgl_enf_wait_tensor
@@ -241,6 +244,31 @@ class Enforcer:
         except BagualuError as e:
             return h, e
         return h, None
+
+    def store_fp8_saved(self, storage: torch.UntypedStorage, dtype: torch.dtype,
+                        producer_op: int, micro_batch: int, need_order: int,
+                        consumer: int = -1) -> Tuple[int, int, Optional[BagualuError]]:
+        """register() and store_fp8() in one call of the C ABI (a pack whose strategy is fp8,
+        carried out at once on the host backend): the handle (0 as register's), the bytes of
+        the FP8 copy and None, or the handle of a tensor left on the device, 0 and why its
+        cast failed."""
+        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, -1)
+        rc = self._store_fp8_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
+                                   self._out_ref, self._fp8_bytes_ref)
+        h = self._out.value
+        if rc == 0 or h:
+            self.tracked += 1
+        if rc == 0:
+            return h, self._fp8_bytes.value, None
+        if not h:
+            if rc == self.vocab.duplicate:
+                return 0, 0, None
+            self._check(rc, "register")
+        try:
+            self._check(rc, "store_fp8")
+        except BagualuError as e:
+            return h, 0, e
+        return h, 0, None
 
     def _describe(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
                   micro_batch: int, consumer: int, graph_tensor: int,
