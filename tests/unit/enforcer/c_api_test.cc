@@ -52,6 +52,41 @@ class EnforceCApi : public ::testing::Test {
     return h;
   }
 
+  // An F32 saved tensor of operator 3, micro-batch 1, on the compute stream (graph index -1).
+  bgl_enf_tensor_desc saved_desc(void* p, std::size_t bytes) const {
+    bgl_enf_tensor_desc d{};
+    d.ptr = p;
+    d.bytes = bytes;
+    d.dtype = BGL_DTYPE_F32;
+    d.producer_op = 3;
+    d.graph_tensor = -1;
+    d.micro_batch = 1;
+    d.stream = compute_;
+    return d;
+  }
+
+  // A tensor registered by a *_saved call whose move failed: on the device; then forgotten.
+  void expect_left_on_device(uint64_t h) {
+    ASSERT_NE(h, 0u);
+    bgl_enf_tensor_info info;
+    ASSERT_EQ(bgl_enf_query(enf_, h, &info), BGL_OK);
+    EXPECT_EQ(info.placement, BGL_PLACE_DEVICE);
+    ASSERT_EQ(bgl_enf_unregister(enf_, h), BGL_OK);
+  }
+
+  // `saved(desc, handle)`, the *_saved function `fn`, given dtype 17 and a null description:
+  // nothing registered, the handle zeroed, the error naming `fn`.
+  template <class Saved>
+  void expect_bad_description_rejected(bgl_enf_tensor_desc d, const std::string& fn, Saved saved) {
+    uint64_t h = 99;
+    d.dtype = 17;
+    EXPECT_EQ(saved(&d, &h), BGL_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(h, 0u);
+    EXPECT_NE(std::string(bgl_enf_last_error()).find(fn + ": dtype 17"), std::string::npos)
+        << bgl_enf_last_error();
+    EXPECT_EQ(saved(nullptr, &h), BGL_ERR_INVALID_ARGUMENT);
+  }
+
   bgl_enforcer* enf_ = nullptr;
   void* compute_ = nullptr;
 };
@@ -177,17 +212,7 @@ TEST_F(EnforceCApi, RegisterSavedSetsNeedOrderAndConsumersInOneCall) {
 // pool is full) leaves the tensor registered on the device, its handle returned with the
 // error; a failed registration leaves nothing.
 TEST_F(EnforceCApi, OffloadSavedRegistersAndOffloadsInOneCall) {
-  auto desc = [&](void* p, std::size_t bytes) {
-    bgl_enf_tensor_desc d{};
-    d.ptr = p;
-    d.bytes = bytes;
-    d.dtype = BGL_DTYPE_F32;
-    d.producer_op = 3;
-    d.graph_tensor = -1;
-    d.micro_batch = 1;
-    d.stream = compute_;
-    return d;
-  };
+  auto desc = [&](void* p, std::size_t bytes) { return saved_desc(p, bytes); };
   void* p = bgl_alloc(4096, 0, compute_);
   ASSERT_NE(p, nullptr);
   std::memset(p, 0x5a, 4096);
@@ -209,19 +234,12 @@ TEST_F(EnforceCApi, OffloadSavedRegistersAndOffloadsInOneCall) {
   bgl_enf_tensor_desc dq = desc(q, big);
   uint64_t hq = 0;
   EXPECT_NE(bgl_enf_offload_saved(enf_, &dq, 0, nullptr, 0, &hq), BGL_OK);
-  ASSERT_NE(hq, 0u);
-  ASSERT_EQ(bgl_enf_query(enf_, hq, &info), BGL_OK);
-  EXPECT_EQ(info.placement, BGL_PLACE_DEVICE);
-  ASSERT_EQ(bgl_enf_unregister(enf_, hq), BGL_OK);
+  expect_left_on_device(hq);
 
-  // A bad description: nothing registered, the handle zeroed.
-  uint64_t h2 = 99;
-  dq.dtype = 17;
-  EXPECT_EQ(bgl_enf_offload_saved(enf_, &dq, 0, nullptr, 0, &h2), BGL_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(h2, 0u);
-  EXPECT_NE(std::string(bgl_enf_last_error()).find("bgl_enf_offload_saved: dtype 17"),
-            std::string::npos);
-  EXPECT_EQ(bgl_enf_offload_saved(enf_, nullptr, 0, nullptr, 0, &h2), BGL_ERR_INVALID_ARGUMENT);
+  expect_bad_description_rejected(dq, "bgl_enf_offload_saved",
+                                  [&](const bgl_enf_tensor_desc* desc, uint64_t* out) {
+                                    return bgl_enf_offload_saved(enf_, desc, 0, nullptr, 0, out);
+                                  });
   ASSERT_EQ(bgl_enf_unregister(enf_, h), BGL_OK);
   bgl_free(q, big, 0, compute_);
   bgl_free(p, 4096, 0, compute_);
@@ -239,14 +257,7 @@ TEST_F(EnforceCApi, StoreFp8SavedRegistersAndCastsInOneCall) {
   void* p = bgl_alloc(bytes, 0, compute_);
   ASSERT_NE(p, nullptr);
   std::memcpy(p, data.data(), bytes);
-  bgl_enf_tensor_desc d{};
-  d.ptr = p;
-  d.bytes = bytes;
-  d.dtype = BGL_DTYPE_F32;
-  d.producer_op = 3;
-  d.graph_tensor = -1;
-  d.micro_batch = 1;
-  d.stream = compute_;
+  bgl_enf_tensor_desc d = saved_desc(p, bytes);
   const int consumers[2] = {4, 5};
   uint64_t h = 0;
   size_t fp8_bytes = 0;
@@ -286,21 +297,12 @@ TEST_F(EnforceCApi, StoreFp8SavedRegistersAndCastsInOneCall) {
             std::string::npos)
       << bgl_enf_last_error();
   EXPECT_EQ(fp8_bytes, 123u);
-  ASSERT_NE(hq, 0u);
-  ASSERT_EQ(bgl_enf_query(enf_, hq, &info), BGL_OK);
-  EXPECT_EQ(info.placement, BGL_PLACE_DEVICE);
-  ASSERT_EQ(bgl_enf_unregister(enf_, hq), BGL_OK);
+  expect_left_on_device(hq);
 
-  // A bad description: nothing registered, the handle zeroed.
-  uint64_t h2 = 99;
-  dq.dtype = 17;
-  EXPECT_EQ(bgl_enf_store_fp8_saved(enf_, &dq, 0, nullptr, 0, &h2, nullptr),
-            BGL_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(h2, 0u);
-  EXPECT_NE(std::string(bgl_enf_last_error()).find("bgl_enf_store_fp8_saved: dtype 17"),
-            std::string::npos);
-  EXPECT_EQ(bgl_enf_store_fp8_saved(enf_, nullptr, 0, nullptr, 0, &h2, nullptr),
-            BGL_ERR_INVALID_ARGUMENT);
+  expect_bad_description_rejected(
+      dq, "bgl_enf_store_fp8_saved", [&](const bgl_enf_tensor_desc* desc, uint64_t* out) {
+        return bgl_enf_store_fp8_saved(enf_, desc, 0, nullptr, 0, out, nullptr);
+      });
   bgl_free(q, 4096, 0, compute_);
   bgl_free(p, bytes, 0, compute_);
 }
