@@ -273,16 +273,13 @@ class Tracker:
         the device, accounted there."""
         if rec.lazy:
             rec.lazy = False
-            if strategy == OFFLOAD:
-                rec.enf, error = self.track(rec, OFFLOAD)
-                if rec.enf and error is None:
+            rec.enf, error, fp8_bytes = self.track(rec, strategy)
+            if rec.enf and error is None:
+                if strategy == OFFLOAD:
                     rec.left_for_host()
-                    return
-            else:
-                rec.enf, fp8_bytes, error = self.track(rec, FP8)
-                if rec.enf and error is None:
+                else:
                     rec.stored_fp8(fp8_bytes)
-                    return
+                return
             if error is not None:
                 self.enforcer_failed("offload" if strategy == OFFLOAD else "fp8 cast", error)
         rec._account(rec.nbytes)
@@ -345,26 +342,22 @@ class Tracker:
     def track(self, rec: Record, move: str = KEEP) -> Any:
         """Registers a record kept so far with the enforcer (its first move is coming): its
         reload order and every operator that saved it; returns the handle (0: another record
-        tracks the storage). ``move`` OFFLOAD: offloads it in the same call and returns the
-        handle and None, or the handle and why the offload failed; FP8: casts it in the same
-        call and returns the handle, the FP8 copy's bytes and None, or the handle, 0 and why
-        the cast failed."""
+        tracks the storage). ``move`` OFFLOAD or FP8: carries that move out in the same call
+        and returns the handle, None or why the move failed, and the FP8 copy's bytes (0 for
+        an offload)."""
         ops = rec.consumers
         args = (rec.storage, rec.dtype, self.op_id(rec.producer), rec.micro_batch,
                 rec.need_order(), self.op_id(ops[0]) if ops else -1)
-        fp8_bytes, error = 0, None
         if move == OFFLOAD:
-            h, error = self.enforcer.offload_saved(*args)
+            (h, error), fp8_bytes = self.enforcer.offload_saved(*args), 0
         elif move == FP8:
-            h, fp8_bytes, error = self.enforcer.store_fp8_saved(*args)
+            h, error, fp8_bytes = self.enforcer.store_fp8_saved(*args)
         else:
             h = self.enforcer.register(*args, stream=rec.stream)
         if h:
             for op in ops[1:]:
                 self.enforcer.add_consumer(h, self.op_id(op))
-        if move == OFFLOAD:
-            return h, error
-        return (h, fp8_bytes, error) if move == FP8 else h
+        return h if move == KEEP else (h, error, fp8_bytes)
 
     def op_id(self, op: Op) -> int:
         """The enforcer's number of ``op`` (stable for the life of the tracker)."""

@@ -225,50 +225,45 @@ class Enforcer:
         """register() and offload() in one call of the C ABI (a pack whose strategy is
         offload, carried out at once on synchronous copies): the handle (0 as register's) and
         None, or the handle of a tensor left on the device and why its offload failed."""
+        h, error = self._move_saved(self._offload_saved, "offload", storage, dtype, producer_op,
+                                    micro_batch, need_order, consumer)
+        if h and error is None and not self.borrowed_free_is_safe and not self.sync_copies:
+            self._check(self._wait_tensor(self.handle, h), "offload")
+        return h, error
+
+    def store_fp8_saved(self, storage: torch.UntypedStorage, dtype: torch.dtype,
+                        producer_op: int, micro_batch: int, need_order: int,
+                        consumer: int = -1) -> Tuple[int, Optional[BagualuError], int]:
+        """register() and store_fp8() in one call of the C ABI (a pack whose strategy is fp8,
+        carried out at once on the host backend): as offload_saved, and the bytes of the FP8
+        copy (0 where none was made)."""
+        h, error = self._move_saved(self._store_fp8_saved, "store_fp8", storage, dtype,
+                                    producer_op, micro_batch, need_order, consumer,
+                                    self._fp8_bytes_ref)
+        return h, error, self._fp8_bytes.value if h and error is None else 0
+
+    def _move_saved(self, fn: Any, what: str, storage: torch.UntypedStorage,
+                    dtype: torch.dtype, producer_op: int, micro_batch: int, need_order: int,
+                    consumer: int, *out: Any) -> Tuple[int, Optional[BagualuError]]:
+        """One of the C ABI's register-and-move calls (``fn``, the move named ``what``; ``out``:
+        its extra outputs): the handle (0 where another record tracks the storage) and None,
+        or the handle of a tensor left registered on the device and why the move failed."""
         n = self._describe(storage, dtype, producer_op, micro_batch, consumer, -1)
-        rc = self._offload_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
-                                 self._out_ref)
+        rc = fn(self.handle, self._desc_ref, need_order, self._consumers, n, self._out_ref, *out)
         h = self._out.value
         if rc == 0 or h:
             self.tracked += 1
         if rc == 0:
-            if not self.borrowed_free_is_safe and not self.sync_copies:
-                self._check(self._wait_tensor(self.handle, h), "offload")
             return h, None
         if not h:
             if rc == self.vocab.duplicate:
                 return 0, None
             self._check(rc, "register")
         try:
-            self._check(rc, "offload")
+            self._check(rc, what)
         except BagualuError as e:
             return h, e
         return h, None
-
-    def store_fp8_saved(self, storage: torch.UntypedStorage, dtype: torch.dtype,
-                        producer_op: int, micro_batch: int, need_order: int,
-                        consumer: int = -1) -> Tuple[int, int, Optional[BagualuError]]:
-        """register() and store_fp8() in one call of the C ABI (a pack whose strategy is fp8,
-        carried out at once on the host backend): the handle (0 as register's), the bytes of
-        the FP8 copy and None, or the handle of a tensor left on the device, 0 and why its
-        cast failed."""
-        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, -1)
-        rc = self._store_fp8_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
-                                   self._out_ref, self._fp8_bytes_ref)
-        h = self._out.value
-        if rc == 0 or h:
-            self.tracked += 1
-        if rc == 0:
-            return h, self._fp8_bytes.value, None
-        if not h:
-            if rc == self.vocab.duplicate:
-                return 0, 0, None
-            self._check(rc, "register")
-        try:
-            self._check(rc, "store_fp8")
-        except BagualuError as e:
-            return h, 0, e
-        return h, 0, None
 
     def _describe(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
                   micro_batch: int, consumer: int, graph_tensor: int,
