@@ -11,10 +11,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -245,7 +247,54 @@ int64_t DaemonProcess::RssBytes() const {
 
 int DaemonProcess::Threads() const { return static_cast<int>(StatusField(pid_, "Threads")); }
 
+namespace {
+
+// Copies of the files among `args` (the program, a model file) in a new folder under /tmp that
+// another uid can enter and read, each argument that names one pointed at its copy: the build
+// and source trees may sit in a folder only their owner can enter (mktemp -d makes 0700
+// folders). Returns the folder, or "" with `why` set (nothing left behind).
+std::string CopyForOtherUid(std::vector<std::string>* args, std::string* why) {
+  namespace fs = std::filesystem;
+  char tmpl[] = "/tmp/bgl-program-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) {
+    *why = std::string("mkdtemp: ") + std::strerror(errno);
+    return "";
+  }
+  const fs::perms readable = fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                             fs::perms::others_read | fs::perms::others_exec;
+  std::error_code ec;
+  fs::permissions(tmpl, readable, ec);
+  for (std::size_t i = 0; i < args->size() && !ec; ++i) {
+    const fs::path from = (*args)[i];
+    if (!fs::is_regular_file(from, ec)) {
+      ec.clear();
+      continue;
+    }
+    const fs::path to = fs::path(tmpl) / (std::to_string(i) + "-" + from.filename().string());
+    if (fs::copy_file(from, to, ec) && !ec) fs::permissions(to, readable, ec);
+    if (ec) *why = "cannot copy " + from.string() + " to " + to.string() + ": " + ec.message();
+    (*args)[i] = to.string();
+  }
+  if (ec) {
+    fs::remove_all(tmpl, ec);
+    return "";
+  }
+  return tmpl;
+}
+
+}  // namespace
+
 int RunProgram(const std::vector<std::string>& args, std::string* out, int uid, int gid) {
+  std::vector<std::string> copy = args;
+  std::string dir;
+  if (uid >= 0) {
+    std::string why;
+    dir = CopyForOtherUid(&copy, &why);
+    if (dir.empty()) {
+      *out += "RunProgram: " + why + "\n";
+      return -1;
+    }
+  }
   int pipefd[2];
   if (pipe(pipefd) != 0) return -1;
   pid_t pid = fork();
@@ -257,11 +306,13 @@ int RunProgram(const std::vector<std::string>& args, std::string* out, int uid, 
       _exit(126);
     }
     if (uid >= 0 && setuid(static_cast<uid_t>(uid)) != 0) _exit(126);
-    std::vector<std::string> copy = args;
     std::vector<char*> argv;
     for (auto& a : copy) argv.push_back(a.data());
     argv.push_back(nullptr);
     execv(argv[0], argv.data());
+    const std::string why =
+        "RunProgram: cannot run " + copy[0] + ": " + std::strerror(errno) + "\n";
+    (void)!write(1, why.data(), why.size());
     _exit(127);
   }
   close(pipefd[1]);
@@ -271,6 +322,10 @@ int RunProgram(const std::vector<std::string>& args, std::string* out, int uid, 
   close(pipefd[0]);
   int status = 0;
   waitpid(pid, &status, 0);
+  if (!dir.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 

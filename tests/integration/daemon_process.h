@@ -59,8 +59,10 @@ std::string HttpGet(int port, const std::string& path);
 double MetricValue(const std::string& scrape, const std::string& name);
 // A registration of the tiny model the tests use.
 std::string TinyModelJson();
-// Runs `argv` (argv[0] a path), optionally as another uid/gid, capturing stdout; returns the
-// exit status (or -1).
+// Runs `argv` (argv[0] a path), optionally as another uid/gid (through copies of the files
+// `argv` names in a folder that uid can read, so the build and source trees' permissions do
+// not matter), capturing stdout (and why the program could not start, exit status 127);
+// returns the exit status (or -1).
 int RunProgram(const std::vector<std::string>& argv, std::string* out, int uid = -1, int gid = -1);
 
 }  // namespace bgl::gov::testing
