@@ -26,6 +26,10 @@ and every N-th micro-batch a batch of the two tokens whose routing lands most on
 which this process stands for (unmodified.spike_rank: a load of 2.67x balance on Qwen3-MoE and
 2.0x on Mixtral at width 4), so routing spikes there.
 
+``--pool A.json,B.json,...``: no run; the rounds of several ``--same-capacity --json-out``
+files of the same device, width and seq pooled per model: the median (range) of every policy's
+runs, the ratios of those medians, and the paired ratios over all rounds.
+
 ``--issue-order``: bagualu at half of keep-all's peak with the plans' dual-batch issue order
 carried out against the same plans issued in program order (serial), alternating; per model
 the median iteration time of each and the median (range) of the per-pair ratios.
@@ -62,6 +66,9 @@ def main() -> int:
                     help="--same-capacity: simulated EP, a skewed batch every N micro-batches")
     ap.add_argument("--device", default="cpu", help="--same-capacity: cpu or cuda")
     ap.add_argument("--json-out", default="", help="--same-capacity: the table as JSON too")
+    ap.add_argument("--pool", default="",
+                    help="pool the rounds of these --same-capacity --json-out files (comma-"
+                         "separated); nothing runs")
     ap.add_argument("--policies", default="",
                     help="--same-capacity: only these (comma-separated; plain always runs)")
     ap.add_argument("--width", type=int, default=4, help="--overhead: model width factor")
@@ -70,6 +77,8 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.iterations is None:
         args.iterations = 10 if args.same_capacity else 3
+    if args.pool:
+        return pool(args.pool.split(","))
     if args.same_capacity:
         if not 0 < args.warmup < args.iterations:
             print(f"bench_unmodified: --warmup {args.warmup} must be at least 1 and below "
@@ -278,6 +287,53 @@ def same_capacity(args: argparse.Namespace) -> int:
         with open(args.json_out, "w") as f:
             json.dump({"device": args.device, "width": args.width, "seq": args.seq,
                        "spike": args.spike, "models": table}, f, indent=1)
+    return 0
+
+
+def pool(paths: List[str]) -> int:
+    """Pools the rounds of several same-capacity JSON files (``--json-out``) per model; exit 2
+    with the file and what is wrong where one cannot be read or does not match the first."""
+    runs: Dict[str, Dict[str, List[float]]] = {}
+    paired: Dict[str, Dict[str, List[float]]] = {}
+    setup = None
+    for path in paths:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            this = {k: doc[k] for k in ("device", "width", "seq", "spike")}
+            models = doc["models"]
+            for name, m in models.items():
+                for k, r in m["runs"].items():
+                    runs.setdefault(name, {}).setdefault(k, []).extend(float(x) for x in r["ms"])
+                for k, v in m.get("paired", {}).items():
+                    paired.setdefault(name, {}).setdefault(k, []).extend(float(x) for x in v)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            print(f"bench_unmodified: --pool {path}: not a --same-capacity --json-out file "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        if setup is None:
+            setup = this
+        elif this != setup:
+            print(f"bench_unmodified: --pool {path}: measured at {this}, the first file at "
+                  f"{setup}; pool files of one setup", file=sys.stderr)
+            return 2
+    print("| model | policy | runs | ms/iteration, median (range) | vs plain | vs checkpoint |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, by in runs.items():
+        med = {k: statistics.median(v) for k, v in by.items() if v}
+        base, ckpt = med.get("plain"), med.get("checkpoint every block")
+        for k, v in by.items():
+            if not v:
+                continue
+            vs_plain = f"{med[k] / base:.2f}x" if base else ""
+            vs_ckpt = f"{ckpt / med[k]:.2f}x" if ckpt else ""
+            print(f"| {name} | {k} | {len(v)} | {med[k]:.1f} ({min(v):.1f}-{max(v):.1f}) | "
+                  f"{vs_plain} | {vs_ckpt} |")
+        pairs = paired.get(name, {})
+        if pairs:
+            print(f"| {name} | paired, same round | " + "; ".join(
+                f"{k} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f}) over {len(v)}"
+                for k, v in pairs.items() if v) + " | | | |")
     return 0
 
 
