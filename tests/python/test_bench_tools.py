@@ -1,0 +1,82 @@
+"""The benchmark tools whose figures docs/benchmarks.md gives: pooling same-capacity runs
+(bench_unmodified.py --pool) and the shares of a py-spy profile (bench/python/spy_shares.py),
+their results on known input and exit 2 on bad input."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+import bench_unmodified
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spy_shares():
+    spec = importlib.util.spec_from_file_location("spy_shares",
+                                                  ROOT / "bench" / "python" / "spy_shares.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _same_capacity(path: Path, plain, bagualu, ckpt, width: int = 4) -> str:
+    runs = {"plain": {"ms": plain}, "bagualu": {"ms": bagualu},
+            "checkpoint every block": {"ms": ckpt}}
+    paired = bench_unmodified._paired({k: v["ms"] for k, v in runs.items()})
+    path.write_text(json.dumps({"device": "cpu", "width": width, "seq": 128, "spike": 0,
+                                "models": {"m": {"runs": runs, "paired": paired}}}))
+    return str(path)
+
+
+def test_pool_pools_rounds_of_several_files(tmp_path, capsys) -> None:
+    a = _same_capacity(tmp_path / "a.json", [100, 200], [110, 240], [150, 300])
+    b = _same_capacity(tmp_path / "b.json", [300], [330], [400])
+    assert bench_unmodified.pool([a, b]) == 0
+    out = capsys.readouterr().out
+    # plain median of 100, 200, 300: 200; bagualu of 110, 240, 330: 240 -> 1.20x
+    assert "| m | plain | 3 | 200.0 (100.0-300.0) | 1.00x | 1.50x |" in out
+    assert "| m | bagualu | 3 | 240.0 (110.0-330.0) | 1.20x | 1.25x |" in out
+    # paired per round: 1.10, 1.20, 1.10 -> median 1.10 over 3
+    assert "bagualu/plain 1.10x (1.10-1.20) over 3" in out
+
+
+def test_pool_rejects_a_file_that_is_not_one_and_another_setup(tmp_path, capsys) -> None:
+    a = _same_capacity(tmp_path / "a.json", [100], [110], [150])
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"device": "cpu"}')
+    assert bench_unmodified.pool([a, str(bad)]) == 2
+    assert "bad.json: not a --same-capacity --json-out file" in capsys.readouterr().err
+    other = _same_capacity(tmp_path / "w8.json", [100], [110], [150], width=8)
+    assert bench_unmodified.pool([a, other]) == 2
+    assert "pool files of one setup" in capsys.readouterr().err
+    assert bench_unmodified.pool([str(tmp_path / "missing.json")]) == 2
+
+
+def test_spy_shares_by_the_outermost_bagualu_frame(tmp_path, capsys, monkeypatch) -> None:
+    raw = tmp_path / "p.raw"
+    raw.write_text(
+        "main (one.py:1);train (unmodified.py:2);pack (bagualu/capture/tracker.py:3);"
+        "alloc (bagualu/enforce/device.py:4) 30\n"
+        "main (one.py:1);train (unmodified.py:2);mm (torch/functional.py:9) 70\n"
+        "main (one.py:1);build (unmodified.py:5) 500\n")  # outside train(): not counted
+    spy = _spy_shares()
+    monkeypatch.setattr("sys.argv", ["spy_shares", str(raw)])
+    assert spy.main() == 0
+    out = capsys.readouterr().out
+    assert "| mm (functional.py) | 70.0% |" in out
+    assert "| bagualu: pack | 30.0% |" in out
+    assert "| samples inside train | 100 |" in out
+
+
+@pytest.mark.parametrize("text", ["not a profile\n", "main (one.py:1);build (u.py:5) 3\n"])
+def test_spy_shares_bad_input_is_exit_2(tmp_path, capsys, monkeypatch, text) -> None:
+    raw = tmp_path / "bad.raw"
+    raw.write_text(text)
+    spy = _spy_shares()
+    monkeypatch.setattr("sys.argv", ["spy_shares", str(raw)])
+    assert spy.main() == 2
+    err = capsys.readouterr().err
+    assert "bad.raw" in err and ("raw format" in err or "no sample inside train()" in err)
