@@ -80,3 +80,9 @@ def test_spy_shares_bad_input_is_exit_2(tmp_path, capsys, monkeypatch, text) -> 
     assert spy.main() == 2
     err = capsys.readouterr().err
     assert "bad.raw" in err and ("raw format" in err or "no sample inside train()" in err)
+
+
+def test_train_of_an_unknown_policy_is_exit_2(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("sys.argv", ["bench_unmodified", "--train", "keep-most"])
+    assert bench_unmodified.main() == 2
+    assert "unknown --train policy 'keep-most'" in capsys.readouterr().err

@@ -26,6 +26,9 @@ and every N-th micro-batch a batch of the two tokens whose routing lands most on
 which this process stands for (unmodified.spike_rank: a load of 2.67x balance on Qwen3-MoE and
 2.0x on Mixtral at width 4), so routing spikes there.
 
+``--train POLICY`` (one of the same-capacity policies): one run of it on the first of
+``--models`` at that setup, its iteration times printed: the process to profile.
+
 ``--pool A.json,B.json,...``: no run; the rounds of several ``--same-capacity --json-out``
 files of the same device, width and seq pooled per model: the median (range) of every policy's
 runs, the ratios of those medians, and the paired ratios over all rounds.
@@ -66,6 +69,9 @@ def main() -> int:
                     help="--same-capacity: simulated EP, a skewed batch every N micro-batches")
     ap.add_argument("--device", default="cpu", help="--same-capacity: cpu or cuda")
     ap.add_argument("--json-out", default="", help="--same-capacity: the table as JSON too")
+    ap.add_argument("--train", default="",
+                    help="one run of this policy on the first model at the same-capacity setup "
+                         "(the process to profile)")
     ap.add_argument("--pool", default="",
                     help="pool the rounds of these --same-capacity --json-out files (comma-"
                          "separated); nothing runs")
@@ -76,9 +82,11 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.iterations is None:
-        args.iterations = 10 if args.same_capacity else 3
+        args.iterations = 10 if args.same_capacity or args.train else 3
     if args.pool:
         return pool(args.pool.split(","))
+    if args.train:
+        return train_one(args)
     if args.same_capacity:
         if not 0 < args.warmup < args.iterations:
             print(f"bench_unmodified: --warmup {args.warmup} must be at least 1 and below "
@@ -195,11 +203,47 @@ def _paired(times: Dict[str, List[float]]) -> Dict[str, List[float]]:
     return out
 
 
+def _setup(args: argparse.Namespace) -> Dict:
+    """train()'s arguments of the same-capacity setup (``--width``, ``--seq``, ``--spike``)."""
+    return dict(width=args.width, seq=args.seq, ep=args.spike > 0, spike_every=args.spike,
+                device=args.device, spike_on_rank=args.spike > 0)
+
+
+def _run(name: str, k: str, cap: int, offload_all: Dict[str, str], iterations: int,
+         kw: Dict) -> Dict:
+    """One run of policy ``k`` (a SAME_CAPACITY name, or keep-all) at capacity ``cap``."""
+    policy = {"full recompute": "static-over", "offload-all": "keep-all",
+              "bagualu": "bagualu", "keep-all": "keep-all"}.get(k)
+    return u.train(name, policy, capacity=cap, iterations=iterations,
+                   checkpoint_layers=k == "checkpoint every block",
+                   save_on_cpu=k == "save_on_cpu",
+                   forced=offload_all if k == "offload-all" else None, **kw)
+
+
+def train_one(args: argparse.Namespace) -> int:
+    """One run of ``--train POLICY`` on the first of ``--models`` at the same-capacity setup:
+    the process to profile (py-spy attached after its warm-up; bench/python/spy_shares.py)."""
+    import bagualu
+    known = SAME_CAPACITY + ("keep-all",)
+    if args.train not in known:
+        print(f"bench_unmodified: unknown --train policy {args.train!r}; known: "
+              f"{', '.join(known)}", file=sys.stderr)
+        return 2
+    name, kw = args.models.split(",")[0], _setup(args)
+    cap = u.keep_all_peak(name, **kw) // 2
+    offload_all = {op: "offload" for op in bagualu.operators(u.build(name, width=args.width))}
+    r = _run(name, args.train, cap, offload_all, args.iterations, kw)
+    if r["oom"] is not None:
+        print(f"{name} {args.train}: out of memory: {r['oom'].splitlines()[0]}")
+        return 1
+    print(f"{name} {args.train}: ms/iteration {[round(t) for t in r['times_ms']]}", flush=True)
+    return 0
+
+
 def same_capacity(args: argparse.Namespace) -> int:
     """Issue 22's table: every policy at half of keep-all's peak, alternating runs."""
     import bagualu
-    kw = dict(width=args.width, seq=args.seq, ep=args.spike > 0, spike_every=args.spike,
-              device=args.device, spike_on_rank=args.spike > 0)
+    kw = _setup(args)
     table: Dict[str, Dict] = {}
     w = args.warmup
     print(f"| model | policy | ms/iteration from iteration {w}, median (range) | vs plain | "
@@ -229,12 +273,7 @@ def same_capacity(args: argparse.Namespace) -> int:
                 if "oom" in info.get(k, {}):
                     continue  # ran out of memory once: it will again
                 gc.collect()
-                policy = {"full recompute": "static-over", "offload-all": "keep-all",
-                          "bagualu": "bagualu", "keep-all": "keep-all"}.get(k)
-                r = u.train(name, policy, capacity=cap, iterations=args.iterations,
-                            checkpoint_layers=k == "checkpoint every block",
-                            save_on_cpu=k == "save_on_cpu",
-                            forced=offload_all if k == "offload-all" else None, **kw)
+                r = _run(name, k, cap, offload_all, args.iterations, kw)
                 if r["oom"] is not None:
                     info[k] = {"oom": r["oom"]}
                     continue
