@@ -2,8 +2,8 @@
 unmodified.py's ``train(MODEL, "bagualu", ...)`` at half of keep-all's peak (width 4,
 128-token micro-batches, every expert local, stage 0 of a 4-stage 1F1B pipeline), with the
 package's hook and enforcer methods wrapped by ``time.perf_counter_ns`` (no profiler). Rows:
-the pack hook by what it returned (the tensor itself under light capture, a record kept on the
-device, a record whose data left it), the unpack hook and the last-holder release by the
+the pack hook by what it returned (the tensor itself under light capture or for a small storage,
+a record kept on the device, a record whose data left it), the unpack hook and the last-holder release by the
 record's placement, and the C calls underneath; per row the median and 90th percentile per call
 and the calls and milliseconds per iteration, over the iterations after the first. Inside
 training every call costs several times the synthetic benchmark's (the model's kernels leave
@@ -54,7 +54,7 @@ def measure(package_dir: str, model: str, iterations: int) -> Dict[str, Dict[str
     def timed_pack(self: Any, t: Any) -> Any:
         t0 = ns()
         r = pack(self, t)
-        what = ("light" if r is t else
+        what = ("light or small: the tensor itself" if r is t else
                 "record, " + ("kept" if r.rec.placement == "device" else "moved")
                 if isinstance(r, R.Packed) else "other")
         note(f"pack ({what})", t0)

@@ -122,6 +122,53 @@ def test_offload_moves_bytes_and_frees_the_original() -> None:
     assert rt.enforcer.live_blocks == 0
 
 
+def test_small_storages_stay_counted_where_their_strategy_moves_them() -> None:
+    """Outside the capture a storage of at most min_move_bytes (16 KiB at a capacity of 64
+    MiB) gets no record and no enforcer call even where its producer's strategy offloads it:
+    it is counted in the micro-batch's light set until the backward ends, and the gradients
+    are plain PyTorch's. A larger storage of the same producer is offloaded; a small one
+    whose producer recomputes keeps its record (its recompute call drops it)."""
+    require_libs()
+    rt, m, _ = install_tiny("64MiB")
+    t = rt.tracker
+    assert t.min_move_bytes == 16 << 10
+    offload = {"qkv_proj": bagualu.OFFLOAD, "attn_norm": bagualu.RECOMPUTE}
+    bagualu.force_strategies(offload)
+
+    def step(rows: int, mb: int) -> tuple:
+        torch.manual_seed(1)
+        x = torch.randn(rows, 16, requires_grad=True)
+        with bagualu.forward(mb):
+            y = m(x).square().sum()
+        recs: dict = {}  # producer -> the placements of its records after the forward
+        for r in t.by_mb.get(mb, ()):
+            recs.setdefault(r.producer.name, set()).add(r.placement)
+        light = t.light_bytes(mb, in_layer_only=True)
+        with bagualu.backward(mb):
+            y.backward()
+        return recs, light, x.grad.clone()
+
+    step(32, 0)  # the capture: every storage gets a record
+    before = dict(t.counters)
+    recs, light, gx = step(32, 1)  # h is 32x16 floats: 2 KiB
+    assert "qkv_proj" not in recs and light >= 32 * 16 * 4
+    assert t.counters["offloads"] == before["offloads"]
+    assert t.counters["small_kept"] > before["small_kept"]
+    assert recs["attn_norm"] == {"dropped"}  # recomputed: records whatever their size
+    assert 1 not in t.light_sets  # freed with the backward
+    recs, _, _ = step(1024, 2)  # h is 64 KiB now
+    assert recs["qkv_proj"] == {"host"}
+    assert t.counters["offloads"] > before["offloads"]
+    # The gradients of the small micro-batch are plain PyTorch's, bit for bit.
+    bagualu.uninstall()
+    torch.manual_seed(0)
+    ref = Tiny()
+    torch.manual_seed(1)
+    x = torch.randn(32, 16, requires_grad=True)
+    ref(x).square().sum().backward()
+    assert torch.equal(gx, x.grad)
+
+
 @pytest.mark.parametrize("strategy", [bagualu.OFFLOAD, bagualu.RECOMPUTE])
 def test_offload_and_recompute_are_bitwise(strategy: str) -> None:
     """Against plain PyTorch (nothing installed), not keep-all: the output and every

@@ -64,6 +64,11 @@ def freeze_long_lived() -> None:
         _thaw_at_exit = True
 
 
+# Storages of at most this many bytes (and at most 1/4096 of the capacity) are never moved: the
+# enforcer's calls for one cost more than its bytes are worth (capture/tracker.py, _kept_small).
+MIN_MOVE_BYTES = 16 << 10
+
+
 class Runtime:
     """State of bagualu in this process (see module docstring); implements capture/host.py's
     Host for the hooks it installs. Not thread-safe: the training thread drives it (the pool's
@@ -88,7 +93,8 @@ class Runtime:
                                fp8_block=settings.fp8_block,
                                light_grain=max(settings.capacity >> 10, 4 << 10)
                                if pool is not None else 0,
-                               evict_fp8=bagualu and settings.allow_fp8)
+                               evict_fp8=bagualu and settings.allow_fp8,
+                               min_move_bytes=min(MIN_MOVE_BYTES, settings.capacity >> 12))
         self.log = IterationLog(settings.policy, settings.capacity, settings.log_iterations)
         self.planning = Planning(settings, governor, self.strategies, self.tracker,
                                  self.enforcer, self.log)

@@ -103,6 +103,10 @@ class _Router:
         return None, -1
 
     def load(self, idx: torch.Tensor) -> float:
+        """The routes to this rank's experts against a balanced share of them (1: balanced).
+        Where the rank holds every expert every route is local: 1 with no tensor work."""
+        if self.fraction == 1.0:
+            return 1.0
         local = torch.isin(idx, self.local.to(idx.device))
         balanced = idx.shape[0] * self.top_k * self.fraction
         return float(local.sum()) / balanced if balanced > 0 else 1.0

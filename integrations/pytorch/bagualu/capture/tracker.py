@@ -1,6 +1,7 @@
 """The saved-tensor hooks and the records of the micro-batches in flight (record.py: one
 storage, with its producer and every operator that saved it, and where its data is): pack,
-unpack, operator scopes and producers, the plan's strategy applied at pack time, light capture.
+unpack, operator scopes and producers, the plan's strategy applied at pack time, light capture
+(and small storages, which are counted as light capture counts: they never move).
 
 The pack hook of torch.autograd.graph.saved_tensors_hooks receives only a tensor; the operator
 that saves it is the innermost operator scope (pushed by the hooks of capture/modules.py and
@@ -39,7 +40,7 @@ class Tracker:
 
     def __init__(self, memory: DeviceMemory, enforcer: Optional[Enforcer],
                  strategy_of: StrategyFn, fp8_block: int = 128, light_grain: int = 0,
-                 evict_fp8: bool = False) -> None:
+                 evict_fp8: bool = False, min_move_bytes: int = 0) -> None:
         self.memory = memory
         self.device_alloc: Callable[[int], int] = memory.alloc
         self.device_free: Callable[[int, int], None] = memory.free
@@ -63,13 +64,18 @@ class Tracker:
         self.fp8_block = fp8_block
         # Bytes per accounting block of light micro-batches (0: exact).
         self.light_grain = light_grain
+        # Storages of at most these bytes are never moved: outside the capture they are only
+        # counted, as light capture counts (_kept_small), since moving one would cost the
+        # enforcer's calls for next to no memory (0: every storage gets a record).
+        self.min_move_bytes = min_move_bytes
         # Pressure eviction stores in FP8 what it cannot offload (the pinned pool is full at
         # the node's grant): the policy allows FP8 and it beats running out of memory.
         self.evict_fp8 = evict_fp8
         self.counters: Dict[str, int] = {
             "offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0, "fp8_casts": 0,
             "fp8_uncasts": 0, "evictions": 0, "evicted_bytes": 0, "records": 0, "drops": 0,
-            "recomputes": 0, "scheduled_offloads": 0, "fp8_evictions": 0, "early_offloads": 0}
+            "recomputes": 0, "scheduled_offloads": 0, "fp8_evictions": 0, "early_offloads": 0,
+            "small_kept": 0}
         # Set by set_model at instrument: storages of parameters and buffers (never
         # activations). A storage follows the strategy of the operator that produced it.
         self.param_keys: Set[int] = set()
@@ -125,6 +131,7 @@ class Tracker:
         """The forward of ``unit`` starts (the capture micro-batch when ``capture``)."""
         self.micro_batch = unit
         self.capture = capture
+        self.drop_light(unit)  # a set left by an earlier forward whose backward never ran
 
     # -- scopes -----------------------------------------------------------------------------
     def current_op(self) -> Op:
@@ -185,14 +192,7 @@ class Tracker:
                     return t
                 if t.numel() == 0:
                     return t
-                n = st.nbytes()
-                self.light_sets[self.micro_batch].grow(n)
-                scope = self.scope
-                inside = bool(scope) and scope[-1].layer >= 0
-                if inside and key in self.external:
-                    ref = self.external[key]
-                    inside = ref() is not st
-                light[key] = (weakref.ref(st), n if inside else -n)
+                self._count(self.light_sets[self.micro_batch], st, key, st.nbytes())
             elif seen[1] > 0:
                 scope = self.scope
                 if not scope or scope[-1].layer < 0:
@@ -210,16 +210,51 @@ class Tracker:
             return t
         ls = self.light_sets.get(self.micro_batch)
         if ls is not None and ls.holds(key, st):
-            return t  # counted before the plan changed mid-forward; it stays kept
+            return t  # counted before the plan changed mid-forward (or small); it stays kept
         op = self.scope[-1] if self.scope else OUTSIDE
         rec = self.live.get(key)
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
+            n = st.nbytes()
+            if n <= self.min_move_bytes and not self.capture and self._kept_small(st, key, n, op):
+                return t
             rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1, consumer=op)
         elif self.unkeyed:
             self._drop_found(rec, self.packs_seen - 1)
         if op not in rec.consumers:
             self.add_consumer(rec, op)
         return Packed(rec, t)
+
+    def _count(self, ls: LightSet, st: torch.UntypedStorage, key: int, n: int) -> None:
+        """Counts storage ``st`` (``n`` bytes at ``key``) in light set ``ls``: inside the
+        layers unless the innermost operator is outside them or it entered a layer from
+        outside (note_external). A dead storage counted at the same pointer is forgotten."""
+        seen = ls.sizes.get(key)
+        if seen is not None:
+            ls.forget(abs(seen[1]))
+        ls.grow(n)
+        scope = self.scope
+        inside = bool(scope) and scope[-1].layer >= 0
+        if inside and key in self.external:
+            inside = self.external[key]() is not st
+        ls.sizes[key] = (weakref.ref(st), n if inside else -n)
+
+    def _kept_small(self, st: torch.UntypedStorage, key: int, n: int, op: Op) -> bool:
+        """A new storage of at most min_move_bytes: moving it would cost a call or two of
+        the enforcer for next to no bytes, so it stays on the device and is only counted,
+        as light capture counts (in the micro-batch's light set, until its backward ends),
+        unless its producer recomputes it (its recompute call drops and regenerates it
+        through a record). Whether it was counted."""
+        producer, _ = self._producer_call(st, op)
+        if self.strategy_of(producer, self.micro_batch) == RECOMPUTE:
+            return False
+        ls = self.light_sets.get(self.micro_batch)
+        if ls is None:  # blocks of a few small storages: a light set's grain would inflate
+            ls = self.light_sets[self.micro_batch] = LightSet(  # the peak by up to a grain
+                self.device_alloc, self.device_free,
+                min(self.light_grain, 4 * self.min_move_bytes), self.micro_batch)
+        self._count(ls, st, key, n)
+        self.counters["small_kept"] += 1
+        return True
 
     def _produced_record(self, st: torch.UntypedStorage, dtype: torch.dtype, op: Op,
                          pack_index: Optional[int], consumer: Optional[Op] = None) -> Record:
@@ -297,6 +332,9 @@ class Tracker:
                 return _Plain(t)
         except RuntimeError:  # a wrapper subclass without storage
             return _Plain(t)
+        ls = self.light_sets.get(self.micro_batch)
+        if ls is not None and ls.holds(st.data_ptr(), st):
+            return _Plain(t)  # counted in the light set: it stays on the device
         rec = self.live.get(st.data_ptr())
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
             rec = self._produced_record(st, t.dtype, self.current_op(), None)
@@ -514,7 +552,7 @@ class Tracker:
         if ls is None:
             return 0
         if in_layer_only:
-            return sum(n for _, n in ls.sizes.values() if n > 0)
+            return sum(n for ref, n in ls.sizes.values() if n > 0 and ref() is not None)
         return ls.used
 
     def release_all(self) -> None:
