@@ -54,6 +54,43 @@ def test_half_of_the_keep_all_peak(name: str, monkeypatch) -> None:
     assert_grads(full["grads"], r["grads"], parameters(name), what=f"{name} at half the peak")
 
 
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_the_room_for_the_backwards_reloads_follows_the_copies(overlap, monkeypatch,
+                                                               tmp_path) -> None:
+    """Algorithm 1's bytes in use at a point whose backward runs after its forward hold the
+    room that backward's reloads take at once: on synchronous copies (a calibration whose
+    copy_overlap is 0) each acquire reloads only what its consumer needs, so the largest
+    offloaded record; where copy threads reload ahead of the backward, the enforcer's bound
+    ahead of need plus one. Counting the bound on synchronous copies shrank the budget of
+    the last warm-up forward (and the last forward) to about half the others'."""
+    require_libs()
+    import json
+    from bagualu.capture.tracker import Tracker
+    doc = {"gpu": "host", "copy_overlap": overlap, "source": "test",
+           "rooflines": {"offload": {"launch_floor_us": 1, "peak_GBps": 8},
+                         "reload": {"launch_floor_us": 1, "peak_GBps": 8}}}
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv("BGL_CALIBRATION", str(path))
+    asked = []
+    real = Tracker.backward_bytes
+
+    def spy(tracker, micro_batch, ahead):
+        asked.append((tracker.reload_ahead, tracker.enforcer.max_inflight, ahead))
+        return real(tracker, micro_batch, ahead)
+
+    monkeypatch.setattr(Tracker, "backward_bytes", spy)
+    full = unmodified.train("qwen3_moe", "keep-all", capacity="4GiB", forced={}, ep=False)
+    cap = max(line["peak_bytes"] for line in full["lines"]) // 2
+    r = unmodified.train("qwen3_moe", "bagualu", capacity=cap, ep=False)
+    assert r["oom"] is None, r["oom"]
+    assert asked, "no point planned a forward before a backward"
+    assert {reload_ahead for reload_ahead, _, _ in asked} == {overlap == 1}
+    for reload_ahead, bound, ahead in asked:
+        assert ahead == (bound if reload_ahead else 0)
+    assert all(line["evictions"] == 0 for line in r["lines"])
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_the_plans_issue_order_is_carried_out(name: str) -> None:
     """At half of keep-all's peak the plans carry their dual-batch issue order: the enforcer's

@@ -140,8 +140,10 @@ class Planning:
         in_use = t.planned_bytes() + sum(t.host_bytes(u) for u in self.reloaded_ahead)
         if backward is not None and unit_id(*backward) not in self.reloaded_ahead:
             # This point's backward runs after the forward planned here, and brings its
-            # offloaded and dropped activations back while it runs: their room at once.
-            in_use += t.backward_bytes(unit_id(*backward), self.enforcer.max_inflight)
+            # offloaded and dropped activations back while it runs: their room at once (the
+            # enforcer's bound ahead of need, or one at a time on synchronous copies).
+            in_use += t.backward_bytes(unit_id(*backward),
+                                       self.enforcer.max_inflight if t.reload_ahead else 0)
         recover = self._reload_ahead(backward, load, in_use)
         if recover is not None:
             in_use += t.host_bytes(unit_id(*recover))
