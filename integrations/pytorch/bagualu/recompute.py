@@ -58,7 +58,13 @@ class Call:
         # The RNG states torch.utils.checkpoint saves: the CPU's and those of the inputs'
         # devices; the autocast state of the call.
         self.rng = torch.get_rng_state()
-        self.devices, self.device_rng = get_device_states(*leaves)
+        # torch.utils.checkpoint's helper walks the arguments again (about 10 us); where every
+        # tensor is on the CPU it finds no device state to save.
+        if any(isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")
+               for v in leaves):
+            self.devices, self.device_rng = get_device_states(*leaves)
+        else:
+            self.devices, self.device_rng = [], []
         self.autocast = (device.type, torch.is_autocast_enabled(device.type),
                          torch.get_autocast_dtype(device.type))
         self.start = start            # the tracker's pack count when the call began
