@@ -28,8 +28,10 @@ def shares(path: str, within: str) -> Tuple[int, Counter[str]]:
             if not line:
                 continue
             stack, _, count = line.rpartition(" ")
-            if not stack or not count.isdigit():
+            if not count.isdigit() or (not stack and not line.startswith(" ")):
                 raise ValueError(f"{path}:{number}: not py-spy's raw format (frames;... count)")
+            if not stack:  # samples with no Python frame (py-spy writes " N" for them)
+                continue
             frames = stack.split(";")
             if not any(fr.startswith(within + " (") for fr in frames):
                 continue

@@ -61,7 +61,8 @@ def test_spy_shares_by_the_outermost_bagualu_frame(tmp_path, capsys, monkeypatch
         "main (one.py:1);train (unmodified.py:2);pack (bagualu/capture/tracker.py:3);"
         "alloc (bagualu/enforce/device.py:4) 30\n"
         "main (one.py:1);train (unmodified.py:2);mm (torch/functional.py:9) 70\n"
-        "main (one.py:1);build (unmodified.py:5) 500\n")  # outside train(): not counted
+        "main (one.py:1);build (unmodified.py:5) 500\n"  # outside train(): not counted
+        " 40\n")  # samples with no Python frame: not counted either
     spy = _spy_shares()
     monkeypatch.setattr("sys.argv", ["spy_shares", str(raw)])
     assert spy.main() == 0
