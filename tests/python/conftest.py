@@ -83,6 +83,18 @@ def assert_grads(ref: dict, got: dict, count: int, rel_l2: float = 0.0, what: st
     return err
 
 
+def calibration_file(tmp_path, overlap: float) -> str:
+    """A calibration file of the host backend whose copies overlap compute (``overlap`` 1,
+    the copy threads) or not (0: synchronous copies); its path."""
+    import json
+    doc = {"gpu": "host", "copy_overlap": overlap, "source": "test",
+           "rooflines": {"offload": {"launch_floor_us": 1, "peak_GBps": 8},
+                         "reload": {"launch_floor_us": 1, "peak_GBps": 8}}}
+    path = tmp_path / f"overlap{overlap}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
 class PlannerSpy:
     """Records the model document and options of every planner the package creates, so a
     test can ask the planner's own C API (through the package's binding) what it predicts."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import bagualu
-from conftest import assert_grads, require_libs
+from conftest import assert_grads, calibration_file, require_libs
 
 
 class Tiny(bagualu.OpBlock):
@@ -323,17 +323,6 @@ def test_light_capture_tells_a_reused_pointer_from_the_dead_storage() -> None:
     assert tr.light_bytes(0) == 48 << 10
 
 
-def _calibration(tmp_path, overlap: float) -> str:
-    """A calibration file whose host copies overlap compute (``overlap`` 1) or not (0)."""
-    import json
-    doc = {"gpu": "host", "copy_overlap": overlap, "source": "test",
-           "rooflines": {"offload": {"launch_floor_us": 1, "peak_GBps": 8},
-                         "reload": {"launch_floor_us": 1, "peak_GBps": 8}}}
-    path = tmp_path / f"overlap{overlap}.json"
-    path.write_text(json.dumps(doc))
-    return str(path)
-
-
 def test_offloads_overlap_the_forward_where_the_copies_do(tmp_path) -> None:
     """Where the host backend's copy threads overlap compute (the calibration's copy_overlap),
     an offload at pack time does not wait for its copy: the record keeps the device data the
@@ -348,7 +337,7 @@ def test_offloads_overlap_the_forward_where_the_copies_do(tmp_path) -> None:
         m = Tiny()
         x = torch.randn(32, 16, requires_grad=True)
         rt = bagualu.install(capacity="1MiB", policy="keep-all", governor="none",
-                             log_iterations=False, calibration=_calibration(tmp_path, overlap))
+                             log_iterations=False, calibration=calibration_file(tmp_path, overlap))
         try:
             t = rt.tracker
             assert t.offload_behind == (overlap == 1) and t.sync_offloads == (overlap == 0)
@@ -394,7 +383,7 @@ def test_a_record_released_while_its_copy_runs_waits_for_it(tmp_path) -> None:
     reads, counts the offload and retires the tensor (nothing stays tracked or pinned)."""
     require_libs()
     rt = bagualu.install(capacity="256MiB", policy="keep-all", governor="none",
-                         log_iterations=False, calibration=_calibration(tmp_path, 1))
+                         log_iterations=False, calibration=calibration_file(tmp_path, 1))
     try:
         t = rt.tracker
         assert t.offload_behind

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bagualu
-from conftest import PlannerSpy, assert_grads, require_libs
+from conftest import PlannerSpy, assert_grads, calibration_file, require_libs
 
 unmodified = pytest.importorskip("unmodified")
 transformers = pytest.importorskip("transformers")
@@ -64,14 +64,8 @@ def test_the_room_for_the_backwards_reloads_follows_the_copies(overlap, monkeypa
     ahead of need plus one. Counting the bound on synchronous copies shrank the budget of
     the last warm-up forward (and the last forward) to about half the others'."""
     require_libs()
-    import json
     from bagualu.capture.tracker import Tracker
-    doc = {"gpu": "host", "copy_overlap": overlap, "source": "test",
-           "rooflines": {"offload": {"launch_floor_us": 1, "peak_GBps": 8},
-                         "reload": {"launch_floor_us": 1, "peak_GBps": 8}}}
-    path = tmp_path / "calibration.json"
-    path.write_text(json.dumps(doc))
-    monkeypatch.setenv("BGL_CALIBRATION", str(path))
+    monkeypatch.setenv("BGL_CALIBRATION", calibration_file(tmp_path, overlap))
     asked = []
     real = Tracker.backward_bytes
 
@@ -469,14 +463,8 @@ def test_offloads_behind_the_forward_on_an_unmodified_model(tmp_path, monkeypatc
     overlap compute) on transformers' Qwen3-MoE at half of keep-all's peak: the records keep
     the data the copies read until they are done, and the run is plain PyTorch's bit for bit."""
     require_libs()
-    import json
     from bagualu.record import Record
-    doc = {"gpu": "host", "copy_overlap": 1, "source": "test",
-           "rooflines": {"offload": {"launch_floor_us": 1, "peak_GBps": 8},
-                         "reload": {"launch_floor_us": 1, "peak_GBps": 8}}}
-    path = tmp_path / "overlap.json"
-    path.write_text(json.dumps(doc))
-    monkeypatch.setenv("BGL_CALIBRATION", str(path))
+    monkeypatch.setenv("BGL_CALIBRATION", calibration_file(tmp_path, 1))
     issued = []
     behind = Record.offload_behind
 
