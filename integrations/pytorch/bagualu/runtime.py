@@ -65,7 +65,7 @@ def freeze_long_lived() -> None:
 
 
 # Storages of at most this many bytes (and at most 1/4096 of the capacity) are never moved: the
-# enforcer's calls for one cost more than its bytes are worth (capture/tracker.py, _kept_small).
+# enforcer's calls for one cost more than its bytes are worth (capture/tracker.py, _produced_record).
 MIN_MOVE_BYTES = 16 << 10
 
 

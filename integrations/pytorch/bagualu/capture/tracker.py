@@ -65,8 +65,8 @@ class Tracker:
         # Bytes per accounting block of light micro-batches (0: exact).
         self.light_grain = light_grain
         # Storages of at most these bytes are never moved: outside the capture they are only
-        # counted, as light capture counts (_kept_small), since moving one would cost the
-        # enforcer's calls for next to no memory (0: every storage gets a record).
+        # counted, as light capture counts (_produced_record), since moving one would cost
+        # the enforcer's calls for next to no memory (0: every storage gets a record).
         self.min_move_bytes = min_move_bytes
         # Pressure eviction stores in FP8 what it cannot offload (the pinned pool is full at
         # the node's grant): the policy allows FP8 and it beats running out of memory.
@@ -214,10 +214,10 @@ class Tracker:
         op = self.scope[-1] if self.scope else OUTSIDE
         rec = self.live.get(key)
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
-            n = st.nbytes()
-            if n <= self.min_move_bytes and not self.capture and self._kept_small(st, key, n, op):
+            rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1, consumer=op,
+                                        key=key)
+            if rec is None:  # a small storage, counted: it stays as it is
                 return t
-            rec = self._produced_record(st, t.dtype, op, self.packs_seen - 1, consumer=op)
         elif self.unkeyed:
             self._drop_found(rec, self.packs_seen - 1)
         if op not in rec.consumers:
@@ -238,35 +238,31 @@ class Tracker:
             inside = self.external[key]() is not st
         ls.sizes[key] = (weakref.ref(st), n if inside else -n)
 
-    def _kept_small(self, st: torch.UntypedStorage, key: int, n: int, op: Op) -> bool:
-        """A new storage of at most min_move_bytes: moving it would cost a call or two of
-        the enforcer for next to no bytes, so it stays on the device and is only counted,
-        as light capture counts (in the micro-batch's light set, until its backward ends),
-        unless its producer recomputes it (its recompute call drops and regenerates it
-        through a record). Whether it was counted."""
-        producer, _ = self._producer_call(st, op)
-        if self.strategy_of(producer, self.micro_batch) == RECOMPUTE:
-            return False
-        ls = self.light_sets.get(self.micro_batch)
-        if ls is None:  # blocks of a few small storages: a light set's grain would inflate
-            ls = self.light_sets[self.micro_batch] = LightSet(  # the peak by up to a grain
-                self.device_alloc, self.device_free,
-                min(self.light_grain, 4 * self.min_move_bytes), self.micro_batch)
-        self._count(ls, st, key, n)
-        self.counters["small_kept"] += 1
-        return True
-
     def _produced_record(self, st: torch.UntypedStorage, dtype: torch.dtype, op: Op,
-                         pack_index: Optional[int], consumer: Optional[Op] = None) -> Record:
+                         pack_index: Optional[int], consumer: Optional[Op] = None,
+                         key: Optional[int] = None) -> Optional[Record]:
         """A new record under producer strategies: its producer's strategy applies once. A
         recompute producer's call drops it if its rerun can find it again: by ``pack_index``
         (the pack being made now) while the call runs, by its outputs after. ``consumer``: the
         operator saving it now (registered with it). A kept record meets the enforcer only if
         something must move it later (pressure eviction); an offload the training thread
         carries out at once on the host backend's synchronous copies is never accounted on
-        the device (its copy is complete when the pack returns)."""
+        the device (its copy is complete when the pack returns).
+
+        With ``key`` (a pack at that storage pointer), outside the capture, a storage of at
+        most min_move_bytes whose producer does not recompute it gets no record (None): moving
+        it would cost the enforcer's calls for next to no bytes, so it stays and is counted as
+        light capture counts, in the micro-batch's light set until its backward ends (a
+        recompute producer's call drops and regenerates its storages through records)."""
         producer, call = self._producer_call(st, op)
         s = self.strategy_of(producer, self.micro_batch)
+        if key is not None and s != RECOMPUTE and not self.capture:
+            n = st.nbytes()
+            if n <= self.min_move_bytes:
+                grain = min(self.light_grain, 4 * self.min_move_bytes)
+                self._count(self._light_set(self.micro_batch, grain), st, key, n)
+                self.counters["small_kept"] += 1
+                return None
         at_once = self.sync_offloads and (
             (s == OFFLOAD and self.micro_batch not in self.scheduled)
             or (s == FP8 and fp8_supported(dtype)))
@@ -476,12 +472,19 @@ class Tracker:
         if recs is not None:
             recs.discard(rec)
 
+    def _light_set(self, unit: int, grain: int) -> LightSet:
+        """The light set of ``unit``, made with blocks of ``grain`` bytes if it has none (a few small storages take blocks of four times min_move_bytes: a light
+        capture's grain would inflate the peak by up to a grain per micro-batch)."""
+        ls = self.light_sets.get(unit)
+        if ls is None:
+            ls = self.light_sets[unit] = LightSet(self.device_alloc, self.device_free, grain,
+                                                  unit)
+        return ls
+
     def begin_light(self, micro_batch: int) -> None:
-        """Light capture for the forward of ``micro_batch`` (see __post_init__). A set left by
-        an earlier forward of the same id whose backward never ran is dropped first."""
-        self.drop_light(micro_batch)
-        ls = self.light_sets[micro_batch] = LightSet(self.device_alloc, self.device_free,
-                                                     self.light_grain, micro_batch)
+        """Light capture for the forward of ``micro_batch`` (see __post_init__), after
+        begin_forward (which dropped a set an earlier forward of the same id left)."""
+        ls = self._light_set(micro_batch, self.light_grain)
         self.light = ls.sizes
 
     def drop_light(self, micro_batch: int) -> None:
