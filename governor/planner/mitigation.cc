@@ -5,6 +5,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "base/units.h"
 #include "governor/planner/layer_search.h"
@@ -94,6 +95,47 @@ void Refine(const CostEvaluator& eval, double r, double budget, const Mitigation
     result.assignment = std::move(best_assignment);
     result.cost = best_cost;
     ++result.refinements;
+  }
+}
+
+// Ties (issue 22): of the assignments with the same exposed overhead, one that moves fewer bytes
+// off the device. Where copies hide under compute an offload costs nothing, and an answer that
+// offloads everything hideable (the operator DP's fronts keep the least memory first) is as
+// cheap as one that offloads only what the budget needs, while it moves several times the bytes
+// and holds as much more pinned host memory. One sweep switches mitigated operators (with the
+// partners that share their tensors) back to keep, those saving the most bytes first, while the
+// budget, the host limit and the overhead hold: afterwards no single switch back fits. A label
+// that moves nothing (a partner keeps the tensor) goes back to keep too.
+void KeepWhatFits(const CostEvaluator& eval, double r, double budget,
+                  const MitigationOptions& options, const Partners& partners,
+                  MitigationResult& result) {
+  const StageGraph& g = eval.graph();
+  std::vector<std::pair<double, size_t>> order;
+  for (size_t o = 0; o < g.ops.size(); ++o) {
+    if (result.assignment[o] == Strategy::kKeep) continue;
+    double bytes = 0;
+    for (int t : g.ops[o].saves) bytes += g.tensors[t].Bytes(r);
+    order.emplace_back(-bytes, o);
+  }
+  std::sort(order.begin(), order.end());
+  for (const auto& [neg_bytes, o] : order) {
+    if (result.assignment[o] == Strategy::kKeep) continue;  // kept with a partner already
+    for (bool group : {false, true}) {
+      if (group && partners[o].empty()) continue;
+      Assignment trial = result.assignment;
+      trial[o] = Strategy::kKeep;
+      if (group) {
+        for (int other : partners[o]) trial[other] = Strategy::kKeep;
+      }
+      const AssignmentCost c = eval.Evaluate(trial, r);
+      if (!c.conflict && c.device_bytes <= budget && options.HostFits(c.host_bytes) &&
+          c.device_bytes >= result.cost.device_bytes &&
+          c.exposed_s <= result.cost.exposed_s + 1e-12) {
+        result.assignment = std::move(trial);
+        result.cost = c;
+        break;
+      }
+    }
   }
 }
 
@@ -222,6 +264,9 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
       quick.from_operator_dp = true;
       quick.exact = dp->exact;
       quick.first_answer = !dp->exact;
+      if (!quick.cost.conflict && quick.cost.device_bytes <= budget) {
+        KeepWhatFits(eval, r, budget, options, FindPartners(eval.graph()), quick);
+      }
       quick.fits = quick.cost.device_bytes <= budget;
       return quick;
     }
@@ -272,6 +317,10 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
     }
   } else if (result.cost.exposed_s <= 0) {
     result.exact = true;
+  }
+  if (!result.cost.conflict && result.cost.device_bytes <= budget &&
+      !result.fallback_full_recompute) {
+    KeepWhatFits(eval, r, budget, options, FindPartners(eval.graph()), result);
   }
   result.fits = result.cost.device_bytes <= budget;
   return result;
