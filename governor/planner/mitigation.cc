@@ -120,6 +120,19 @@ void KeepWhatFits(const CostEvaluator& eval, double r, double budget,
   std::sort(order.begin(), order.end());
   for (const auto& [neg_bytes, o] : order) {
     if (result.assignment[o] == Strategy::kKeep) continue;  // kept with a partner already
+    // Kept without a conflict, o's tensors come back in full precision: at least what they
+    // save now must fit the slack (skips the evaluations that cannot fit).
+    double back = 0;
+    for (int t : g.ops[o].saves) {
+      const SavedTensor& st = g.tensors[t];
+      const Placement p = eval.TensorPlacement(result.assignment, t);
+      if (p == Placement::kFp8) {
+        back += st.Bytes(r) - CostEvaluator::Fp8Bytes(st.Bytes(r), st.dtype);
+      } else if (p == Placement::kHost || p == Placement::kDropped) {
+        back += st.Bytes(r);
+      }
+    }
+    if (back > budget - result.cost.device_bytes) continue;
     for (bool group : {false, true}) {
       if (group && partners[o].empty()) continue;
       Assignment trial = result.assignment;
