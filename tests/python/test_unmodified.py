@@ -150,9 +150,9 @@ def test_where_copies_hide_the_plans_offload_only_what_the_budget_needs(
     """Issue 22: where copies overlap compute (copy_overlap 1: a GPU's copy engines, or the
     host backend's copy threads) an offload costs no time, so offloading everything ties with
     offloading what the budget needs. The anytime path's first answer took the tie the wrong
-    way: every forward of Qwen3-MoE at half of keep-all's peak was planned to M0 (0.79 MB)
-    under budgets of 13-41 MB, moving about twice the bytes and leaving a third of the
-    capacity idle (peak 38.9 of 56.4 MiB). Now each plan keeps what its budget holds."""
+    way: the forwards of Qwen3-MoE at half of keep-all's peak whose budgets were 13-22 MB were
+    planned to M0 (0.79 MB), moving about twice the bytes and leaving a third of the capacity
+    idle (peak 38.9 of 56.4 MiB). Now each plan keeps what its budget holds."""
     require_libs()
     monkeypatch.setenv("BGL_CALIBRATION", calibration_file(tmp_path, 1))
     kw = dict(iterations=2, spike_every=0, width=4, seq=128, ep=False)
