@@ -264,6 +264,36 @@ def test_the_router_downgrades_the_rest_of_its_layer() -> None:
     assert deferred > 0 and drops > 0 and recomputes > 0, (deferred, drops, recomputes)
 
 
+def test_routers_whose_load_cannot_change_open_no_deferred_calls(monkeypatch) -> None:
+    """An operator containing a router opens a recompute call at every forward so that a
+    deferred plan may drop its activations, but only where a router's load can differ from 1
+    (some experts are other ranks'): with every expert local (ep False) the only calls opened
+    are those of operators the plan recomputes; with simulated expert parallelism the calls
+    for deferral are still made (fails before: mlp calls under keep with every expert local)."""
+    require_libs()
+    from bagualu.capture import calls as calls_module
+    from bagualu.vocabulary import RECOMPUTE
+    real = calls_module.Call
+    made: list = []
+
+    def counting(op, fn, args, kwargs, hold, packs, device, host):  # noqa: ANN001, ANN202
+        made.append((op.qualname, host.strategy_of(op, host.tracker.micro_batch)))
+        return real(op, fn, args, kwargs, hold, packs, device, host)
+
+    monkeypatch.setattr(calls_module, "Call", counting)
+    for ep in (False, True):
+        made.clear()
+        cap = unmodified.keep_all_peak("mixtral", ep=ep) // 2
+        made.clear()
+        r = unmodified.train("mixtral", "bagualu", capacity=cap, ep=ep, allow_fp8=False)
+        assert r["oom"] is None, r["oom"]
+        armed = [name for name, s in made if s != RECOMPUTE]
+        if ep:
+            assert armed, "simulated EP: no call was opened for a deferred plan"
+        else:
+            assert not armed, f"every expert local: calls opened for deferral: {armed[:4]}"
+
+
 def test_simulated_expert_parallelism_runs_the_eager_experts_and_restores() -> None:
     require_libs()
     model = unmodified.build("qwen3_moe")

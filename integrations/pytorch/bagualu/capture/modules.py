@@ -139,6 +139,11 @@ class AutoLayers:
         self.layers = len(found.planned)
         self.calls = OperatorCalls(rt, self.layers)
         self.routers: Dict[nn.Module, _Router] = {}
+        # Whether a router's load can differ from 1 (set at install): some experts are other
+        # ranks' (simulated or given local_experts) or an expert dispatch measures it. Where
+        # it cannot, no deferred plan can follow a router, and the operators containing one
+        # open no recompute call for it.
+        self.load_varies = False
         self.compiled = CompiledBlocks(model, found, self._block_hooks, self._drop_inner,
                                        ep.simulate)
         try:
@@ -174,6 +179,8 @@ class AutoLayers:
                 self.dispatch.install(li, block)
                 self.calls.no_replay.update(s.name for s in sites
                                             if self.dispatch.runs_dispatch(li, s.path))
+        self.load_varies = self.dispatch is not None or any(
+            r.fraction < 1.0 for r in self.routers.values())
         if self.ep.simulate:
             self._patch_expert_lists()
             self.restore_experts = _eager_experts(model)
@@ -277,7 +284,7 @@ class AutoLayers:
                 enclosing = t.scope[-1]
                 call = t.calls[-1] if t.calls and t.calls[-1].op is enclosing else None
                 t.note_output((args, kwargs), enclosing, overwrite=False, call=call)
-            self.calls.enter(op, m, args, kwargs, defer)
+            self.calls.enter(op, m, args, kwargs, defer and self.load_varies)
             return None
         return hook
 

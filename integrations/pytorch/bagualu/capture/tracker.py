@@ -256,8 +256,8 @@ class Tracker:
         recompute producer's call drops and regenerates its storages through records)."""
         producer, call = self._producer_call(st, op)
         s = self.strategy_of(producer, self.micro_batch)
+        n = st.nbytes()
         if key is not None and s != RECOMPUTE and not self.capture:
-            n = st.nbytes()
             if n <= self.min_move_bytes:
                 grain = min(self.light_grain, 4 * self.min_move_bytes)
                 self._count(self._light_set(self.micro_batch, grain), st, key, n)
@@ -267,7 +267,8 @@ class Tracker:
             (s == OFFLOAD and self.micro_batch not in self.scheduled)
             or (s == FP8 and fp8_supported(dtype)))
         rec = self.new_record(st, dtype, producer, consumer,
-                              register=s != KEEP and not at_once, account=not at_once)
+                              register=s != KEEP and not at_once, account=not at_once,
+                              ptr=key, nbytes=n)
         if s == KEEP:
             return rec
         if at_once:
@@ -342,13 +343,16 @@ class Tracker:
 
     def new_record(self, st: torch.UntypedStorage, dtype: torch.dtype, producer: Op,
                    consumer: Optional[Op] = None, register: bool = True,
-                   account: bool = True) -> Record:
+                   account: bool = True, ptr: Optional[int] = None,
+                   nbytes: Optional[int] = None) -> Record:
         """A record of ``st``, registered with the enforcer in one call (its reload order and
         ``consumer``, the operator saving it now, if any) or, not ``register``, when a move
-        needs it (track); accounted on the device unless not ``account``."""
+        needs it (track); accounted on the device unless not ``account``. ``ptr`` and
+        ``nbytes``: the storage's where the caller read them already."""
         self._seq += 1
         device = st.device
-        rec = Record(self, st, st.data_ptr(), st.nbytes(), device, dtype, producer,
+        rec = Record(self, st, st.data_ptr() if ptr is None else ptr,
+                     st.nbytes() if nbytes is None else nbytes, device, dtype, producer,
                      self.micro_batch, self._seq)
         if consumer is not None:
             rec.consumers.append(consumer)
@@ -356,7 +360,8 @@ class Tracker:
             if register:
                 rec.enf = self.enforcer.register(
                     st, dtype, self.op_id(producer), self.micro_batch, rec.need_order(),
-                    self.op_id(consumer) if consumer is not None else -1)
+                    self.op_id(consumer) if consumer is not None else -1, ptr=rec.ptr,
+                    nbytes=rec.nbytes)
             else:
                 rec.lazy = True
                 if self.enforcer.cuda:  # its first move is ordered after the producer's work
@@ -378,16 +383,18 @@ class Tracker:
         reload order and every operator that saved it; returns the handle (0: another record
         tracks the storage). ``move`` OFFLOAD or FP8: carries that move out in the same call
         and returns the handle, None or why the move failed, and the FP8 copy's bytes (0 for
-        an offload)."""
+        an offload). The record's storage is still the one it was made with (only a record the
+        enforcer tracks is ever dropped and regenerated), so its pointer and size are the
+        record's."""
         ops = rec.consumers
         args = (rec.storage, rec.dtype, self.op_id(rec.producer), rec.micro_batch,
                 rec.need_order(), self.op_id(ops[0]) if ops else -1)
         if move == OFFLOAD:
-            (h, error), fp8_bytes = self.enforcer.offload_saved(*args), 0
+            (h, error), fp8_bytes = self.enforcer.offload_saved(*args, rec.ptr, rec.nbytes), 0
         elif move == FP8:
-            h, error, fp8_bytes = self.enforcer.store_fp8_saved(*args)
+            h, error, fp8_bytes = self.enforcer.store_fp8_saved(*args, rec.ptr, rec.nbytes)
         else:
-            h = self.enforcer.register(*args, stream=rec.stream)
+            h = self.enforcer.register(*args, stream=rec.stream, ptr=rec.ptr, nbytes=rec.nbytes)
         if h:
             for op in ops[1:]:
                 self.enforcer.add_consumer(h, self.op_id(op))

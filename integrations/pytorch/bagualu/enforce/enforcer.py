@@ -199,15 +199,18 @@ class Enforcer:
     # -- tracker ----------------------------------------------------------------------------
     def register(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
                  micro_batch: int, need_order: Optional[int] = None, consumer: int = -1,
-                 graph_tensor: int = -1, stream: Optional[int] = None) -> int:
+                 graph_tensor: int = -1, stream: Optional[int] = None, ptr: int = 0,
+                 nbytes: int = -1) -> int:
         """Tracks a saved storage (borrowed: PyTorch keeps its memory) with its reload order
         key (``need_order``; None: the enforcer's default) and the operator that saved it
         (``consumer``, -1: none yet), in one call of the C ABI; returns the handle, or 0 when
         another record tracks the storage already (one storage saved by two micro-batches,
         e.g. a chunk's output that the next chunk of this rank saves too: it stays where it
-        is). ``stream``: the CUDA stream that produced it (None: the current one)."""
+        is). ``stream``: the CUDA stream that produced it (None: the current one). ``ptr`` and
+        ``nbytes``: the storage's, where the caller read them already (the hot path reads each
+        once)."""
         n = self._describe(storage, dtype, producer_op, micro_batch, consumer, graph_tensor,
-                           stream)
+                           stream, ptr, nbytes)
         if need_order is None:  # bgl_enf_set_need_order's default
             need_order = (micro_batch << 32) + (1 << 31) - 1 - producer_op
         rc = self._register_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
@@ -221,34 +224,38 @@ class Enforcer:
 
     def offload_saved(self, storage: torch.UntypedStorage, dtype: torch.dtype,
                       producer_op: int, micro_batch: int, need_order: int,
-                      consumer: int = -1) -> Tuple[int, Optional[BagualuError]]:
+                      consumer: int = -1, ptr: int = 0,
+                      nbytes: int = -1) -> Tuple[int, Optional[BagualuError]]:
         """register() and offload() in one call of the C ABI (a pack whose strategy is
         offload, carried out at once on synchronous copies): the handle (0 as register's) and
         None, or the handle of a tensor left on the device and why its offload failed."""
         h, error = self._move_saved(self._offload_saved, "offload", storage, dtype, producer_op,
-                                    micro_batch, need_order, consumer)
+                                    micro_batch, need_order, consumer, ptr, nbytes)
         if h and error is None and not self.borrowed_free_is_safe and not self.sync_copies:
             self._check(self._wait_tensor(self.handle, h), "offload")
         return h, error
 
     def store_fp8_saved(self, storage: torch.UntypedStorage, dtype: torch.dtype,
                         producer_op: int, micro_batch: int, need_order: int,
-                        consumer: int = -1) -> Tuple[int, Optional[BagualuError], int]:
+                        consumer: int = -1, ptr: int = 0,
+                        nbytes: int = -1) -> Tuple[int, Optional[BagualuError], int]:
         """register() and store_fp8() in one call of the C ABI (a pack whose strategy is fp8,
         carried out at once on the host backend): as offload_saved, and the bytes of the FP8
         copy (0 where none was made)."""
         h, error = self._move_saved(self._store_fp8_saved, "store_fp8", storage, dtype,
-                                    producer_op, micro_batch, need_order, consumer,
-                                    self._fp8_bytes_ref)
+                                    producer_op, micro_batch, need_order, consumer, ptr,
+                                    nbytes, self._fp8_bytes_ref)
         return h, error, self._fp8_bytes.value if h and error is None else 0
 
     def _move_saved(self, fn: Any, what: str, storage: torch.UntypedStorage,
                     dtype: torch.dtype, producer_op: int, micro_batch: int, need_order: int,
-                    consumer: int, *out: Any) -> Tuple[int, Optional[BagualuError]]:
+                    consumer: int, ptr: int, nbytes: int,
+                    *out: Any) -> Tuple[int, Optional[BagualuError]]:
         """One of the C ABI's register-and-move calls (``fn``, the move named ``what``; ``out``:
         its extra outputs): the handle (0 where another record tracks the storage) and None,
         or the handle of a tensor left registered on the device and why the move failed."""
-        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, -1)
+        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, -1, None, ptr,
+                           nbytes)
         rc = fn(self.handle, self._desc_ref, need_order, self._consumers, n, self._out_ref, *out)
         h = self._out.value
         if rc == 0 or h:
@@ -267,11 +274,12 @@ class Enforcer:
 
     def _describe(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
                   micro_batch: int, consumer: int, graph_tensor: int,
-                  stream: Optional[int] = None) -> int:
-        """Fills the reused description and consumer buffers; returns the consumer count."""
+                  stream: Optional[int] = None, ptr: int = 0, nbytes: int = -1) -> int:
+        """Fills the reused description and consumer buffers (``ptr`` and ``nbytes``: the
+        storage's, 0 and -1 to read them from it); returns the consumer count."""
         d = self._desc
-        d.ptr = storage.data_ptr()
-        d.bytes = storage.nbytes()
+        d.ptr = ptr if ptr else storage.data_ptr()
+        d.bytes = nbytes if nbytes >= 0 else storage.nbytes()
         d.dtype = self._dtypes.get(dtype, self._dtype_bytes)
         d.producer_op = producer_op
         d.graph_tensor = graph_tensor
