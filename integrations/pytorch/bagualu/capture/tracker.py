@@ -59,6 +59,8 @@ class Tracker:
                                and not enforcer.cuda and not enforcer.borrowed_free_is_safe)
         self.copying: Deque[Record] = deque()
         self.device_type = memory.device.type  # where activations live; only those move
+        self._ours: Dict[torch.device, bool] = {}  # device -> of device_type (a device's .type
+        # costs more than the rest of a record's registration checks together)
         self.enforcer = enforcer  # every move of a record goes through it
         self.strategy_of = strategy_of
         self.fp8_block = fp8_block
@@ -356,7 +358,10 @@ class Tracker:
                      self.micro_batch, self._seq)
         if consumer is not None:
             rec.consumers.append(consumer)
-        if self.enforcer is not None and device.type == self.device_type:
+        ours = self._ours.get(device)
+        if ours is None:
+            ours = self._ours[device] = device.type == self.device_type
+        if self.enforcer is not None and ours:
             if register:
                 rec.enf = self.enforcer.register(
                     st, dtype, self.op_id(producer), self.micro_batch, rec.need_order(),
