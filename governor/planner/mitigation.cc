@@ -152,11 +152,10 @@ void KeepWhatFits(const CostEvaluator& eval, double r, double budget,
   }
 }
 
-}  // namespace
-
-MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double budget,
-                                  const MitigationOptions& options,
-                                  std::vector<Assignment>* trajectory) {
+// GreedyMitigation over the graph's `partners` (FindPartners), which the caller found once.
+MitigationResult Greedy(const CostEvaluator& eval, double r, double budget,
+                        const MitigationOptions& options, const Partners& partners,
+                        std::vector<Assignment>* trajectory) {
   const StageGraph& g = eval.graph();
   const size_t n = g.ops.size();
   MitigationResult result;
@@ -167,7 +166,6 @@ MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double bu
   // dropped[o][s]: candidate (o, s) was rejected for a conflict and is never retried.
   std::vector<std::array<bool, kStrategyCount>> dropped(n);
   for (auto& d : dropped) d.fill(false);
-  const Partners partners = FindPartners(g);
   auto move = [&](Assignment a, size_t o, Strategy s, bool keeping_only) {
     return Move(eval, partners, std::move(a), o, s, keeping_only);
   };
@@ -257,6 +255,14 @@ MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double bu
   return result;
 }
 
+}  // namespace
+
+MitigationResult GreedyMitigation(const CostEvaluator& eval, double r, double budget,
+                                  const MitigationOptions& options,
+                                  std::vector<Assignment>* trajectory) {
+  return Greedy(eval, r, budget, options, FindPartners(eval.graph()), trajectory);
+}
+
 Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, double budget,
                                           const MitigationOptions& options) {
   const double m0 = eval.graph().M0(r);
@@ -265,6 +271,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
                            " (activation memory under full recompute); no plan can meet it");
   }
   const size_t n = eval.graph().ops.size();
+  const Partners partners = FindPartners(eval.graph());  // once: every step below moves with them
   if (options.fast && n <= static_cast<size_t>(options.max_dp_ops)) {
     // The anytime path's first answer (issue 23): the operator DP alone, on a small front.
     std::optional<OperatorDpResult> dp = OperatorDp(
@@ -278,13 +285,13 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
       quick.exact = dp->exact;
       quick.first_answer = !dp->exact;
       if (!quick.cost.conflict && quick.cost.device_bytes <= budget) {
-        KeepWhatFits(eval, r, budget, options, FindPartners(eval.graph()), quick);
+        KeepWhatFits(eval, r, budget, options, partners, quick);
       }
       quick.fits = quick.cost.device_bytes <= budget;
       return quick;
     }
   }
-  MitigationResult result = GreedyMitigation(eval, r, budget, options, nullptr);
+  MitigationResult result = Greedy(eval, r, budget, options, partners, nullptr);
   // The greedy is the bound: the layer search's answer replaces it only when it is cheaper. A
   // greedy answer without overhead is already optimal.
   if (options.layer_search && result.cost.exposed_s > 0 &&
@@ -296,7 +303,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
       alt.cost = eval.Evaluate(alt.assignment, r);
       if (!alt.cost.conflict && alt.cost.device_bytes <= budget &&
           options.HostFits(alt.cost.host_bytes)) {
-        if (options.refine) Refine(eval, r, budget, options, FindPartners(eval.graph()), alt);
+        if (options.refine) Refine(eval, r, budget, options, partners, alt);
         if (alt.cost.exposed_s < result.cost.exposed_s) {
           result = std::move(alt);
           result.fallback_full_recompute = false;
@@ -317,7 +324,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
       alt.cost = eval.Evaluate(alt.assignment, r);
       alt.refinements = 0;
       if (!dp->exact && options.refine) {
-        Refine(eval, r, budget, options, FindPartners(eval.graph()), alt);
+        Refine(eval, r, budget, options, partners, alt);
       }
       if (!alt.cost.conflict && alt.cost.device_bytes <= budget &&
           options.HostFits(alt.cost.host_bytes) && alt.cost.exposed_s < result.cost.exposed_s) {
@@ -333,7 +340,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
   }
   if (!result.cost.conflict && result.cost.device_bytes <= budget &&
       !result.fallback_full_recompute) {
-    KeepWhatFits(eval, r, budget, options, FindPartners(eval.graph()), result);
+    KeepWhatFits(eval, r, budget, options, partners, result);
   }
   result.fits = result.cost.device_bytes <= budget;
   return result;
