@@ -43,6 +43,24 @@ def test_pool_pools_rounds_of_several_files(tmp_path, capsys) -> None:
     assert "bagualu/plain 1.10x (1.10-1.20) over 3" in out
 
 
+def test_under_a_spike_bagualus_rows_compare_with_the_baseline_of_the_same_experts(
+        tmp_path, capsys) -> None:
+    # Under --spike plain and checkpointing compute every expert, bagualu's policies this
+    # rank's only: bagualu's ratio is over the keep-all baseline that computes those.
+    runs = {"plain": {"ms": [400, 400]}, "bagualu": {"ms": [330, 360]},
+            "checkpoint every block": {"ms": [600, 600]},
+            bench_unmodified.EP_BASELINE: {"ms": [300, 300]}}
+    paired = bench_unmodified._paired({k: v["ms"] for k, v in runs.items()}, spike=16)
+    assert paired == {"bagualu/keep-all, room to spare": [1.1, 1.2]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"device": "cpu", "width": 4, "seq": 128, "spike": 16,
+                                "models": {"m": {"runs": runs, "paired": paired}}}))
+    assert bench_unmodified.pool([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| m | bagualu | 2 | 345.0 (330.0-360.0) | 1.15x of keep-all, room to spare |  |" in out
+    assert "| m | plain | 2 | 400.0 (400.0-400.0) | 1.00x | 1.50x |" in out
+
+
 def test_pool_rejects_a_file_that_is_not_one_and_another_setup(tmp_path, capsys) -> None:
     a = _same_capacity(tmp_path / "a.json", [100], [110], [150])
     bad = tmp_path / "bad.json"

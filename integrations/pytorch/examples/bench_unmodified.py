@@ -24,7 +24,11 @@ cancels), median and range over rounds. ``--policies bagualu,...``: only those (
 ``--spike N``: the same with expert parallelism simulated (4 ranks, this one's experts computed)
 and every N-th micro-batch a batch of the two tokens whose routing lands most on one rank,
 which this process stands for (unmodified.spike_rank: a load of 2.67x balance on Qwen3-MoE and
-2.0x on Mixtral at width 4), so routing spikes there.
+2.0x on Mixtral at width 4), so routing spikes there. Only bagualu skips the other ranks'
+experts (its ``expert_parallel``): plain, checkpointing and save_on_cpu compute all of them, so
+the policies under bagualu are compared with keep-all at twice keep-all's peak (bagualu
+installed, nothing moved, this rank's experts: ``keep-all, room to spare``), not with plain;
+keep-all at the same capacity runs too (it runs out of memory).
 
 ``--train POLICY`` (one of the same-capacity policies): one run of it on the first of
 ``--models`` at that setup, its iteration times printed: the process to profile.
@@ -189,16 +193,31 @@ def overhead(args: argparse.Namespace) -> int:
 # the paired ratios compare runs seconds apart (the machine's speed drifts over minutes).
 SAME_CAPACITY = ("plain", "bagualu", "checkpoint every block", "save_on_cpu", "full recompute",
                  "offload-all")
+# The policies that run without bagualu: under --spike they compute every expert, since only
+# bagualu's expert_parallel skips the other ranks' (examples/unmodified.py instrument_kwargs).
+ALL_EXPERTS = ("plain", "checkpoint every block", "save_on_cpu")
+# Under --spike, the baseline that computes this rank's experts as bagualu's policies do:
+# bagualu installed, everything kept, at twice keep-all's peak (it never runs short).
+EP_BASELINE = "keep-all, room to spare"
 
 
-def _paired(times: Dict[str, List[float]]) -> Dict[str, List[float]]:
+def _base_key(k: str, spike: int) -> str:
+    """The row policy ``k``'s time is compared with: plain, or under a spike, for the policies
+    that compute this rank's experts only, EP_BASELINE."""
+    return EP_BASELINE if spike and k not in ALL_EXPERTS else "plain"
+
+
+def _paired(times: Dict[str, List[float]], spike: int = 0) -> Dict[str, List[float]]:
     """Per round, bagualu over plain and checkpointing over bagualu (runs seconds apart), of
-    the policies that ran every round."""
-    b, p, c = (times.get(k, []) for k in ("bagualu", "plain", "checkpoint every block"))
+    the policies that ran every round; under a spike bagualu over EP_BASELINE instead (plain
+    and checkpointing compute every expert there)."""
+    b, c = times.get("bagualu", []), times.get("checkpoint every block", [])
+    p = times.get(_base_key("bagualu", spike), [])
     out: Dict[str, List[float]] = {}
     if b and len(b) == len(p):
-        out["bagualu/plain"] = [b[i] / p[i] for i in range(len(b))]
-    if b and len(b) == len(c):
+        out["bagualu/" + ("keep-all, room to spare" if spike else "plain")] = [
+            b[i] / p[i] for i in range(len(b))]
+    if b and len(b) == len(c) and not spike:
         out["checkpoint/bagualu"] = [c[i] / b[i] for i in range(len(b))]
     return out
 
@@ -213,7 +232,7 @@ def _run(name: str, k: str, cap: int, offload_all: Dict[str, str], iterations: i
          kw: Dict) -> Dict:
     """One run of policy ``k`` (a SAME_CAPACITY name, or keep-all) at capacity ``cap``."""
     policy = {"full recompute": "static-over", "offload-all": "keep-all",
-              "bagualu": "bagualu", "keep-all": "keep-all"}.get(k)
+              "bagualu": "bagualu", "keep-all": "keep-all", EP_BASELINE: "keep-all"}.get(k)
     return u.train(name, policy, capacity=cap, iterations=iterations,
                    checkpoint_layers=k == "checkpoint every block",
                    save_on_cpu=k == "save_on_cpu",
@@ -255,10 +274,12 @@ def same_capacity(args: argparse.Namespace) -> int:
         peak = u.keep_all_peak(name, **kw)
         cap = peak // 2
         offload_all = {op: "offload" for op in bagualu.operators(u.build(name, width=args.width))}
-        # Under a spike, keep-all at the same capacity too (it runs out of memory).
-        policies = SAME_CAPACITY + (("keep-all",) if args.spike else ())
+        # Under a spike, keep-all at the same capacity too (it runs out of memory), and the
+        # baseline of the policies that compute this rank's experts only.
+        policies = SAME_CAPACITY + (("keep-all", EP_BASELINE) if args.spike else ())
         if args.policies:
-            chosen = set(args.policies.split(",")) | {"plain"}
+            chosen = set(args.policies.split(",")) | {"plain"} | (
+                {EP_BASELINE} if args.spike else set())
             unknown = chosen - set(policies)
             if unknown:
                 print(f"bench_unmodified: unknown policies {sorted(unknown)}; known: "
@@ -273,7 +294,8 @@ def same_capacity(args: argparse.Namespace) -> int:
                 if "oom" in info.get(k, {}):
                     continue  # ran out of memory once: it will again
                 gc.collect()
-                r = _run(name, k, cap, offload_all, args.iterations, kw)
+                r = _run(name, k, 2 * peak if k == EP_BASELINE else cap, offload_all,
+                         args.iterations, kw)
                 if r["oom"] is not None:
                     info[k] = {"oom": r["oom"]}
                     continue
@@ -286,8 +308,8 @@ def same_capacity(args: argparse.Namespace) -> int:
                                "max_load": max(x["max_load_factor"] for x in lines),
                                "strategies": {s: n for s, n in lines[-1]["strategies"].items()
                                               if n}}
-        base = statistics.median(times["plain"])
-        ckpt = statistics.median(times.get("checkpoint every block") or [float("nan")])
+        meds = {k: statistics.median(v) for k, v in times.items() if v}
+        ckpt = meds.get("checkpoint every block", float("nan"))
         table[name] = {"capacity_bytes": cap, "keep_all_peak_bytes": peak,
                        "warmup_iterations": w,
                        "runs": {k: {"ms": times[k], "warmup_ms": warm[k], **info.get(k, {})}
@@ -304,10 +326,15 @@ def same_capacity(args: argparse.Namespace) -> int:
                 peak_cell, fits = "0 (all saved on the host)", "yes"
             elif k == "checkpoint every block":
                 peak_cell, fits = "not counted (its saves bypass the pool)", "-"
+            elif k == EP_BASELINE:
+                peak_cell, fits = f"{i['peak'] / 2**20:.2f} MiB", "- (twice keep-all's peak)"
             else:
                 peak_cell = f"{i['peak'] / 2**20:.2f} MiB"
                 fits = "yes" if i["peak"] <= cap else "no"
-            vs_ckpt = f"{ckpt / med:.2f}x" if ckpt == ckpt else ""  # nan: it did not run
+            # nan: it did not run; under a spike it computes other experts than bagualu's rows
+            comparable = ckpt == ckpt and _base_key(k, args.spike) == "plain"
+            vs_ckpt = f"{ckpt / med:.2f}x" if comparable else ""
+            base = meds.get(_base_key(k, args.spike), float("nan"))
             wv = warm[k]
             print(f"| {name} | {k} | {med:.1f} ({min(v):.1f}-{max(v):.1f}) | {med / base:.2f}x "
                   f"| {vs_ckpt} | {statistics.median(wv):.1f} ({min(wv):.1f}-{max(wv):.1f}) | "
@@ -316,7 +343,11 @@ def same_capacity(args: argparse.Namespace) -> int:
                   f"{format(i['max_load'], '.2f') if 'max_load' in i else ''} |", flush=True)
         print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
               f"{peak / 2**20:.2f} MiB) | | | | | | | | |", flush=True)
-        paired = _paired(times)
+        if args.spike:
+            print(f"| {name} | note | {', '.join(ALL_EXPERTS)} compute all experts (no "
+                  f"bagualu to skip the other ranks'): the other rows, this rank's only, are "
+                  f"compared with {EP_BASELINE} | | | | | | | | |", flush=True)
+        paired = _paired(times, args.spike)
         if paired:
             table[name]["paired"] = paired
             print(f"| {name} | paired, same round | " + "; ".join(
@@ -360,12 +391,15 @@ def pool(paths: List[str]) -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     for name, by in runs.items():
         med = {k: statistics.median(v) for k, v in by.items() if v}
-        base, ckpt = med.get("plain"), med.get("checkpoint every block")
+        ckpt = med.get("checkpoint every block")
         for k, v in by.items():
             if not v:
                 continue
-            vs_plain = f"{med[k] / base:.2f}x" if base else ""
-            vs_ckpt = f"{ckpt / med[k]:.2f}x" if ckpt else ""
+            base_k = _base_key(k, setup["spike"])
+            base = med.get(base_k)
+            vs_plain = f"{med[k] / base:.2f}x" + ("" if base_k == "plain" else f" of {base_k}") \
+                if base else ""
+            vs_ckpt = f"{ckpt / med[k]:.2f}x" if ckpt and base_k == "plain" else ""
             print(f"| {name} | {k} | {len(v)} | {med[k]:.1f} ({min(v):.1f}-{max(v):.1f}) | "
                   f"{vs_plain} | {vs_ckpt} |")
         pairs = paired.get(name, {})
