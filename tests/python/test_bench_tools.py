@@ -51,7 +51,10 @@ def test_under_a_spike_bagualus_rows_compare_with_the_baseline_of_the_same_exper
             "checkpoint every block": {"ms": [600, 600]},
             bench_unmodified.EP_BASELINE: {"ms": [300, 300]}}
     paired = bench_unmodified._paired({k: v["ms"] for k, v in runs.items()}, spike=16)
-    assert paired == {"bagualu/keep-all, room to spare": [1.1, 1.2]}
+    assert paired == {"bagualu/keep-all, room to spare": pytest.approx([1.1, 1.2])}
+    # Without a spike the same times pair bagualu with plain, and checkpointing with bagualu.
+    assert set(bench_unmodified._paired({k: v["ms"] for k, v in runs.items()})) == {
+        "bagualu/plain", "checkpoint/bagualu"}
     path = tmp_path / "s.json"
     path.write_text(json.dumps({"device": "cpu", "width": 4, "seq": 128, "spike": 16,
                                 "models": {"m": {"runs": runs, "paired": paired}}}))

@@ -215,8 +215,7 @@ def _paired(times: Dict[str, List[float]], spike: int = 0) -> Dict[str, List[flo
     p = times.get(_base_key("bagualu", spike), [])
     out: Dict[str, List[float]] = {}
     if b and len(b) == len(p):
-        out["bagualu/" + ("keep-all, room to spare" if spike else "plain")] = [
-            b[i] / p[i] for i in range(len(b))]
+        out["bagualu/" + _base_key("bagualu", spike)] = [b[i] / p[i] for i in range(len(b))]
     if b and len(b) == len(c) and not spike:
         out["checkpoint/bagualu"] = [c[i] / b[i] for i in range(len(b))]
     return out
@@ -230,7 +229,8 @@ def _setup(args: argparse.Namespace) -> Dict:
 
 def _run(name: str, k: str, cap: int, offload_all: Dict[str, str], iterations: int,
          kw: Dict) -> Dict:
-    """One run of policy ``k`` (a SAME_CAPACITY name, or keep-all) at capacity ``cap``."""
+    """One run of policy ``k`` (a SAME_CAPACITY name, keep-all or EP_BASELINE) at capacity
+    ``cap``."""
     policy = {"full recompute": "static-over", "offload-all": "keep-all",
               "bagualu": "bagualu", "keep-all": "keep-all", EP_BASELINE: "keep-all"}.get(k)
     return u.train(name, policy, capacity=cap, iterations=iterations,
