@@ -35,12 +35,13 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/$build" "$stage/lib"
 # Binaries and libraries of the build tree (not CMake's own probes), stripped.
-mapfile -t files < <(find "$build" -type f \( -perm -u+x -o -name '*.so' -o -name '*.so.*' \) \
+mapfile -t files < <(find "$build" -type f \( -perm -u+x -o -name '*.so' -o -name '*.so.*' -o -name '*.torch-version' \) \
   ! -path '*/CMakeFiles/*' ! -name '*.sh' \
   \( -path "$build/tests/unit/allocator/*" -o -path "$build/tests/unit/enforcer/*" \
      -o -path "$build/tests/unit/planner/*" -o -path "$build/bench/*" -o -path "$build/allocator/*" \
      -o -path "$build/governor/planner/*" -o -path "$build/kernels/*" -o -path "$build/enforcer/*" \
-     -o -path "$build/tools/bgl-replay/*" -o -path "$build/tools/bgl-plan/*" \))
+     -o -path "$build/tools/bgl-replay/*" -o -path "$build/tools/bgl-plan/*" \
+     -o -path "$build/integrations/pytorch/*" \))
 for f in "${files[@]}"; do
   mkdir -p "$stage/$(dirname "$f")"
   strip --strip-debug -o "$stage/$f" "$f" 2>/dev/null || cp "$f" "$stage/$f"
@@ -52,7 +53,7 @@ find "$build" \( -name CTestTestfile.cmake -o -name '*_include.cmake' -o -name '
   mkdir -p "$stage/$(dirname "$f")"; cp "$f" "$stage/$f"; done
 # Shared libraries outside glibc and the compiler runtime, except NCCL.
 for f in "${files[@]}"; do ldd "$f" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3}'; done |
-  sort -u | grep -Ev '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*|libgcc_s|libstdc\+\+|libnccl|libz|libssl|libcrypto|libbgl_[a-z]+)\.so' |
+  sort -u | grep -v /site-packages/ | grep -Ev '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*|libgcc_s|libstdc\+\+|libnccl|libz|libssl|libcrypto|libbgl_[a-z]+)\.so' |
   while read -r lib; do cp -L "$lib" "$stage/lib/"; done
 echo "$root" > "$stage/SOURCE_ROOT"
 echo "$build" > "$stage/BUILD_DIR"

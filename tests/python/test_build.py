@@ -30,3 +30,5 @@ def test_bgl_python_builds_every_library_the_package_loads() -> None:
     missing = [lib for lib in libs.LIBRARIES if lib not in names]
     assert not missing, f"bgl_python does not build {missing} (top-level CMakeLists.txt)"
     assert set(libs.LIBRARIES) <= set(libs._SUBDIRS), "native/libs.py cannot find them all"
+    from bagualu.native import ext
+    assert ext._file_name() in names, "bgl_python does not build bagualu._C (csrc/)"

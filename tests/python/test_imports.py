@@ -21,33 +21,51 @@ def module_name(path: Path, root: Path = PKG) -> str:
     return ".".join(parts)
 
 
+ROOT_MODULE = "bagualu"  # the package's __init__ in the graph
+
+
 def imports(path: Path, mods: Set[str], root: Path = PKG) -> Set[str]:
-    """The package's modules ``path`` imports anywhere in it (relative imports; ``from . import
-    x`` names module x when x is one)."""
+    """The package's modules ``path`` imports anywhere in it: relative imports (``from . import
+    x`` names module x when x is one), absolute ones (``import bagualu``, ``from bagualu.x import
+    y``) and those inside functions; the package's __init__ is ROOT_MODULE."""
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    top = root.name  # the package's own name, as absolute imports spell it
     out: Set[str] = set()
+
+    def add(target: str, names: List[str]) -> None:
+        for n in names:
+            sub = f"{target}.{n}" if target else n
+            if sub in mods:
+                out.add(sub)
+                continue
+            out.add(target if target in mods else ROOT_MODULE)
+
     for node in ast.walk(ast.parse(path.read_text())):
-        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == top or a.name.startswith(top + "."):
+                    target = a.name[len(top) + 1:]
+                    out.add(target if target in mods else ROOT_MODULE)
+            continue
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level == 0:
+            module = node.module or ""
+            if module == top or module.startswith(top + "."):
+                add(module[len(top) + 1:], [a.name for a in node.names])
             continue
         base = package.split(".") if package else []
         base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
         target = ".".join(base + ([node.module] if node.module else []))
-        for a in node.names:
-            sub = f"{target}.{a.name}" if target else a.name
-            if sub in mods:
-                out.add(sub)
-            elif target in mods:
-                out.add(target)
+        add(target, [a.name for a in node.names])
     return out
 
 
 def graph(root: Path = PKG) -> Dict[str, Set[str]]:
-    files = {module_name(p, root): p for p in root.rglob("*.py")}
-    mods = set(files)
-    # The package's own __init__ is the facade: it imports the rest and nothing imports it.
-    return {m: {n for n in imports(p, mods, root) if n != m and n != ""}
-            for m, p in files.items() if m != ""}
+    files = {module_name(p, root) or ROOT_MODULE: p for p in root.rglob("*.py")}
+    mods = set(files) - {ROOT_MODULE}
+    return {m: {n for n in imports(p, mods, root) if n != m} for m, p in files.items()}
 
 
 def find_cycle(g: Dict[str, Set[str]]) -> List[str]:
@@ -81,7 +99,10 @@ def test_no_import_cycles() -> None:
     g = graph()
     assert len(g) > 20, g
     assert "capture.tracker" in g and "record" in g["capture.tracker"]
+    assert {"api", "loops.pipelining"} <= g[ROOT_MODULE]  # the facade is in the graph
     assert find_cycle(g) == [], "import cycle: " + " -> ".join(find_cycle(g))
+    importers = sorted(m for m, deps in g.items() if ROOT_MODULE in deps)
+    assert importers == [], f"{importers} import the package's facade (import its api instead)"
 
 
 def test_the_check_sees_a_cycle(tmp_path) -> None:
@@ -97,6 +118,17 @@ def test_the_check_sees_a_cycle(tmp_path) -> None:
     assert find_cycle(graph(tmp_path)) == ["a", "sub.b", "a"]
     (tmp_path / "sub" / "b.py").write_text("x = 1\n")
     assert find_cycle(graph(tmp_path)) == []
+    # Absolute imports of the package and its root, inside functions too (the circle between
+    # loops/ and __init__ that relative imports alone could not show).
+    top = tmp_path.name
+    (tmp_path / "__init__.py").write_text("from . import a\n")
+    (tmp_path / "sub" / "b.py").write_text(f"def f():\n    import {top}\n")
+    (tmp_path / "a.py").write_text("from .sub import b\n")
+    g = graph(tmp_path)
+    assert g["sub.b"] == {ROOT_MODULE}
+    assert find_cycle(g) == ["a", "sub.b", ROOT_MODULE, "a"]
+    (tmp_path / "sub" / "b.py").write_text(f"from {top}.a import x\n")
+    assert find_cycle(graph(tmp_path)) == ["a", "sub.b", "a"]
 
 
 def test_every_module_says_what_it_holds() -> None:

@@ -217,7 +217,7 @@ def test_interleaved_calls_follow_the_schedule(world_of_one, monkeypatch) -> Non
     for name, value in (("step_point", rec.step_point), ("forward", rec.context("F")),
                         ("backward", rec.context("B")), ("current", lambda: None),
                         ("begin_iteration", lambda: None), ("end_iteration", lambda: {})):
-        monkeypatch.setattr(bagualu, name, value)
+        monkeypatch.setattr(bagualu.api, name, value)  # what the loops call
     schedule, model = _interleaved()
     in_loss: List[Tuple[str, int, int]] = []
     loss_fn = schedule._loss_fn
@@ -355,7 +355,7 @@ def test_accumulate_gradients_matches_plain_pytorch_bitwise(monkeypatch) -> None
     bagualu.instrument(model, small_config().info())
     seen: List[Tuple[Any, ...]] = []
     real = bagualu.step_point
-    monkeypatch.setattr(bagualu, "step_point", lambda *a: seen.append(a) or real(*a))
+    monkeypatch.setattr(bagualu.api, "step_point", lambda *a: seen.append(a) or real(*a))
     losses = accumulate.accumulate_gradients(lambda mb: _loss(model, x[mb], y[mb]), MB)
     assert seen == one_f_one_b(MB, 1, 0)  # ("steady", mb, None), ("steady", None, mb)
     assert len(losses) == len(ref_losses) == MB

@@ -73,7 +73,7 @@ if os.environ.get("BGL_TEST_HOLD_FILE"):
                 break
             time.sleep(0.01)
         return _real(*args, **kwargs)
-    bagualu.uninstall = _held
+    bagualu.uninstall = bagualu.api.uninstall = _held
 """
 
 

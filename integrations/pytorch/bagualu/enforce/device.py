@@ -49,7 +49,7 @@ class DeviceMemory:
             self.counted += nbytes
             self.counted_peak = max(self.counted_peak, self.counted)
             return 1
-        ptr = pool.raw_alloc(nbytes if nbytes > 0 else 1, pool.device, None)  # pool.alloc
+        ptr = pool.raw_alloc(nbytes)  # pool.alloc, without its error
         if ptr:
             return ptr
         error = OutOfMemoryError(f"activation memory: {last_error(pool.lib)}")
@@ -68,7 +68,7 @@ class DeviceMemory:
         if pool is None:
             self.counted -= nbytes
             return
-        pool.raw_free(block, nbytes if nbytes > 0 else 1, pool.device, None)
+        pool.raw_free(block, nbytes)
 
     def reset_peak(self) -> None:
         if self.pool is not None:

@@ -1,10 +1,13 @@
-"""The enforcer of libbgl_enforce.so (bgl/enforce.h) through ctypes: the one place where a saved
+"""The enforcer of libbgl_enforce.so (bgl/enforce.h): the one place where a saved
 activation changes placement. Every captured storage that moves is registered with it (its
 producer, the operators that saved it, the plan's strategy; a kept one when it first moves); it
 offloads to its pinned host pool on its D2H stream and reloads on its H2D stream into a block of
 the allocator's pool, casts to FP8 and back with the kernels of kernels/ (the CUDA kernels on a
 GPU, their bit-identical host twin on CPU), and drops data for recompute, calling back into the
 package (recompute.py) when the data is needed again.
+
+The hot calls (registration, moves, acquire and release, retire, prefetch) go through the compiled
+binding (native/ext.py: bagualu._C, no ctypes); the rest through ctypes (native/enforce.py).
 
 PyTorch keeps owning the memory it allocated (registrations are borrowed); the enforcer owns the
 pinned copies, the FP8 copies and the blocks it reloads or uncasts into, which PyTorch sees as a
@@ -17,12 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..native import enforce as native
+from ..native import ext
 from ..native.enforce import HOLDER
 from ..errors import BagualuError, NotReady, OutOfMemoryError
 from .pool import retry_after_eviction
@@ -35,52 +38,6 @@ FP8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # bgl_dtype's eleme
 def fp8_supported(dtype: torch.dtype) -> bool:
     """Whether the enforcer can store a tensor of ``dtype`` in FP8."""
     return dtype in FP8_DTYPES
-
-
-class _Block:
-    """A block the enforcer made (a reload or an uncast) on CUDA as the owner of a tensor's
-    memory, through its ``__cuda_array_interface__``; ``done`` tells the enforcer when PyTorch
-    lets go of the memory (this object dies with the tensor's storage). The host backend's
-    blocks go through ``host_bytes`` instead."""
-
-    __slots__ = ("ptr", "nbytes", "done", "__weakref__")
-
-    def __init__(self, ptr: int, nbytes: int, done: Any) -> None:
-        self.ptr, self.nbytes, self.done = ptr, nbytes, done
-
-    @property
-    def __cuda_array_interface__(self) -> Dict[str, Any]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
-                "version": 2}
-
-    def __del__(self) -> None:
-        self.done()
-
-
-# A writable memoryview over raw memory (no copy): one object per block where a ctypes array
-# of the block's size needed a _Block riding on it too (half the cost, with the block's free).
-_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
-_memory_view.restype = ctypes.py_object
-_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_PYBUF_WRITE = 0x200
-# id of the weakref of a live host block's memoryview -> (that weakref, its ``done``): the
-# memoryview takes no attributes and a writable one no hash; the weakref's callback runs
-# ``done`` when torch lets go of the storage.
-_host_blocks: Dict[int, Tuple[Any, Any]] = {}
-
-
-def _host_block_gone(ref: Any) -> None:
-    _host_blocks.pop(id(ref))[1]()
-
-
-def host_bytes(ptr: int, nbytes: int, done: Any) -> torch.UntypedStorage:
-    """The host backend's block at ``ptr`` (``nbytes`` > 0) as a storage (no copy) whose death
-    runs ``done``: torch.frombuffer holds the buffer of a memoryview over the bytes until the
-    storage dies, and the memoryview's weakref then runs ``done``."""
-    view = _memory_view(ptr, nbytes, _PYBUF_WRITE)
-    ref = weakref.ref(view, _host_block_gone)
-    _host_blocks[id(ref)] = (ref, done)
-    return torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
 
 
 class Enforcer:
@@ -127,36 +84,16 @@ class Enforcer:
         self.tracked = 0      # registered tensors not yet retired
         self.closing = False  # close() was called: destroy once nothing is outstanding
         self.destroyed = False
-        # The hot path's buffers, made once and reused by every call (one thread at a time, see
-        # the module docstring): the registration's description, consumers and handle, the
-        # acquired pointer and a tensor's state; and the functions it calls, looked up once.
-        self._desc = native.Desc(graph_tensor=-1, stream=None, flags=0)
-        self._desc_ref = ctypes.byref(self._desc)
-        self._consumers = (ctypes.c_int * 2)(HOLDER, 0)
-        self._out = ctypes.c_uint64(0)
-        self._out_ref = ctypes.byref(self._out)
-        self._ptr = ctypes.c_void_p()
-        self._ptr_ref = ctypes.byref(self._ptr)
-        self._acquiring = 0  # acquires under way (the outermost uses _ptr)
-        self._info = native.Info()
-        self._info_ref = ctypes.byref(self._info)
+        # The hot path's calls, through the compiled binding (each returns the status with its
+        # outputs): registration and the register-and-move calls, moves, acquire and release.
+        binding = ext.load()
+        self.fast = binding.Enforcer(self.lib._handle, self.handle, HOLDER)
+        self._block_storage = binding.block_storage
+        self._device_type = 1 if self.cuda else 0
+        self._device_index = (device.index or 0) if self.cuda else 0
         self._dtypes = dict(self.vocab.dtype)
         self._dtype_bytes = self.vocab.dtype_bytes
-        lib = self.lib
-        self._register_saved = lib.bgl_enf_register_saved
-        self._offload_saved = lib.bgl_enf_offload_saved
-        self._store_fp8_saved = lib.bgl_enf_store_fp8_saved
-        self._fp8_bytes = ctypes.c_size_t()
-        self._fp8_bytes_ref = ctypes.byref(self._fp8_bytes)
-        self._add_consumer = lib.bgl_enf_add_consumer
-        self._offload = lib.bgl_enf_offload
-        self._wait_tensor = lib.bgl_enf_wait_tensor
-        self._query = lib.bgl_enf_query
-        self._acquire_fn = lib.bgl_enf_acquire
-        self._release = lib.bgl_enf_release
-        self._unregister = lib.bgl_enf_unregister
-        self._prefetch = lib.bgl_enf_prefetch
-        self._store_fp8 = lib.bgl_enf_store_fp8
+        self._store_fp8 = self.lib.bgl_enf_store_fp8
 
     # -- helpers ----------------------------------------------------------------------------
     def _error(self) -> str:
@@ -209,18 +146,20 @@ class Enforcer:
         is). ``stream``: the CUDA stream that produced it (None: the current one). ``ptr`` and
         ``nbytes``: the storage's, where the caller read them already (the hot path reads each
         once)."""
-        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, graph_tensor,
-                           stream, ptr, nbytes)
         if need_order is None:  # bgl_enf_set_need_order's default
             need_order = (micro_batch << 32) + (1 << 31) - 1 - producer_op
-        rc = self._register_saved(self.handle, self._desc_ref, need_order, self._consumers, n,
-                                  self._out_ref)
+        rc, h = self.fast.register_saved(
+            ptr or storage.data_ptr(), nbytes if nbytes >= 0 else storage.nbytes(),
+            self._dtypes.get(dtype, self._dtype_bytes), producer_op, micro_batch, need_order,
+            consumer, self._stream(stream))
         if rc != 0:
             if rc == self.vocab.duplicate:
                 return 0
             self._check(rc, "register")
         self.tracked += 1
-        return self._out.value
+        if graph_tensor >= 0:
+            self.set_graph_index(h, producer_op, graph_tensor)
+        return h
 
     def offload_saved(self, storage: torch.UntypedStorage, dtype: torch.dtype,
                       producer_op: int, micro_batch: int, need_order: int,
@@ -229,10 +168,10 @@ class Enforcer:
         """register() and offload() in one call of the C ABI (a pack whose strategy is
         offload, carried out at once on synchronous copies): the handle (0 as register's) and
         None, or the handle of a tensor left on the device and why its offload failed."""
-        h, error = self._move_saved(self._offload_saved, "offload", storage, dtype, producer_op,
-                                    micro_batch, need_order, consumer, ptr, nbytes)
+        h, error = self._move_saved(self.fast.offload_saved, "offload", storage, dtype,
+                                    producer_op, micro_batch, need_order, consumer, ptr, nbytes)
         if h and error is None and not self.borrowed_free_is_safe and not self.sync_copies:
-            self._check(self._wait_tensor(self.handle, h), "offload")
+            self._check(self.fast.wait(h), "offload")
         return h, error
 
     def store_fp8_saved(self, storage: torch.UntypedStorage, dtype: torch.dtype,
@@ -242,58 +181,44 @@ class Enforcer:
         """register() and store_fp8() in one call of the C ABI (a pack whose strategy is fp8,
         carried out at once on the host backend): as offload_saved, and the bytes of the FP8
         copy (0 where none was made)."""
-        h, error = self._move_saved(self._store_fp8_saved, "store_fp8", storage, dtype,
-                                    producer_op, micro_batch, need_order, consumer, ptr,
-                                    nbytes, self._fp8_bytes_ref)
-        return h, error, self._fp8_bytes.value if h and error is None else 0
+        h, error, fp8_bytes = self._move_saved(self.fast.store_fp8_saved, "store_fp8", storage,
+                                               dtype, producer_op, micro_batch, need_order,
+                                               consumer, ptr, nbytes)
+        return h, error, fp8_bytes if h and error is None else 0
 
     def _move_saved(self, fn: Any, what: str, storage: torch.UntypedStorage,
                     dtype: torch.dtype, producer_op: int, micro_batch: int, need_order: int,
-                    consumer: int, ptr: int, nbytes: int,
-                    *out: Any) -> Tuple[int, Optional[BagualuError]]:
-        """One of the C ABI's register-and-move calls (``fn``, the move named ``what``; ``out``:
-        its extra outputs): the handle (0 where another record tracks the storage) and None,
-        or the handle of a tensor left registered on the device and why the move failed."""
-        n = self._describe(storage, dtype, producer_op, micro_batch, consumer, -1, None, ptr,
-                           nbytes)
-        rc = fn(self.handle, self._desc_ref, need_order, self._consumers, n, self._out_ref, *out)
-        h = self._out.value
+                    consumer: int, ptr: int, nbytes: int) -> Tuple[Any, ...]:
+        """One of the binding's register-and-move calls (``fn``, the move named ``what``): the
+        handle (0 where another record tracks the storage) and None, or the handle of a tensor
+        left registered on the device and why the move failed; then ``fn``'s extra outputs."""
+        rc, h, *out = fn(ptr or storage.data_ptr(), nbytes if nbytes >= 0 else storage.nbytes(),
+                         self._dtypes.get(dtype, self._dtype_bytes), producer_op, micro_batch,
+                         need_order, consumer, self._stream(None))
         if rc == 0 or h:
             self.tracked += 1
         if rc == 0:
-            return h, None
+            return (h, None, *out)
         if not h:
             if rc == self.vocab.duplicate:
-                return 0, None
+                return (0, None, *out)
             self._check(rc, "register")
         try:
             self._check(rc, what)
         except BagualuError as e:
-            return h, e
-        return h, None
+            return (h, e, *out)
+        return (h, None, *out)
 
-    def _describe(self, storage: torch.UntypedStorage, dtype: torch.dtype, producer_op: int,
-                  micro_batch: int, consumer: int, graph_tensor: int,
-                  stream: Optional[int] = None, ptr: int = 0, nbytes: int = -1) -> int:
-        """Fills the reused description and consumer buffers (``ptr`` and ``nbytes``: the
-        storage's, 0 and -1 to read them from it); returns the consumer count."""
-        d = self._desc
-        d.ptr = ptr if ptr else storage.data_ptr()
-        d.bytes = nbytes if nbytes >= 0 else storage.nbytes()
-        d.dtype = self._dtypes.get(dtype, self._dtype_bytes)
-        d.producer_op = producer_op
-        d.graph_tensor = graph_tensor
-        d.micro_batch = micro_batch
-        if self.cuda:
-            d.stream = stream if stream is not None else self.current_stream()
-        if consumer >= 0:
-            self._consumers[1] = consumer
-            return 2
-        return 1
+    def _stream(self, stream: Optional[int]) -> int:
+        """The stream a call names: ``stream``, else the current CUDA stream (0 on the host
+        backend: its calls run on the calling thread or its copy threads)."""
+        if not self.cuda:
+            return 0
+        return stream if stream is not None else (self.current_stream() or 0)
 
     def add_consumer(self, handle: int, op: int) -> None:
         """Operator ``op`` saved the tensor too."""
-        rc = self._add_consumer(self.handle, handle, op)
+        rc = self.fast.add_consumer(handle, op)
         if rc != 0 and rc != self.vocab.duplicate:  # already a consumer
             self._check(rc, "add_consumer")
 
@@ -325,11 +250,12 @@ class Enforcer:
     def offloaded(self, handle: int) -> bool:
         """Whether the tensor is in the pinned pool (its copy complete, or PyTorch may free the
         source before it ends)."""
-        self._check(self._query(self.handle, handle, self._info_ref), "query")
-        if self._info.placement != self.vocab.place_host:
+        rc, placement, _, _ = self.fast.state(handle)
+        self._check(rc, "query")
+        if placement != self.vocab.place_host:
             return False
         if not self.borrowed_free_is_safe:
-            self._check(self._wait_tensor(self.handle, handle), "offload")
+            self._check(self.fast.wait(handle), "offload")
         return True
 
     def take_offloaded(self) -> List[int]:
@@ -391,7 +317,7 @@ class Enforcer:
         of the backward (each acquire makes room for the next)."""
         if self.destroyed:
             return
-        rc = self._prefetch(self.handle, micro_batch, None)
+        rc = self.fast.prefetch(micro_batch)
         if rc == self.vocab.out_of_memory:  # no room yet: each acquire reloads what it needs
             return
         self._check(rc, "prefetch")
@@ -407,7 +333,7 @@ class Enforcer:
         self.regenerators.pop(handle, None)
         if self.destroyed:
             return
-        self._unregister(self.handle, handle)
+        self.fast.unregister(handle)
         self.tracked -= 1
         self._destroy_if_done()
 
@@ -416,28 +342,30 @@ class Enforcer:
         """Copies the tensor to the pinned pool on the D2H stream (after its producer's
         stream); waits for the copy unless PyTorch may free the source before it ends (or
         ``wait`` is False: the caller keeps the source until wait())."""
-        rc = self._offload(self.handle, handle)
+        rc = self.fast.offload(handle)
         # Synchronous copies (the host backend's, on the training thread) are done already.
         if rc == 0 and wait and not self.borrowed_free_is_safe and not self.sync_copies:
-            rc = self._wait_tensor(self.handle, handle)
+            rc = self.fast.wait(handle)
         if rc != 0:
             self._check(rc, "offload")
 
     def copy_done(self, handle: int) -> bool:
         """Whether no copy or cast of the tensor may still run (never blocks)."""
-        self._check(self._query(self.handle, handle, self._info_ref), "query")
-        return not self._info.pending
+        rc, _, pending, _ = self.fast.state(handle)
+        self._check(rc, "query")
+        return not pending
 
     def wait(self, handle: int) -> None:
         """Blocks until the tensor's queued copies and casts completed."""
-        self._check(self._wait_tensor(self.handle, handle), "wait")
+        self._check(self.fast.wait(handle), "wait")
 
     def store_fp8(self, handle: int) -> int:
         """Casts the tensor to e4m3 with per-block scales on its producer's stream (PyTorch
         frees the original in that stream's order); returns the bytes of the FP8 copy."""
         self._check(self._store_fp8(self.handle, handle), "store_fp8")
-        self._check(self._query(self.handle, handle, self._info_ref), "query")
-        return int(self._info.fp8_bytes)
+        rc, _, _, fp8_bytes = self.fast.state(handle)
+        self._check(rc, "query")
+        return fp8_bytes
 
     def drop(self, handle: int, regenerate: Callable[[], int]) -> None:
         """Gives up the tensor's data; ``regenerate`` makes it again and returns its pointer
@@ -460,50 +388,38 @@ class Enforcer:
             if self.destroyed:
                 on_done()
             elif self.cuda:  # the pool learns PyTorch's stream before the block goes
-                self._release(self.handle, h, -1, self.current_stream())
+                self.fast.release(h, self.current_stream() or 0)
                 on_done()
             elif not on_done():  # not retired yet: the record still holds the tensor
-                self._release(self.handle, h, -1, None)
+                self.fast.release(h, 0)
             self._destroy_if_done()
 
-        if self.cuda:
-            t = torch.as_tensor(_Block(ptr, nbytes, done), device=self.device)
-            return t.untyped_storage()
-        return host_bytes(ptr, nbytes, done)
+        return self._block_storage(ptr, nbytes, self._device_type, self._device_index, done)
 
     def recompute(self, handle: int) -> None:
         """Brings a dropped tensor back through its regenerator (borrowed again: the package
         holds the new storage)."""
         self._acquire(handle, 0)
-        self.lib.bgl_enf_release(self.handle, handle, -1, self.current_stream())
+        self.fast.release(handle, self._stream(None))
 
     def _acquire(self, handle: int, nbytes: int) -> int:
         if self.destroyed:
             raise BagualuError("enforcer acquire: the enforcer was destroyed")
-        # The reused pointer only for the outermost acquire: a recompute callback or a pressure
-        # eviction inside the call may acquire other tensors meanwhile.
-        depth = self._acquiring
-        ptr = self._ptr if depth == 0 else ctypes.c_void_p()
-        self._acquiring = depth + 1
-        try:
-            rc = self._acquire_fn(self.handle, handle, -1, self.current_stream(),
-                                  self._ptr_ref if depth == 0 else ctypes.byref(ptr))
-        finally:
-            self._acquiring = depth
+        rc, ptr = self.fast.acquire(handle, self._stream(None))
         if rc == 0:
-            return int(ptr.value or 0)
-        ptr = ctypes.c_void_p()
+            return ptr
+        got = [0]
 
         def attempt() -> None:
-            self._check(self._acquire_fn(self.handle, handle, -1, self.current_stream(),
-                                         ctypes.byref(ptr)), "acquire")
+            rc, got[0] = self.fast.acquire(handle, self._stream(None))
+            self._check(rc, "acquire")
         try:
             self._check(rc, "acquire")
         except OutOfMemoryError as e:  # no room for the reload or uncast: evict, try again
             if self.evict is None:
                 raise
             retry_after_eviction(attempt, nbytes, self.evict, e)
-        return int(ptr.value or 0)
+        return got[0]
 
     def set_pinned_capacity(self, nbytes: int) -> None:
         """Resizes the pinned host pool (the node's grant changed); offloads that do not fit

@@ -12,6 +12,7 @@ import ctypes
 from typing import Any, Callable, Dict, List, TypeVar
 
 from ..errors import BagualuError, OutOfMemoryError
+from ..native import ext
 from ..native.alloc import PRESSURE_CFUNC, PressureFn, last_error, load, read_json
 
 T = TypeVar("T")
@@ -63,18 +64,22 @@ class DevicePool:
                                    f"{last_error(self.lib)}")
         self._callbacks: List[Any] = []
         self._handles: List[int] = []
-        self.raw_alloc = self.lib.bgl_alloc  # (nbytes >= 1, device, None) -> pointer or None
-        self.raw_free = self.lib.bgl_free    # (pointer, nbytes >= 1, device, None)
+        # bgl_alloc and bgl_free of this device through the compiled binding (no ctypes): a
+        # block per saved storage kept on the device. raw_alloc: nbytes -> pointer, 0 when
+        # there is no room (bgl_alloc_last_error says why); raw_free: (pointer, nbytes).
+        blocks = ext.load().Pool(self.lib._handle, device)
+        self.raw_alloc = blocks.alloc
+        self.raw_free = blocks.free
 
     def alloc(self, nbytes: int) -> int:
         """A block of ``nbytes``; raises OutOfMemoryError with the allocator's message."""
-        ptr = self.raw_alloc(nbytes if nbytes > 0 else 1, self.device, None)
+        ptr = self.raw_alloc(nbytes)
         if not ptr:
             raise OutOfMemoryError(f"activation memory: {last_error(self.lib)}")
         return ptr
 
     def free(self, ptr: int, nbytes: int) -> None:
-        self.raw_free(ptr, nbytes if nbytes > 0 else 1, self.device, None)
+        self.raw_free(ptr, nbytes)
 
     def stats(self) -> Dict[str, Any]:
         return read_json(lambda b, c, n: self.lib.bgl_alloc_stats_json(self.device, b, c, n),

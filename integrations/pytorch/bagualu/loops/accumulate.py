@@ -33,6 +33,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
+from .. import api as bagualu
 from ..errors import BagualuError
 
 __all__ = ["micro_batches", "accumulate_gradients", "MicroBatches", "MicroBatch"]
@@ -53,7 +54,6 @@ class MicroBatch(int):
     @contextmanager
     def forward(self) -> Iterator[None]:
         """The forward of this micro-batch (and its loss): planned, then captured."""
-        import bagualu
         self.loop._enter(int(self), "forward")
         if bagualu.step_point("steady", int(self), None) is not None:
             self.loop.plans += 1
@@ -64,7 +64,6 @@ class MicroBatch(int):
     @contextmanager
     def backward(self) -> Iterator[None]:
         """The backward of this micro-batch (``loss.backward()`` inside)."""
-        import bagualu
         self.loop._enter(int(self), "backward")
         bagualu.step_point("steady", None, int(self))
         with bagualu.backward(int(self)):
@@ -111,7 +110,6 @@ class MicroBatches:
         return self.n
 
     def __iter__(self) -> Iterator[MicroBatch]:
-        import bagualu
         if self._started:
             raise BagualuError("a MicroBatches loop runs once; call bagualu.micro_batches(n) "
                                "for every training step")

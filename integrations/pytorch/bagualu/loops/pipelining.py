@@ -1,7 +1,7 @@
 """An adapter that makes a ``torch.distributed.pipelining`` schedule call bagualu.
 
     stage = PipelineStage(model, rank, world, device, input_args=(x_mb,), output_args=(y_mb,))
-    schedule = bagualu.pipelining.wrap_schedule(Schedule1F1B(stage, n_mb, loss_fn=loss_fn))
+    schedule = pipelining.wrap_schedule(Schedule1F1B(stage, n_mb, loss_fn=loss_fn))
     for it in range(steps):
         schedule.step(x)       # last stage: step(target=y, losses=losses); inside
         optimizer.step()       # begin_iteration() ... end_iteration()
@@ -42,6 +42,7 @@ import sys
 from contextlib import ExitStack
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .. import api as bagualu
 from ..errors import BagualuError
 from .schedule import Point, interleaved_one_f_one_b, one_f_one_b
 
@@ -359,7 +360,6 @@ class PipelinedSchedule:
         return f"{kind}{mb}" if self.chunks == 1 else f"{kind}{mb} of chunk {chunk}"
 
     def _advance(self, kind: str, mb: int, chunk: int) -> None:
-        import bagualu
         want_op = self.ops[self._cursor] if self._cursor < len(self.ops) else None
         if want_op is None or want_op[:3] != (kind, mb, chunk):
             want = "nothing" if want_op is None else self._label(*want_op[:3])
@@ -387,7 +387,6 @@ class PipelinedSchedule:
     # -- the patched methods ----------------------------------------------------------------
     def _forward_patch(self, chunk: int) -> Any:
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            import bagualu
             orig = self._orig[chunk][0]
             if not self._active:  # outside step() (eval(), shape inference): plain torch
                 return orig(fwd_chunk_id, *args, **kwargs)
@@ -418,7 +417,6 @@ class PipelinedSchedule:
 
     def _backward_patch(self, chunk: int) -> Any:
         def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            import bagualu
             orig = self._orig[chunk][1]
             if not self._active:
                 return orig(bwd_chunk_id, *args, **kwargs)
@@ -442,7 +440,6 @@ class PipelinedSchedule:
         """One iteration of the schedule (``begin_iteration`` / ``end_iteration`` around it
         unless ``iterations=False``); the arguments are the schedule's ``step`` arguments
         (``target=``, ``losses=``, ...); returns what the schedule's step returns."""
-        import bagualu
         bagualu.current()  # raises BagualuError when bagualu is not installed
         self._cursor, self.points, self.plans = 0, [], 0
         if self.iterations:

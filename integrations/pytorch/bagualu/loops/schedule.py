@@ -11,6 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import api as bagualu
+
 Point = Tuple[str, Optional[int], Optional[int]]
 ChunkPoint = Tuple[str, Optional[int], Optional[int], Optional[int], Optional[int]]
 
@@ -70,7 +72,6 @@ class P2PStage:
     def run(self, forward_fn: Callable[[int, Optional[torch.Tensor]], torch.Tensor]
             ) -> Dict[int, float]:
         import torch.distributed as dist
-        import bagualu
         first, last = self.rank == 0, self.rank == self.stages - 1
         inputs: Dict[int, torch.Tensor] = {}
         outputs: Dict[int, torch.Tensor] = {}

@@ -38,6 +38,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torchtitan.trainer import Trainer
+from .. import api as bagualu
+from . import pipelining
+from .accumulate import micro_batches
 
 log = logging.getLogger("bagualu")
 
@@ -88,7 +91,6 @@ class BagualuTrainer(Trainer):
     def __init__(self, config: "BagualuTrainer.Config") -> None:
         self._bgl_loop: Optional[Any] = None
         super().__init__(config)
-        import bagualu
         pp = self.parallel_dims.pp_enabled
         ep = self.parallel_dims.ep_enabled
         parts = self.model_parts
@@ -109,7 +111,7 @@ class BagualuTrainer(Trainer):
                            dispatch=DISPATCH if ep else None)
         self._bgl_handles = _fsdp_units(bagualu.current(), model, ep)
         if pp:
-            self.pp_schedule = bagualu.pipelining.wrap_schedule(self.pp_schedule)
+            self.pp_schedule = pipelining.wrap_schedule(self.pp_schedule)
         log.info("bagualu: managing torchtitan's activations (%s, %s, policy %s)",
                  f"pipeline rank {self._bgl_stage[0]} of {self._bgl_stage[1]}, "
                  f"{len(parts)} stage(s) on it" if pp
@@ -120,7 +122,6 @@ class BagualuTrainer(Trainer):
     # -- before the model is built ----------------------------------------------------------
     def init_distributed(self) -> Any:
         parallel_dims = super().init_distributed()
-        import bagualu
         cfg: BagualuConfig = self.config.bagualu
         if not cfg.capacity:
             raise bagualu.BagualuError("bagualu.torchtitan: give --bagualu.capacity (the "
@@ -161,8 +162,7 @@ class BagualuTrainer(Trainer):
     def train_step(self, data_iterator: Any) -> Any:
         if self.parallel_dims.pp_enabled:
             return super().train_step(data_iterator)  # the wrapped schedule plans each step
-        import bagualu
-        self._bgl_loop = iter(bagualu.micro_batches(self._bgl_micro_batches))
+        self._bgl_loop = iter(micro_batches(self._bgl_micro_batches))
         try:
             out = super().train_step(data_iterator)
             for _ in self._bgl_loop:  # every micro-batch ran: this ends the iteration
@@ -177,7 +177,6 @@ class BagualuTrainer(Trainer):
                                extra_kwargs: Dict[str, Any]) -> torch.Tensor:
         """torchtitan's forward, loss and backward of one micro-batch, the forward (with the
         loss) inside bagualu's forward context and the backward inside its backward one."""
-        import bagualu
         if self._bgl_loop is None:
             raise bagualu.BagualuError("bagualu.torchtitan: a forward-backward outside "
                                        "train_step")
@@ -194,7 +193,6 @@ class BagualuTrainer(Trainer):
         return loss
 
     def close(self) -> None:
-        import bagualu
         super().close()
         for h in getattr(self, "_bgl_handles", []):
             h.remove()

@@ -1,0 +1,322 @@
+#include "calls.h"
+
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "bgl/alloc.h"
+#include "bgl/enforce.h"
+
+namespace bgl::torch_ext {
+namespace {
+
+// The functions of the two C ABIs the hot path calls, looked up once per object.
+struct EnforceApi {
+  decltype(&bgl_enf_register_saved) register_saved = nullptr;
+  decltype(&bgl_enf_offload_saved) offload_saved = nullptr;
+  decltype(&bgl_enf_store_fp8_saved) store_fp8_saved = nullptr;
+  decltype(&bgl_enf_add_consumer) add_consumer = nullptr;
+  decltype(&bgl_enf_offload) offload = nullptr;
+  decltype(&bgl_enf_wait_tensor) wait_tensor = nullptr;
+  decltype(&bgl_enf_query) query = nullptr;
+  decltype(&bgl_enf_acquire) acquire = nullptr;
+  decltype(&bgl_enf_release) release = nullptr;
+  decltype(&bgl_enf_unregister) unregister = nullptr;
+  decltype(&bgl_enf_prefetch) prefetch = nullptr;
+};
+
+template <typename Fn>
+bool Find(void* lib, const char* name, Fn* out) {
+  *out = reinterpret_cast<Fn>(dlsym(lib, name));
+  if (*out == nullptr) {
+    PyErr_Format(PyExc_ImportError, "bagualu._C: %s not found in the loaded library (%s)", name,
+                 dlerror());
+    return false;
+  }
+  return true;
+}
+
+// Reads n integer arguments (int64) into out; false with a TypeError on a wrong count.
+bool Ints(const char* what, PyObject* const* args, Py_ssize_t nargs, Py_ssize_t n, int64_t* out) {
+  if (nargs != n) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", what, n, nargs);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[i] = PyLong_AsLongLong(args[i]);
+  }
+  return !PyErr_Occurred();
+}
+
+void* AsPtr(int64_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); }
+
+// --- Enforcer ----------------------------------------------------------------------------------
+struct EnforcerObject {
+  PyObject_HEAD bgl_enforcer* enf;
+  int holder;  // the consumer every record registers first (native/enforce.py HOLDER)
+  EnforceApi api;
+};
+
+int EnforcerInit(PyObject* self, PyObject* args, PyObject*) {
+  unsigned long long lib = 0, enf = 0;
+  int holder = 0;
+  if (!PyArg_ParseTuple(args, "KKi:Enforcer", &lib, &enf, &holder)) return -1;
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  if (lib == 0 || enf == 0) {
+    PyErr_SetString(PyExc_ValueError,
+                    "Enforcer(library handle, enforcer, holder op): non-zero handles");
+    return -1;
+  }
+  void* h = reinterpret_cast<void*>(static_cast<uintptr_t>(lib));
+  EnforceApi& a = o->api;
+  if (!Find(h, "bgl_enf_register_saved", &a.register_saved) ||
+      !Find(h, "bgl_enf_offload_saved", &a.offload_saved) ||
+      !Find(h, "bgl_enf_store_fp8_saved", &a.store_fp8_saved) ||
+      !Find(h, "bgl_enf_add_consumer", &a.add_consumer) ||
+      !Find(h, "bgl_enf_offload", &a.offload) || !Find(h, "bgl_enf_wait_tensor", &a.wait_tensor) ||
+      !Find(h, "bgl_enf_query", &a.query) || !Find(h, "bgl_enf_acquire", &a.acquire) ||
+      !Find(h, "bgl_enf_release", &a.release) || !Find(h, "bgl_enf_unregister", &a.unregister) ||
+      !Find(h, "bgl_enf_prefetch", &a.prefetch)) {
+    return -1;
+  }
+  o->enf = reinterpret_cast<bgl_enforcer*>(static_cast<uintptr_t>(enf));
+  o->holder = holder;
+  return 0;
+}
+
+// The description of a saved storage from (ptr, nbytes, dtype, producer_op, micro_batch,
+// need_order, consumer, stream): the registration's arguments, consumer -1 for none.
+struct Saved {
+  bgl_enf_tensor_desc desc{};
+  int64_t need_order = 0;
+  int consumers[2] = {-2, -1};
+  size_t count = 0;
+};
+
+bool ParseSaved(const char* what, PyObject* const* args, Py_ssize_t nargs, int holder, Saved* s) {
+  int64_t v[8];
+  if (!Ints(what, args, nargs, 8, v)) return false;
+  s->desc.ptr = AsPtr(v[0]);
+  s->desc.bytes = static_cast<size_t>(v[1]);
+  s->desc.dtype = static_cast<int>(v[2]);
+  s->desc.producer_op = static_cast<int>(v[3]);
+  s->desc.graph_tensor = -1;
+  s->desc.micro_batch = static_cast<int>(v[4]);
+  s->desc.stream = AsPtr(v[7]);
+  s->desc.flags = 0;
+  s->need_order = v[5];
+  s->consumers[0] = holder;
+  s->consumers[1] = static_cast<int>(v[6]);
+  s->count = v[6] >= 0 ? 2 : 1;
+  return true;
+}
+
+// register_saved(ptr, nbytes, dtype, producer_op, micro_batch, need_order, consumer, stream)
+//   -> (status, handle)
+PyObject* RegisterSaved(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  Saved s;
+  if (!ParseSaved("register_saved", args, nargs, o->holder, &s)) return nullptr;
+  uint64_t h = 0;
+  const int rc = o->api.register_saved(o->enf, &s.desc, s.need_order, s.consumers, s.count, &h);
+  return Py_BuildValue("(iK)", rc, static_cast<unsigned long long>(h));
+}
+
+// offload_saved(...) -> (status, handle): as register_saved, then the offload.
+PyObject* OffloadSaved(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  Saved s;
+  if (!ParseSaved("offload_saved", args, nargs, o->holder, &s)) return nullptr;
+  uint64_t h = 0;
+  const int rc = o->api.offload_saved(o->enf, &s.desc, s.need_order, s.consumers, s.count, &h);
+  return Py_BuildValue("(iK)", rc, static_cast<unsigned long long>(h));
+}
+
+// store_fp8_saved(...) -> (status, handle, fp8 bytes)
+PyObject* StoreFp8Saved(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  Saved s;
+  if (!ParseSaved("store_fp8_saved", args, nargs, o->holder, &s)) return nullptr;
+  uint64_t h = 0;
+  size_t fp8 = 0;
+  const int rc =
+      o->api.store_fp8_saved(o->enf, &s.desc, s.need_order, s.consumers, s.count, &h, &fp8);
+  return Py_BuildValue("(iKn)", rc, static_cast<unsigned long long>(h),
+                       static_cast<Py_ssize_t>(fp8));
+}
+
+// One status from a call of (handle[, int]) arguments.
+template <int N>
+bool HandleArgs(const char* what, PyObject* const* args, Py_ssize_t nargs, int64_t* v) {
+  return Ints(what, args, nargs, N, v);
+}
+
+PyObject* AddConsumer(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  int64_t v[2];
+  if (!HandleArgs<2>("add_consumer", args, nargs, v)) return nullptr;
+  return PyLong_FromLong(
+      o->api.add_consumer(o->enf, static_cast<uint64_t>(v[0]), static_cast<int>(v[1])));
+}
+
+PyObject* Offload(PyObject* self, PyObject* arg) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  const auto h = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  return PyLong_FromLong(o->api.offload(o->enf, h));
+}
+
+PyObject* WaitTensor(PyObject* self, PyObject* arg) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  const auto h = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS rc = o->api.wait_tensor(o->enf, h);
+  Py_END_ALLOW_THREADS return PyLong_FromLong(rc);
+}
+
+PyObject* Unregister(PyObject* self, PyObject* arg) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  const auto h = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  return PyLong_FromLong(o->api.unregister(o->enf, h));
+}
+
+PyObject* Prefetch(PyObject* self, PyObject* arg) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  const long mb = PyLong_AsLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  return PyLong_FromLong(o->api.prefetch(o->enf, static_cast<int>(mb), nullptr));
+}
+
+// state(handle) -> (status, placement, pending, fp8 bytes)
+PyObject* State(PyObject* self, PyObject* arg) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  const auto h = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  bgl_enf_tensor_info info{};
+  const int rc = o->api.query(o->enf, h, &info);
+  return Py_BuildValue("(iiin)", rc, info.placement, info.pending,
+                       static_cast<Py_ssize_t>(info.fp8_bytes));
+}
+
+// acquire(handle, stream) -> (status, pointer)
+PyObject* Acquire(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  int64_t v[2];
+  if (!Ints("acquire", args, nargs, 2, v)) return nullptr;
+  void* ptr = nullptr;
+  // The GIL stays held: a recompute callback or a pressure eviction inside the call runs Python.
+  const int rc = o->api.acquire(o->enf, static_cast<uint64_t>(v[0]), -1, AsPtr(v[1]), &ptr);
+  return Py_BuildValue("(iK)", rc,
+                       static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(ptr)));
+}
+
+// release(handle, stream) -> status
+PyObject* Release(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* o = reinterpret_cast<EnforcerObject*>(self);
+  int64_t v[2];
+  if (!Ints("release", args, nargs, 2, v)) return nullptr;
+  return PyLong_FromLong(o->api.release(o->enf, static_cast<uint64_t>(v[0]), -1, AsPtr(v[1])));
+}
+
+PyMethodDef enforcer_methods[] = {
+    {"register_saved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(RegisterSaved)),
+     METH_FASTCALL, nullptr},
+    {"offload_saved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(OffloadSaved)),
+     METH_FASTCALL, nullptr},
+    {"store_fp8_saved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(StoreFp8Saved)),
+     METH_FASTCALL, nullptr},
+    {"add_consumer", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(AddConsumer)),
+     METH_FASTCALL, nullptr},
+    {"acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Acquire)), METH_FASTCALL,
+     nullptr},
+    {"release", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Release)), METH_FASTCALL,
+     nullptr},
+    {"offload", Offload, METH_O, nullptr},
+    {"wait", WaitTensor, METH_O, nullptr},
+    {"unregister", Unregister, METH_O, nullptr},
+    {"prefetch", Prefetch, METH_O, nullptr},
+    {"state", State, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+
+// --- Pool --------------------------------------------------------------------------------------
+struct PoolObject {
+  PyObject_HEAD decltype(&bgl_alloc) alloc;
+  decltype(&bgl_free) free;
+  int device;
+};
+
+int PoolInit(PyObject* self, PyObject* args, PyObject*) {
+  unsigned long long lib = 0;
+  int device = 0;
+  if (!PyArg_ParseTuple(args, "Ki:Pool", &lib, &device)) return -1;
+  if (lib == 0) {
+    PyErr_SetString(PyExc_ValueError, "Pool(library handle, device): a non-zero handle");
+    return -1;
+  }
+  auto* o = reinterpret_cast<PoolObject*>(self);
+  void* h = reinterpret_cast<void*>(static_cast<uintptr_t>(lib));
+  if (!Find(h, "bgl_alloc", &o->alloc) || !Find(h, "bgl_free", &o->free)) return -1;
+  o->device = device;
+  return 0;
+}
+
+// alloc(nbytes) -> pointer (0: no room; bgl_alloc_last_error says why)
+PyObject* PoolAlloc(PyObject* self, PyObject* arg) {
+  auto* o = reinterpret_cast<PoolObject*>(self);
+  const long long n = PyLong_AsLongLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  void* p = o->alloc(n > 0 ? static_cast<size_t>(n) : 1, o->device, nullptr);
+  return PyLong_FromUnsignedLongLong(
+      static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p)));
+}
+
+// free(pointer, nbytes)
+PyObject* PoolFree(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* o = reinterpret_cast<PoolObject*>(self);
+  int64_t v[2];
+  if (!Ints("free", args, nargs, 2, v)) return nullptr;
+  o->free(AsPtr(v[0]), v[1] > 0 ? static_cast<size_t>(v[1]) : 1, o->device, nullptr);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef pool_methods[] = {
+    {"alloc", PoolAlloc, METH_O, nullptr},
+    {"free", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(PoolFree)), METH_FASTCALL,
+     nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+
+// A heap type named `qualified` with these methods, added to `module` as `name`.
+bool AddType(PyObject* module, const char* name, const char* qualified, const char* doc, int size,
+             initproc init, PyMethodDef* methods) {
+  PyType_Slot slots[] = {{Py_tp_doc, const_cast<char*>(doc)},
+                         {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
+                         {Py_tp_init, reinterpret_cast<void*>(init)},
+                         {Py_tp_methods, methods},
+                         {0, nullptr}};
+  PyType_Spec spec = {qualified, size, 0, Py_TPFLAGS_DEFAULT, slots};
+  PyObject* type = PyType_FromSpec(&spec);
+  if (type == nullptr) return false;
+  if (PyModule_AddObject(module, name, type) < 0) {
+    Py_DECREF(type);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool AddCallTypes(PyObject* module) {
+  return AddType(module, "Enforcer", "bagualu._C.Enforcer",
+                 "Enforcer(library handle, enforcer, holder op): the enforcer's hot calls "
+                 "(bgl/enforce.h); "
+                 "each returns the bgl_status with its outputs.",
+                 sizeof(EnforcerObject), EnforcerInit, enforcer_methods) &&
+         AddType(module, "Pool", "bagualu._C.Pool",
+                 "Pool(library handle, device): bgl_alloc and bgl_free of that device.",
+                 sizeof(PoolObject), PoolInit, pool_methods);
+}
+
+}  // namespace bgl::torch_ext

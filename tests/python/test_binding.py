@@ -1,0 +1,102 @@
+"""bagualu._C, the compiled binding (native/ext.py, integrations/pytorch/csrc): it is what the
+package loads, it owns torch.ops.bagualu, it refuses a torch it was not built for by name, and
+bad input at its calls is an error that leaves the process and the enforcer's data as they were."""
+from __future__ import annotations
+
+import gc
+import shutil
+
+import pytest
+import torch
+
+from bagualu.enforce.enforcer import Enforcer
+from bagualu.errors import LibraryNotFound
+from bagualu.native import ext, libs
+
+
+def test_the_package_loads_the_binding_built_for_this_torch() -> None:
+    m = ext.load()
+    assert m.torch_version == torch.__version__
+    assert m.abi_version == ext.ABI_VERSION
+    assert torch.ops.bagualu.abi_version() == ext.ABI_VERSION
+    enf = Enforcer(torch.device("cpu"), 1 << 20, borrowed_free_is_safe=False)
+    assert isinstance(enf.fast, m.Enforcer)  # the hot calls go through it, not ctypes
+    enf.close()
+
+
+def test_the_binding_owns_the_torch_ops_namespace() -> None:
+    ext.load()
+    with pytest.raises(RuntimeError, match="bagualu"):
+        torch.library.Library("bagualu", "DEF")  # a second definer of the namespace
+
+
+def test_a_binding_built_for_another_torch_is_refused_naming_both(tmp_path,
+                                                                    monkeypatch) -> None:
+    found = ext._candidates()
+    assert found, "the build has no bagualu._C"
+    shutil.copy(found[0][0], tmp_path / found[0][0].name)
+    (tmp_path / "_C.torch-version").write_text("2.6.0+cpu\n")
+    monkeypatch.setattr(ext, "_candidate_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(ext, "_module", None)
+    with pytest.raises(LibraryNotFound) as e:
+        ext.load()
+    text = str(e.value)
+    assert "2.6.0+cpu" in text and torch.__version__ in text and "BGL_PYTHON" in text
+    (tmp_path / "_C.torch-version").unlink()
+    (tmp_path / found[0][0].name).unlink()
+    with pytest.raises(LibraryNotFound, match="bgl_python"):
+        ext.load()
+
+
+def test_block_storage_runs_done_once_when_torch_lets_go() -> None:
+    m = ext.load()
+    backing = torch.arange(16, dtype=torch.uint8)
+    seen = []
+    st = m.block_storage(backing.data_ptr(), 16, 0, 0, lambda: seen.append(1))
+    t = torch.empty(0, dtype=torch.uint8).set_(st, 0, (16,), (1,))
+    assert torch.equal(t, backing) and st.data_ptr() == backing.data_ptr()
+    del st
+    assert seen == []  # the tensor still holds it
+    del t
+    gc.collect()
+    assert seen == [1]
+
+
+def test_bad_input_at_the_binding_is_an_error_and_changes_nothing() -> None:
+    m = ext.load()
+    lib = libs.load("libbgl_enforce.so")
+    with pytest.raises(ValueError, match="bad block"):
+        m.block_storage(0, 16, 0, 0, lambda: None)
+    with pytest.raises(ValueError, match="bad block"):
+        m.block_storage(64, 16, 7, 0, lambda: None)
+    with pytest.raises(TypeError, match="callable"):
+        m.block_storage(64, 16, 0, 0, None)
+    with pytest.raises(TypeError, match="5 arguments"):
+        m.block_storage(64, 16)
+    with pytest.raises(ValueError, match="non-zero"):
+        m.Enforcer(0, 0, 0)
+    with pytest.raises(ValueError, match="non-zero"):
+        m.Pool(0, 0)
+    enf = Enforcer(torch.device("cpu"), 1 << 20, borrowed_free_is_safe=False)
+    try:
+        with pytest.raises(TypeError, match="register_saved takes 8 arguments"):
+            enf.fast.register_saved(1, 2, 3)
+        src = torch.arange(64, dtype=torch.float32)
+        h = enf.register(src.untyped_storage(), src.dtype, 0, 0)
+        enf.offload(h)
+        # A handle the enforcer never gave, a second unregister: statuses, nothing lost.
+        unknown = enf.enum_value("status", "unknown_handle")
+        assert enf.fast.offload(h + 1000) == unknown
+        assert enf.fast.state(h + 1000)[0] == unknown
+        assert enf.fast.acquire(h + 1000, 0)[0] == unknown
+        rc, placement, _, _ = enf.fast.state(h)
+        assert rc == 0 and placement == enf.vocab.place_host
+        got = enf.acquire(h, 256, lambda: True)
+        assert torch.equal(torch.empty(0).set_(got, 0, (64,), (1,)), src)
+        del got
+        gc.collect()
+        enf.retire(h)
+        assert enf.fast.unregister(h) == unknown  # a double release
+    finally:
+        enf.close()
+    assert lib.bgl_enf_last_error()  # the message of the last failed call is there
