@@ -201,7 +201,13 @@ class Bench:
                 tr.drop_light(mb)  # as its backward's end does
                 self.strategy, tr.min_move_bytes = KEEP, 0
 
-            # The copies themselves: torch's copy of the same bytes.
+            # The copies themselves: torch's copy of the same bytes, between the round's fresh
+            # tensors as the offloads copy them (each source once, each into its own
+            # destination: what a move's copy costs), and of one pair again and again (both in
+            # the caches: the floor).
+            srcs, dsts = self.tensors(k, nbytes), self.tensors(k, nbytes)
+            row("copy (torch, same bytes, fresh tensors)", lambda i: dsts[i].copy_(srcs[i]), k)
+            del srcs, dsts
             src, dst = self.tensors(2, nbytes)
             row("copy (torch, same bytes)", lambda i: dst.copy_(src), k)
         return res

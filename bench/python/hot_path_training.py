@@ -49,30 +49,54 @@ def measure(package_dir: str, model: str, iterations: int) -> Dict[str, Dict[str
                 note(key, t0)
         setattr(cls, name, g)
 
-    pack = T.Tracker.pack
-
-    def timed_pack(self: Any, t: Any) -> Any:
-        t0 = ns()
-        r = pack(self, t)
-        what = ("light or small: the tensor itself" if r is t else
+    def what_of(r: Any, t: Any) -> str:
+        return ("light or small: the tensor itself" if r is t else
                 "record, " + ("kept" if r.rec.placement == "device" else "moved")
                 if isinstance(r, R.Packed) else "other")
-        note(f"pack ({what})", t0)
-        return r
-    T.Tracker.pack = timed_pack
-    unpack, release = R.Packed.unpack, R.Packed.__del__
 
-    def timed_unpack(self: Any) -> Any:
-        where, t0 = self.rec.placement, ns()
-        r = unpack(self)
-        note(f"unpack ({where})", t0)
-        return r
+    if "pack" in vars(T.Tracker):  # a package whose hooks are Python methods
+        pack = T.Tracker.pack
 
-    def timed_del(self: Any) -> None:
-        where, t0 = self.rec.placement, ns()
-        release(self)
-        note(f"Packed.__del__ ({where})", t0)
-    R.Packed.unpack, R.Packed.__del__ = timed_unpack, timed_del
+        def timed_pack(self: Any, t: Any) -> Any:
+            t0 = ns()
+            r = pack(self, t)
+            note(f"pack ({what_of(r, t)})", t0)
+            return r
+        T.Tracker.pack = timed_pack
+        unpack, release = R.Packed.unpack, R.Packed.__del__
+
+        def timed_unpack(self: Any) -> Any:
+            where, t0 = self.rec.placement, ns()
+            r = unpack(self)
+            note(f"unpack ({where})", t0)
+            return r
+
+        def timed_del(self: Any) -> None:
+            where, t0 = self.rec.placement, ns()
+            release(self)
+            note(f"Packed.__del__ ({where})", t0)
+        R.Packed.unpack, R.Packed.__del__ = timed_unpack, timed_del
+    else:  # the compiled binding's hooks, per tracker (a Packed's release is not timed alone)
+        init = T.Tracker.__init__
+
+        def timed_init(self: Any, *a: Any, **k: Any) -> None:
+            init(self, *a, **k)
+            pack, unpack = self.pack, self.unpack
+
+            def timed_pack(t: Any) -> Any:
+                t0 = ns()
+                r = pack(t)
+                note(f"pack ({what_of(r, t)})", t0)
+                return r
+
+            def timed_unpack(p: Any) -> Any:
+                where = p.rec.placement if isinstance(p, R.Packed) else "tensor"
+                t0 = ns()
+                r = unpack(p)
+                note(f"unpack ({where})", t0)
+                return r
+            self.pack, self.unpack = timed_pack, timed_unpack
+        T.Tracker.__init__ = timed_init
     for name in ("register", "offload_saved", "offload", "_acquire", "prefetch", "retire"):
         wrap(E.Enforcer, name, f"Enforcer.{name}")
     wrap(D.DeviceMemory, "alloc", "DeviceMemory.alloc")

@@ -212,13 +212,18 @@ def test_the_copy_overlap_is_measured_through_the_hooks_against_synchronous_copi
     from bagualu.enforce.pool import DevicePool
 
     packs = {True: 0, False: 0}
-    pack = Tracker.pack
+    init = Tracker.__init__
 
-    def counting(self, t):
-        packs[self.sync_offloads] += 1
-        return pack(self, t)
+    def counting_init(self, *args, **kwargs):  # the pack hook is the binding's, per tracker
+        init(self, *args, **kwargs)
+        pack = self.pack
 
-    monkeypatch.setattr(Tracker, "pack", counting)
+        def counting(t):
+            packs[self.sync_offloads] += 1
+            return pack(t)
+        self.pack = counting
+
+    monkeypatch.setattr(Tracker, "__init__", counting_init)
     made = []
 
     def make(sync_copies: bool = False) -> Enforcer:

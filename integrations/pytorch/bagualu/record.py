@@ -5,8 +5,9 @@ else the view to rebuild on whatever storage holds the data then).
 
 Hook capture over many records is the tracker's (capture/tracker.py), which owns the records
 through the ``Owner`` protocol below; every move of the data goes through the enforcer
-(enforce/enforcer.py). Not thread-safe: records are used from the training thread, like autograd's
-hooks.
+(enforce/enforcer.py). A record's fields are the compiled binding's ``RecordBase`` (the pack hook
+makes and fills records there without a Python frame) and ``Packed`` is the binding's; the moves
+are here. Not thread-safe: records are used from the training thread, like autograd's hooks.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from .enforce.enforcer import fp8_supported
 from .errors import BagualuError
+from .native import ext
 from .vocabulary import OFFLOAD, RECOMPUTE, Op
 
 DEVICE, HOST, FP8_PLACE, DROPPED = "device", "host", "fp8", "dropped"  # placements
@@ -42,13 +44,13 @@ class Owner(Protocol):
     def track(self, rec: "Record") -> int: ...
 
 
-class Record:
-    """One saved storage of one micro-batch."""
+_C = ext.load()
 
-    __slots__ = ("ptr", "nbytes", "dtype", "device", "producer", "consumers", "micro_batch",
-                 "placement", "storage", "pool_block", "pool_bytes", "refs", "in_backward",
-                 "tracker", "ref", "seq", "packs", "enf", "enf_block", "live_block", "released",
-                 "regen", "regenerating", "planned", "issued", "lazy", "stream", "__weakref__")
+
+class Record(_C.RecordBase):
+    """One saved storage of one micro-batch (its fields: the binding's RecordBase)."""
+
+    __slots__ = ()
 
     def __init__(self, tracker: Owner, storage: torch.UntypedStorage, ptr: int, nbytes: int,
                  device: torch.device, dtype: torch.dtype, producer: Op, micro_batch: int,
@@ -346,61 +348,8 @@ class _Plain:
         return self.t
 
 
-class Packed:
-    """What autograd keeps for one saved tensor: its record, and either the tensor itself
-    (while the record's data is on the device: the fast path) or the view to rebuild."""
-
-    __slots__ = ("rec", "t", "meta", "__weakref__")
-
-    def __init__(self, rec: Record, t: torch.Tensor) -> None:
-        self.rec = rec
-        rec.refs += 1
-        if rec.placement == DEVICE and rec.storage is not None:
-            self.t: Optional[torch.Tensor] = t
-            self.meta: Optional[Tuple[Any, ...]] = None
-            if rec.packs is None:
-                rec.packs = [weakref.ref(self)]
-            else:
-                rec.packs.append(weakref.ref(self))
-        else:
-            self.t = None
-            self.meta = _view_meta(t)
-
-    def detach_tensor(self) -> None:
-        """The record's data leaves the device: keep only how to rebuild the view."""
-        if self.t is not None:
-            self.meta = _view_meta(self.t)
-            self.t = None
-
-    def unpack(self) -> torch.Tensor:
-        rec = self.rec
-        rec.in_backward = True
-        issuer = rec.tracker.issuer
-        if issuer is not None and issuer.active:
-            issuer.backward_op(rec.micro_batch, rec.producer)
-        if self.t is not None:
-            return self.t
-        storage = rec.materialize()
-        empty, offset, size, stride = self.meta
-        return empty.new().set_(storage, offset, size, stride)
-
-    def __del__(self) -> None:
-        rec = self.rec
-        rec.refs -= 1
-        if rec.refs == 0:
-            rec.release()
-
-
-# (dtype, device) -> an empty tensor of them: its new() is the cheapest tensor to rebuild a view
-# on (a third less than torch.empty's argument parsing at every unpack).
-_empty: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _view_meta(t: torch.Tensor) -> Tuple[Any, ...]:
-    """How to rebuild ``t`` on whatever storage holds its data: an empty tensor of its dtype
-    and device, its offset, sizes and strides."""
-    key = (t.dtype, t.device)
-    empty = _empty.get(key)
-    if empty is None:
-        empty = _empty[key] = torch.empty(0, dtype=t.dtype, device=t.device)
-    return (empty, t.storage_offset(), t.size(), t.stride())
+# What autograd keeps for one saved tensor: its record, and either the tensor itself (while the
+# record's data is on the device: the fast path) or how to rebuild the view; Packed(rec, t),
+# .unpack(), .detach_tensor() (the data leaves the device); its death releases the record when it
+# was the last holder (Record.release).
+Packed = _C.Packed

@@ -49,15 +49,24 @@ PyObject* BlockStorage(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "block_storage: done must be callable");
     return nullptr;
   }
-  const c10::Device device = device_type == 0
-                                 ? c10::Device(c10::kCPU)
-                                 : c10::Device(c10::kCUDA, static_cast<int8_t>(device_index));
+  return MakeBlockStorage(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)), nbytes,
+                          device_type == 1, static_cast<int>(device_index), done);
+}
+
+PyObject* MakeBlockStorage(void* data, long long nbytes, bool cuda, int device_index,
+                           PyObject* done) {
+  const c10::Device device =
+      cuda ? c10::Device(c10::kCUDA, static_cast<int8_t>(device_index)) : c10::Device(c10::kCPU);
   Py_INCREF(done);  // RunDone's
-  void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(ptr));
-  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
-                       c10::DataPtr(data, done, &RunDone, device), /*allocator=*/nullptr,
-                       /*resizable=*/false);
-  return THPStorage_Wrap(std::move(storage));
+  try {
+    c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
+                         c10::DataPtr(data, done, &RunDone, device), /*allocator=*/nullptr,
+                         /*resizable=*/false);
+    return THPStorage_Wrap(std::move(storage));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
 }
 
 }  // namespace bgl::torch_ext

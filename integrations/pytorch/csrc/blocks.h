@@ -13,6 +13,11 @@ namespace bgl::torch_ext {
 // device_type: 0 CPU (the host backend's blocks), 1 CUDA.
 PyObject* BlockStorage(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 
+// The same from C++: a new reference to the storage (nullptr with the error set); `done` is
+// called without arguments once torch frees it (a reference is taken here).
+PyObject* MakeBlockStorage(void* ptr, long long nbytes, bool cuda, int device_index,
+                           PyObject* done);
+
 }  // namespace bgl::torch_ext
 
 #endif  // BGL_TORCH_BLOCKS_H_

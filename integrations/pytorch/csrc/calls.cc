@@ -282,6 +282,9 @@ PyObject* PoolFree(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+PyObject* pool_type = nullptr;
+PyObject* enforcer_type = nullptr;
+
 PyMethodDef pool_methods[] = {
     {"alloc", PoolAlloc, METH_O, nullptr},
     {"free", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(PoolFree)), METH_FASTCALL,
@@ -289,8 +292,8 @@ PyMethodDef pool_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 // A heap type named `qualified` with these methods, added to `module` as `name`.
-bool AddType(PyObject* module, const char* name, const char* qualified, const char* doc, int size,
-             initproc init, PyMethodDef* methods) {
+PyObject* AddType(PyObject* module, const char* name, const char* qualified, const char* doc,
+                  int size, initproc init, PyMethodDef* methods) {
   PyType_Slot slots[] = {{Py_tp_doc, const_cast<char*>(doc)},
                          {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
                          {Py_tp_init, reinterpret_cast<void*>(init)},
@@ -298,25 +301,73 @@ bool AddType(PyObject* module, const char* name, const char* qualified, const ch
                          {0, nullptr}};
   PyType_Spec spec = {qualified, size, 0, Py_TPFLAGS_DEFAULT, slots};
   PyObject* type = PyType_FromSpec(&spec);
-  if (type == nullptr) return false;
+  if (type == nullptr) return nullptr;
   if (PyModule_AddObject(module, name, type) < 0) {
     Py_DECREF(type);
-    return false;
+    return nullptr;
   }
-  return true;
+  return type;  // borrowed: the module holds it
 }
 
 }  // namespace
 
 bool AddCallTypes(PyObject* module) {
-  return AddType(module, "Enforcer", "bagualu._C.Enforcer",
-                 "Enforcer(library handle, enforcer, holder op): the enforcer's hot calls "
-                 "(bgl/enforce.h); "
-                 "each returns the bgl_status with its outputs.",
-                 sizeof(EnforcerObject), EnforcerInit, enforcer_methods) &&
-         AddType(module, "Pool", "bagualu._C.Pool",
-                 "Pool(library handle, device): bgl_alloc and bgl_free of that device.",
-                 sizeof(PoolObject), PoolInit, pool_methods);
+  enforcer_type = AddType(module, "Enforcer", "bagualu._C.Enforcer",
+                          "Enforcer(library handle, enforcer, holder op): the enforcer's hot calls "
+                          "(bgl/enforce.h); each returns the bgl_status with its outputs.",
+                          sizeof(EnforcerObject), EnforcerInit, enforcer_methods);
+  if (enforcer_type == nullptr) return false;
+  Py_INCREF(enforcer_type);  // kept for IsEnforcer
+  pool_type = AddType(module, "Pool", "bagualu._C.Pool",
+                      "Pool(library handle, device): bgl_alloc and bgl_free of that device.",
+                      sizeof(PoolObject), PoolInit, pool_methods);
+  if (pool_type == nullptr) return false;
+  Py_INCREF(pool_type);  // kept for IsPool
+  return true;
+}
+
+bool IsEnforcer(PyObject* obj) {
+  return enforcer_type != nullptr && Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(enforcer_type);
+}
+
+int OffloadSaved(PyObject* enforcer, const SavedDesc& d, uint64_t* handle) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  bgl_enf_tensor_desc desc{};
+  desc.ptr = d.ptr;
+  desc.bytes = d.bytes;
+  desc.dtype = d.dtype;
+  desc.producer_op = d.producer_op;
+  desc.graph_tensor = -1;
+  desc.micro_batch = d.micro_batch;
+  desc.stream = d.stream;
+  const int consumers[2] = {o->holder, d.consumer};
+  return o->api.offload_saved(o->enf, &desc, d.need_order, consumers, d.consumer >= 0 ? 2 : 1,
+                              handle);
+}
+
+int Acquire(PyObject* enforcer, uint64_t handle, void* stream, void** ptr) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  return o->api.acquire(o->enf, handle, -1, stream, ptr);
+}
+
+int Unregister(PyObject* enforcer, uint64_t handle) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  return o->api.unregister(o->enf, handle);
+}
+
+bool IsPool(PyObject* obj) {
+  return pool_type != nullptr && Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(pool_type);
+}
+
+long long PoolAllocRaw(PyObject* pool, long long nbytes) {
+  auto* o = reinterpret_cast<PoolObject*>(pool);
+  void* p = o->alloc(nbytes > 0 ? static_cast<size_t>(nbytes) : 1, o->device, nullptr);
+  return static_cast<long long>(reinterpret_cast<uintptr_t>(p));
+}
+
+void PoolFreeRaw(PyObject* pool, long long block, long long nbytes) {
+  auto* o = reinterpret_cast<PoolObject*>(pool);
+  o->free(AsPtr(block), nbytes > 0 ? static_cast<size_t>(nbytes) : 1, o->device, nullptr);
 }
 
 }  // namespace bgl::torch_ext

@@ -7,11 +7,48 @@
 
 #include <Python.h>
 
+#include <cstddef>
+#include <cstdint>
+
 namespace bgl::torch_ext {
 
 // Adds the types Enforcer (the enforcer's hot calls) and Pool (the simulated device's blocks)
 // to `module`; false with a Python error set on failure.
 bool AddCallTypes(PyObject* module);
+
+// A saved storage as the enforcer's register-and-move calls take it.
+struct SavedDesc {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  int dtype = 0;
+  int producer_op = 0;
+  int micro_batch = 0;
+  int64_t need_order = 0;
+  int consumer = -1;  // -1: none yet
+  void* stream = nullptr;
+};
+
+// Whether `obj` is an Enforcer.
+bool IsEnforcer(PyObject* obj);
+
+// bgl_enf_offload_saved through an Enforcer (the holder first, then desc.consumer): the status;
+// *handle as the C ABI sets it.
+int OffloadSaved(PyObject* enforcer, const SavedDesc& desc, uint64_t* handle);
+
+// bgl_enf_acquire(handle, any consumer, stream) through an Enforcer: the status, *ptr the data.
+int Acquire(PyObject* enforcer, uint64_t handle, void* stream, void** ptr);
+
+// bgl_enf_unregister through an Enforcer: the status.
+int Unregister(PyObject* enforcer, uint64_t handle);
+
+// Whether `obj` is a Pool.
+bool IsPool(PyObject* obj);
+
+// bgl_alloc of `nbytes` (at least 1) on the pool's device: the block, 0 when there is no room.
+long long PoolAllocRaw(PyObject* pool, long long nbytes);
+
+// bgl_free of a block PoolAllocRaw gave.
+void PoolFreeRaw(PyObject* pool, long long block, long long nbytes);
 
 }  // namespace bgl::torch_ext
 

@@ -10,6 +10,7 @@
 
 #include "blocks.h"
 #include "calls.h"
+#include "saved.h"
 
 namespace bgl::torch_ext {
 namespace {
@@ -49,7 +50,7 @@ PyMODINIT_FUNC PyInit__C() {
   if (m == nullptr) return nullptr;
   if (PyModule_AddStringConstant(m, "torch_version", BGL_TORCH_BUILT_FOR) < 0 ||
       PyModule_AddIntConstant(m, "abi_version", static_cast<long>(kAbiVersion)) < 0 ||
-      !AddCallTypes(m)) {
+      !AddCallTypes(m) || !AddSavedTypes(m)) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -23,6 +23,7 @@ from ..enforce import eviction
 from ..enforce.device import DeviceMemory
 from ..enforce.enforcer import Enforcer, fp8_supported
 from ..enforce.order import PointIssuer
+from ..native import ext
 from ..record import DEVICE, DROPPED, FP8_PLACE, HOST, Packed, Record, _Plain
 from ..vocabulary import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op
 from .light import LightSet
@@ -115,6 +116,16 @@ class Tracker:
         self.unkeyed: Dict[int, Tuple[Record, Any]] = {}
         self.capture = False
         self._seq = 0
+        # The saved-tensor hooks: the binding's pack makes and finds the records of plain
+        # tensors whose producers keep them or offload them at once, its unpack reloads and
+        # its Packed releases (no Python frame); every other branch is _pack_py's and
+        # record.py's.
+        pool = memory.pool.blocks if memory.pool is not None else None
+        self.hooks = ext.load().Hooks(
+            self, Record, {"device": DEVICE, "host": HOST, "keep": KEEP, "offload": OFFLOAD,
+                           "outside": OUTSIDE}, pool)
+        self.pack: Callable[[torch.Tensor], Any] = self.hooks.pack
+        self.unpack: Callable[[Any], torch.Tensor] = self.hooks.unpack
 
     @property
     def pin_memory(self) -> bool:
@@ -173,7 +184,9 @@ class Tracker:
         return op, (calls[-1] if calls and calls[-1].op is op else None)
 
     # -- hooks ------------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Any:
+    def _pack_py(self, t: torch.Tensor) -> Any:
+        """The pack hook's branches the binding leaves to Python (``pack`` is the binding's):
+        light capture, tensor subclasses, and new records other than kept ones."""
         light = self.light
         if light is not None:  # the fast path: count the storage, keep the tensor
             if is_parameter(t):  # a parameter, or FSDP2's all-gathered form of one
@@ -308,15 +321,31 @@ class Tracker:
         if rec.lazy:
             rec.lazy = False
             rec.enf, error, fp8_bytes = self.track(rec, strategy)
-            if rec.enf and error is None:
-                if strategy == OFFLOAD:
-                    rec.left_for_host()
-                else:
-                    rec.stored_fp8(fp8_bytes)
+            if self._moved_at_once(rec, strategy, error, fp8_bytes):
                 return
-            if error is not None:
-                self.enforcer_failed("offload" if strategy == OFFLOAD else "fp8 cast", error)
         rec._account(rec.nbytes)
+
+    def _moved_at_once(self, rec: Record, strategy: str, error: Optional[Exception],
+                       fp8_bytes: int) -> bool:
+        """The outcome of the enforcer's register-and-move call for a new record: the device
+        copy goes (True), or the failure is said and counted (False: the record stays on the
+        device)."""
+        if rec.enf and error is None:
+            if strategy == OFFLOAD:
+                rec.left_for_host()
+            else:
+                rec.stored_fp8(fp8_bytes)
+            return True
+        if error is not None:
+            self.enforcer_failed("offload" if strategy == OFFLOAD else "fp8 cast", error)
+        return False
+
+    def _offload_outcome(self, rec: Record, status: int, handle: int) -> None:
+        """The binding's pack offloaded a new record at once and the enforcer answered
+        ``status`` (not ok) with ``handle``: as _move_at_once's failures."""
+        rec.enf, error = self.enforcer.saved_outcome(status, handle, "offload")
+        if not self._moved_at_once(rec, OFFLOAD, error, 0):
+            rec._account(rec.nbytes)
 
     def hold(self, t: torch.Tensor) -> Any:
         """A handle that keeps ``t`` for a recompute call: through its record (which follows
@@ -338,10 +367,6 @@ class Tracker:
         if rec is None or not rec.same_storage(st) or rec.micro_batch != self.micro_batch:
             rec = self._produced_record(st, t.dtype, self.current_op(), None)
         return Packed(rec, t)
-
-    @staticmethod
-    def unpack(p: Any) -> torch.Tensor:
-        return p.unpack() if isinstance(p, Packed) else p
 
     def new_record(self, st: torch.UntypedStorage, dtype: torch.dtype, producer: Op,
                    consumer: Optional[Op] = None, register: bool = True,

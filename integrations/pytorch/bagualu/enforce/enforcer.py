@@ -19,6 +19,7 @@ runs unpack hooks while the training thread waits in backward()).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -195,19 +196,25 @@ class Enforcer:
         rc, h, *out = fn(ptr or storage.data_ptr(), nbytes if nbytes >= 0 else storage.nbytes(),
                          self._dtypes.get(dtype, self._dtype_bytes), producer_op, micro_batch,
                          need_order, consumer, self._stream(None))
+        return (*self.saved_outcome(rc, h, what), *out)
+
+    def saved_outcome(self, rc: int, h: int, what: str) -> Tuple[int, Optional[BagualuError]]:
+        """A register-and-move call answered ``rc`` with ``h``: the handle (0 where another
+        record tracks the storage) and None, or the handle of a tensor left registered on the
+        device and why the move (named ``what``) failed; a failed registration raises."""
         if rc == 0 or h:
             self.tracked += 1
         if rc == 0:
-            return (h, None, *out)
+            return h, None
         if not h:
             if rc == self.vocab.duplicate:
-                return (0, None, *out)
+                return 0, None
             self._check(rc, "register")
         try:
             self._check(rc, what)
         except BagualuError as e:
-            return (h, e, *out)
-        return (h, None, *out)
+            return h, e
+        return h, None
 
     def _stream(self, stream: Optional[int]) -> int:
         """The stream a call names: ``stream``, else the current CUDA stream (0 on the host
@@ -382,19 +389,21 @@ class Enforcer:
         in the same call; on CUDA the release first tells the pool PyTorch's stream)."""
         ptr = self._acquire(handle, nbytes)
         self.live_blocks += 1
+        return self._block_storage(ptr, nbytes, self._device_type, self._device_index,
+                                   functools.partial(self.block_done, handle, on_done))
 
-        def done(h: int = handle) -> None:
-            self.live_blocks -= 1
-            if self.destroyed:
-                on_done()
-            elif self.cuda:  # the pool learns PyTorch's stream before the block goes
-                self.fast.release(h, self.current_stream() or 0)
-                on_done()
-            elif not on_done():  # not retired yet: the record still holds the tensor
-                self.fast.release(h, 0)
-            self._destroy_if_done()
-
-        return self._block_storage(ptr, nbytes, self._device_type, self._device_index, done)
+    def block_done(self, handle: int, on_done: Callable[[], bool]) -> None:
+        """PyTorch let go of the block acquire() made for ``handle`` (the binding's reloads
+        call this too); ``on_done`` says whether that retired the tensor."""
+        self.live_blocks -= 1
+        if self.destroyed:
+            on_done()
+        elif self.cuda:  # the pool learns PyTorch's stream before the block goes
+            self.fast.release(handle, self.current_stream() or 0)
+            on_done()
+        elif not on_done():  # not retired yet: the record still holds the tensor
+            self.fast.release(handle, 0)
+        self._destroy_if_done()
 
     def recompute(self, handle: int) -> None:
         """Brings a dropped tensor back through its regenerator (borrowed again: the package

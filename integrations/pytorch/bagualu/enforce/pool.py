@@ -67,9 +67,9 @@ class DevicePool:
         # bgl_alloc and bgl_free of this device through the compiled binding (no ctypes): a
         # block per saved storage kept on the device. raw_alloc: nbytes -> pointer, 0 when
         # there is no room (bgl_alloc_last_error says why); raw_free: (pointer, nbytes).
-        blocks = ext.load().Pool(self.lib._handle, device)
-        self.raw_alloc = blocks.alloc
-        self.raw_free = blocks.free
+        self.blocks = ext.load().Pool(self.lib._handle, device)
+        self.raw_alloc = self.blocks.alloc
+        self.raw_free = self.blocks.free
 
     def alloc(self, nbytes: int) -> int:
         """A block of ``nbytes``; raises OutOfMemoryError with the allocator's message."""

@@ -276,7 +276,7 @@ def _host_overlap(enforcer: Any, make_enforcer: Callable[..., Any], capacity: in
         tracker.begin_backward(unit)
         tracker.scope.append(op)
         while packed:  # each reload released once used, as autograd does
-            Tracker.unpack(packed.pop())
+            tracker.unpack(packed.pop())
             compute(k)
         tracker.end_backward(unit)
         t = time.perf_counter() - t0

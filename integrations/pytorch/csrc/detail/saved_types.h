@@ -1,0 +1,87 @@
+// Internals shared by record.cc, packed.cc and hooks.cc (saved.h is the interface): the objects'
+// layouts, the attribute names they use, and the calls between them.
+// Thread safety: as saved.h (the GIL held throughout).
+#ifndef BGL_TORCH_DETAIL_SAVED_TYPES_H_
+#define BGL_TORCH_DETAIL_SAVED_TYPES_H_
+
+#include <ATen/core/Tensor.h>
+#include <Python.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+namespace bgl::torch_ext::detail {
+
+// Attribute and method names, interned once (InternNames).
+struct Names {
+  PyObject *light, *packs_seen, *micro_batch, *param_keys, *light_sets, *scope, *live, *unkeyed,
+      *capture, *producers, *strategy_of, *min_move_bytes, *by_mb, *counters, *seq, *pack_py,
+      *add_consumer, *device_alloc, *device_free, *sizes, *release, *materialize, *issuer, *active,
+      *backward_op, *records, *current_stream, *device, *dtype, *hooks, *scheduled, *op_ids,
+      *tracked, *offload_outcome, *offloads, *bytes_d2h, *reloads, *bytes_h2d, *live_blocks,
+      *destroyed, *block_done, *block_died, *acquired, *retire, *enforcer, *regenerators, *closing,
+      *destroy_if_done;
+};
+extern Names names;
+bool InternNames();
+
+// A new reference to obj.<name>, or nullptr with the error set.
+inline PyObject* Get(PyObject* obj, PyObject* name) { return PyObject_GetAttr(obj, name); }
+// obj.<name> as an integer; false with the error set.
+bool GetInt(PyObject* obj, PyObject* name, long long* out);
+bool SetInt(PyObject* obj, PyObject* name, long long value);
+// dict[key] += by (a dict of ints; a missing key counts from 0).
+bool AddTo(PyObject* dict, PyObject* key, long long by);
+
+// The fields of record.py's Record, by its names.
+struct RecordObject {
+  PyObject_HEAD long long ptr, nbytes, micro_batch, seq, refs, pool_block, pool_bytes, enf;
+  char in_backward, enf_block, live_block, released, regenerating, planned, issued, lazy;
+  PyObject *tracker, *dtype, *device, *producer, *consumers, *placement, *storage, *ref, *packs,
+      *regen, *stream;
+  PyObject* weakreflist;
+};
+extern PyTypeObject* record_base;
+bool AddRecordType(PyObject* module);
+
+// The placements and strategies of record.py and vocabulary.py (set by the first Hooks).
+struct Constants {
+  PyObject *device = nullptr, *host = nullptr, *keep = nullptr, *offload = nullptr,
+           *outside = nullptr;
+};
+extern Constants constants;
+
+// How to rebuild a saved tensor on whatever storage holds its data then.
+struct ViewMeta {
+  int64_t offset = 0;
+  std::vector<int64_t> sizes, strides;
+  at::TensorOptions options;
+};
+
+// The hooks over one tracker and what their fast paths need of it.
+struct HooksObject {
+  PyObject_HEAD PyObject* tracker;
+  PyObject* record_type;  // record.py's Record (a RecordBase subclass)
+  PyObject* pool;         // the simulated device's _C.Pool, or nullptr (Python accounts)
+  PyObject* enforcer;     // the tracker's Enforcer (Python) or None
+  PyObject* fast;         // its _C.Enforcer, or nullptr
+  PyObject* dtype_codes;  // the enforcer's torch.dtype -> bgl_dtype, or nullptr
+  long long dtype_other;  // bgl_dtype of any other dtype (bytes)
+  bool enforcer_cuda, sync_offloads, reload_ahead;
+  int device_index;                   // the CUDA device's (0 on the host backend)
+  c10::DeviceType activations;        // the device type whose storages are activations
+  std::array<PyObject*, 64>* dtypes;  // torch.dtype objects by ScalarType, filled as met
+};
+// The Hooks of a record's tracker (borrowed; nullptr when it has none).
+HooksObject* HooksOf(RecordObject* r);
+
+// Packed(rec, t) from C++: a new reference (nullptr with the error set).
+PyObject* NewPacked(PyObject* rec, PyObject* t);
+bool AddPackedType(PyObject* module, PyTypeObject** type);
+// Packed.unpack(): the saved tensor (a new reference).
+PyObject* UnpackPacked(PyObject* packed);
+
+}  // namespace bgl::torch_ext::detail
+
+#endif  // BGL_TORCH_DETAIL_SAVED_TYPES_H_

@@ -1,0 +1,654 @@
+// Hooks: the pack and unpack callables over one tracker (capture/tracker.py). The pack makes or
+// finds the record of a plain tensor's storage, keeps it or offloads it at once where its
+// producer's strategy says so; light capture, tensor subclasses, the capture micro-batch, small
+// storages, FP8, recompute and offloads left to the issue order are the tracker's _pack_py.
+#include <Python.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <array>
+#include <cstdint>
+
+#include "calls.h"
+#include "detail/saved_types.h"
+#include "saved.h"
+
+namespace bgl::torch_ext {
+namespace {
+
+using detail::constants;
+using detail::Get;
+using detail::GetInt;
+using detail::HooksObject;
+using detail::names;
+using detail::RecordObject;
+using detail::SetInt;
+
+int HooksTraverse(PyObject* self, visitproc visit, void* arg) {
+  auto* h = reinterpret_cast<HooksObject*>(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(h->tracker);
+  Py_VISIT(h->record_type);
+  Py_VISIT(h->pool);
+  Py_VISIT(h->enforcer);
+  Py_VISIT(h->fast);
+  Py_VISIT(h->dtype_codes);
+  return 0;
+}
+
+int HooksClear(PyObject* self) {
+  auto* h = reinterpret_cast<HooksObject*>(self);
+  Py_CLEAR(h->tracker);
+  Py_CLEAR(h->record_type);
+  Py_CLEAR(h->pool);
+  Py_CLEAR(h->enforcer);
+  Py_CLEAR(h->fast);
+  Py_CLEAR(h->dtype_codes);
+  return 0;
+}
+
+void HooksDealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  HooksClear(self);
+  auto* h = reinterpret_cast<HooksObject*>(self);
+  if (h->dtypes != nullptr) {
+    for (PyObject* d : *h->dtypes) Py_XDECREF(d);
+    delete h->dtypes;
+  }
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+// Sets a constant the first time; later Hooks must name the same object.
+bool SetConstant(PyObject* dict, const char* key, PyObject** slot) {
+  PyObject* v = PyDict_GetItemString(dict, key);  // borrowed
+  if (v == nullptr) {
+    PyErr_Format(PyExc_KeyError, "Hooks: constants has no '%s'", key);
+    return false;
+  }
+  if (*slot == nullptr) {
+    Py_INCREF(v);
+    *slot = v;
+  } else if (*slot != v) {
+    PyErr_Format(PyExc_ValueError, "Hooks: another '%s' than the first Hooks'", key);
+    return false;
+  }
+  return true;
+}
+
+bool Flag(PyObject* obj, const char* name, bool* out) {
+  PyObject* v = PyObject_GetAttrString(obj, name);
+  if (v == nullptr) return false;
+  const int on = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  *out = on > 0;
+  return on >= 0;
+}
+
+bool IntAttr(PyObject* obj, const char* name, long long* out) {
+  PyObject* v = PyObject_GetAttrString(obj, name);
+  if (v == nullptr) return false;
+  *out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+// Hooks(tracker, Record, constants, pool): constants maps device, host (record.py's placements),
+// keep, offload (strategies) and outside (the operator outside every layer) to their objects.
+int HooksInit(PyObject* self, PyObject* args, PyObject*) {
+  auto* h = reinterpret_cast<HooksObject*>(self);
+  PyObject *tracker, *record_type, *consts, *pool;
+  if (!PyArg_ParseTuple(args, "OOO!O:Hooks", &tracker, &record_type, &PyDict_Type, &consts,
+                        &pool)) {
+    return -1;
+  }
+  if (!PyType_Check(record_type) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(record_type), detail::record_base)) {
+    PyErr_SetString(PyExc_TypeError, "Hooks: the record type must subclass RecordBase");
+    return -1;
+  }
+  if (pool != Py_None && !IsPool(pool)) {
+    PyErr_SetString(PyExc_TypeError, "Hooks: pool must be a bagualu._C.Pool or None");
+    return -1;
+  }
+  if (!SetConstant(consts, "device", &constants.device) ||
+      !SetConstant(consts, "host", &constants.host) ||
+      !SetConstant(consts, "keep", &constants.keep) ||
+      !SetConstant(consts, "offload", &constants.offload) ||
+      !SetConstant(consts, "outside", &constants.outside)) {
+    return -1;
+  }
+  PyObject* device_type = PyObject_GetAttrString(tracker, "device_type");
+  if (device_type == nullptr) return -1;
+  const char* dt = PyUnicode_AsUTF8(device_type);
+  if (dt == nullptr) {
+    Py_DECREF(device_type);
+    return -1;
+  }
+  try {
+    h->activations = c10::Device(dt).type();
+  } catch (const std::exception& e) {
+    PyErr_Format(PyExc_ValueError, "Hooks: device type '%s': %s", dt, e.what());
+    Py_DECREF(device_type);
+    return -1;
+  }
+  Py_DECREF(device_type);
+  PyObject* enforcer = Get(tracker, names.enforcer);
+  if (enforcer == nullptr) return -1;
+  HooksClear(self);
+  h->enforcer = enforcer;  // the reference Get gave
+  Py_INCREF(tracker);
+  h->tracker = tracker;
+  Py_INCREF(record_type);
+  h->record_type = record_type;
+  if (pool != Py_None) {
+    Py_INCREF(pool);
+    h->pool = pool;
+  }
+  h->enforcer_cuda = false;
+  h->device_index = 0;
+  h->dtype_other = 0;
+  if (enforcer != Py_None) {
+    PyObject* fast = PyObject_GetAttrString(enforcer, "fast");
+    if (fast == nullptr) return -1;
+    if (!IsEnforcer(fast)) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_TypeError, "Hooks: the enforcer's fast is no bagualu._C.Enforcer");
+      return -1;
+    }
+    h->fast = fast;
+    h->dtype_codes = PyObject_GetAttrString(enforcer, "_dtypes");
+    long long index = 0;
+    if (h->dtype_codes == nullptr || !PyDict_Check(h->dtype_codes) ||
+        !Flag(enforcer, "cuda", &h->enforcer_cuda) ||
+        !IntAttr(enforcer, "_dtype_bytes", &h->dtype_other) ||
+        !IntAttr(enforcer, "_device_index", &index)) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Hooks: the enforcer's dtypes");
+      return -1;
+    }
+    h->device_index = static_cast<int>(index);
+  }
+  if (!Flag(tracker, "sync_offloads", &h->sync_offloads) ||
+      !Flag(tracker, "reload_ahead", &h->reload_ahead)) {
+    return -1;
+  }
+  if (h->dtypes == nullptr) h->dtypes = new std::array<PyObject*, 64>{};
+  return 0;
+}
+
+// --- lookups -----------------------------------------------------------------------------------
+// Whether `ref` (a weakref, or None) refers to a storage of `impl`.
+bool RefersTo(PyObject* ref, c10::StorageImpl* impl) {
+  if (ref == nullptr || !PyWeakref_Check(ref)) return false;
+  PyObject* target = PyWeakref_GetObject(ref);  // borrowed
+  return target != Py_None && THPStorage_Check(target) &&
+         THPStorage_Unpack(target).unsafeGetStorageImpl() == impl;
+}
+
+// record.py Record.same_storage, on the storage's implementation.
+bool SameStorage(RecordObject* r, c10::StorageImpl* impl) {
+  if (r->storage != nullptr && r->storage != Py_None && (r->ref == nullptr || r->ref == Py_None)) {
+    return THPStorage_Check(r->storage) &&
+           THPStorage_Unpack(r->storage).unsafeGetStorageImpl() == impl;
+  }
+  return RefersTo(r->ref, impl);
+}
+
+PyObject* PackInPython(HooksObject* h, PyObject* t) {
+  return PyObject_CallMethodOneArg(h->tracker, names.pack_py, t);
+}
+
+PyObject* DtypeOf(HooksObject* h, PyObject* t, at::ScalarType st) {
+  const auto i = static_cast<size_t>(st);
+  if (i < h->dtypes->size() && (*h->dtypes)[i] != nullptr) {
+    Py_INCREF((*h->dtypes)[i]);
+    return (*h->dtypes)[i];
+  }
+  PyObject* d = Get(t, names.dtype);
+  if (d != nullptr && i < h->dtypes->size()) {
+    Py_INCREF(d);
+    (*h->dtypes)[i] = d;
+  }
+  return d;
+}
+
+// Tracker.op_id: the enforcer's number of an operator (stable for the tracker's life).
+bool OpId(HooksObject* h, PyObject* op, int* out) {
+  PyObject* ids = Get(h->tracker, names.op_ids);
+  if (ids == nullptr) return false;
+  PyObject* v = PyDict_GetItemWithError(ids, op);  // borrowed
+  bool ok = true;
+  if (v != nullptr) {
+    *out = static_cast<int>(PyLong_AsLong(v));
+  } else if (PyErr_Occurred()) {
+    ok = false;
+  } else {
+    const Py_ssize_t n = PyDict_GET_SIZE(ids);
+    PyObject* id = PyLong_FromSsize_t(n);
+    ok = id != nullptr && PyDict_SetItem(ids, op, id) == 0;
+    Py_XDECREF(id);
+    *out = static_cast<int>(n);
+  }
+  Py_DECREF(ids);
+  return ok && !PyErr_Occurred();
+}
+
+// The block of `nbytes` accounting a kept record on the device: the pool's (the simulated
+// device) when it has room, else the tracker's device_alloc (which evicts, counts on CUDA, or
+// raises OutOfMemoryError).
+bool Account(HooksObject* h, long long nbytes, long long* block) {
+  if (h->pool != nullptr) {
+    *block = PoolAllocRaw(h->pool, nbytes);
+    if (*block != 0) return true;
+  }
+  PyObject* n = PyLong_FromLongLong(nbytes);
+  if (n == nullptr) return false;
+  PyObject* out = PyObject_CallMethodOneArg(h->tracker, names.device_alloc, n);
+  Py_DECREF(n);
+  if (out == nullptr) return false;
+  *block = PyLong_AsLongLong(out);
+  Py_DECREF(out);
+  return !(*block == -1 && PyErr_Occurred());
+}
+
+// What a new record needs to know about its tensor.
+struct Saved {
+  PyObject* t;
+  const at::Tensor* x;
+  const c10::Storage* st;
+  long long key, nbytes, mb;
+};
+
+// Tracker.new_record(st, dtype, producer, consumer, register=False, account=`account`): a new
+// reference to the record, in the tracker's live records. A record of the activations' device
+// under an enforcer is lazy (registered once something moves it).
+PyObject* NewRecord(HooksObject* h, const Saved& s, PyObject* producer, PyObject* consumer,
+                    bool account) {
+  PyObject* tr = h->tracker;
+  long long seq = 0;
+  if (!GetInt(tr, names.seq, &seq) || !SetInt(tr, names.seq, seq + 1)) return nullptr;
+  auto* type = reinterpret_cast<PyTypeObject*>(h->record_type);
+  auto* r = reinterpret_cast<RecordObject*>(type->tp_alloc(type, 0));
+  if (r == nullptr) return nullptr;
+  PyObject* rec = reinterpret_cast<PyObject*>(r);
+  r->ptr = s.key;
+  r->nbytes = s.nbytes;
+  r->micro_batch = s.mb;
+  r->seq = seq + 1;
+  Py_INCREF(tr);
+  r->tracker = tr;
+  r->dtype = DtypeOf(h, s.t, s.x->scalar_type());
+  r->device = Get(s.t, names.device);
+  Py_INCREF(producer);
+  r->producer = producer;
+  r->consumers = PyList_New(0);
+  Py_INCREF(constants.device);
+  r->placement = constants.device;
+  r->storage = THPStorage_Wrap(*s.st);
+  if (r->dtype == nullptr || r->device == nullptr || r->consumers == nullptr ||
+      r->storage == nullptr || PyList_Append(r->consumers, consumer) < 0) {
+    Py_DECREF(rec);
+    return nullptr;
+  }
+  if (h->enforcer != Py_None && s.st->device_type() == h->activations) {
+    r->lazy = 1;
+    if (h->enforcer_cuda) {  // its first move is ordered after the producer's work
+      r->stream = PyObject_CallMethodNoArgs(h->enforcer, names.current_stream);
+      if (r->stream == nullptr) {
+        Py_DECREF(rec);
+        return nullptr;
+      }
+    }
+  }
+  if (account) {
+    long long block = 0;
+    if (!Account(h, s.nbytes, &block)) {
+      Py_DECREF(rec);
+      return nullptr;
+    }
+    r->pool_block = block;
+    r->pool_bytes = s.nbytes;
+  }
+  // live[key] = rec; by_mb.setdefault(mb, set()).add(rec); counters["records"] += 1
+  PyObject* live = Get(tr, names.live);
+  PyObject* by_mb = live == nullptr ? nullptr : Get(tr, names.by_mb);
+  PyObject* counters = by_mb == nullptr ? nullptr : Get(tr, names.counters);
+  PyObject* k = PyLong_FromLongLong(s.key);
+  PyObject* unit = PyLong_FromLongLong(s.mb);
+  bool ok =
+      counters != nullptr && k != nullptr && unit != nullptr && PyDict_SetItem(live, k, rec) == 0;
+  if (ok) {
+    PyObject* recs = PyDict_GetItemWithError(by_mb, unit);  // borrowed
+    if (recs == nullptr && !PyErr_Occurred()) {
+      PyObject* fresh = PySet_New(nullptr);
+      ok = fresh != nullptr && PyDict_SetItem(by_mb, unit, fresh) == 0;
+      recs = fresh;
+      Py_XDECREF(fresh);  // the dict holds it
+    }
+    ok = ok && recs != nullptr && PySet_Add(recs, rec) == 0 &&
+         detail::AddTo(counters, names.records, 1);
+  }
+  Py_XDECREF(live);
+  Py_XDECREF(by_mb);
+  Py_XDECREF(counters);
+  Py_XDECREF(k);
+  Py_XDECREF(unit);
+  if (!ok) {
+    Py_DECREF(rec);
+    return nullptr;
+  }
+  return rec;
+}
+
+// Tracker._move_at_once(rec, OFFLOAD) on synchronous copies: the enforcer registers the new
+// record and copies it to its pinned pool in one call, and the device copy goes
+// (Record.left_for_host). A failure is the tracker's (_offload_outcome: the error said, the
+// record accounted on the device).
+bool OffloadAtOnce(HooksObject* h, RecordObject* r) {
+  PyObject* rec = reinterpret_cast<PyObject*>(r);
+  SavedDesc d;
+  int consumer = -1;
+  if (!OpId(h, r->producer, &d.producer_op) ||
+      !OpId(h, PyList_GET_ITEM(r->consumers, 0), &consumer)) {
+    return false;
+  }
+  PyObject* code = PyDict_GetItemWithError(h->dtype_codes, r->dtype);  // borrowed
+  if (code == nullptr && PyErr_Occurred()) return false;
+  d.dtype = static_cast<int>(code != nullptr ? PyLong_AsLong(code) : h->dtype_other);
+  d.ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(r->ptr));
+  d.bytes = static_cast<size_t>(r->nbytes);
+  d.micro_batch = static_cast<int>(r->micro_batch);
+  // Record.need_order: within a micro-batch the backward needs the last saved storage first.
+  d.need_order = (r->micro_batch << 32) + (1LL << 31) - 1 - (r->seq % (1LL << 31));
+  d.consumer = consumer;
+  r->lazy = 0;
+  uint64_t handle = 0;
+  const int rc = OffloadSaved(h->fast, d, &handle);
+  if (rc != 0) {
+    PyObject* out = PyObject_CallMethod(h->tracker, "_offload_outcome", "OiK", rec, rc,
+                                        static_cast<unsigned long long>(handle));
+    Py_XDECREF(out);
+    return out != nullptr;
+  }
+  r->enf = static_cast<long long>(handle);
+  long long tracked = 0;
+  if (!GetInt(h->enforcer, names.tracked, &tracked) ||
+      !SetInt(h->enforcer, names.tracked, tracked + 1)) {
+    return false;
+  }
+  // Record.left_for_host: the original storage is only remembered (a later pack of it finds
+  // this record), the record counts an offload.
+  PyObject* ref = PyWeakref_NewRef(r->storage, nullptr);
+  if (ref == nullptr) return false;
+  Py_XSETREF(r->ref, ref);
+  Py_CLEAR(r->storage);
+  Py_INCREF(constants.host);
+  Py_XSETREF(r->placement, constants.host);
+  PyObject* counters = Get(h->tracker, names.counters);
+  const bool ok = counters != nullptr && detail::AddTo(counters, names.offloads, 1) &&
+                  detail::AddTo(counters, names.bytes_d2h, r->nbytes);
+  Py_XDECREF(counters);
+  return ok;
+}
+
+// The producer (a new reference) of the storage: a noted producer, else the innermost operator
+// running now (Tracker._producer_call).
+PyObject* ProducerOf(HooksObject* h, PyObject* key, c10::StorageImpl* impl, PyObject* op) {
+  PyObject* producers = Get(h->tracker, names.producers);
+  if (producers == nullptr) return nullptr;
+  PyObject* hit = PyDict_GetItemWithError(producers, key);  // borrowed
+  PyObject* out = nullptr;
+  if (hit != nullptr && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) >= 2 &&
+      RefersTo(PyTuple_GET_ITEM(hit, 0), impl)) {
+    out = PyTuple_GET_ITEM(hit, 1);
+  } else if (!PyErr_Occurred()) {
+    out = op;
+  }
+  Py_XINCREF(out);
+  Py_DECREF(producers);
+  return out;
+}
+
+// Whether the tracker's light set of `unit` counted the storage (capture/light.py holds): 1, 0,
+// or -1 with the error set.
+int LightHolds(PyObject* tr, PyObject* unit, PyObject* key, c10::StorageImpl* impl) {
+  PyObject* sets = Get(tr, names.light_sets);
+  if (sets == nullptr) return -1;
+  PyObject* ls = PyDict_GetItemWithError(sets, unit);  // borrowed
+  int out = PyErr_Occurred() ? -1 : 0;
+  if (ls != nullptr) {
+    PyObject* sizes = Get(ls, names.sizes);
+    if (sizes == nullptr) {
+      out = -1;
+    } else {
+      PyObject* seen = PyDict_GetItemWithError(sizes, key);  // borrowed
+      if (seen != nullptr && PyTuple_Check(seen) && PyTuple_GET_SIZE(seen) >= 1) {
+        out = RefersTo(PyTuple_GET_ITEM(seen, 0), impl) ? 1 : 0;
+      } else if (PyErr_Occurred()) {
+        out = -1;
+      }
+      Py_DECREF(sizes);
+    }
+  }
+  Py_DECREF(sets);
+  return out;
+}
+
+// Whether the tensor is a view of a tensor subclass (a parameter, FSDP2's unsharded ones):
+// discovery/sharding.py decides those.
+bool ViewOfSubclass(const at::Tensor& x) {
+  if (!x.is_view()) return false;
+  const at::TensorBase& base = x._base();
+  if (!base.defined()) return false;
+  PyObject* b = THPVariable_Wrap(base);
+  if (b == nullptr) {
+    PyErr_Clear();
+    return true;
+  }
+  const bool sub = Py_TYPE(b) != reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  Py_DECREF(b);
+  return sub;
+}
+
+// The branch a new record takes here: keep, offload at once, or Python for the rest.
+enum class NewPath { kKeep, kOffload, kPython };
+
+NewPath PathOf(HooksObject* h, PyObject* strategy, long long mb, bool* error) {
+  *error = false;
+  const int keep = PyObject_RichCompareBool(strategy, constants.keep, Py_EQ);
+  if (keep < 0) {
+    *error = true;
+    return NewPath::kPython;
+  }
+  if (keep) return NewPath::kKeep;
+  if (!h->sync_offloads || h->fast == nullptr) return NewPath::kPython;
+  const int offload = PyObject_RichCompareBool(strategy, constants.offload, Py_EQ);
+  if (offload <= 0) {
+    *error = offload < 0;
+    return NewPath::kPython;
+  }
+  PyObject* scheduled = Get(h->tracker, names.scheduled);
+  PyObject* unit = scheduled == nullptr ? nullptr : PyLong_FromLongLong(mb);
+  const int left = unit == nullptr ? -1 : PySet_Contains(scheduled, unit);
+  Py_XDECREF(scheduled);
+  Py_XDECREF(unit);
+  *error = left < 0;
+  return left == 0 ? NewPath::kOffload : NewPath::kPython;
+}
+
+PyObject* Pack(PyObject* self, PyObject* t) {
+  auto* h = reinterpret_cast<HooksObject*>(self);
+  PyObject* tr = h->tracker;
+  // Tensor subclasses (parameters, DTensor, wrappers) and light capture: Python.
+  if (Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return PackInPython(h, t);
+  PyObject* light = Get(tr, names.light);
+  if (light == nullptr) return nullptr;
+  const bool is_light = light != Py_None;
+  Py_DECREF(light);
+  if (is_light) return PackInPython(h, t);
+  const at::Tensor& x = THPVariable_Unpack(t);
+  if (x.is_sparse() || !x.has_storage() || ViewOfSubclass(x)) return PackInPython(h, t);
+  long long mb = 0, seen = 0;
+  if (!GetInt(tr, names.micro_batch, &mb) || !GetInt(tr, names.packs_seen, &seen)) return nullptr;
+  if (mb < 0 || x.numel() == 0) {  // kept as it is, counted as a pack
+    if (!SetInt(tr, names.packs_seen, seen + 1)) return nullptr;
+    Py_INCREF(t);
+    return t;
+  }
+  const c10::Storage& st = x.storage();
+  c10::StorageImpl* impl = st.unsafeGetStorageImpl();
+  const Saved s{t,
+                &x,
+                &st,
+                static_cast<long long>(reinterpret_cast<uintptr_t>(st.data())),
+                static_cast<long long>(st.nbytes()),
+                mb};
+  PyObject* key = PyLong_FromLongLong(s.key);
+  PyObject* unit = PyLong_FromLongLong(mb);
+  PyObject* param_keys = key == nullptr || unit == nullptr ? nullptr : Get(tr, names.param_keys);
+  PyObject* out = nullptr;
+  PyObject* op = nullptr;
+  PyObject* rec = nullptr;
+  PyObject* scope = nullptr;
+  PyObject* live = nullptr;
+  int hit = 0;
+  if (param_keys == nullptr) goto done;
+  hit = PySet_Contains(param_keys, key);
+  if (hit == 0) hit = LightHolds(tr, unit, key, impl);
+  if (hit < 0) goto done;
+  if (hit > 0) {  // a parameter's storage, or counted in the light set: it stays as it is
+    if (SetInt(tr, names.packs_seen, seen + 1)) {
+      Py_INCREF(t);
+      out = t;
+    }
+    goto done;
+  }
+  scope = Get(tr, names.scope);
+  if (scope == nullptr) goto done;
+  op = PyList_Check(scope) && PyList_GET_SIZE(scope) > 0
+           ? PyList_GET_ITEM(scope, PyList_GET_SIZE(scope) - 1)
+           : constants.outside;
+  Py_INCREF(op);
+  live = Get(tr, names.live);
+  if (live == nullptr) goto done;
+  rec = PyDict_GetItemWithError(live, key);  // borrowed
+  if (rec == nullptr && PyErr_Occurred()) goto done;
+  if (rec != nullptr && PyObject_TypeCheck(rec, detail::record_base) &&
+      SameStorage(reinterpret_cast<RecordObject*>(rec), impl) &&
+      reinterpret_cast<RecordObject*>(rec)->micro_batch == mb) {
+    // Another tensor of a storage packed before in this forward.
+    PyObject* unkeyed = Get(tr, names.unkeyed);
+    if (unkeyed == nullptr) goto done;
+    const bool pending = PyDict_Check(unkeyed) && PyDict_GET_SIZE(unkeyed) > 0;
+    Py_DECREF(unkeyed);
+    if (pending) {  // a recompute call may drop it now (Tracker._drop_found)
+      rec = nullptr;
+      out = PackInPython(h, t);
+      goto done;
+    }
+    Py_INCREF(rec);
+  } else {
+    // A new record: here when its producer keeps it or offloads it at once, outside the
+    // capture, and it is larger than the storages that are only counted.
+    rec = nullptr;
+    PyObject* capture = Get(tr, names.capture);
+    if (capture == nullptr) goto done;
+    const int capturing = PyObject_IsTrue(capture);
+    Py_DECREF(capture);
+    long long min_move = 0;
+    if (capturing < 0 || !GetInt(tr, names.min_move_bytes, &min_move)) goto done;
+    if (capturing || s.nbytes <= min_move) {
+      out = PackInPython(h, t);
+      goto done;
+    }
+    PyObject* producer = ProducerOf(h, key, impl, op);
+    if (producer == nullptr) goto done;
+    PyObject* strategy = PyObject_CallMethodObjArgs(tr, names.strategy_of, producer, unit, nullptr);
+    if (strategy == nullptr) {
+      Py_DECREF(producer);
+      goto done;
+    }
+    bool error = false;
+    const NewPath path = PathOf(h, strategy, mb, &error);
+    Py_DECREF(strategy);
+    if (error || path == NewPath::kPython) {
+      Py_DECREF(producer);
+      if (!error) out = PackInPython(h, t);
+      goto done;
+    }
+    rec = NewRecord(h, s, producer, op, path == NewPath::kKeep);
+    Py_DECREF(producer);
+    if (rec == nullptr) goto done;
+    if (path == NewPath::kOffload && !OffloadAtOnce(h, reinterpret_cast<RecordObject*>(rec))) {
+      goto done;
+    }
+  }
+  // From here the pack is this one's: counted, its consumer noted, the tensor packed.
+  if (!SetInt(tr, names.packs_seen, seen + 1)) goto done;
+  {
+    auto* r = reinterpret_cast<RecordObject*>(rec);
+    const int known = r->consumers != nullptr && PyList_Check(r->consumers)
+                          ? PySequence_Contains(r->consumers, op)
+                          : 0;
+    if (known < 0) goto done;
+    if (known == 0) {
+      PyObject* res = PyObject_CallMethodObjArgs(tr, names.add_consumer, rec, op, nullptr);
+      if (res == nullptr) goto done;
+      Py_DECREF(res);
+    }
+  }
+  out = detail::NewPacked(rec, t);
+done:
+  Py_XDECREF(rec);
+  Py_XDECREF(live);
+  Py_XDECREF(op);
+  Py_XDECREF(scope);
+  Py_XDECREF(param_keys);
+  Py_XDECREF(key);
+  Py_XDECREF(unit);
+  return out;
+}
+
+PyTypeObject* packed = nullptr;
+
+PyObject* HooksUnpack(PyObject*, PyObject* p) {
+  if (Py_TYPE(p) == packed) return detail::UnpackPacked(p);
+  Py_INCREF(p);
+  return p;
+}
+
+PyMethodDef hooks_methods[] = {
+    {"pack", Pack, METH_O, "The pack hook: a tensor saved for backward -> what autograd keeps."},
+    {"unpack", HooksUnpack, METH_O, "The unpack hook: what pack gave -> the saved tensor."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+bool AddSavedTypes(PyObject* module) {
+  if (!detail::InternNames() || !detail::AddRecordType(module) ||
+      !detail::AddPackedType(module, &packed)) {
+    return false;
+  }
+  PyType_Slot slots[] = {
+      {Py_tp_doc, const_cast<char*>("Hooks(tracker, Record, constants, pool): the saved-tensor "
+                                    "hooks over one tracker.")},
+      {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
+      {Py_tp_init, reinterpret_cast<void*>(HooksInit)},
+      {Py_tp_methods, hooks_methods},
+      {Py_tp_traverse, reinterpret_cast<void*>(HooksTraverse)},
+      {Py_tp_clear, reinterpret_cast<void*>(HooksClear)},
+      {Py_tp_dealloc, reinterpret_cast<void*>(HooksDealloc)},
+      {0, nullptr}};
+  PyType_Spec spec = {"bagualu._C.Hooks", sizeof(HooksObject), 0,
+                      Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, slots};
+  PyObject* type = PyType_FromSpec(&spec);
+  if (type == nullptr) return false;
+  if (PyModule_AddObject(module, "Hooks", type) < 0) {
+    Py_DECREF(type);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace bgl::torch_ext

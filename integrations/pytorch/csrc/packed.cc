@@ -1,0 +1,500 @@
+// Packed: what autograd keeps per saved tensor. Its unpack gives the tensor back (reloading an
+// offloaded record here, the rest through record.py's materialize); its death releases the record
+// when it was the last holder (here for records no copy still reads, else record.py's release).
+#include <ATen/ops/empty.h>
+#include <Python.h>
+#include <structmember.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "blocks.h"
+#include "calls.h"
+#include "detail/saved_types.h"
+
+namespace bgl::torch_ext::detail {
+namespace {
+
+struct PackedObject {
+  PyObject_HEAD PyObject* rec;  // a RecordBase
+  PyObject* t;                  // the tensor while the record's data is on the device
+  ViewMeta* meta;               // else how to rebuild the view
+  PyObject* weakreflist;
+};
+
+PyTypeObject* packed_type = nullptr;
+
+ViewMeta* MakeMeta(const at::Tensor& t) {
+  auto* m = new ViewMeta;
+  m->offset = t.storage_offset();
+  m->sizes = t.sizes().vec();
+  m->strides = t.strides().vec();
+  m->options = at::TensorOptions().dtype(t.scalar_type()).device(t.device());
+  return m;
+}
+
+bool OnDevice(RecordObject* r) {
+  return r->placement == constants.device && r->storage != nullptr && r->storage != Py_None;
+}
+
+// --- a block's end -----------------------------------------------------------------------------
+// The callable a reloaded block's storage runs when torch frees it: enforcer.block_done(handle,
+// record._block_died) (enforce/enforcer.py).
+struct BlockDoneObject {
+  PyObject_HEAD PyObject* fn;
+  PyObject* handle;
+  PyObject* on_done;
+};
+PyTypeObject* block_done_type = nullptr;
+
+PyObject* BlockDoneCall(PyObject* self, PyObject*, PyObject*) {
+  auto* d = reinterpret_cast<BlockDoneObject*>(self);
+  return PyObject_CallFunctionObjArgs(d->fn, d->handle, d->on_done, nullptr);
+}
+
+int BlockDoneTraverse(PyObject* self, visitproc visit, void* arg) {
+  auto* d = reinterpret_cast<BlockDoneObject*>(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(d->fn);
+  Py_VISIT(d->handle);
+  Py_VISIT(d->on_done);
+  return 0;
+}
+
+int BlockDoneClear(PyObject* self) {
+  auto* d = reinterpret_cast<BlockDoneObject*>(self);
+  Py_CLEAR(d->fn);
+  Py_CLEAR(d->handle);
+  Py_CLEAR(d->on_done);
+  return 0;
+}
+
+void BlockDoneDealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  BlockDoneClear(self);
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+// --- accounting --------------------------------------------------------------------------------
+// Record._unaccount: the record's device block goes back (the enforcer frees its own blocks).
+bool Unaccount(HooksObject* h, RecordObject* r) {
+  if (r->enf_block) {
+    r->pool_bytes = 0;
+    r->enf_block = 0;
+    return true;
+  }
+  if (r->pool_block == 0) return true;
+  if (h != nullptr && h->pool != nullptr) {
+    PoolFreeRaw(h->pool, r->pool_block, r->pool_bytes);
+  } else {
+    PyObject* out =
+        PyObject_CallMethod(r->tracker, "device_free", "LL", r->pool_block, r->pool_bytes);
+    if (out == nullptr) return false;
+    Py_DECREF(out);
+  }
+  r->pool_block = 0;
+  r->pool_bytes = 0;
+  return true;
+}
+
+// Enforcer.retire(handle) of enforce/enforcer.py, for a record no block of is alive.
+bool Retire(HooksObject* h, RecordObject* r) {
+  if (r->enf == 0) return true;
+  const auto handle = static_cast<uint64_t>(r->enf);
+  r->enf = 0;
+  PyObject* enf = h->enforcer;
+  PyObject* regen = Get(enf, names.regenerators);
+  if (regen == nullptr) return false;
+  if (PyDict_GET_SIZE(regen) > 0) {
+    PyObject* k = PyLong_FromUnsignedLongLong(handle);
+    if (k == nullptr || (PyDict_DelItem(regen, k) < 0 && !PyErr_ExceptionMatches(PyExc_KeyError))) {
+      Py_XDECREF(k);
+      Py_DECREF(regen);
+      return false;
+    }
+    PyErr_Clear();
+    Py_DECREF(k);
+  }
+  Py_DECREF(regen);
+  PyObject* destroyed = Get(enf, names.destroyed);
+  if (destroyed == nullptr) return false;
+  const int gone = PyObject_IsTrue(destroyed);
+  Py_DECREF(destroyed);
+  if (gone != 0) return gone > 0;
+  Unregister(h->fast, handle);
+  long long tracked = 0;
+  if (!GetInt(enf, names.tracked, &tracked) || !SetInt(enf, names.tracked, tracked - 1)) {
+    return false;
+  }
+  PyObject* closing = Get(enf, names.closing);
+  if (closing == nullptr) return false;
+  const int close = PyObject_IsTrue(closing);
+  Py_DECREF(closing);
+  if (close > 0) {
+    PyObject* out = PyObject_CallMethodNoArgs(enf, names.destroy_if_done);
+    if (out == nullptr) return false;
+    Py_DECREF(out);
+  }
+  return close >= 0;
+}
+
+// Tracker.retire: the record leaves the live records of its storage and its unit.
+bool Forget(RecordObject* r) {
+  PyObject* rec = reinterpret_cast<PyObject*>(r);
+  PyObject* live = Get(r->tracker, names.live);
+  PyObject* by_mb = live == nullptr ? nullptr : Get(r->tracker, names.by_mb);
+  PyObject* key = by_mb == nullptr ? nullptr : PyLong_FromLongLong(r->ptr);
+  PyObject* unit = key == nullptr ? nullptr : PyLong_FromLongLong(r->micro_batch);
+  bool ok = unit != nullptr;
+  if (ok) {
+    PyObject* found = PyDict_GetItemWithError(live, key);  // borrowed
+    if (found == rec) ok = PyDict_DelItem(live, key) == 0;
+    ok = ok && !PyErr_Occurred();
+  }
+  if (ok) {
+    PyObject* recs = PyDict_GetItemWithError(by_mb, unit);  // borrowed
+    if (recs != nullptr && PySet_Check(recs)) ok = PySet_Discard(recs, rec) >= 0;
+    ok = ok && !PyErr_Occurred();
+  }
+  Py_XDECREF(live);
+  Py_XDECREF(by_mb);
+  Py_XDECREF(key);
+  Py_XDECREF(unit);
+  return ok;
+}
+
+// Record.release for a record no copy still reads and no issue order holds; false with no error
+// set when record.py must release it.
+bool ReleaseHere(RecordObject* r, bool* done) {
+  *done = false;
+  if (r->issued || r->planned || r->tracker == nullptr) return true;
+  HooksObject* h = HooksOf(r);
+  if (h == nullptr || (r->enf != 0 && !r->live_block && h->fast == nullptr)) return true;
+  *done = true;
+  if (!Unaccount(h, r)) return false;
+  Py_CLEAR(r->storage);
+  Py_CLEAR(r->regen);
+  Py_CLEAR(r->packs);
+  r->released = 1;
+  if (!r->live_block && !Retire(h, r)) return false;
+  return Forget(r);
+}
+
+// --- reload ------------------------------------------------------------------------------------
+// Record.materialize of an offloaded record: the enforcer reloads it into a block of its own,
+// which becomes the record's storage. A new reference, or nullptr with *done false and no error
+// when record.py must do it (another placement, no binding, a failed acquire to retry there).
+PyObject* ReloadHere(RecordObject* r, bool* done) {
+  *done = false;
+  if (r->placement != constants.host || r->enf == 0 || r->tracker == nullptr) return nullptr;
+  HooksObject* h = HooksOf(r);
+  if (h == nullptr || h->fast == nullptr) return nullptr;
+  PyObject* enf = h->enforcer;
+  PyObject* destroyed = Get(enf, names.destroyed);
+  if (destroyed == nullptr) return nullptr;
+  const int gone = PyObject_IsTrue(destroyed);
+  Py_DECREF(destroyed);
+  if (gone != 0) return nullptr;  // record.py raises the error naming it
+  void* stream = nullptr;
+  if (h->enforcer_cuda) {
+    PyObject* s = PyObject_CallMethodNoArgs(enf, names.current_stream);
+    if (s == nullptr) return nullptr;
+    stream = s == Py_None ? nullptr : PyLong_AsVoidPtr(s);
+    Py_DECREF(s);
+  }
+  void* ptr = nullptr;
+  if (Acquire(h->fast, static_cast<uint64_t>(r->enf), stream, &ptr) != 0) return nullptr;
+  *done = true;
+  long long blocks = 0;
+  if (!GetInt(enf, names.live_blocks, &blocks) || !SetInt(enf, names.live_blocks, blocks + 1)) {
+    return nullptr;
+  }
+  auto* d = reinterpret_cast<BlockDoneObject*>(block_done_type->tp_alloc(block_done_type, 0));
+  if (d == nullptr) return nullptr;
+  d->fn = Get(enf, names.block_done);
+  d->handle = PyLong_FromLongLong(r->enf);
+  d->on_done = Get(reinterpret_cast<PyObject*>(r), names.block_died);
+  PyObject* storage = nullptr;
+  if (d->fn != nullptr && d->handle != nullptr && d->on_done != nullptr) {
+    storage = MakeBlockStorage(ptr, r->nbytes, h->enforcer_cuda, h->device_index,
+                               reinterpret_cast<PyObject*>(d));
+  }
+  Py_DECREF(d);
+  if (storage == nullptr) return nullptr;
+  Py_INCREF(storage);
+  Py_XSETREF(r->storage, storage);
+  r->live_block = 1;
+  // Record._enforcer_bytes: the pool counts the enforcer's block (the simulated device), else
+  // the record accounts it.
+  if (h->pool != nullptr) {
+    if (!Unaccount(h, r)) {
+      Py_DECREF(storage);
+      return nullptr;
+    }
+    r->pool_bytes = r->nbytes;
+    r->enf_block = 1;
+  } else {
+    PyObject* out = PyObject_CallMethod(reinterpret_cast<PyObject*>(r), "_account", "L", r->nbytes);
+    if (out == nullptr) {
+      Py_DECREF(storage);
+      return nullptr;
+    }
+    Py_DECREF(out);
+  }
+  if (h->reload_ahead) {
+    PyObject* out = PyObject_CallMethod(r->tracker, "acquired", "L", r->micro_batch);
+    if (out == nullptr) {
+      Py_DECREF(storage);
+      return nullptr;
+    }
+    Py_DECREF(out);
+  }
+  PyObject* counters = Get(r->tracker, names.counters);
+  const bool counted = counters != nullptr && AddTo(counters, names.reloads, 1) &&
+                       AddTo(counters, names.bytes_h2d, r->nbytes);
+  Py_XDECREF(counters);
+  if (!counted) {
+    Py_DECREF(storage);
+    return nullptr;
+  }
+  Py_INCREF(constants.device);
+  Py_XSETREF(r->placement, constants.device);
+  return storage;
+}
+
+// --- Packed ------------------------------------------------------------------------------------
+PyObject* PackedNew(PyTypeObject*, PyObject* args, PyObject* kwargs) {
+  PyObject *rec = nullptr, *t = nullptr;
+  static const char* kw[] = {"rec", "t", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:Packed", const_cast<char**>(kw), &rec, &t)) {
+    return nullptr;
+  }
+  if (!PyObject_TypeCheck(rec, record_base)) {
+    PyErr_SetString(PyExc_TypeError, "Packed(rec, t): rec must be a record");
+    return nullptr;
+  }
+  if (!THPVariable_Check(t)) {
+    PyErr_SetString(PyExc_TypeError, "Packed(rec, t): t must be a tensor");
+    return nullptr;
+  }
+  return NewPacked(rec, t);
+}
+
+int PackedTraverse(PyObject* self, visitproc visit, void* arg) {
+  auto* p = reinterpret_cast<PackedObject*>(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(p->rec);
+  Py_VISIT(p->t);
+  return 0;
+}
+
+int PackedClear(PyObject* self) {
+  auto* p = reinterpret_cast<PackedObject*>(self);
+  Py_CLEAR(p->t);
+  Py_CLEAR(p->rec);
+  return 0;
+}
+
+void PackedDealloc(PyObject* self) {
+  auto* p = reinterpret_cast<PackedObject*>(self);
+  PyObject_GC_UnTrack(self);
+  if (p->weakreflist != nullptr) PyObject_ClearWeakRefs(self);
+  if (p->rec != nullptr) {
+    auto* r = reinterpret_cast<RecordObject*>(p->rec);
+    r->refs -= 1;
+    if (r->refs == 0) {  // the last holder: the record is released
+      PyObject *type, *value, *tb;
+      PyErr_Fetch(&type, &value, &tb);
+      bool done = false;
+      if (!ReleaseHere(r, &done) || !done) {
+        PyObject* out =
+            PyErr_Occurred() ? nullptr : PyObject_CallMethodNoArgs(p->rec, names.release);
+        if (out == nullptr) {
+          PyErr_WriteUnraisable(p->rec);
+        } else {
+          Py_DECREF(out);
+        }
+      }
+      PyErr_Restore(type, value, tb);
+    }
+  }
+  PackedClear(self);
+  delete p->meta;
+  p->meta = nullptr;
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+// The record's data leaves the device: keep only how to rebuild the view.
+PyObject* PackedDetach(PyObject* self, PyObject*) {
+  auto* p = reinterpret_cast<PackedObject*>(self);
+  if (p->t != nullptr) {
+    if (p->meta == nullptr) p->meta = MakeMeta(THPVariable_Unpack(p->t));
+    Py_CLEAR(p->t);
+  }
+  Py_RETURN_NONE;
+}
+
+// The plan's issue order learns that the backward reached the record's producer.
+bool NoteBackward(RecordObject* r) {
+  if (r->tracker == nullptr) return true;
+  PyObject* issuer = Get(r->tracker, names.issuer);
+  if (issuer == nullptr) return false;
+  bool ok = true;
+  if (issuer != Py_None) {
+    PyObject* active = Get(issuer, names.active);
+    const int on = active == nullptr ? -1 : PyObject_IsTrue(active);
+    Py_XDECREF(active);
+    if (on > 0) {
+      PyObject* mb = PyLong_FromLongLong(r->micro_batch);
+      PyObject* out = mb == nullptr ? nullptr
+                                    : PyObject_CallMethodObjArgs(issuer, names.backward_op, mb,
+                                                                 r->producer, nullptr);
+      Py_XDECREF(mb);
+      ok = out != nullptr;
+      Py_XDECREF(out);
+    } else {
+      ok = on == 0;
+    }
+  }
+  Py_DECREF(issuer);
+  return ok;
+}
+
+PyObject* Unpack(PackedObject* p) {
+  auto* r = reinterpret_cast<RecordObject*>(p->rec);
+  r->in_backward = 1;
+  if (!NoteBackward(r)) return nullptr;
+  if (p->t != nullptr) {
+    Py_INCREF(p->t);
+    return p->t;
+  }
+  bool done = false;
+  PyObject* storage = ReloadHere(r, &done);
+  if (storage == nullptr) {
+    if (done || PyErr_Occurred()) return nullptr;
+    storage = PyObject_CallMethodNoArgs(p->rec, names.materialize);
+    if (storage == nullptr) return nullptr;
+  }
+  if (!THPStorage_Check(storage) || p->meta == nullptr) {
+    Py_DECREF(storage);
+    PyErr_SetString(PyExc_RuntimeError, "bagualu: a moved record gave no storage back");
+    return nullptr;
+  }
+  PyObject* out = nullptr;
+  try {
+    const ViewMeta& m = *p->meta;
+    at::Tensor t = at::empty({0}, m.options);
+    t.set_(THPStorage_Unpack(storage), m.offset, m.sizes, m.strides);
+    out = THPVariable_Wrap(std::move(t));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  Py_DECREF(storage);
+  return out;
+}
+
+PyObject* PackedUnpack(PyObject* self, PyObject*) {
+  return Unpack(reinterpret_cast<PackedObject*>(self));
+}
+
+PyMethodDef packed_methods[] = {
+    {"unpack", PackedUnpack, METH_NOARGS, "The saved tensor, its data back on the device."},
+    {"detach_tensor", PackedDetach, METH_NOARGS,
+     "The record's data leaves the device: keep only how to rebuild the view."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMemberDef packed_members[] = {
+    {"rec", T_OBJECT, offsetof(PackedObject, rec), READONLY, "the record"},
+    {"t", T_OBJECT, offsetof(PackedObject, t), READONLY, "the tensor while on the device"},
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(PackedObject, weakreflist), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+}  // namespace
+
+PyObject* NewPacked(PyObject* rec, PyObject* t) {
+  auto* p = reinterpret_cast<PackedObject*>(packed_type->tp_alloc(packed_type, 0));
+  if (p == nullptr) return nullptr;
+  auto* r = reinterpret_cast<RecordObject*>(rec);
+  Py_INCREF(rec);
+  p->rec = rec;
+  r->refs += 1;
+  if (OnDevice(r)) {
+    PyObject* w = PyWeakref_NewRef(reinterpret_cast<PyObject*>(p), nullptr);
+    if (w == nullptr) {
+      Py_DECREF(p);
+      return nullptr;
+    }
+    if (r->packs == nullptr || r->packs == Py_None) {
+      PyObject* list = PyList_New(1);
+      if (list == nullptr) {
+        Py_DECREF(w);
+        Py_DECREF(p);
+        return nullptr;
+      }
+      PyList_SET_ITEM(list, 0, w);  // steals w
+      Py_XSETREF(r->packs, list);
+    } else {
+      const int rc = PyList_Append(r->packs, w);
+      Py_DECREF(w);
+      if (rc < 0) {
+        Py_DECREF(p);
+        return nullptr;
+      }
+    }
+    Py_INCREF(t);
+    p->t = t;
+  } else {
+    p->meta = MakeMeta(THPVariable_Unpack(t));
+  }
+  return reinterpret_cast<PyObject*>(p);
+}
+
+PyObject* UnpackPacked(PyObject* packed) { return Unpack(reinterpret_cast<PackedObject*>(packed)); }
+
+bool AddPackedType(PyObject* module, PyTypeObject** type) {
+  PyType_Slot slots[] = {
+      {Py_tp_doc, const_cast<char*>("What autograd keeps for one saved tensor: Packed(rec, t).")},
+      {Py_tp_new, reinterpret_cast<void*>(PackedNew)},
+      {Py_tp_methods, packed_methods},
+      {Py_tp_members, packed_members},
+      {Py_tp_traverse, reinterpret_cast<void*>(PackedTraverse)},
+      {Py_tp_clear, reinterpret_cast<void*>(PackedClear)},
+      {Py_tp_dealloc, reinterpret_cast<void*>(PackedDealloc)},
+      {0, nullptr}};
+  PyType_Spec spec = {"bagualu._C.Packed", sizeof(PackedObject), 0,
+                      Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, slots};
+  PyType_Slot done_slots[] = {
+      {Py_tp_doc, const_cast<char*>("A reloaded block's end: enforcer.block_done(h, on_done).")},
+      {Py_tp_call, reinterpret_cast<void*>(BlockDoneCall)},
+      {Py_tp_traverse, reinterpret_cast<void*>(BlockDoneTraverse)},
+      {Py_tp_clear, reinterpret_cast<void*>(BlockDoneClear)},
+      {Py_tp_dealloc, reinterpret_cast<void*>(BlockDoneDealloc)},
+      {0, nullptr}};
+  PyType_Spec done_spec = {"bagualu._C.BlockDone", sizeof(BlockDoneObject), 0,
+                           Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, done_slots};
+  PyObject* p = PyType_FromSpec(&spec);
+  PyObject* d = p == nullptr ? nullptr : PyType_FromSpec(&done_spec);
+  if (d == nullptr) {
+    Py_XDECREF(p);
+    return false;
+  }
+  Py_INCREF(p);  // packed_type's
+  if (PyModule_AddObject(module, "Packed", p) < 0) {
+    Py_DECREF(p);
+    Py_DECREF(p);
+    Py_DECREF(d);
+    return false;
+  }
+  packed_type = reinterpret_cast<PyTypeObject*>(p);
+  block_done_type = reinterpret_cast<PyTypeObject*>(d);  // kept for the life of the process
+  *type = packed_type;
+  return true;
+}
+
+}  // namespace bgl::torch_ext::detail
