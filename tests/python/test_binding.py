@@ -100,3 +100,35 @@ def test_bad_input_at_the_binding_is_an_error_and_changes_nothing() -> None:
     finally:
         enf.close()
     assert lib.bgl_enf_last_error()  # the message of the last failed call is there
+
+
+def test_the_saved_tensor_types_refuse_what_is_not_theirs() -> None:
+    """Packed of something that is no record or no tensor, Hooks over a wrong record type or
+    pool: a TypeError naming it; an unpack of what no pack made gives it back unchanged (the
+    default hooks' contract), and a Packed of a record made elsewhere reaches that record only."""
+    m = ext.load()
+    from bagualu.capture.tracker import Tracker
+    from bagualu.enforce.device import DeviceMemory
+    from bagualu.enforce.pool import DevicePool
+    from bagualu.record import Record
+    from bagualu.vocabulary import Op
+    t = torch.ones(4)
+    with pytest.raises(TypeError, match="rec must be a record"):
+        m.Packed(object(), t)
+    memory = DeviceMemory(torch.device("cpu"), DevicePool(1 << 20), None)
+    tr = Tracker(memory, None, lambda op, mb: "keep")
+    with pytest.raises(TypeError, match="subclass RecordBase"):
+        m.Hooks(tr, int, {}, None)
+    with pytest.raises(TypeError, match="Pool"):
+        m.Hooks(tr, Record, {}, object())
+    with pytest.raises(KeyError, match="device"):
+        m.Hooks(tr, Record, {}, None)
+    assert tr.unpack(t) is t  # never packed: returned as it is
+    rec = Record(tr, t.untyped_storage(), t.data_ptr(), 16, t.device, t.dtype,
+                 Op("x", "linear", 0), 0, 1)
+    with pytest.raises(TypeError, match="t must be a tensor"):
+        m.Packed(rec, "not a tensor")
+    p = m.Packed(rec, t)
+    assert rec.refs == 1 and tr.unpack(p) is t
+    del p
+    assert rec.released and rec.refs == 0
