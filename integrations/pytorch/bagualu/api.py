@@ -1,19 +1,7 @@
-"""The public API's functions (bagualu/__init__.py re-exports them with the loops, which import
-this module, not the package): per-micro-batch activation memory planning for MoE
-training (docs/pytorch.md opens with the map of the package).
-
-    import bagualu
-    bagualu.install(capacity="256MiB", policy="bagualu")   # before the first CUDA allocation
-    bagualu.instrument(model)          # any nn.Module: a Hugging Face model as it is
-    print(bagualu.describe(model))     # the layers and operators found
-    for it in range(steps):
-        bagualu.begin_iteration()
-        for phase, f, b in schedule:                          # e.g. bagualu.schedule.one_f_one_b
-            bagualu.step_point(phase, f, b)
-            with bagualu.forward(f): ...
-            with bagualu.backward(b): ...
-        bagualu.end_iteration()                               # logs the iteration's line
-"""
+"""The public API's functions, a thin layer over the installed runtime (runtime.py): install,
+instrument, the micro-batch contexts, scheduling points, iteration lines, stats. The package's
+__init__ re-exports them with the loops; the loops import this module, never the package, so
+the package has no import cycle (its use is in bagualu/__init__.py's docstring)."""
 from __future__ import annotations
 
 import logging

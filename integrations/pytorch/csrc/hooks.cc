@@ -477,18 +477,60 @@ NewPath PathOf(HooksObject* h, PyObject* strategy, long long mb, bool* error) {
   return left == 0 ? NewPath::kOffload : NewPath::kPython;
 }
 
+// Light capture (an all-keep micro-batch: storages only counted): a storage counted before in
+// this forward stays as it is here (marked as saved outside the layers when the operator saving
+// it now is outside them); a new or reused pointer is the tracker's (_pack_py: counted).
+PyObject* PackLight(HooksObject* h, PyObject* t, const at::Tensor& x, PyObject* light) {
+  if (!PyDict_Check(light)) return PackInPython(h, t);
+  const c10::Storage& st = x.storage();
+  PyObject* key =
+      PyLong_FromLongLong(static_cast<long long>(reinterpret_cast<uintptr_t>(st.data())));
+  if (key == nullptr) return nullptr;
+  PyObject* seen = PyDict_GetItemWithError(light, key);  // borrowed
+  if (seen == nullptr || !PyTuple_Check(seen) || PyTuple_GET_SIZE(seen) != 2 ||
+      !RefersTo(PyTuple_GET_ITEM(seen, 0), st.unsafeGetStorageImpl())) {
+    Py_DECREF(key);
+    return PyErr_Occurred() ? nullptr : PackInPython(h, t);
+  }
+  const long long n = PyLong_AsLongLong(PyTuple_GET_ITEM(seen, 1));
+  bool ok = !(n == -1 && PyErr_Occurred());
+  if (ok && n > 0) {  // counted inside the layers so far
+    PyObject* scope = Get(h->tracker, names.scope);
+    ok = scope != nullptr;
+    bool outside = true;
+    if (ok && PyList_Check(scope) && PyList_GET_SIZE(scope) > 0) {
+      long long layer = 0;
+      ok = GetInt(PyList_GET_ITEM(scope, PyList_GET_SIZE(scope) - 1), names.layer, &layer);
+      outside = layer < 0;
+    }
+    Py_XDECREF(scope);
+    if (ok && outside) {
+      PyObject* marked = Py_BuildValue("(OL)", PyTuple_GET_ITEM(seen, 0), -n);
+      ok = marked != nullptr && PyDict_SetItem(light, key, marked) == 0;
+      Py_XDECREF(marked);
+    }
+  }
+  Py_DECREF(key);
+  if (!ok) return nullptr;
+  Py_INCREF(t);
+  return t;
+}
+
 PyObject* Pack(PyObject* self, PyObject* t) {
   auto* h = reinterpret_cast<HooksObject*>(self);
   PyObject* tr = h->tracker;
   // Tensor subclasses (parameters, DTensor, wrappers) and light capture: Python.
   if (Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return PackInPython(h, t);
-  PyObject* light = Get(tr, names.light);
-  if (light == nullptr) return nullptr;
-  const bool is_light = light != Py_None;
-  Py_DECREF(light);
-  if (is_light) return PackInPython(h, t);
   const at::Tensor& x = THPVariable_Unpack(t);
   if (x.is_sparse() || !x.has_storage() || ViewOfSubclass(x)) return PackInPython(h, t);
+  PyObject* light = Get(tr, names.light);
+  if (light == nullptr) return nullptr;
+  if (light != Py_None) {
+    PyObject* out = PackLight(h, t, x, light);
+    Py_DECREF(light);
+    return out;
+  }
+  Py_DECREF(light);
   long long mb = 0, seen = 0;
   if (!GetInt(tr, names.micro_batch, &mb) || !GetInt(tr, names.packs_seen, &seen)) return nullptr;
   if (mb < 0 || x.numel() == 0) {  // kept as it is, counted as a pack
@@ -610,6 +652,94 @@ done:
   return out;
 }
 
+// Tracker.note_output: `op` (with its recompute call) produced every tensor in `out` (tensors,
+// tuples, lists and dict values, nested); a known producer stays unless `overwrite`.
+bool NoteOutput(HooksObject* h, PyObject* producers, PyObject* out, PyObject* entry, bool overwrite,
+                int depth) {
+  if (depth > 64) return true;  // as deep as any module's outputs go
+  if (THPVariable_Check(out)) {
+    const at::Tensor& x = THPVariable_Unpack(out);
+    if (x.numel() <= 0) return true;
+    PyObject* st = nullptr;
+    if (Py_TYPE(out) == reinterpret_cast<PyTypeObject*>(THPVariableClass) && x.has_storage()) {
+      st = THPStorage_Wrap(x.storage());
+    } else {  // a subclass: its own untyped_storage (as the Python did)
+      st = PyObject_CallMethod(out, "untyped_storage", nullptr);
+    }
+    if (st == nullptr) return false;
+    if (!THPStorage_Check(st)) {
+      Py_DECREF(st);
+      return true;
+    }
+    const c10::Storage& storage = THPStorage_Unpack(st);
+    PyObject* key =
+        PyLong_FromLongLong(static_cast<long long>(reinterpret_cast<uintptr_t>(storage.data())));
+    bool ok = key != nullptr;
+    if (ok && !overwrite) {
+      PyObject* hit = PyDict_GetItemWithError(producers, key);  // borrowed
+      if (hit != nullptr && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) >= 1 &&
+          RefersTo(PyTuple_GET_ITEM(hit, 0), storage.unsafeGetStorageImpl())) {
+        Py_DECREF(key);
+        Py_DECREF(st);
+        return true;
+      }
+      ok = !PyErr_Occurred();
+    }
+    PyObject* ref = ok ? PyWeakref_NewRef(st, nullptr) : nullptr;
+    PyObject* value = ref == nullptr ? nullptr
+                                     : PyTuple_Pack(3, ref, PyTuple_GET_ITEM(entry, 0),
+                                                    PyTuple_GET_ITEM(entry, 1));
+    ok = value != nullptr && PyDict_SetItem(producers, key, value) == 0;
+    Py_XDECREF(value);
+    Py_XDECREF(ref);
+    Py_XDECREF(key);
+    Py_DECREF(st);
+    return ok;
+  }
+  if (PyTuple_Check(out) || PyList_Check(out)) {
+    PyObject* seq = PySequence_Fast(out, "outputs");
+    if (seq == nullptr) return false;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    bool ok = true;
+    for (Py_ssize_t i = 0; ok && i < n; ++i) {
+      ok = NoteOutput(h, producers, PySequence_Fast_GET_ITEM(seq, i), entry, overwrite, depth + 1);
+    }
+    Py_DECREF(seq);
+    return ok;
+  }
+  if (PyDict_Check(out)) {
+    PyObject* values = PyDict_Values(out);
+    if (values == nullptr) return false;
+    bool ok = NoteOutput(h, producers, values, entry, overwrite, depth + 1);
+    Py_DECREF(values);
+    return ok;
+  }
+  return true;
+}
+
+// note_output(out, op, overwrite, call)
+PyObject* HooksNoteOutput(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* h = reinterpret_cast<HooksObject*>(self);
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "note_output(out, op, overwrite, call): 4 arguments");
+    return nullptr;
+  }
+  const int overwrite = PyObject_IsTrue(args[2]);
+  if (overwrite < 0) return nullptr;
+  PyObject* producers = Get(h->tracker, names.producers);
+  if (producers == nullptr) return nullptr;
+  PyObject* entry = PyTuple_Pack(2, args[1], args[3]);
+  const bool ok = entry != nullptr && PyDict_Check(producers) &&
+                  NoteOutput(h, producers, args[0], entry, overwrite != 0, 0);
+  Py_XDECREF(entry);
+  Py_DECREF(producers);
+  if (!ok) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "note_output: producers is no dict");
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyTypeObject* packed = nullptr;
 
 PyObject* HooksUnpack(PyObject*, PyObject* p) {
@@ -621,6 +751,10 @@ PyObject* HooksUnpack(PyObject*, PyObject* p) {
 PyMethodDef hooks_methods[] = {
     {"pack", Pack, METH_O, "The pack hook: a tensor saved for backward -> what autograd keeps."},
     {"unpack", HooksUnpack, METH_O, "The unpack hook: what pack gave -> the saved tensor."},
+    {"note_output", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(HooksNoteOutput)),
+     METH_FASTCALL,
+     "note_output(out, op, overwrite, call): op (and its recompute call) produced out's "
+     "tensors."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

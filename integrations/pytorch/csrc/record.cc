@@ -65,7 +65,8 @@ bool InternNames() {
                            {&names.enforcer, "enforcer"},
                            {&names.regenerators, "regenerators"},
                            {&names.closing, "closing"},
-                           {&names.destroy_if_done, "_destroy_if_done"}};
+                           {&names.destroy_if_done, "_destroy_if_done"},
+                           {&names.layer, "layer"}};
   for (const Entry& e : entries) {
     *e.slot = PyUnicode_InternFromString(e.text);
     if (*e.slot == nullptr) return false;

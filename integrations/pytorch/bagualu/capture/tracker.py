@@ -126,6 +126,7 @@ class Tracker:
                            "outside": OUTSIDE}, pool)
         self.pack: Callable[[torch.Tensor], Any] = self.hooks.pack
         self.unpack: Callable[[Any], torch.Tensor] = self.hooks.unpack
+        self._note_output = self.hooks.note_output
 
     @property
     def pin_memory(self) -> bool:
@@ -152,21 +153,9 @@ class Tracker:
 
     def note_output(self, out: Any, op: Op, overwrite: bool = True, call: Any = None) -> None:
         """Records ``op`` (and its recompute call, if any) as the producer of every tensor in
-        ``out`` (unless one is known and ``overwrite`` is False)."""
-        if isinstance(out, torch.Tensor):
-            if out.numel() > 0:
-                st = out.untyped_storage()
-                if not overwrite:
-                    hit = self.producers.get(st.data_ptr())
-                    if hit is not None and hit[0]() is st:
-                        return
-                self.producers[st.data_ptr()] = (weakref.ref(st), op, call)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                self.note_output(o, op, overwrite, call)
-        elif isinstance(out, dict):
-            for o in out.values():
-                self.note_output(o, op, overwrite, call)
+        ``out`` (tensors, tuples, lists, dict values) unless one is known and ``overwrite`` is
+        False: ``producers`` maps a storage's pointer to (weakref, op, call). The binding's."""
+        self._note_output(out, op, overwrite, call)
 
     def note_external(self, t: torch.Tensor) -> None:
         """``t`` enters a layer from outside (light capture counts it outside the layers)."""

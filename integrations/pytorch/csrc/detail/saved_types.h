@@ -21,7 +21,7 @@ struct Names {
       *backward_op, *records, *current_stream, *device, *dtype, *hooks, *scheduled, *op_ids,
       *tracked, *offload_outcome, *offloads, *bytes_d2h, *reloads, *bytes_h2d, *live_blocks,
       *destroyed, *block_done, *block_died, *acquired, *retire, *enforcer, *regenerators, *closing,
-      *destroy_if_done;
+      *destroy_if_done, *layer;
 };
 extern Names names;
 bool InternNames();
