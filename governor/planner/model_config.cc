@@ -2,12 +2,15 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <sstream>
 
 #include "base/units.h"
+#include "base/utf8.h"
 
 namespace bgl::plan {
 
@@ -136,6 +139,12 @@ Status ModelConfig::Validate() const {
 namespace {
 
 // Reads typed fields from a JSON object, remembering which keys were consumed.
+// A value as JSON text for an error message (bytes that are no UTF-8 shown as U+FFFD: the
+// message must not fail on what it reports).
+std::string Shown(const nlohmann::json& v) {
+  return v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 class FieldReader {
  public:
   FieldReader(const nlohmann::json& doc, std::string source)
@@ -147,7 +156,7 @@ class FieldReader {
   Status Double(const char* key, double& out) {
     BGL_RETURN_IF_ERROR(Field(key, out, false, "a number", &nlohmann::json::is_number));
     if (out < 0 && doc_.contains(key)) {
-      return InvalidArgument(Where(key) + " must be non-negative, got " + doc_[key].dump());
+      return InvalidArgument(Where(key) + " must be non-negative, got " + Shown(doc_[key]));
     }
     return OkStatus();
   }
@@ -182,7 +191,7 @@ class FieldReader {
     return InvalidArgument(source_ + ": missing field '" + key + "'");
   }
   Status Wrong(const char* key, const char* want, const nlohmann::json& v) const {
-    return InvalidArgument(Where(key) + " must be " + want + ", got " + v.dump());
+    return InvalidArgument(Where(key) + " must be " + want + ", got " + Shown(v));
   }
 
   const nlohmann::json& doc_;
@@ -253,6 +262,13 @@ Result<ModelConfig> ModelConfigFromJson(const nlohmann::json& doc, const std::st
 
 Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& source,
                                   int max_depth) {
+  if (const auto bad = FirstInvalidUtf8(text)) {  // YAML is Unicode text; JSON output needs it
+    const auto line = 1 + std::count(text.begin(), text.begin() + *bad, '\n');
+    char byte[8];
+    std::snprintf(byte, sizeof byte, "0x%02X", static_cast<unsigned char>(text[*bad]));
+    return InvalidArgument(source + ": not valid UTF-8 at line " + std::to_string(line) +
+                           " (byte " + byte + " at offset " + std::to_string(*bad) + ")");
+  }
   BGL_RETURN_IF_ERROR(CheckYamlNesting(text, max_depth, source));
   std::function<nlohmann::json(const YAML::Node&)> convert = [&](const YAML::Node& node) {
     nlohmann::json out;

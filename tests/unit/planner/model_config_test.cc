@@ -4,6 +4,7 @@
 
 #include <filesystem>
 
+#include "base/utf8.h"
 #include "governor/planner/planner.h"
 
 namespace bgl::plan {
@@ -90,6 +91,35 @@ TEST(ModelConfig, MissingFileAndBadSyntax) {
   auto c = LoadModelConfig(path);
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find("YAML"), std::string::npos);
+}
+
+// A model file with a byte that is no UTF-8 (found by mutating the shipped files: bgl-plan aborted
+// on the JSON library's exception when an error message showed the value): a clear error naming
+// the line and the byte, in a value, in a key, where a number is expected, and a truncated
+// sequence at the end; well-formed multi-byte text stays accepted.
+TEST(ModelConfig, InvalidUtf8IsNamedNotThrown) {
+  const std::string path = ::testing::TempDir() + "/bad_utf8.yaml";
+  const std::string good = "name: t\nlayers: 8\nhidden: 512\n";
+  for (const std::string& text :
+       {good + "gpu: h2\xcc"
+               "0\n",
+        std::string("layers: 8\xcc\nname: t\n"), good + "na\xffme: x\n",
+        good + "description: caf\xc3", good + "x: \xed\xa0\x80\n", good + "x: \xc0\xaf\n"}) {
+    FILE* f = std::fopen(path.c_str(), "wb");
+    std::fwrite(text.data(), 1, text.size(), f);
+    std::fclose(f);
+    auto c = LoadModelConfig(path);
+    ASSERT_FALSE(c.ok());
+    EXPECT_NE(c.status().message().find("not valid UTF-8 at line"), std::string::npos)
+        << c.status().message();
+  }
+  EXPECT_EQ(FirstInvalidUtf8("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"), std::nullopt);
+  EXPECT_EQ(FirstInvalidUtf8("ab\xcc"), std::optional<std::size_t>(2));
+  EXPECT_EQ(FirstInvalidUtf8("\xf4\x90\x80\x80"), std::optional<std::size_t>(0));
+  // A wrong type whose value holds such bytes (JSON documents built in memory): named, no throw.
+  auto doc = Tiny();
+  doc["layers"] = std::string("8\xcc");
+  ExpectError(doc, "must be an integer");
 }
 
 nlohmann::json CustomGraph() {
