@@ -330,8 +330,9 @@ bool IsEnforcer(PyObject* obj) {
   return enforcer_type != nullptr && Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(enforcer_type);
 }
 
-int OffloadSaved(PyObject* enforcer, const SavedDesc& d, uint64_t* handle) {
-  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+namespace {
+
+bgl_enf_tensor_desc Describe(const SavedDesc& d) {
   bgl_enf_tensor_desc desc{};
   desc.ptr = d.ptr;
   desc.bytes = d.bytes;
@@ -340,9 +341,25 @@ int OffloadSaved(PyObject* enforcer, const SavedDesc& d, uint64_t* handle) {
   desc.graph_tensor = -1;
   desc.micro_batch = d.micro_batch;
   desc.stream = d.stream;
+  return desc;
+}
+
+}  // namespace
+
+int OffloadSaved(PyObject* enforcer, const SavedDesc& d, uint64_t* handle) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  const bgl_enf_tensor_desc desc = Describe(d);
   const int consumers[2] = {o->holder, d.consumer};
   return o->api.offload_saved(o->enf, &desc, d.need_order, consumers, d.consumer >= 0 ? 2 : 1,
                               handle);
+}
+
+int StoreFp8Saved(PyObject* enforcer, const SavedDesc& d, uint64_t* handle, size_t* fp8_bytes) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  const bgl_enf_tensor_desc desc = Describe(d);
+  const int consumers[2] = {o->holder, d.consumer};
+  return o->api.store_fp8_saved(o->enf, &desc, d.need_order, consumers, d.consumer >= 0 ? 2 : 1,
+                                handle, fp8_bytes);
 }
 
 int Acquire(PyObject* enforcer, uint64_t handle, void* stream, void** ptr) {

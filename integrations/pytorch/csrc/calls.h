@@ -35,6 +35,10 @@ bool IsEnforcer(PyObject* obj);
 // *handle as the C ABI sets it.
 int OffloadSaved(PyObject* enforcer, const SavedDesc& desc, uint64_t* handle);
 
+// bgl_enf_store_fp8_saved through an Enforcer: the status; *handle and *fp8_bytes as the C ABI
+// sets them.
+int StoreFp8Saved(PyObject* enforcer, const SavedDesc& desc, uint64_t* handle, size_t* fp8_bytes);
+
 // bgl_enf_acquire(handle, any consumer, stream) through an Enforcer: the status, *ptr the data.
 int Acquire(PyObject* enforcer, uint64_t handle, void* stream, void** ptr);
 

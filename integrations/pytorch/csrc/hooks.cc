@@ -114,6 +114,8 @@ int HooksInit(PyObject* self, PyObject* args, PyObject*) {
   }
   if (!SetConstant(consts, "device", &constants.device) ||
       !SetConstant(consts, "host", &constants.host) ||
+      !SetConstant(consts, "fp8_placement", &constants.fp8_placement) ||
+      !SetConstant(consts, "fp8", &constants.fp8) ||
       !SetConstant(consts, "keep", &constants.keep) ||
       !SetConstant(consts, "offload", &constants.offload) ||
       !SetConstant(consts, "outside", &constants.outside)) {
@@ -341,11 +343,11 @@ PyObject* NewRecord(HooksObject* h, const Saved& s, PyObject* producer, PyObject
   return rec;
 }
 
-// Tracker._move_at_once(rec, OFFLOAD) on synchronous copies: the enforcer registers the new
-// record and copies it to its pinned pool in one call, and the device copy goes
-// (Record.left_for_host). A failure is the tracker's (_offload_outcome: the error said, the
-// record accounted on the device).
-bool OffloadAtOnce(HooksObject* h, RecordObject* r) {
+// Tracker._move_at_once on synchronous copies: the enforcer registers the new record and copies
+// it to its pinned pool (`fp8` false) or casts it to FP8 (true) in one call, and the device copy
+// goes (Record.left_for_host, Record.stored_fp8). A failure is the tracker's (_move_outcome: the
+// error said, the record accounted on the device).
+bool MoveAtOnce(HooksObject* h, RecordObject* r, bool fp8) {
   PyObject* rec = reinterpret_cast<PyObject*>(r);
   SavedDesc d;
   int consumer = -1;
@@ -364,9 +366,12 @@ bool OffloadAtOnce(HooksObject* h, RecordObject* r) {
   d.consumer = consumer;
   r->lazy = 0;
   uint64_t handle = 0;
-  const int rc = OffloadSaved(h->fast, d, &handle);
+  size_t fp8_bytes = 0;
+  const int rc =
+      fp8 ? StoreFp8Saved(h->fast, d, &handle, &fp8_bytes) : OffloadSaved(h->fast, d, &handle);
   if (rc != 0) {
-    PyObject* out = PyObject_CallMethod(h->tracker, "_offload_outcome", "OiK", rec, rc,
+    PyObject* out = PyObject_CallMethod(h->tracker, "_move_outcome", "OOiK", rec,
+                                        fp8 ? constants.fp8 : constants.offload, rc,
                                         static_cast<unsigned long long>(handle));
     Py_XDECREF(out);
     return out != nullptr;
@@ -377,17 +382,29 @@ bool OffloadAtOnce(HooksObject* h, RecordObject* r) {
       !SetInt(h->enforcer, names.tracked, tracked + 1)) {
     return false;
   }
-  // Record.left_for_host: the original storage is only remembered (a later pack of it finds
-  // this record), the record counts an offload.
+  // The original storage is only remembered (a later pack of it finds this record).
   PyObject* ref = PyWeakref_NewRef(r->storage, nullptr);
   if (ref == nullptr) return false;
   Py_XSETREF(r->ref, ref);
   Py_CLEAR(r->storage);
-  Py_INCREF(constants.host);
-  Py_XSETREF(r->placement, constants.host);
+  PyObject* place = fp8 ? constants.fp8_placement : constants.host;
+  Py_INCREF(place);
+  Py_XSETREF(r->placement, place);
+  if (fp8) {  // Record._enforcer_bytes: the pool counts the FP8 copy (the simulated device)
+    if (h->pool != nullptr) {
+      r->pool_bytes = static_cast<long long>(fp8_bytes);
+      r->enf_block = 1;
+    } else {
+      PyObject* out = PyObject_CallMethod(rec, "_account", "n", static_cast<Py_ssize_t>(fp8_bytes));
+      if (out == nullptr) return false;
+      Py_DECREF(out);
+    }
+  }
   PyObject* counters = Get(h->tracker, names.counters);
-  const bool ok = counters != nullptr && detail::AddTo(counters, names.offloads, 1) &&
-                  detail::AddTo(counters, names.bytes_d2h, r->nbytes);
+  const bool ok =
+      counters != nullptr && (fp8 ? detail::AddTo(counters, names.fp8_casts, 1)
+                                  : detail::AddTo(counters, names.offloads, 1) &&
+                                        detail::AddTo(counters, names.bytes_d2h, r->nbytes));
   Py_XDECREF(counters);
   return ok;
 }
@@ -452,9 +469,10 @@ bool ViewOfSubclass(const at::Tensor& x) {
 }
 
 // The branch a new record takes here: keep, offload at once, or Python for the rest.
-enum class NewPath { kKeep, kOffload, kPython };
+enum class NewPath { kKeep, kOffload, kFp8, kPython };
 
-NewPath PathOf(HooksObject* h, PyObject* strategy, long long mb, bool* error) {
+NewPath PathOf(HooksObject* h, PyObject* strategy, long long mb, at::ScalarType dtype,
+               bool* error) {
   *error = false;
   const int keep = PyObject_RichCompareBool(strategy, constants.keep, Py_EQ);
   if (keep < 0) {
@@ -464,9 +482,15 @@ NewPath PathOf(HooksObject* h, PyObject* strategy, long long mb, bool* error) {
   if (keep) return NewPath::kKeep;
   if (!h->sync_offloads || h->fast == nullptr) return NewPath::kPython;
   const int offload = PyObject_RichCompareBool(strategy, constants.offload, Py_EQ);
-  if (offload <= 0) {
-    *error = offload < 0;
+  if (offload < 0) {
+    *error = true;
     return NewPath::kPython;
+  }
+  if (offload == 0) {  // FP8 at once where the enforcer can cast the dtype (fp8_supported)
+    const int fp8 = PyObject_RichCompareBool(strategy, constants.fp8, Py_EQ);
+    *error = fp8 < 0;
+    const bool castable = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+    return fp8 > 0 && castable ? NewPath::kFp8 : NewPath::kPython;
   }
   PyObject* scheduled = Get(h->tracker, names.scheduled);
   PyObject* unit = scheduled == nullptr ? nullptr : PyLong_FromLongLong(mb);
@@ -612,7 +636,7 @@ PyObject* Pack(PyObject* self, PyObject* t) {
       goto done;
     }
     bool error = false;
-    const NewPath path = PathOf(h, strategy, mb, &error);
+    const NewPath path = PathOf(h, strategy, mb, x.scalar_type(), &error);
     Py_DECREF(strategy);
     if (error || path == NewPath::kPython) {
       Py_DECREF(producer);
@@ -622,7 +646,8 @@ PyObject* Pack(PyObject* self, PyObject* t) {
     rec = NewRecord(h, s, producer, op, path == NewPath::kKeep);
     Py_DECREF(producer);
     if (rec == nullptr) goto done;
-    if (path == NewPath::kOffload && !OffloadAtOnce(h, reinterpret_cast<RecordObject*>(rec))) {
+    if (path != NewPath::kKeep &&
+        !MoveAtOnce(h, reinterpret_cast<RecordObject*>(rec), path == NewPath::kFp8)) {
       goto done;
     }
   }

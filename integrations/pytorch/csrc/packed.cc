@@ -185,12 +185,16 @@ bool ReleaseHere(RecordObject* r, bool* done) {
 }
 
 // --- reload ------------------------------------------------------------------------------------
-// Record.materialize of an offloaded record: the enforcer reloads it into a block of its own,
-// which becomes the record's storage. A new reference, or nullptr with *done false and no error
-// when record.py must do it (another placement, no binding, a failed acquire to retry there).
+// Record.materialize of an offloaded or FP8 record: the enforcer reloads or uncasts it into a
+// block of its own, which becomes the record's storage. A new reference, or nullptr with *done
+// false and no error when record.py must do it (another placement, no binding, a failed acquire to
+// retry there).
 PyObject* ReloadHere(RecordObject* r, bool* done) {
   *done = false;
-  if (r->placement != constants.host || r->enf == 0 || r->tracker == nullptr) return nullptr;
+  const bool fp8 = r->placement == constants.fp8_placement;
+  if ((r->placement != constants.host && !fp8) || r->enf == 0 || r->tracker == nullptr) {
+    return nullptr;
+  }
   HooksObject* h = HooksOf(r);
   if (h == nullptr || h->fast == nullptr) return nullptr;
   PyObject* enf = h->enforcer;
@@ -245,7 +249,7 @@ PyObject* ReloadHere(RecordObject* r, bool* done) {
     }
     Py_DECREF(out);
   }
-  if (h->reload_ahead) {
+  if (h->reload_ahead && !fp8) {
     PyObject* out = PyObject_CallMethod(r->tracker, "acquired", "L", r->micro_batch);
     if (out == nullptr) {
       Py_DECREF(storage);
@@ -254,8 +258,10 @@ PyObject* ReloadHere(RecordObject* r, bool* done) {
     Py_DECREF(out);
   }
   PyObject* counters = Get(r->tracker, names.counters);
-  const bool counted = counters != nullptr && AddTo(counters, names.reloads, 1) &&
-                       AddTo(counters, names.bytes_h2d, r->nbytes);
+  const bool counted =
+      counters != nullptr &&
+      (fp8 ? AddTo(counters, names.fp8_uncasts, 1)
+           : AddTo(counters, names.reloads, 1) && AddTo(counters, names.bytes_h2d, r->nbytes));
   Py_XDECREF(counters);
   if (!counted) {
     Py_DECREF(storage);

@@ -51,7 +51,7 @@ bool InternNames() {
                            {&names.scheduled, "scheduled"},
                            {&names.op_ids, "op_ids"},
                            {&names.tracked, "tracked"},
-                           {&names.offload_outcome, "_offload_outcome"},
+
                            {&names.offloads, "offloads"},
                            {&names.bytes_d2h, "bytes_d2h"},
                            {&names.reloads, "reloads"},
@@ -66,7 +66,9 @@ bool InternNames() {
                            {&names.regenerators, "regenerators"},
                            {&names.closing, "closing"},
                            {&names.destroy_if_done, "_destroy_if_done"},
-                           {&names.layer, "layer"}};
+                           {&names.layer, "layer"},
+                           {&names.fp8_casts, "fp8_casts"},
+                           {&names.fp8_uncasts, "fp8_uncasts"}};
   for (const Entry& e : entries) {
     *e.slot = PyUnicode_InternFromString(e.text);
     if (*e.slot == nullptr) return false;

@@ -117,13 +117,14 @@ class Tracker:
         self.capture = False
         self._seq = 0
         # The saved-tensor hooks: the binding's pack makes and finds the records of plain
-        # tensors whose producers keep them or offload them at once, its unpack reloads and
-        # its Packed releases (no Python frame); every other branch is _pack_py's and
-        # record.py's.
+        # tensors whose producers keep them or move them at once (offload, FP8), its unpack
+        # reloads and uncasts, its Packed releases (no Python frame); every other branch is
+        # _pack_py's and record.py's.
         pool = memory.pool.blocks if memory.pool is not None else None
         self.hooks = ext.load().Hooks(
-            self, Record, {"device": DEVICE, "host": HOST, "keep": KEEP, "offload": OFFLOAD,
-                           "outside": OUTSIDE}, pool)
+            self, Record, {"device": DEVICE, "host": HOST, "fp8_placement": FP8_PLACE,
+                           "keep": KEEP, "offload": OFFLOAD, "fp8": FP8, "outside": OUTSIDE},
+            pool)
         self.pack: Callable[[torch.Tensor], Any] = self.hooks.pack
         self.unpack: Callable[[Any], torch.Tensor] = self.hooks.unpack
         self._note_output = self.hooks.note_output
@@ -329,11 +330,12 @@ class Tracker:
             self.enforcer_failed("offload" if strategy == OFFLOAD else "fp8 cast", error)
         return False
 
-    def _offload_outcome(self, rec: Record, status: int, handle: int) -> None:
-        """The binding's pack offloaded a new record at once and the enforcer answered
-        ``status`` (not ok) with ``handle``: as _move_at_once's failures."""
-        rec.enf, error = self.enforcer.saved_outcome(status, handle, "offload")
-        if not self._moved_at_once(rec, OFFLOAD, error, 0):
+    def _move_outcome(self, rec: Record, strategy: str, status: int, handle: int) -> None:
+        """The binding's pack moved a new record at once (``strategy`` offload or fp8) and the
+        enforcer answered ``status`` (not ok) with ``handle``: as _move_at_once's failures."""
+        rec.enf, error = self.enforcer.saved_outcome(
+            status, handle, "offload" if strategy == OFFLOAD else "store_fp8")
+        if not self._moved_at_once(rec, strategy, error, 0):
             rec._account(rec.nbytes)
 
     def hold(self, t: torch.Tensor) -> Any:

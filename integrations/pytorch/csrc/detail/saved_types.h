@@ -19,9 +19,9 @@ struct Names {
       *capture, *producers, *strategy_of, *min_move_bytes, *by_mb, *counters, *seq, *pack_py,
       *add_consumer, *device_alloc, *device_free, *sizes, *release, *materialize, *issuer, *active,
       *backward_op, *records, *current_stream, *device, *dtype, *hooks, *scheduled, *op_ids,
-      *tracked, *offload_outcome, *offloads, *bytes_d2h, *reloads, *bytes_h2d, *live_blocks,
-      *destroyed, *block_done, *block_died, *acquired, *retire, *enforcer, *regenerators, *closing,
-      *destroy_if_done, *layer;
+      *tracked, *offloads, *bytes_d2h, *reloads, *bytes_h2d, *live_blocks, *destroyed, *block_done,
+      *block_died, *acquired, *retire, *enforcer, *regenerators, *closing, *destroy_if_done, *layer,
+      *fp8_casts, *fp8_uncasts;
 };
 extern Names names;
 bool InternNames();
@@ -47,8 +47,8 @@ bool AddRecordType(PyObject* module);
 
 // The placements and strategies of record.py and vocabulary.py (set by the first Hooks).
 struct Constants {
-  PyObject *device = nullptr, *host = nullptr, *keep = nullptr, *offload = nullptr,
-           *outside = nullptr;
+  PyObject *device = nullptr, *host = nullptr, *fp8_placement = nullptr, *keep = nullptr,
+           *offload = nullptr, *fp8 = nullptr, *outside = nullptr;
 };
 extern Constants constants;
 
