@@ -87,75 +87,56 @@ int EnforcerInit(PyObject* self, PyObject* args, PyObject*) {
 
 // The description of a saved storage from (ptr, nbytes, dtype, producer_op, micro_batch,
 // need_order, consumer, stream): the registration's arguments, consumer -1 for none.
-struct Saved {
-  bgl_enf_tensor_desc desc{};
-  int64_t need_order = 0;
-  int consumers[2] = {-2, -1};
-  size_t count = 0;
-};
-
-bool ParseSaved(const char* what, PyObject* const* args, Py_ssize_t nargs, int holder, Saved* s) {
+// The arguments (ptr, nbytes, dtype, producer_op, micro_batch, need_order, consumer, stream) of
+// the register-and-move calls; consumer -1 for none yet.
+bool ParseSaved(const char* what, PyObject* const* args, Py_ssize_t nargs, SavedDesc* d) {
   int64_t v[8];
   if (!Ints(what, args, nargs, 8, v)) return false;
-  s->desc.ptr = AsPtr(v[0]);
-  s->desc.bytes = static_cast<size_t>(v[1]);
-  s->desc.dtype = static_cast<int>(v[2]);
-  s->desc.producer_op = static_cast<int>(v[3]);
-  s->desc.graph_tensor = -1;
-  s->desc.micro_batch = static_cast<int>(v[4]);
-  s->desc.stream = AsPtr(v[7]);
-  s->desc.flags = 0;
-  s->need_order = v[5];
-  s->consumers[0] = holder;
-  s->consumers[1] = static_cast<int>(v[6]);
-  s->count = v[6] >= 0 ? 2 : 1;
+  d->ptr = AsPtr(v[0]);
+  d->bytes = static_cast<size_t>(v[1]);
+  d->dtype = static_cast<int>(v[2]);
+  d->producer_op = static_cast<int>(v[3]);
+  d->micro_batch = static_cast<int>(v[4]);
+  d->need_order = v[5];
+  d->consumer = static_cast<int>(v[6]);
+  d->stream = AsPtr(v[7]);
   return true;
 }
 
 // register_saved(ptr, nbytes, dtype, producer_op, micro_batch, need_order, consumer, stream)
 //   -> (status, handle)
-PyObject* RegisterSaved(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  auto* o = reinterpret_cast<EnforcerObject*>(self);
-  Saved s;
-  if (!ParseSaved("register_saved", args, nargs, o->holder, &s)) return nullptr;
+PyObject* RegisterSavedCall(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  SavedDesc d;
+  if (!ParseSaved("register_saved", args, nargs, &d)) return nullptr;
   uint64_t h = 0;
-  const int rc = o->api.register_saved(o->enf, &s.desc, s.need_order, s.consumers, s.count, &h);
+  const int rc = RegisterSaved(self, d, &h);
   return Py_BuildValue("(iK)", rc, static_cast<unsigned long long>(h));
 }
 
 // offload_saved(...) -> (status, handle): as register_saved, then the offload.
-PyObject* OffloadSaved(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  auto* o = reinterpret_cast<EnforcerObject*>(self);
-  Saved s;
-  if (!ParseSaved("offload_saved", args, nargs, o->holder, &s)) return nullptr;
+PyObject* OffloadSavedCall(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  SavedDesc d;
+  if (!ParseSaved("offload_saved", args, nargs, &d)) return nullptr;
   uint64_t h = 0;
-  const int rc = o->api.offload_saved(o->enf, &s.desc, s.need_order, s.consumers, s.count, &h);
+  const int rc = OffloadSaved(self, d, &h);
   return Py_BuildValue("(iK)", rc, static_cast<unsigned long long>(h));
 }
 
 // store_fp8_saved(...) -> (status, handle, fp8 bytes)
-PyObject* StoreFp8Saved(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  auto* o = reinterpret_cast<EnforcerObject*>(self);
-  Saved s;
-  if (!ParseSaved("store_fp8_saved", args, nargs, o->holder, &s)) return nullptr;
+PyObject* StoreFp8SavedCall(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  SavedDesc d;
+  if (!ParseSaved("store_fp8_saved", args, nargs, &d)) return nullptr;
   uint64_t h = 0;
   size_t fp8 = 0;
-  const int rc =
-      o->api.store_fp8_saved(o->enf, &s.desc, s.need_order, s.consumers, s.count, &h, &fp8);
+  const int rc = StoreFp8Saved(self, d, &h, &fp8);
   return Py_BuildValue("(iKn)", rc, static_cast<unsigned long long>(h),
                        static_cast<Py_ssize_t>(fp8));
-}
-
-// One status from a call of (handle[, int]) arguments.
-template <int N>
-bool HandleArgs(const char* what, PyObject* const* args, Py_ssize_t nargs, int64_t* v) {
-  return Ints(what, args, nargs, N, v);
 }
 
 PyObject* AddConsumer(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   auto* o = reinterpret_cast<EnforcerObject*>(self);
   int64_t v[2];
-  if (!HandleArgs<2>("add_consumer", args, nargs, v)) return nullptr;
+  if (!Ints("add_consumer", args, nargs, 2, v)) return nullptr;
   return PyLong_FromLong(
       o->api.add_consumer(o->enf, static_cast<uint64_t>(v[0]), static_cast<int>(v[1])));
 }
@@ -222,12 +203,14 @@ PyObject* Release(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyMethodDef enforcer_methods[] = {
-    {"register_saved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(RegisterSaved)),
+    {"register_saved",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(RegisterSavedCall)), METH_FASTCALL,
+     nullptr},
+    {"offload_saved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(OffloadSavedCall)),
      METH_FASTCALL, nullptr},
-    {"offload_saved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(OffloadSaved)),
-     METH_FASTCALL, nullptr},
-    {"store_fp8_saved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(StoreFp8Saved)),
-     METH_FASTCALL, nullptr},
+    {"store_fp8_saved",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(StoreFp8SavedCall)), METH_FASTCALL,
+     nullptr},
     {"add_consumer", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(AddConsumer)),
      METH_FASTCALL, nullptr},
     {"acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Acquire)), METH_FASTCALL,
@@ -345,6 +328,14 @@ bgl_enf_tensor_desc Describe(const SavedDesc& d) {
 }
 
 }  // namespace
+
+int RegisterSaved(PyObject* enforcer, const SavedDesc& d, uint64_t* handle) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  const bgl_enf_tensor_desc desc = Describe(d);
+  const int consumers[2] = {o->holder, d.consumer};
+  return o->api.register_saved(o->enf, &desc, d.need_order, consumers, d.consumer >= 0 ? 2 : 1,
+                               handle);
+}
 
 int OffloadSaved(PyObject* enforcer, const SavedDesc& d, uint64_t* handle) {
   auto* o = reinterpret_cast<EnforcerObject*>(enforcer);

@@ -31,6 +31,10 @@ struct SavedDesc {
 // Whether `obj` is an Enforcer.
 bool IsEnforcer(PyObject* obj);
 
+// bgl_enf_register_saved through an Enforcer (the holder first, then desc.consumer): the status;
+// *handle as the C ABI sets it.
+int RegisterSaved(PyObject* enforcer, const SavedDesc& desc, uint64_t* handle);
+
 // bgl_enf_offload_saved through an Enforcer (the holder first, then desc.consumer): the status;
 // *handle as the C ABI sets it.
 int OffloadSaved(PyObject* enforcer, const SavedDesc& desc, uint64_t* handle);
