@@ -13,7 +13,7 @@ else
   transformers_version=4.57.6
 fi
 venv=${BGL_VENV:-.venv}
-stamp="torch=${torch_version};transformers=${transformers_version};numpy;pytest;grpcio;grpcio-tools;bagualu-editable-v1"
+stamp="torch=${torch_version};transformers=${transformers_version};numpy;pytest;grpcio;grpcio-tools;scikit-build-core;bagualu-editable-v1"
 
 find_python() {
   local root candidates=()
@@ -30,7 +30,7 @@ find_python() {
 }
 
 if [[ -f $venv/.bgl-stamp && $(cat $venv/.bgl-stamp) == "$stamp" ]] &&
-   $venv/bin/python -c 'import torch, transformers, numpy, pytest, grpc, grpc_tools, bagualu' 2>/dev/null; then
+   $venv/bin/python -c 'import torch, transformers, numpy, pytest, grpc, grpc_tools, scikit_build_core, bagualu' 2>/dev/null; then
   echo "setup-python: $venv is up to date"
   bash scripts/setup-torchtitan.sh  # .venv-torchtitan on top of it (tests/python/test_torchtitan.py)
   exit 0
@@ -57,7 +57,8 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-
 "${pip[@]}" --upgrade pip setuptools wheel
 # The PyPI wheel of torch depends on the nvidia-* CUDA runtime wheels; it does not import on
 # CPU-only machines without them, so it is installed with its dependencies.
-"${pip[@]}" "torch==${torch_version}" "transformers==${transformers_version}" numpy pytest grpcio grpcio-tools
+"${pip[@]}" "torch==${torch_version}" "transformers==${transformers_version}" numpy pytest grpcio grpcio-tools \
+  scikit-build-core  # the build backend of `pip install .` (tests/python/test_install.py)
 # --no-deps: torch is pinned above (a venv below bagualu's minimum must not be upgraded)
 "${pip[@]}" --no-deps -e integrations/pytorch
 echo "$stamp" > $venv/.bgl-stamp
