@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (Python 3.11) with PyTorch, numpy, pytest, grpcio(-tools) and the `bagualu`
-# package in editable mode. Idempotent: a venv whose stamp matches this script is left as it is.
+# Creates .venv (Python 3.11) with PyTorch, transformers, accelerate (the Trainer needs it),
+# matplotlib, numpy, pytest, grpcio(-tools) and the `bagualu` package in editable mode.
+# Idempotent: a venv whose stamp matches this script is left as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torch_version=${BGL_TORCH_VERSION:-2.15.0}
@@ -13,7 +14,7 @@ else
   transformers_version=4.57.6
 fi
 venv=${BGL_VENV:-.venv}
-stamp="torch=${torch_version};transformers=${transformers_version};numpy;pytest;grpcio;grpcio-tools;scikit-build-core;bagualu-editable-v1"
+stamp="torch=${torch_version};transformers=${transformers_version};numpy;pytest;grpcio;grpcio-tools;scikit-build-core;bagualu-editable-v1;accelerate;matplotlib"
 
 find_python() {
   local root candidates=()
@@ -30,7 +31,8 @@ find_python() {
 }
 
 if [[ -f $venv/.bgl-stamp && $(cat $venv/.bgl-stamp) == "$stamp" ]] &&
-   $venv/bin/python -c 'import torch, transformers, numpy, pytest, grpc, grpc_tools, scikit_build_core, bagualu' 2>/dev/null; then
+   $venv/bin/python -c 'import torch, transformers, accelerate, matplotlib, numpy, pytest, grpc, grpc_tools, scikit_build_core, bagualu' \
+     2>/dev/null; then
   echo "setup-python: $venv is up to date"
   bash scripts/setup-torchtitan.sh  # .venv-torchtitan on top of it (tests/python/test_torchtitan.py)
   exit 0
@@ -57,7 +59,10 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-
 "${pip[@]}" --upgrade pip setuptools wheel
 # The PyPI wheel of torch depends on the nvidia-* CUDA runtime wheels; it does not import on
 # CPU-only machines without them, so it is installed with its dependencies.
-"${pip[@]}" "torch==${torch_version}" "transformers==${transformers_version}" numpy pytest grpcio grpcio-tools \
+# accelerate (transformers' Trainer) and matplotlib resolve with the pinned torch in one command,
+# so pip picks versions that accept that torch and this Python.
+"${pip[@]}" "torch==${torch_version}" "transformers==${transformers_version}" accelerate matplotlib \
+  numpy pytest grpcio grpcio-tools \
   scikit-build-core  # the build backend of `pip install .` (tests/python/test_install.py)
 # --no-deps: torch is pinned above (a venv below bagualu's minimum must not be upgraded)
 "${pip[@]}" --no-deps -e integrations/pytorch
