@@ -14,7 +14,8 @@ inline constexpr std::size_t kDefaultPageSize = std::size_t{2} << 20;
 // Default page of cuda-vmm. Each page is one cuMemCreate + cuMemMap; on an H200, replaying the
 // shipped MoE traces with 2 MiB pages cost 5-36 us per operation even once the pool was warm
 // (defragmentation unmaps and maps pages again), 32 MiB pages 0.2-0.5 us, for peak reserved
-// over live of 1.015-1.023 instead of 1.004-1.014 (docs/benchmarks.md).
+// over live of 1.015-1.023 instead of 1.004-1.014 (docs/benchmarks/allocator.md, section "On an
+// H200").
 inline constexpr std::size_t kCudaVmmPageSize = std::size_t{32} << 20;
 
 // Every key of BGL_ALLOC_CONF (documented in docs/allocator.md).

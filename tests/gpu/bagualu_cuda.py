@@ -40,7 +40,9 @@ Scenarios:
                peak (the CUDA allocator's) with keep-all's losses and gradient norms bit for
                bit, and torchtitan's full, selective and memory_budget (0.25, 0.5, 0.75;
                compiled with inductor) checkpointing: each one's step time (median after
-               the first) and peak side by side (--json-out; docs/benchmarks.md). --device
+               the first) and peak side by side (--json-out; docs/benchmarks/engines.md,
+               section "torchtitan: bagualu against torchtitan's activation
+               checkpointing"). --device
                cpu runs it through the CPU harness (tests/python/torchtitan_cpu.py), smaller.
 """
 from __future__ import annotations

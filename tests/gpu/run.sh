@@ -100,11 +100,12 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
     tests/gpu/test_bagualu_cuda.py -k torchtitan
   run "bagualu overhead unmodified" timeout 600 python3 tests/gpu/bagualu_cuda.py overhead \
     --iterations 4 --json-out "$(dirname "$out")/bagualu-overhead.json"
-  # The plans' issue order against the same plans in program order (docs/benchmarks.md).
+  # The plans' issue order against the same plans in program order (docs/benchmarks/package.md,
+  # section "The plan's issue order against the serial order").
   run "bagualu issue order" timeout 600 python3 tests/gpu/bagualu_cuda.py issue-order \
     --iterations 4 --repeats 3 --json-out "$(dirname "$out")/bagualu-issue-order.json"
   # Issue 22's table on CUDA, where the copies overlap compute: every policy at half of
-  # keep-all's peak, without and with a routing spike (docs/benchmarks.md).
+  # keep-all's peak, without and with a routing spike (docs/benchmarks/same-capacity.md).
   run "bagualu same capacity" timeout 600 env PYTHONPATH=integrations/pytorch python3 \
     integrations/pytorch/examples/bench_unmodified.py --same-capacity --device cuda \
     --models qwen3_moe,mixtral --seq 512 --repeats 3 --iterations 8 --warmup 3 \

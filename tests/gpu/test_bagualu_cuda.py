@@ -173,7 +173,8 @@ def test_torchtitan_on_the_gpu() -> None:
     bagualu.torchtitan): bagualu at half of keep-all's step peak finishes with keep-all's
     losses and gradient norms bit for bit (deterministic) and mitigates; torchtitan's full,
     selective and memory_budget checkpointing run beside it (their times and peaks printed
-    for docs/benchmarks.md)."""
+    for docs/benchmarks/engines.md, section "torchtitan: bagualu against torchtitan's activation
+    checkpointing")."""
     venv = HERE.parents[1] / ".venv-torchtitan" / "bin" / "python"  # setup-torchtitan.sh
     r = run("torchtitan", timeout=3000, python=str(venv) if venv.exists() else sys.executable)
     if r["skipped"]:

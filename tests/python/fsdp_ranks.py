@@ -337,7 +337,9 @@ SCENARIOS = {
     "oom": lambda: oom_check("qwen3_moe"),
     "ddp": lambda: ddp_check("qwen3_moe"),
     "pipeline_stages": lambda: pipeline_stages(),
-    "bench": lambda: bench(),  # not a check: run by name (docs/benchmarks.md)
+    # not a check: run by name (docs/benchmarks/engines.md, section "FSDP2: bagualu against
+    # per-block checkpointing")
+    "bench": lambda: bench(),
 }
 
 

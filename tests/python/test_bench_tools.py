@@ -1,6 +1,6 @@
-"""The benchmark tools whose figures docs/benchmarks.md gives: pooling same-capacity runs
-(bench_unmodified.py --pool) and the shares of a py-spy profile (bench/python/spy_shares.py),
-their results on known input and exit 2 on bad input."""
+"""The benchmark tools whose figures docs/benchmarks/same-capacity.md and hot-path.md give:
+pooling same-capacity runs (bench_unmodified.py --pool) and the shares of a py-spy profile
+(bench/python/spy_shares.py), their results on known input and exit 2 on bad input."""
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
-"""Measures the PyTorch integration on CPU and prints docs/benchmarks.md (section "PyTorch integration")'s tables:
+"""Measures the PyTorch integration on CPU and prints the tables of docs/benchmarks/package.md,
+section "PyTorch integration on CPU: the example model":
 policy comparison under a 2.6x spike, hook overhead with nothing to mitigate, and the
 memory model's accuracy (predicted vs captured activation bytes per micro-batch).
 
