@@ -27,6 +27,7 @@ from .api import (FP8, KEEP, OFFLOAD, POLICIES, RECOMPUTE, BagualuError, Install
                   stage_graph, stats, step_point, uninstall)
 from .loops import pipelining, schedule
 from .loops.accumulate import accumulate_gradients, micro_batches
+from .loops.hf_trainer import trainer_callback  # Hugging Face's Trainer (imports it when called)
 
 __all__ = list(_api.__all__) + ["pipelining", "schedule", "micro_batches",
-                                "accumulate_gradients"]
+                                "accumulate_gradients", "trainer_callback"]
