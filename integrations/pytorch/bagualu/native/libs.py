@@ -2,7 +2,8 @@
 libbgl_enforce.so).
 
 Search order: the directory in ``BGL_LIB_DIR`` (the file itself or the build tree's
-subdirectories), then the repository's ``build*/`` directories relative to this package.
+subdirectories), then the package's own ``lib/`` (where ``pip install`` puts them: the root
+pyproject.toml), then the repository's ``build*/`` directories relative to this package.
 """
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ def _candidate_dirs() -> List[Path]:
     env = os.environ.get("BGL_LIB_DIR")
     if env:
         dirs.extend(Path(p) for p in env.split(os.pathsep) if p)
+    installed = Path(__file__).resolve().parents[1] / "lib"
+    if installed.is_dir():
+        dirs.append(installed)
     root = repo_root()
+    if not (root / "CMakeLists.txt").is_file():  # installed: no checkout around the package
+        return dirs
     preferred = [root / "build", root / "build-py"]
     others = sorted(Path(p) for p in glob.glob(str(root / "build*")) if Path(p) not in preferred)
     # Sanitizer builds cannot be loaded into an uninstrumented Python.

@@ -35,6 +35,11 @@ def enum_value(enum: Any, prefix: str, name: str) -> int:
 
 
 def proto_path() -> Path:
+    """The governor's proto: the copy a pip-installed package carries (pyproject.toml), else the
+    checkout's."""
+    shipped = Path(__file__).resolve().parents[1] / "proto" / "governor.proto"
+    if shipped.is_file():
+        return shipped
     return libs.repo_root() / "proto" / "bagualu" / "v1" / "governor.proto"
 
 
