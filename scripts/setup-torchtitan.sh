@@ -27,9 +27,11 @@ mine=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 # addsitedir: .venv's own .pth files (bagualu's editable install) apply too.
 echo "import site; site.addsitedir('$(cd "$site" && pwd)')" > "$mine/bagualu-base-venv.pth"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
-"${pip[@]}" --no-deps torchtitan==0.3.0
 # torchtitan's own requirements but wandb; torch, tokenizers, safetensors come from .venv.
 "${pip[@]}" "datasets>=3.6.0,<4.8.0" torchdata torch_checkpointing tyro tensorboard einops \
   pillow spmd_types==0.2.3
+# torchtitan last and without its dependencies: pip checks the requirements of what it installs
+# (wandb, left out on purpose, would be an "ERROR: ... requires wandb" line) only with them.
+"${pip[@]}" --no-deps torchtitan==0.3.0
 echo "$stamp" > "$venv/.bgl-stamp"
 echo "setup-torchtitan: done in $(( $(date +%s) - start )) s"

@@ -199,3 +199,15 @@ def test_install_reads_sizes_by_the_one_rule() -> None:
         bagualu.install(capacity="1MiB", pinned_capacity="lots", governor="none")
     with pytest.raises(bagualu.BagualuError, match="not installed"):
         bagualu.current()  # a refused install leaves nothing installed
+
+
+def test_messages_show_sizes_in_binary_units_that_parse_back() -> None:
+    """Sizes in messages read as people write them (binary units), the exact count beside them
+    where it matters, and what is shown parses back (within its rounding) by the one rule."""
+    from bagualu.settings import show_size
+    assert show_size(12638097408, exact=True) == "11.77 GiB (12638097408 bytes)"
+    assert show_size(512) == "512 B" and show_size(512, exact=True) == "512 B"
+    assert show_size(3 << 20) == "3.00 MiB"
+    for n in (1, 1023, 1024, 5 << 30, 12638097408, 7 << 40):
+        back = bagualu.parse_size(show_size(n).replace(" ", ""))
+        assert abs(back - n) <= 0.005 * n + 1, (n, show_size(n), back)

@@ -31,6 +31,17 @@ def parse_size(value: Any, what: str = "size") -> int:
     return alloc.parse_bytes(str(value), what)
 
 
+def show_size(n: int, exact: bool = False) -> str:
+    """A byte count as people read it, in binary units ('11.77 GiB'); ``exact`` adds the count
+    in parentheses ('11.77 GiB (12638097408 bytes)') where the exact figure matters."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    v, i = float(n), 0
+    while abs(v) >= 1024 and i < len(units) - 1:
+        v, i = v / 1024, i + 1
+    text = f"{int(n)} B" if i == 0 else f"{v:.2f} {units[i]}"
+    return f"{text} ({int(n)} bytes)" if exact and i else text
+
+
 def check_policy(policy: str) -> str:
     """Returns the policy or raises PolicyError naming the known ones."""
     if policy not in POLICIES:

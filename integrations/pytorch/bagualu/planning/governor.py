@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import embedded as plannermod
 from ..errors import PlannerError
+from ..settings import show_size
 from .remote import RemoteGovernor, error_kind
 
 log = logging.getLogger("bagualu")
@@ -104,8 +105,9 @@ class Governor:
             log.warning("bagualu: governor at %s; planning in-process (the embedded planner) "
                         "for good", what)
         if self.grant is not None and self.kind == "remote":
-            log.warning("bagualu: keeping the node's last host grant (%d bytes) and bandwidth "
-                        "share (%.2f) while planning in-process", self.grant, self.share)
+            log.warning("bagualu: keeping the node's last host grant (%s) and bandwidth "
+                        "share (%.2f) while planning in-process", show_size(self.grant, True),
+                        self.share)
         self._drop_remote()
         self.kind = "embedded"
         self._retry_at = math.inf if retry_in is None else self.clock() + retry_in
@@ -254,7 +256,8 @@ class Governor:
     def _note_grant(self, grant: Optional[int], share: Optional[float]) -> None:
         """The daemon's host grant and bandwidth share for this session (None: not sent)."""
         if grant is not None and grant > 0 and grant != self.grant:
-            log.info("bagualu: the node grants %d bytes of pinned host memory", grant)
+            log.info("bagualu: the node grants %s of pinned host memory",
+                     show_size(int(grant), True))
             self.grant = int(grant)
         if share is not None and share > 0:
             self.share = float(share)
