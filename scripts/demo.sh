@@ -41,8 +41,11 @@ iterations=6
 if [[ ${BGL_DEMO_QUICK:-0} == 1 ]]; then iterations=3; fi
 # bagualu and static-over must finish every iteration under the spike (keep-all may run out of
 # memory: that is the point); any other failure ends the demo with a non-zero status.
+# bagualu's spike iteration is drawn, planned against actual, to build/demo-memory.svg (the
+# example's log says where).
 BGL_LIB_DIR=build .venv/bin/python integrations/pytorch/examples/moe_train.py --policy all \
   --device "$device" --governor "$socket" --quiet --iterations "$iterations" \
+  --picture build/demo-memory.svg \
   --require-finish bagualu,static-over >"${run_dir}/example.log" 2>&1 &
 example=$!
 # While the example trains, take one dashboard frame of the daemon's view: once a training

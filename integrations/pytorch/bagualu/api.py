@@ -15,7 +15,9 @@ from .discovery.opblock import OpBlock, Step
 from .errors import (BagualuError, InstallError, InstrumentError, LibraryNotFound,
                      OutOfMemoryError, PlannerError, PolicyError)
 from .installer import install, uninstall
+from .plot import plot_iteration
 from .settings import POLICIES, parse_size
+from .timeline import record_iteration
 from .vocabulary import FP8, KEEP, OFFLOAD, RECOMPUTE
 
 __all__ = ["install", "uninstall", "instrument", "describe", "operators", "layers", "step_point", "forward",
@@ -23,7 +25,8 @@ __all__ = ["install", "uninstall", "instrument", "describe", "operators", "layer
            "force_strategies", "model_document", "stage_graph", "sessions", "parse_size",
            "OpBlock", "Step", "POLICIES", "KEEP", "OFFLOAD", "FP8", "RECOMPUTE",
            "BagualuError", "InstallError", "InstrumentError", "LibraryNotFound",
-           "OutOfMemoryError", "PlannerError", "PolicyError", "current"]
+           "OutOfMemoryError", "PlannerError", "PolicyError", "current",
+           "record_iteration", "plot_iteration"]
 
 
 MIN_TORCH = (2, 6)  # the oldest torch the tests run on (docs/pytorch.md, "Supported torch")

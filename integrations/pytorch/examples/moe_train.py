@@ -41,11 +41,13 @@ def train(cfg: MoEConfig, policy: str, iterations: int = 4, micro_batches: int =
           stages: int = 4, capacity: Any = "24MiB", spike_size: float = 0.0,
           spike_every: int = 0, seed: int = 0, governor: Optional[str] = "none",
           device: str = "cpu", lr: float = 0.05, log_iterations: bool = True,
-          collect_grads: bool = False, force: Optional[Dict[str, str]] = None
-          ) -> Dict[str, Any]:
+          collect_grads: bool = False, force: Optional[Dict[str, str]] = None,
+          picture: str = "") -> Dict[str, Any]:
     """One single-process run; returns losses, times, per-iteration lines and stats.
 
-    policy 'plain' runs plain PyTorch (no bagualu) for the overhead comparison."""
+    policy 'plain' runs plain PyTorch (no bagualu) for the overhead comparison. ``picture``:
+    records the first iteration with a spike (the last one without) and draws its memory
+    picture there (bagualu.plot_iteration; ``result["picture"]`` is the file written)."""
     use = policy != "plain"
     if use:  # before the model reaches the GPU: PyTorch's allocator is fixed at first use
         bagualu.install(capacity=capacity, policy=policy, device=device, governor=governor,
@@ -63,12 +65,21 @@ def train(cfg: MoEConfig, policy: str, iterations: int = 4, micro_batches: int =
                               "iteration_cpu_s": [], "lines": [],
                               "finished": 0, "oom": None, "grads": []}
     gmb = 0
+    recorded, recording = None, None
+    if use and picture:
+        spiked = [it for it in range(iterations) if any(
+            spike_for(it * micro_batches + f, spike_every, spike_size) is not None
+            for f in range(micro_batches))]
+        recorded = spiked[0] if spiked else iterations - 1
+        result.update(picture_iteration=recorded, picture_spike=bool(spiked))
     try:
         for it in range(iterations):
             t0, c0 = time.perf_counter(), time.process_time()
             data = [corpus.batch(it) for _ in range(micro_batches)]
             losses: Dict[int, torch.Tensor] = {}
             opt.zero_grad(set_to_none=True)
+            if it == recorded:
+                recording = bagualu.record_iteration()
             if use:
                 bagualu.begin_iteration()
             for phase, f, b in bagualu.schedule.one_f_one_b(micro_batches, stages, 0):
@@ -108,11 +119,16 @@ def train(cfg: MoEConfig, policy: str, iterations: int = 4, micro_batches: int =
             result["iteration_cpu_s"].append(time.process_time() - c0)
             if use:
                 result["lines"].append(bagualu.end_iteration())
+            if recording is not None:
+                result["picture"] = str(bagualu.plot_iteration(picture, recording.stop()))
+                recording = None
             result["finished"] += 1
     except bagualu.OutOfMemoryError as e:
         result["oom"] = f"iteration {len(result['losses'])}: {e}"
         logging.getLogger("bagualu").error("%s: out of memory at %s", policy, result["oom"])
     finally:
+        if recording is not None:  # the recorded iteration ran out of memory: drawn as far
+            result["picture"] = str(bagualu.plot_iteration(picture, recording.stop()))
         if use:
             result["stats"] = bagualu.stats()
             losses = {}
@@ -362,6 +378,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--require-finish", default="",
                    help="comma-separated policies that must finish every iteration (exit "
                         "status 1 otherwise), e.g. bagualu,static-over")
+    p.add_argument("--picture", default="",
+                   help="bagualu's memory picture of its first spike iteration, planned "
+                        "against actual (.svg, .png; bagualu.plot_iteration), written here")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-fp8", action="store_true",
                    help="--pipeline torch: plans never store activations in FP8, so the losses "
@@ -391,7 +410,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"=== policy {pol}", flush=True)
         results.append(train(cfg, pol, args.iterations, args.micro_batches, args.stages,
                              args.capacity, args.spike_size, args.spike_every, args.seed,
-                             args.governor, args.device, log_iterations=not args.quiet))
+                             args.governor, args.device, log_iterations=not args.quiet,
+                             picture=args.picture if pol == "bagualu" else ""))
     print()
     key = time_key(args.device)
     print(summarize(results, args.iterations, key))
@@ -401,6 +421,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         t_o = statistics.median(by["static-over"][key][1:])
         what = "wall" if key == "iteration_s" else "CPU"
         print(f"\niteration {what} time static-over / bagualu: {t_o / t_b:.2f}x")
+    for r in results:
+        if r.get("picture"):
+            what = "memory picture" if r["picture"] == args.picture else \
+                "recorded memory series (no matplotlib: no picture)"
+            print(f"\nthe {what} of {r['policy']}'s iteration {r['picture_iteration']} "
+                  f"({'its spike, ' if r['picture_spike'] else ''}planned against actual): "
+                  f"{r['picture']}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump([{k: v for k, v in r.items() if k not in ("losses", "grads")} |
