@@ -76,7 +76,12 @@ def train(tmp_path, callbacks: Optional[list] = None, name: str = "qwen3_moe",
 
 def callback(capacity: Any, policy: str = "bagualu") -> Any:
     return bagualu.trainer_callback(capacity, policy, governor="none", log_iterations=False,
-                                    allow_fp8=False)  # FP8 off: bit for bit below
+                                    allow_fp8=False, device="cpu")  # FP8 off: bit for bit
+
+
+def refusing() -> Any:
+    """A callback to ask what it refuses (nothing installed until the Trainer trains)."""
+    return bagualu.trainer_callback("1GiB", governor="none", device="cpu")
 
 
 def assert_same_training(ref: Dict[str, Any], got: Dict[str, Any], what: str) -> None:
@@ -139,7 +144,7 @@ def test_deepspeed_is_refused(tmp_path, monkeypatch) -> None:
     naming what to use instead."""
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                           report_to="none")
-    cb = bagualu.trainer_callback("1GiB", governor="none")
+    cb = refusing()
     cb.on_init_end(args, None, None)  # nothing to refuse
     args.deepspeed = "ds_config.json"
     with pytest.raises(bagualu.BagualuError, match="DeepSpeed is not supported") as e:
@@ -160,7 +165,7 @@ def test_fsdp_is_refused(version: int, tmp_path, monkeypatch) -> None:
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                           report_to="none", fsdp=True,
                                           fsdp_config={"version": version})
-    cb = bagualu.trainer_callback("1GiB", governor="none")
+    cb = refusing()
     with pytest.raises(bagualu.BagualuError, match="FSDP plugin is not supported") as e:
         cb.on_init_end(args, None, None)
     assert "fully_shard, then bagualu.accumulate_gradients" in str(e.value)
@@ -172,28 +177,36 @@ def test_fsdp_is_refused(version: int, tmp_path, monkeypatch) -> None:
         cb.on_init_end(plain, None, None)
 
 
-def test_whole_model_compile_and_data_parallel_are_refused(tmp_path) -> None:
-    """torch_compile=True: refused when the Trainer is made, naming per-block compile;
-    nn.DataParallel (several GPUs in one process): refused, naming one process per GPU."""
+def test_whole_model_compile_and_data_parallel_are_refused(tmp_path, monkeypatch) -> None:
+    """torch_compile=True: refused, naming per-block compile; nn.DataParallel (several GPUs in
+    one process): refused, naming one process per GPU."""
+    # TrainingArguments(torch_compile=True) sets accelerate's dynamo variables for the process
+    # (a later Trainer would compile its model): the monkeypatch takes them back.
+    for var in ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE"):
+        monkeypatch.setenv(var, "")
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                           report_to="none", torch_compile=True)
     with pytest.raises(bagualu.BagualuError, match="torch_compile=True") as e:
-        transformers.Trainer(model=unmodified.build("qwen3_moe"), args=args,
-                             train_dataset=dataset(2),
-                             callbacks=[bagualu.trainer_callback("1GiB", governor="none")])
+        refusing().on_init_end(args, None, None)
     assert "block.compile()" in str(e.value)
     dp = types.SimpleNamespace(deepspeed=None, fsdp=None, fsdp_plugin_args=None,
                                torch_compile=False, n_gpu=2)
     with pytest.raises(bagualu.BagualuError, match="one process per GPU"):
-        bagualu.trainer_callback("1GiB", governor="none").on_init_end(dp, None, None)
+        refusing().on_init_end(dp, None, None)
 
 
-def test_bad_arguments_fail_when_the_callback_is_made() -> None:
+def test_bad_arguments_fail_when_the_callback_is_made(tmp_path) -> None:
     with pytest.raises(bagualu.PolicyError, match="unknown policy"):
         bagualu.trainer_callback("1GiB", "keep-some")
     with pytest.raises(ValueError, match="capacity"):
         bagualu.trainer_callback("lots")
     with pytest.raises(bagualu.BagualuError, match="gradient_accumulation_steps"):
-        bagualu.trainer_callback("1GiB", micro_batches=4)
-    cb = bagualu.trainer_callback("1GiB")
+        bagualu.trainer_callback("1GiB", micro_batches=4, device="cpu")
+    cb = bagualu.trainer_callback("1GiB", device="cpu")
     assert isinstance(cb, transformers.TrainerCallback)
+    if not torch.cuda.is_available():  # made for CUDA (it would swap the allocator there)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                              report_to="none")
+        with pytest.raises(bagualu.BagualuError, match="made for device cuda.* trains on cpu"):
+            bagualu.trainer_callback("1GiB", device="cuda").on_train_begin(
+                args, None, None, model=unmodified.build("qwen3_moe"))

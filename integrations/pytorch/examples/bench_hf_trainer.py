@@ -182,7 +182,7 @@ def run(a: argparse.Namespace, variant: str, capacity: Any = None, measure: bool
     bgl = None
     if variant == "bagualu":
         bgl = bagualu.trainer_callback(capacity, policy, governor=a.governor,
-                                       log_iterations=False)
+                                       log_iterations=False, device=a.device)
         callbacks.append(bgl)
         if exact:
             import transformers as tf

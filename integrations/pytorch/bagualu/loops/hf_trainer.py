@@ -96,7 +96,8 @@ class _Callback:
     def __init__(self, capacity: Union[int, str], policy: str = "bagualu", *,
                  governor: Optional[str] = None, allow_fp8: bool = True,
                  issue_order: str = "dual-batch", log_iterations: bool = True,
-                 strict: bool = False, layers: Optional[Union[str, Sequence[str]]] = None,
+                 strict: bool = False, device: Optional[str] = None,
+                 layers: Optional[Union[str, Sequence[str]]] = None,
                  ops: Optional[Dict[str, str]] = None, expert_parallel: Optional[int] = None,
                  ep_rank: int = 0, local_experts: Optional[Sequence[int]] = None,
                  dispatch: Optional[Union[str, Sequence[str]]] = None,
@@ -104,11 +105,12 @@ class _Callback:
         parse_size(capacity, "capacity")  # bad values fail here, not at train()
         check_policy(policy)
         check_issue_order(issue_order)
-        for key in ("device", "pipeline_rank", "pipeline_stages", "micro_batches", "chunks"):
+        for key in ("pipeline_rank", "pipeline_stages", "micro_batches", "chunks"):
             if key in install_options:
                 raise BagualuError(f"{WHAT}: {key} comes from the Trainer's TrainingArguments "
-                                   "(the device, one stage, gradient_accumulation_steps "
-                                   "micro-batches); do not give it")
+                                   "(one stage, gradient_accumulation_steps micro-batches); do "
+                                   "not give it")
+        self.device = torch.device(device) if device is not None else None
         self.install_kwargs: Dict[str, Any] = dict(
             capacity=capacity, policy=policy, governor=governor, allow_fp8=allow_fp8,
             issue_order=issue_order, log_iterations=log_iterations, strict=strict,
@@ -124,7 +126,7 @@ class _Callback:
         self._loop: Optional[Iterator[MicroBatch]] = None
         self._backward: Any = None  # the open backward context of the last forward
         self._in_forward = False
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and (self.device is None or self.device.type == "cuda"):
             # bagualu.install's rule: the allocator before the first CUDA allocation, which the
             # Trainer's constructor makes when it moves the model to the GPU.
             try:
@@ -149,11 +151,15 @@ class _Callback:
         if model is None:
             raise BagualuError(f"{WHAT}: the Trainer passed no model to on_train_begin")
         self._teardown()  # a second train() (or auto_find_batch_size's retry)
+        where = torch.device(args.device)
+        if self.device is not None and self.device.type != where.type:
+            raise BagualuError(f"{WHAT}: made for device {self.device}, but the Trainer trains "
+                               f"on {where} (TrainingArguments' device)")
         self.micro_batches = int(args.gradient_accumulation_steps)
         self.history = []
         if "TORCHELASTIC_RUN_ID" in os.environ:  # every rank of this torchrun job: one job
             os.environ.setdefault("BGL_JOB_ID", "hf-trainer-" + os.environ["TORCHELASTIC_RUN_ID"])
-        bagualu.install(device=str(args.device), pipeline_rank=0, pipeline_stages=1,
+        bagualu.install(device=str(where), pipeline_rank=0, pipeline_stages=1,
                         micro_batches=self.micro_batches, **self.install_kwargs)
         try:
             bagualu.instrument(model, {"name": f"hf-{type(model).__name__}"},
@@ -258,8 +264,10 @@ def trainer_callback(capacity: Union[int, str], policy: str = "bagualu", **optio
     issue_order, log_iterations, strict, pinned_capacity, calibration, ...) and
     ``bagualu.instrument``'s (layers, ops, expert_parallel, ep_rank, local_experts, dispatch);
     the device, one pipeline stage and ``gradient_accumulation_steps`` micro-batches come from
-    the TrainingArguments. After ``train()``: ``.history`` (each step's iteration line) and
-    ``.stats`` (``bagualu.stats()`` at its end)."""
+    the TrainingArguments (``device="cpu"``: no CUDA allocator swap where the Trainer will
+    train on the CPU, e.g. ``use_cpu=True`` on a GPU machine). After ``train()``:
+    ``.history`` (each step's iteration line) and ``.stats`` (``bagualu.stats()`` at its
+    end)."""
     global _CLASS
     if _CLASS is None:
         import transformers
