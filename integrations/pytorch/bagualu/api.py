@@ -15,7 +15,6 @@ from .discovery.opblock import OpBlock, Step
 from .errors import (BagualuError, InstallError, InstrumentError, LibraryNotFound,
                      OutOfMemoryError, PlannerError, PolicyError)
 from .installer import install, uninstall
-from .plot import plot_iteration
 from .settings import POLICIES, parse_size
 from .timeline import record_iteration
 from .vocabulary import FP8, KEEP, OFFLOAD, RECOMPUTE
@@ -158,6 +157,14 @@ def stage_graph() -> Optional[Dict[str, Any]]:
     """The planner's stage graph of this rank (its description of the registered model:
     operators, tensors, steps), or None before the capture."""
     return current().planning.description
+
+
+def plot_iteration(path: Any, recording: Any = None, **options: Any) -> Any:
+    """Draws a recorded iteration (default: the last ``record_iteration()`` stopped) to
+    ``path``, planned against actual; plot.py's ``plot_iteration`` (imported here when called,
+    so that ``python -m bagualu.plot`` runs a module the package has not imported)."""
+    from . import plot
+    return plot.plot_iteration(path, recording, **options)
 
 
 def sessions() -> List[Dict[str, Any]]:

@@ -84,6 +84,7 @@ def draw(recording: Recording, spike_threshold: float = SPIKE,
         # threshold, in orange) labelled above the axes with F, its number and its strategy
         # counts; its backward as a lighter band labelled B and its number.
         spikes = {id(m) for m in recording.spikes(spike_threshold)}
+        above = 2  # characters the labels stand above the axes (the title goes over them)
         for m in recording.micro_batches:
             name = f"{m['micro_batch']}" + (f".{m['chunk']}" if m["chunk"] else "")
             if m.get("backward_ms"):
@@ -100,8 +101,10 @@ def draw(recording: Recording, spike_threshold: float = SPIKE,
             label = f"F{name} " + strategy_label(m["strategies"])
             if spike:
                 label += f" load {m['max_load_factor']:.2f}"
+            upright = (t1 - t0) < 0.12 * span  # a narrow band: the label stands up
             ax.text((t0 + t1) / 2, 1.01, label, transform=strip, ha="center", va="bottom",
-                    fontsize=6, rotation=90 if (t1 - t0) < 0.12 * span else 0)
+                    fontsize=6, rotation=90 if upright else 0)
+            above = max(above, len(label) if upright else 2)
         for key, values in data.items():
             if key == "t_ms":
                 continue
@@ -134,7 +137,7 @@ def draw(recording: Recording, spike_threshold: float = SPIKE,
         it = "" if recording.iteration is None else f" {recording.iteration}"
         ax.set_title(title or f"iteration{it}, policy {recording.policy} on "
                      f"{recording.device}: activation memory, planned against actual",
-                     pad=48)
+                     pad=8 + 3.6 * above)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), fontsize=7, ncol=3,
                   frameon=False)
     return fig

@@ -423,8 +423,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\niteration {what} time static-over / bagualu: {t_o / t_b:.2f}x")
     for r in results:
         if r.get("picture"):
-            what = "memory picture" if r["picture"] == args.picture else \
-                "recorded memory series (no matplotlib: no picture)"
+            what = "memory picture" if r["picture"].endswith((".svg", ".png", ".pdf")) else \
+                "recorded memory series" + ("" if r["picture"] == args.picture else
+                                            " (no matplotlib: no picture)")
             print(f"\nthe {what} of {r['policy']}'s iteration {r['picture_iteration']} "
                   f"({'its spike, ' if r['picture_spike'] else ''}planned against actual): "
                   f"{r['picture']}")
