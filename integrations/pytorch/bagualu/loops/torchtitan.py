@@ -23,6 +23,9 @@ What the trainer does, with no change to torchtitan's files:
   ``bagualu.micro_batches``.
 torchtitan's activation checkpointing is off in the configs returned here (bagualu plans
 recompute itself); ``activation-checkpoint:selective`` etc. on the command line turn it back on.
+With ``--compile.enable --compile.components model`` torchtitan compiles each decoder block in
+place: bagualu plans each compiled block as one operator (docs/pytorch.md, "Compiled blocks"),
+and its own hooks on torchtitan's FSDP2 units run outside dynamo (``_fsdp_units``).
 
 Imports torchtitan: load it only where torchtitan is installed. Not thread-safe: torchtitan's
 training thread.
@@ -231,7 +234,14 @@ def _fsdp_units(rt: Any, model: torch.nn.Module, expert_parallel: bool) -> List[
       recomputed (kept, or offloaded/cast as planned). So are the routed experts under expert
       parallelism: their gathered weights are still DTensors (sharded over the EP mesh), which
       the FSDP2 readiness check (discovery/sharding.py, Sharding.ready) takes for FSDP2's
-      shards, so it refuses their rerun."""
+      shards, so it refuses their rerun.
+
+    Under ``--compile.enable`` torchtitan compiles each block in place (``block.compile``)
+    before ``fully_shard``: the hooks of an FSDP2 unit that is a block run inside the compiled
+    ``_call_impl``, where dynamo would compile each hook as a frame of its own (``fullgraph``:
+    an error at the storages' ``nbytes``). They are dynamo-disabled, as FSDP2's own hooks are:
+    they run in eager at the same place (after FSDP2's unshard, before its reshard), and dynamo
+    traces nothing of them (no graph, no graph break)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     keys = rt.tracker.param_keys
@@ -258,10 +268,11 @@ def _fsdp_units(rt: Any, model: torch.nn.Module, expert_parallel: bool) -> List[
     def post(m: torch.nn.Module, args: Any, out: Any) -> None:
         keys.difference_update(held.pop(id(m), ()))
 
+    pre_hook, post_hook = torch.compiler.disable(pre), torch.compiler.disable(post)
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            handles.append(m.register_forward_pre_hook(pre))
-            handles.append(m.register_forward_hook(post))
+            handles.append(m.register_forward_pre_hook(pre_hook))
+            handles.append(m.register_forward_hook(post_hook))
     auto = rt.auto
     if auto is not None:
         for li, sites in enumerate(auto.found.sites):
