@@ -9,9 +9,12 @@
 
 #include "allocator/global.h"
 #include "bgl/enforce.h"
+#include "enforcer/emulated_link_ops.h"
 #include "enforcer/enforcer.h"
 #include "governor/planner/assignment.h"
 #include "governor/planner/dual_batch.h"
+#include "governor/planner/hardware.h"
+#include "governor/planner/json_limits.h"
 
 // The C ABI's strategy numbers are the planner's (and so the proto's: convert.cc checks those).
 static_assert(BGL_STRATEGY_KEEP == static_cast<int>(bgl::plan::Strategy::kKeep));
@@ -121,6 +124,46 @@ const EnumKind* FindKind(const char* fn, const std::string& kind) {
   return nullptr;
 }
 
+// The link times of options.emulated_link (a calibration document read by the planner's own
+// parser); false with `error` set when it is no such document or the options cannot emulate.
+bool emulated_link_times(const bgl_enf_options& o, const std::string& backend, LinkTimes* times,
+                         std::string* error) {
+  if (backend != "host") {
+    *error = "only the host backend emulates a link (this pool's backend is '" + backend + "')";
+    return false;
+  }
+  if (o.sync_copies != 0) {
+    *error = "needs the copy threads (sync_copies 0): a link's copies run beside compute";
+    return false;
+  }
+  const std::string text = o.emulated_link;
+  // Checked before parsing: a deeply nested document never reaches the parser's recursion.
+  bgl::Status depth =
+      bgl::plan::CheckJsonNesting(text, bgl::plan::kDefaultMaxJsonDepth, "calibration");
+  if (!depth.ok()) {
+    *error = depth.message();
+    return false;
+  }
+  const nlohmann::json doc = nlohmann::json::parse(text, nullptr, false);
+  if (doc.is_discarded()) {
+    *error = "not valid JSON";
+    return false;
+  }
+  auto profile = bgl::plan::HardwareProfileByName("host");
+  bgl::Status s = bgl::plan::ApplyCalibration(doc, *profile);
+  if (!s.ok()) {
+    *error = s.message();
+    return false;
+  }
+  if (profile->emulated_link.empty()) {
+    *error = "the calibration has no 'emulated_link' section (what the link stands for)";
+    return false;
+  }
+  times->offload = profile->offload;
+  times->reload = profile->reload;
+  return true;
+}
+
 }  // namespace
 }  // namespace bgl::enf
 
@@ -152,6 +195,13 @@ BGL_ALLOC_API int bgl_enf_create(const bgl_enf_options* options, bgl_enforcer** 
     std::string error;
     auto ops = make_device_ops(pool->backend().name(), o.device, &error);
     if (ops == nullptr) return bad(Status::kBackendError, "bgl_enf_create: " + error);
+    if (o.emulated_link != nullptr) {
+      LinkTimes times;
+      if (!emulated_link_times(o, pool->backend().name(), &times, &error)) {
+        return bad(Status::kInvalidArgument, "bgl_enf_create: emulated_link: " + error);
+      }
+      ops = make_emulated_link_ops(std::move(ops), times);
+    }
     EnforcerOptions eo;
     eo.pinned_capacity = o.pinned_capacity;
     eo.fp8_block = o.fp8_block;

@@ -34,12 +34,20 @@ constexpr double kGB = 1e9;
 constexpr double kGiB = 1024.0 * 1024 * 1024;
 
 constexpr CalibrationRange kCalibrationRanges[] = {
-    {"peak_tflops", 0.001, 1e6},     {"matmul_efficiency", 0.01, 1},
-    {"memory_efficiency", 0.01, 1},  {"hbm_GBps", 1, 1e6},
-    {"memory_GiB", 1.0 / 1024, 1e6}, {"kernel_launch_us", 0.001, 1e6},
-    {"intra_node_GBps", 0.01, 1e6},  {"inter_node_GBps", 0.01, 1e6},
-    {"gpus_per_node", 1, 65536},     {"launch_floor_us", 0.001, 1e6},
-    {"peak_GBps", 0.01, 1e6},        {"copy_overlap", 0, 1},
+    {"peak_tflops", 0.001, 1e6},
+    {"matmul_efficiency", 0.01, 1},
+    {"memory_efficiency", 0.01, 1},
+    {"hbm_GBps", 1, 1e6},
+    {"memory_GiB", 1.0 / 1024, 1e6},
+    {"kernel_launch_us", 0.001, 1e6},
+    {"intra_node_GBps", 0.01, 1e6},
+    {"inter_node_GBps", 0.01, 1e6},
+    {"gpus_per_node", 1, 65536},
+    {"launch_floor_us", 0.001, 1e6},
+    {"peak_GBps", 0.001, 1e6},
+    {"copy_overlap", 0, 1},
+    // An emulated link's compute factor (this machine's FLOP rate over the GPU's).
+    {"compute_scale", 1e-9, 1},
 };
 
 std::string Number(double v) {
@@ -188,6 +196,36 @@ Status ReadRoofline(const nlohmann::json& doc, const std::string& key, Roofline&
   return OkStatus();
 }
 
+// "emulated_link": {"stands_for": "H200 over PCIe Gen5", "compute_scale": 2.1e-4}.
+Status ReadEmulatedLink(const nlohmann::json& value, HardwareProfile& p) {
+  if (!value.is_object()) {
+    return InvalidArgument(
+        "calibration: 'emulated_link' must be an object with 'stands_for' "
+        "and 'compute_scale'");
+  }
+  bool named = false, scaled = false;
+  for (const auto& [field, v] : value.items()) {
+    const std::string name = "emulated_link." + field;
+    if (field == "stands_for") {
+      if (!v.is_string() || v.get<std::string>().empty() || v.get<std::string>().size() > 200) {
+        return InvalidArgument("calibration: '" + name + "' must be a string of 1-200 bytes");
+      }
+      p.emulated_link = v.get<std::string>();
+      named = true;
+    } else if (field == "compute_scale") {
+      BGL_RETURN_IF_ERROR(ReadNumber(v, name, p.emulated_compute_scale));
+      scaled = true;
+    } else {
+      return InvalidArgument("calibration: unknown key '" + name + "'");
+    }
+  }
+  if (!named || !scaled) {
+    return InvalidArgument(std::string("calibration: 'emulated_link' lacks '") +
+                           (named ? "compute_scale" : "stands_for") + "'");
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Status ApplyCalibration(const nlohmann::json& doc, HardwareProfile& p) {
@@ -243,6 +281,8 @@ Status ApplyCalibration(const nlohmann::json& doc, HardwareProfile& p) {
       p.gpus_per_node = static_cast<int>(v);
     } else if (key == "copy_overlap") {
       BGL_RETURN_IF_ERROR(ReadNumber(value, key, p.copy_overlap));
+    } else if (key == "emulated_link") {
+      BGL_RETURN_IF_ERROR(ReadEmulatedLink(value, p));
     } else if (key == "comment" || key == "source") {
       // Free-text provenance, kept by tools that write calibration files.
     } else {

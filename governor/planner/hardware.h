@@ -42,6 +42,12 @@ struct HardwareProfile {
   // where copy engines run beside the kernels (GPUs), 0 where copies are synchronous (the host
   // backend, unless its copy threads measurably overlap compute).
   double copy_overlap = 1.0;
+  // Set where the rooflines are an emulated device link on the host backend (the calibration's
+  // "emulated_link" section, docs/planner.md "An emulated device link"): what it stands for
+  // ("H200 over PCIe Gen5"), and the factor from that GPU's compute time to this machine's.
+  // The host backend's copies then take the offload/reload rooflines' time (enforcer).
+  std::string emulated_link;
+  double emulated_compute_scale = 0;
 
   // Seconds for a kernel doing `flops` and moving `bytes` (roofline of the op itself).
   double KernelTime(double flops, double bytes) const;

@@ -124,6 +124,11 @@ typedef struct bgl_enf_options {
   int sync_copies;        /* 1: the host backend's copies and casts run on the calling thread,
                              without copy threads (where they would not overlap compute anyway:
                              no hand-off per copy); ignored on CUDA (default 0) */
+  const char* emulated_link; /* null (default), or a calibration document (JSON text, the
+                             planner's format) with an "emulated_link" section: the host
+                             backend's offload and reload copies then take the time of its
+                             offload and reload rooflines (docs/planner.md, "An emulated device
+                             link"); host backend and sync_copies 0 only */
 } bgl_enf_options;
 
 /* Description of a saved activation for bgl_enf_register. */

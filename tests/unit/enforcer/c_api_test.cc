@@ -437,3 +437,74 @@ TEST_F(EnforceCApi, ScheduleRecomputesAndFp8RoundTrip) {
 }
 
 }  // namespace
+
+namespace {
+
+// An emulated device link (docs/planner.md, "An emulated device link"): a calibration with an
+// "emulated_link" section makes the host backend's copies take its rooflines' time, and
+// anything else in its place is refused by name, the process going on.
+TEST(EnforceCApiEmulatedLink, ACalibrationWithALinkSectionIsTakenAndBadOnesAreNamed) {
+  ASSERT_EQ(bgl_alloc_configure("backend:host,capacity:64MiB,page_size:64KiB,log:false"), BGL_OK)
+      << bgl_alloc_last_error();
+  const char* good =
+      R"({"gpu": "host", "rooflines": {"offload": {"peak_GBps": 0.001, "launch_floor_us": 9},
+          "reload": {"peak_GBps": 0.001, "launch_floor_us": 9}}, "copy_overlap": 1,
+          "emulated_link": {"stands_for": "H200 over PCIe Gen5", "compute_scale": 8e-5}})";
+  bgl_enf_options o;
+  bgl_enf_default_options(&o);
+  EXPECT_EQ(o.emulated_link, nullptr);
+  o.pinned_capacity = 8 << 20;
+  o.emulated_link = good;
+  bgl_enforcer* e = nullptr;
+  ASSERT_EQ(bgl_enf_create(&o, &e), BGL_OK) << bgl_enf_last_error();
+  // 400 KB over 1 MB/s: 0.4 s between the offload's issue and its completion.
+  std::vector<uint8_t> data(400000, 7);
+  void* p = bgl_alloc(data.size(), 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  std::memcpy(p, data.data(), data.size());
+  bgl_enf_tensor_desc d{};
+  d.ptr = p;
+  d.bytes = data.size();
+  d.dtype = BGL_DTYPE_BYTES;
+  d.graph_tensor = -1;
+  d.flags = BGL_ENF_OWNED;
+  uint64_t h = 0;
+  ASSERT_EQ(bgl_enf_register(e, &d, &h), BGL_OK) << bgl_enf_last_error();
+  ASSERT_EQ(bgl_enf_apply(e, h, BGL_STRATEGY_OFFLOAD), BGL_OK) << bgl_enf_last_error();
+  bgl_enf_tensor_info info;
+  ASSERT_EQ(bgl_enf_query(e, h, &info), BGL_OK);
+  EXPECT_EQ(info.pending, 1);  // on the copy thread, still on the emulated link
+  void* back = nullptr;
+  ASSERT_EQ(bgl_enf_acquire(e, h, -1, nullptr, &back), BGL_OK) << bgl_enf_last_error();
+  EXPECT_EQ(std::memcmp(back, data.data(), data.size()), 0);
+  EXPECT_EQ(bgl_enf_destroy(e), BGL_OK);
+
+  struct Bad {
+    std::string doc;
+    int sync;
+    const char* says;
+  };
+  const Bad bad[] = {
+      {"{", 0, "not valid JSON"},
+      {R"({"gpu": "host"})", 0, "no 'emulated_link' section"},
+      {R"({"emulated_link": {"stands_for": "x"}})", 0, "lacks 'compute_scale'"},
+      {R"({"emulated_link": {"stands_for": "x", "compute_scale": 1e-3, "speed": 1}})", 0,
+       "unknown key 'emulated_link.speed'"},
+      {R"({"emulated_link": {"stands_for": "x", "compute_scale": 0}})", 0, "compute_scale"},
+      {R"({"emulated_link": {"stands_for": 3, "compute_scale": 1e-3}})", 0, "stands_for"},
+      {R"({"emulated_link": {"stands_for": "x", "compute_scale": 1e-3}})", 1, "sync_copies"},
+      {std::string(100, '[') + std::string(100, ']'), 0, "nest"},
+  };
+  for (const Bad& b : bad) {
+    o.emulated_link = b.doc.c_str();
+    o.sync_copies = b.sync;
+    bgl_enforcer* none = nullptr;
+    EXPECT_EQ(bgl_enf_create(&o, &none), BGL_ERR_INVALID_ARGUMENT) << b.doc;
+    EXPECT_EQ(none, nullptr);
+    const std::string err = bgl_enf_last_error();
+    EXPECT_NE(err.find("emulated_link"), std::string::npos) << err;
+    EXPECT_NE(err.find(b.says), std::string::npos) << err;
+  }
+}
+
+}  // namespace

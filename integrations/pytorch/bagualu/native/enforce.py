@@ -22,7 +22,8 @@ HOLDER = (1 << 31) - 1
 class Options(ctypes.Structure):
     _fields_ = [("device", _c_int), ("pinned_capacity", _c_size), ("fp8_block", _c_size),
                 ("max_inflight", _c_int), ("d2h_stream", _c_void), ("h2d_stream", _c_void),
-                ("pressure_eviction", _c_int), ("log", _c_int), ("sync_copies", _c_int)]
+                ("pressure_eviction", _c_int), ("log", _c_int), ("sync_copies", _c_int),
+                ("emulated_link", ctypes.c_char_p)]
 
 
 class Desc(ctypes.Structure):
