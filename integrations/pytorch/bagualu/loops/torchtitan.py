@@ -112,7 +112,9 @@ class BagualuTrainer(Trainer):
         bagualu.instrument(model, {"name": f"torchtitan-{config.model_spec.name}"},
                            layers=layers, ops=dict(TORCHTITAN_OPS),
                            dispatch=DISPATCH if ep else None)
-        self._bgl_handles = _fsdp_units(bagualu.current(), model, ep)
+        rt = bagualu.current()
+        _compiled_now(rt)
+        self._bgl_handles = _fsdp_units(rt, model, ep)
         if pp:
             self.pp_schedule = pipelining.wrap_schedule(self.pp_schedule)
         log.info("bagualu: managing torchtitan's activations (%s, %s, policy %s)",
@@ -218,6 +220,20 @@ def _stages_per_rank(parallel_dims: Any, parallelism: Any, config: Any) -> int:
         from torchtitan.distributed.pipeline_parallel import _get_pipeline_metadata
         total = _get_pipeline_metadata(parallel_dims, parallelism, config.model_spec.model)[0]
     return max(total // parallel_dims.pp, 1)
+
+
+def _compiled_now(rt: Any) -> None:
+    """torchtitan compiled the blocks before they are instrumented (``--compile.enable``):
+    bagualu's compiled form of them (each block one operator, its inner operator hooks
+    removed; capture/compiled.py) is set up now instead of at the first forward under
+    bagualu, as the runtime's forward does it. Under PP torchtitan's pipeline stages run a
+    forward before that one, outside bagualu's (the stage's metadata inference): that
+    forward compiles the blocks, and with bagualu's inner hooks still on them dynamo guarded
+    on them and compiled each block once more after their removal (one graph more per block
+    structure and rank than torchtitan's own compiled run). Eager blocks: nothing changes."""
+    auto = rt.auto
+    if auto is not None and auto.before_forward():
+        rt.layer_ops = auto.layer_ops()
 
 
 def _fsdp_units(rt: Any, model: torch.nn.Module, expert_parallel: bool) -> List[Any]:
