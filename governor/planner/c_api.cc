@@ -165,6 +165,10 @@ char* bgl_planner_calibrated_profile(const char* calibration_json, const char* g
                  {{"offload", roof(p.offload)},
                   {"reload", roof(p.reload)},
                   {"fp8_cast", roof(p.fp8_cast)}}}};
+    if (!p.emulated_link.empty()) {
+      out["emulated_link"] = {{"stands_for", p.emulated_link},
+                              {"compute_scale", p.emulated_compute_scale}};
+    }
     return Dup(out.dump());
   } catch (const std::exception& e) {
     return Fail(std::string("internal error: ") + e.what());

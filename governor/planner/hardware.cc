@@ -44,7 +44,7 @@ constexpr CalibrationRange kCalibrationRanges[] = {
     {"inter_node_GBps", 0.01, 1e6},
     {"gpus_per_node", 1, 65536},
     {"launch_floor_us", 0.001, 1e6},
-    {"peak_GBps", 0.001, 1e6},
+    {"peak_GBps", 1e-5, 1e6},  // an emulated PCIe link on a CPU: about 1 MB/s
     {"copy_overlap", 0, 1},
     // An emulated link's compute factor (this machine's FLOP rate over the GPU's).
     {"compute_scale", 1e-9, 1},
