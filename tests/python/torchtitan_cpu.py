@@ -1,7 +1,8 @@
 """The test harness that runs torchtitan 0.3.0 on a CPU-only machine (gloo), and the assets its
 runs need; test-only: neither torchtitan nor bagualu has a CPU path for this.
 
-    python torchtitan_cpu.py ASSETS [--spike-step N] [--measure] [torchtitan.train arguments]
+    python torchtitan_cpu.py ASSETS [--spike-step N] [--measure] [--dynamo-counters]
+                             [torchtitan.train arguments]
     python torchtitan_cpu.py --assets DIR                           # writes DIR's assets
 
 The four adjustments (docs/torchtitan.md, "On CPU"), made in this process before torchtitan
@@ -18,7 +19,9 @@ builds anything, with no change to torchtitan's files:
   uneven splits (no patch).
 It also prints each step's loss in full (torchtitan's line rounds it), and with ``--spike-step
 N`` makes step N a routing spike (``spike_routing``); ``--measure`` prints each step's time and
-heap peak (``measure_steps``, for bench/python/torchtitan_ac.py). The assets: a byte-level
+heap peak (``measure_steps``, for bench/python/torchtitan_ac.py); ``--dynamo-counters``
+prints dynamo's counters once training ended (``print_dynamo_counters``: graphs, operations
+captured, graph breaks; for ``--compile.enable``). The assets: a byte-level
 BPE tokenizer trained with the ``tokenizers`` package on text this module writes, and a local
 JSON-lines dataset of that text (nothing is downloaded).
 """
@@ -269,6 +272,18 @@ def measure_steps(cuda: bool = False) -> None:
     trainer.Trainer.pp_forward_backward_step = sampled(real_pp)
 
 
+def print_dynamo_counters() -> None:
+    """Each rank prints, after training: 'HARNESS rank R dynamo graphs G ops O breaks B
+    reasons [...]' from ``torch._dynamo.utils.counters``: the graphs dynamo made in this
+    process (a recompile makes one more), the operations captured in them, the graph breaks
+    and their reasons (sorted)."""
+    from torch._dynamo.utils import counters
+    breaks = counters["graph_break"]
+    print(f"HARNESS rank {os.environ.get('RANK', '0')} dynamo graphs "
+          f"{counters['stats']['unique_graphs']} ops {counters['stats']['calls_captured']} "
+          f"breaks {sum(breaks.values())} reasons {sorted(breaks)!r}", flush=True)
+
+
 def main(argv: List[str]) -> int:
     if argv[:1] == ["--assets"]:
         write_assets(Path(argv[1]))
@@ -280,6 +295,9 @@ def main(argv: List[str]) -> int:
     measure = args[:1] == ["--measure"]
     if measure:
         args = args[1:]
+    dynamo = args[:1] == ["--dynamo-counters"]
+    if dynamo:
+        args = args[1:]
     torch.set_num_threads(1)
     patch()
     print_exact_losses()
@@ -288,6 +306,8 @@ def main(argv: List[str]) -> int:
     if measure:
         measure_steps()
     train_on(assets, args)
+    if dynamo:
+        print_dynamo_counters()
     return 0
 
 
