@@ -270,19 +270,36 @@ Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& so
                            " (byte " + byte + " at offset " + std::to_string(*bad) + ")");
   }
   BGL_RETURN_IF_ERROR(CheckYamlNesting(text, max_depth, source));
+  // An alias names its anchor's node again however large it is, so a few hundred bytes of
+  // anchors naming anchors stand for 10^9 values ("billion laughs"; the model_yaml_fuzz target
+  // found it: seconds and gigabytes per file). The conversion counts what it writes, one per
+  // value plus the bytes of keys and scalars, and refuses a document past a budget no model file
+  // comes near: twice the text's length (all a document without aliases can write) plus 1 M.
+  const std::size_t budget = 2 * text.size() + 1'000'000;
+  std::size_t written = 0;
   std::function<nlohmann::json(const YAML::Node&)> convert = [&](const YAML::Node& node) {
     nlohmann::json out;
+    if (++written > budget) return out;
     switch (node.Type()) {
       case YAML::NodeType::Map:
         out = nlohmann::json::object();
-        for (const auto& kv : node) out[kv.first.as<std::string>()] = convert(kv.second);
+        for (const auto& kv : node) {
+          if (written > budget) break;
+          std::string key = kv.first.as<std::string>();
+          written += key.size();
+          out[std::move(key)] = convert(kv.second);
+        }
         break;
       case YAML::NodeType::Sequence:
         out = nlohmann::json::array();
-        for (const auto& item : node) out.push_back(convert(item));
+        for (const auto& item : node) {
+          if (written > budget) break;
+          out.push_back(convert(item));
+        }
         break;
       case YAML::NodeType::Scalar: {
         const std::string s = node.Scalar();
+        written += s.size();
         if (node.Tag() == "!") {  // quoted: always a string
           out = s;
           break;
@@ -311,7 +328,13 @@ Result<nlohmann::json> YamlToJson(const std::string& text, const std::string& so
     return out;
   };
   try {
-    return convert(YAML::Load(text));
+    nlohmann::json doc = convert(YAML::Load(text));
+    if (written > budget) {
+      return InvalidArgument(source + ": expands to more than " + std::to_string(budget) +
+                             " values and bytes (YAML aliases repeat what their anchor names); "
+                             "a model file is far smaller");
+    }
+    return doc;
   } catch (const YAML::Exception& e) {
     return InvalidArgument(source + ": not valid YAML: " + e.what());
   }

@@ -111,6 +111,26 @@ TEST(Hardening, DeeplyNestedYamlModelIsRefused) {
   EXPECT_TRUE(LoadModelConfig(std::string(BGL_MODELS_DIR) + "/tiny-moe.yaml").ok());
 }
 
+// Found by fuzz/model_yaml_fuzz (issue 45; the input is fuzz/regressions/model_yaml_fuzz/
+// billion-laughs.yaml): anchors naming anchors, 530 bytes standing for 10^9 strings, took
+// minutes and gigabytes to convert. Refused once the conversion passes its budget.
+TEST(Hardening, YamlAliasExpansionIsRefused) {
+  std::string text = "a0: &a0 [\"" + std::string(40, 'x') + "\", x, x, x, x, x, x, x, x, x]\n";
+  for (int i = 1; i < 9; ++i) {
+    text += "a" + std::to_string(i) + ": &a" + std::to_string(i) + " [";
+    for (int j = 0; j < 10; ++j) text += (j ? ", *a" : "*a") + std::to_string(i - 1);
+    text += "]\n";
+  }
+  auto c = LoadModelConfig(WriteFile("aliases.yaml", text));
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("YAML aliases"), std::string::npos) << c.status().message();
+  // Aliases within the budget still load: a graph's repeated operator written once.
+  auto doc = YamlToJson("a: &a {n: 1}\nb: [*a, *a, *a]\n", "t");
+  ASSERT_TRUE(doc.ok()) << doc.status().message();
+  EXPECT_EQ((*doc)["b"].size(), 3u);
+  EXPECT_EQ((*doc)["b"][2]["n"], 1);
+}
+
 TEST(Hardening, DeepParsedDocumentsAndTheCApiAreRefused) {
   json deep = json::array();
   for (int i = 0; i < 200; ++i) deep = json::array({std::move(deep)});
