@@ -10,6 +10,7 @@
 #include "base/units.h"
 #include "governor/planner/layer_search.h"
 #include "governor/planner/operator_dp.h"
+#include "governor/planner/priced_greedy.h"
 
 namespace bgl::plan {
 
@@ -273,17 +274,35 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
   const size_t n = eval.graph().ops.size();
   const Partners partners = FindPartners(eval.graph());  // once: every step below moves with them
   if (options.fast && n <= static_cast<size_t>(options.max_dp_ops)) {
-    // The anytime path's first answer (issue 23): the operator DP alone, on a small front.
-    std::optional<OperatorDpResult> dp = OperatorDp(
-        eval, r, budget, std::numeric_limits<double>::infinity(), options, options.fast_dp_states);
-    if (dp) {
-      MitigationResult quick;
-      quick.budget = budget;
-      quick.assignment = std::move(dp->assignment);
-      quick.cost = eval.Evaluate(quick.assignment, r);
-      quick.from_operator_dp = true;
-      quick.exact = dp->exact;
-      quick.first_answer = !dp->exact;
+    // The anytime path's first answer (issues 23, 43): the priced candidates (priced_greedy.h),
+    // then the operator DP on a small front below their cost; the cheaper one.
+    MitigationResult quick;
+    quick.budget = budget;
+    bool found = false;
+    if (options.fast_priced) {
+      if (std::optional<Assignment> priced = PricedGreedy(eval, r, budget, options)) {
+        quick.assignment = std::move(*priced);
+        quick.cost = eval.Evaluate(quick.assignment, r);
+        found = true;
+      }
+    }
+    // Nothing is cheaper than no overhead: the DP has nothing to add.
+    if (!found || quick.cost.exposed_s > 0) {
+      const double bound = found ? quick.cost.exposed_s : std::numeric_limits<double>::infinity();
+      std::optional<OperatorDpResult> dp =
+          OperatorDp(eval, r, budget, bound, options, options.fast_dp_states);
+      if (dp) {
+        quick.assignment = std::move(dp->assignment);
+        quick.cost = eval.Evaluate(quick.assignment, r);
+        quick.from_operator_dp = true;
+        quick.exact = dp->exact;
+        found = true;
+      }
+    } else {
+      quick.exact = true;
+    }
+    if (found) {
+      quick.first_answer = !quick.exact;
       if (!quick.cost.conflict && quick.cost.device_bytes <= budget) {
         KeepWhatFits(eval, r, budget, options, partners, quick);
       }

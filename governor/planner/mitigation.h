@@ -45,6 +45,10 @@ struct MitigationOptions {
   // 4 layers where 24 took 2.4 ms (docs/planner.md).
   bool fast = false;
   int fast_dp_states = 4;
+  // Issue 43: the first answer starts from the priced candidates (priced_greedy.h), and the
+  // operator DP above only searches below their cost. false: the DP alone, as before (kept to
+  // measure the two side by side).
+  bool fast_priced = true;
   // Pinned host bytes the assignment may offload (the session's grant, issue 14); negative: no
   // limit. Offload candidates that would pass it are unavailable, so less host means more
   // recompute/FP8.

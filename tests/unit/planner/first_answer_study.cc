@@ -1,0 +1,161 @@
+// Development study (issue 43): the anytime path's first answer on unseen multi-layer chunks
+// against the full search and the exact reference. Not a test; prints one line per instance.
+// Usage: planner_first_answer_study SEED COUNT [MAX_LABELS]  (quality; DUMP=<index> prints one
+//        instance's strategies) or planner_first_answer_study latency [ROUNDS] (the first
+//        answer's time, the DP alone and the priced candidates, side by side).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <string>
+#include <vector>
+
+#include "exact_reference.h"
+#include "governor/planner/mitigation.h"
+#include "real_instances.h"
+
+using namespace bgl::plan;
+
+namespace {
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// The first answer's latency, old (the DP alone) and new, interleaved on the same chunks.
+int Latency(const std::vector<testing::RealInstance>& chunks, int rounds) {
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  std::vector<double> wall[2], cpu[2];
+  double overhead[2] = {0, 0};
+  for (int round = 0; round < rounds; ++round) {
+    for (const auto& x : chunks) {
+      const CostEvaluator eval(x.graph, hw);
+      for (int v = 0; v < 2; ++v) {
+        MitigationOptions o;
+        o.fast = true;
+        o.fast_priced = v == 1;
+        const double c0 = ThreadCpuSeconds();
+        const auto t0 = std::chrono::steady_clock::now();
+        auto selected = SelectMitigation(eval, x.r, x.budget, o);
+        wall[v].push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        cpu[v].push_back(ThreadCpuSeconds() - c0);
+        if (round == 0 && selected.ok()) overhead[v] += selected->cost.exposed_s;
+      }
+    }
+  }
+  auto at = [](std::vector<double>& v, double q) {
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))] * 1e6;
+  };
+  for (int v = 0; v < 2; ++v) {
+    std::printf(
+        "%s: wall p50 %.0f p99 %.0f max %.0f us; cpu p50 %.0f p99 %.0f max %.0f us; "
+        "summed overhead %.1f ms over %zu chunks\n",
+        v == 0 ? "old (DP alone)   " : "new (priced + DP)", at(wall[v], 0.5), at(wall[v], 0.99),
+        at(wall[v], 1.0), at(cpu[v], 0.5), at(cpu[v], 0.99), at(cpu[v], 1.0), overhead[v] * 1e3,
+        chunks.size());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "latency") {
+    const int rounds = argc > 2 ? std::atoi(argv[2]) : 20;
+    std::printf("production blocks, 32 ops x 4 layers (ProductionInstances 3232, 40 chunks)\n");
+    Latency(testing::ProductionInstances(3232, 40, 4), rounds);
+    std::vector<testing::RealInstance> four;
+    for (auto& x : testing::RealInstances(BGL_PLANNER_TEST_DATA, 2323, 120, 20)) {
+      if (x.graph.layers == 4) four.push_back(std::move(x));
+    }
+    std::printf("real-sized 4-layer chunks (RealInstances 2323)\n");
+    return Latency(four, rounds);
+  }
+  const uint32_t seed = argc > 1 ? static_cast<uint32_t>(std::atoi(argv[1])) : 4343;
+  const int count = argc > 2 ? std::atoi(argv[2]) : 40;
+  const int64_t max_labels = argc > 3 ? std::atoll(argv[3]) : 300000;
+  std::mt19937 rng(seed);
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  constexpr double kLoads[] = {1.0, 1.3, 1.6, 2.0, 2.3, 2.6};
+  std::vector<double> ratios_fast, ratios_full, ratios_old;
+  for (int i = 0; i < count; ++i) {
+    const int layers = std::uniform_int_distribution<int>(2, 4)(rng);
+    testing::MoeBlockBuilder builder(rng, hw);
+    std::string shape;
+    StageGraph g = builder.Build(layers, shape);
+    const double r = kLoads[std::uniform_int_distribution<int>(0, 5)(rng)];
+    std::string label = "#" + std::to_string(i) + " " + shape + " (" +
+                        std::to_string(builder.ops_per_layer()) +
+                        " ops/layer) r=" + std::to_string(r);
+    const double budget = testing::DrawBudget(rng, g, r, i % 5, label);
+    CostEvaluator eval(g, hw);
+    MitigationOptions fast;
+    fast.fast = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto quick = SelectMitigation(eval, r, budget, fast);
+    const double quick_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    MitigationOptions old_fast = fast;
+    old_fast.fast_priced = false;
+    const auto t1 = std::chrono::steady_clock::now();
+    auto old = SelectMitigation(eval, r, budget, old_fast);
+    const double old_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    auto full = SelectMitigation(eval, r, budget, MitigationOptions{});
+    if (!quick.ok() || !full.ok() || !old.ok()) {
+      std::printf("error %s\n", label.c_str());
+      continue;
+    }
+    reference::Options ro;
+    ro.max_labels = max_labels;
+    const reference::Optimum opt = reference::Solve(g, hw, r, budget, ro, full->assignment);
+    const double best =
+        opt.proven ? opt.exposed_s : std::min(full->cost.exposed_s, quick->cost.exposed_s);
+    const double rf = (quick->cost.exposed_s + 1e-5) / (best + 1e-5);
+    const double rs = (full->cost.exposed_s + 1e-5) / (best + 1e-5);
+    const double ro_ = (old->cost.exposed_s + 1e-5) / (best + 1e-5);
+    ratios_old.push_back(ro_);
+    ratios_fast.push_back(rf);
+    ratios_full.push_back(rs);
+    std::printf("old %8.3f %.0fus new ", ro_, old_s * 1e6);
+    std::printf("%8.3f %6.3f %s %.0fus first %.1fus full %.1fus best %.1fus fits=%d %s\n", rf, rs,
+                opt.proven ? "proven" : "unprov", quick_s * 1e6, quick->cost.exposed_s * 1e6,
+                full->cost.exposed_s * 1e6, best * 1e6, quick->fits ? 1 : 0, label.c_str());
+    if (std::getenv("DUMP") && std::atoi(std::getenv("DUMP")) == i) {
+      for (size_t o = 0; o < g.ops.size(); ++o) {
+        double bytes = 0;
+        for (int t : g.ops[o].saves) bytes += g.tensors[t].Bytes(r);
+        std::printf("  %-28s f=%7.1fus saves=%8.1fMiB first=%-9s full=%-9s opt=%s\n",
+                    g.ops[o].name.c_str(), g.ops[o].ForwardTime(r) * 1e6, bytes / (1 << 20),
+                    StrategyName(quick->assignment[o]), StrategyName(full->assignment[o]),
+                    opt.proven ? StrategyName(opt.assignment[o]) : "-");
+      }
+      const AssignmentCost a = quick->cost, b = full->cost;
+      std::printf("  F=%.1fus B=%.1fus budget-M0=%.1fMiB keep-M0=%.1fMiB\n", g.ForwardTime(r) * 1e6,
+                  g.BackwardTime(r) * 1e6, (budget - g.M0(r)) / (1 << 20),
+                  (g.KeepAllBytes(r) - g.M0(r)) / (1 << 20));
+      std::printf("  first: dev %.1fMiB rec %.1f fp8 %.1f d2h %.1f h2d %.1f\n",
+                  (a.device_bytes - g.M0(r)) / (1 << 20), a.recompute_s * 1e6, a.fp8_s * 1e6,
+                  a.d2h_s * 1e6, a.h2d_s * 1e6);
+      std::printf("  full:  dev %.1fMiB rec %.1f fp8 %.1f d2h %.1f h2d %.1f\n",
+                  (b.device_bytes - g.M0(r)) / (1 << 20), b.recompute_s * 1e6, b.fp8_s * 1e6,
+                  b.d2h_s * 1e6, b.h2d_s * 1e6);
+    }
+    std::fflush(stdout);
+  }
+  auto at = [](std::vector<double> v, double q) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+  };
+  std::printf("old first: median %.3f p90 %.3f max %.3f\n", at(ratios_old, 0.5),
+              at(ratios_old, 0.9), at(ratios_old, 1.0));
+  std::printf("first: median %.3f p90 %.3f max %.3f; full: median %.3f p90 %.3f max %.3f\n",
+              at(ratios_fast, 0.5), at(ratios_fast, 0.9), at(ratios_fast, 1.0),
+              at(ratios_full, 0.5), at(ratios_full, 0.9), at(ratios_full, 1.0));
+  return 0;
+}
