@@ -80,6 +80,12 @@ for path in sys.argv[2:]:
         json.dump(snap, f)
 EOF
 
+# Symbolized stacks where an llvm-symbolizer is installed (Debian's llvm-16 or clang-14 bring one).
+if [[ -z ${ASAN_SYMBOLIZER_PATH:-} ]]; then
+  for s in llvm-symbolizer-16 llvm-symbolizer llvm-symbolizer-14; do
+    if command -v "$s" >/dev/null; then export ASAN_SYMBOLIZER_PATH; ASAN_SYMBOLIZER_PATH=$(command -v "$s"); break; fi
+  done
+fi
 export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 
