@@ -32,6 +32,8 @@ ViewMeta* MakeMeta(const at::Tensor& t) {
   m->sizes = t.sizes().vec();
   m->strides = t.strides().vec();
   m->options = at::TensorOptions().dtype(t.scalar_type()).device(t.device());
+  m->conj = t.is_conj();
+  m->neg = t.is_neg();
   return m;
 }
 
@@ -397,6 +399,8 @@ PyObject* Unpack(PackedObject* p) {
     const ViewMeta& m = *p->meta;
     at::Tensor t = at::empty({0}, m.options);
     t.set_(THPStorage_Unpack(storage), m.offset, m.sizes, m.strides);
+    if (m.conj) t = t._conj();
+    if (m.neg) t = t._neg_view();
     out = THPVariable_Wrap(std::move(t));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());

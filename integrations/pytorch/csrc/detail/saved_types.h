@@ -57,6 +57,9 @@ struct ViewMeta {
   int64_t offset = 0;
   std::vector<int64_t> sizes, strides;
   at::TensorOptions options;
+  // The view's lazy math bits (a conjugate or negative view reads its storage through them: the
+  // storage holds the data before the bit applies), put back on the rebuilt view.
+  bool conj = false, neg = false;
 };
 
 // The hooks over one tracker and what their fast paths need of it.
