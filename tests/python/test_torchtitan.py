@@ -125,47 +125,6 @@ def dynamo_counters(text: str) -> Dict[int, Tuple[int, int, int, str]]:
     return {int(m[1]): (int(m[2]), int(m[3]), int(m[4]), m[5]) for m in DYNAMO.finditer(text)}
 
 
-def offload_keeps_conjugate_views() -> bool:
-    """Whether a saved conjugate view (the conj bit set, its storage unconjugated) comes back
-    conjugated after bagualu offloaded it. The compiled deepseek_v3 block saves one (its rotary
-    tables' conj for the complex product's backward); the binding's rebuilt view
-    (csrc/packed.cc, ViewMeta: offset, sizes, strides, dtype) drops the bit."""
-    import torch
-    from torch import nn
-    import bagualu
-
-    class Block(bagualu.OpBlock):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Linear(4, 4)
-
-        def build_steps(self):
-            S = bagualu.Step
-            return [S("qkv_proj", "linear",
-                      lambda x: torch.view_as_complex(self.w(x).view(-1, 2, 2)), ("x",), ("c",)),
-                    S("out_proj", "linear", lambda c: torch.view_as_real(c * c.conj()),
-                      ("c",), ("out",))]
-
-    def grad(strategy: str) -> torch.Tensor:
-        torch.manual_seed(0)
-        m, x = Block(), torch.randn(8, 4)
-        bagualu.install(capacity="1MiB", policy="keep-all", governor="none",
-                        log_iterations=False)
-        try:
-            bagualu.instrument(m)
-            bagualu.force_strategies({"qkv_proj": strategy, "out_proj": strategy})
-            with bagualu.forward(0):
-                y = m(x).square().sum()
-            with bagualu.backward(0):
-                y.backward()
-        finally:
-            bagualu.uninstall()
-        return m.w.weight.grad
-
-    require_libs()
-    return torch.equal(grad("keep"), grad("offload"))
-
-
 def test_pipeline_1f1b_deepseek_v3_on_two_ranks(assets, tmp_path) -> None:
     """PP 2 with torchtitan's Schedule1F1B (2 micro-batches per step), deepseek_v3
     debugmodel: bagualu below every rank's keep-all peak plans offloads/recomputes on both
@@ -248,9 +207,8 @@ def test_compiled_blocks_with_expert_parallel_and_fsdp_deepseek_v3_on_two_ranks(
     torchtitan's losses and gradient norms are those of its own compiled run bit for bit.
     Its hooks on the FSDP2 units run outside dynamo (before: fullgraph failed at the first
     forward on the storages' nbytes). The compiled block saves a conjugate view (the rotary
-    product's), which an offload gives back unconjugated while the binding drops the bit
-    (``offload_keeps_conjugate_views``): the gradients then differ from step 1 on, and the
-    test xfails naming that; with the bit kept it asserts them bit for bit."""
+    product's), which the binding rebuilds with its bit (before it did not, and the gradients
+    differed from step 1 on: tests/python/test_binding.py holds the regression test)."""
     plain, ours = plain_and_bagualu(assets, tmp_path, "deepseek_v3", "deepseek_v3_debugmodel",
                                     EP2 + COMPILE, "28MiB", "none", ("--dynamo-counters",))
     compiled = re.findall(r"\[rank([01])\]:.*bagualu: the \d+ planned blocks of layers are "
@@ -268,7 +226,4 @@ def test_compiled_blocks_with_expert_parallel_and_fsdp_deepseek_v3_on_two_ranks(
         assert all(float(m[3]) <= float(m[4]) for m in lines)
     ref, got = losses(plain), losses(ours)
     assert len(ref) == 4 and sorted(got) == sorted(ref), (ref, got)
-    if ref != got and not offload_keeps_conjugate_views():
-        pytest.xfail("bagualu's offload drops the conjugate bit of a saved view (csrc/packed.cc "
-                     f"ViewMeta), which the compiled block saves: {ref} != {got}")
     assert ref == got, (ref, got)
