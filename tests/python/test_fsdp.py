@@ -191,7 +191,7 @@ def test_a_recompute_waits_for_fsdp2_to_gather_its_parameters() -> None:
         assert sharding.active and not sharding.ready(mlp, scheduled=False)
         with pytest.raises(bagualu.BagualuError, match="FSDP2 holds its parameters sharded"):
             rt.before_rerun(op, mlp)
-        rt.tracker.issuer = PointIssuer(rt.enforcer, None, lambda: None)
+        rt.tracker.issuer = PointIssuer(rt.enforcer.scheduler, None, lambda: None)
         rt.tracker.issuer.issuing = True  # as while the enforcer carries out a piece
         with pytest.raises(NotReady):
             rt.before_rerun(op, mlp)
@@ -234,10 +234,10 @@ def test_a_scheduled_recompute_that_must_wait_is_skipped_and_runs_on_demand() ->
             raise NotReady("not yet")
         return again.untyped_storage().data_ptr()
     enf.drop(h, regenerate)
-    enf.schedule_begin([{"chain": "R", "stage": 0, "round": 0, "resource": "compute",
-                         "first": 0, "last": 10}], -1, 5)
-    enf.schedule_finish()
-    assert calls == [0] and enf.skipped_pieces == 1
+    enf.scheduler.begin([{"chain": "R", "stage": 0, "round": 0, "resource": "compute",
+                          "first": 0, "last": 10}], -1, 5)
+    enf.scheduler.finish()
+    assert calls == [0] and enf.scheduler.skipped_pieces == 1
     assert enf.vocab.placement[enf.query(h).placement] == "dropped"
     enf.recompute(h)
     assert calls == [0, 1] and enf.stats()["recomputes"] == 1

@@ -143,7 +143,7 @@ def test_small_storages_stay_counted_where_their_strategy_moves_them() -> None:
         recs: dict = {}  # producer -> the placements of its records after the forward
         for r in t.by_mb.get(mb, ()):
             recs.setdefault(r.producer.name, set()).add(r.placement)
-        light = t.light_bytes(mb, in_layer_only=True)
+        light = t.store.light_bytes(mb, in_layer_only=True)
         with bagualu.backward(mb):
             y.backward()
         return recs, light, x.grad.clone()
@@ -241,12 +241,12 @@ def test_pressure_eviction_offloads_what_is_needed_last() -> None:
     for mb in range(2):
         with bagualu.forward(mb):
             outs.append(m(torch.randn(32, 16, requires_grad=True)).square().sum())
-    before = rt.tracker.device_bytes()
-    freed = rt.tracker.evict(before // 3)
+    before = rt.tracker.store.device_bytes()
+    freed = rt.tracker.mover.evict(before // 3)
     assert freed >= before // 3
     moved = [r for recs in rt.tracker.by_mb.values() for r in recs if r.placement == "host"]
     assert moved and all(r.micro_batch == 1 for r in moved)  # the later micro-batch first
-    assert rt.tracker.device_bytes() == before - freed
+    assert rt.tracker.store.device_bytes() == before - freed
     for mb in (1, 0):
         with bagualu.backward(mb):
             outs[mb].backward()
@@ -292,7 +292,7 @@ def test_failed_forward_frees_its_light_accounting() -> None:
     assert rt.memory.pool.stats()["allocated_bytes_current"] == 0
     assert 0 not in rt.tracker.light_sets
     y = forward(32)
-    assert 0 < rt.tracker.light_bytes(0) < 64 << 10
+    assert 0 < rt.tracker.store.light_bytes(0) < 64 << 10
     with bagualu.backward(0):
         y.backward()
     assert rt.memory.pool.stats()["allocated_bytes_current"] == 0
@@ -317,10 +317,10 @@ def test_light_capture_tells_a_reused_pointer_from_the_dead_storage() -> None:
     b = torch.frombuffer(memory_block, dtype=torch.uint8)
     assert b.untyped_storage().data_ptr() == key
     tr.pack(b)
-    assert tr.light_bytes(0) == 48 << 10  # b only: a died
+    assert tr.store.light_bytes(0) == 48 << 10  # b only: a died
     assert tr.light_sets[0].holds(key, b.untyped_storage())
     tr.pack(b)
-    assert tr.light_bytes(0) == 48 << 10
+    assert tr.store.light_bytes(0) == 48 << 10
 
 
 def test_offloads_overlap_the_forward_where_the_copies_do(tmp_path) -> None:
@@ -340,7 +340,7 @@ def test_offloads_overlap_the_forward_where_the_copies_do(tmp_path) -> None:
                              log_iterations=False, calibration=calibration_file(tmp_path, overlap))
         try:
             t = rt.tracker
-            assert t.offload_behind == (overlap == 1) and t.sync_offloads == (overlap == 0)
+            assert t.mover.offload_behind == (overlap == 1) and t.sync_offloads == (overlap == 0)
             bagualu.instrument(m)
             bagualu.force_strategies(offload)
             issued = []
@@ -363,11 +363,11 @@ def test_offloads_overlap_the_forward_where_the_copies_do(tmp_path) -> None:
                 # Issued, and still holding the data the copy reads when the pack returned.
                 assert issued and all(ok and p == "device" and held for ok, p, held in issued)
                 rt.enforcer.synchronize()
-                t.poll_copies()
+                t.mover.poll_copies()
             else:
                 assert not issued
             assert recs and all(r.placement == "host" and r.storage is None for r in recs)
-            assert not t.copying and not t.planned
+            assert not t.mover.copying and not t.mover.planned
             with bagualu.backward(0):
                 y.backward()
             assert t.counters["offloads"] == t.counters["reloads"] == len(recs)
@@ -386,7 +386,7 @@ def test_a_record_released_while_its_copy_runs_waits_for_it(tmp_path) -> None:
                          log_iterations=False, calibration=calibration_file(tmp_path, 1))
     try:
         t = rt.tracker
-        assert t.offload_behind
+        assert t.mover.offload_behind
         op = bagualu.vocabulary.Op("w", "linear", 0)
         t.strategy_of = lambda o, mb: bagualu.OFFLOAD
         t.begin_forward(0, capture=False)
@@ -394,16 +394,16 @@ def test_a_record_released_while_its_copy_runs_waits_for_it(tmp_path) -> None:
         big = torch.randn(16 << 20)  # 64 MiB: its copy takes milliseconds
         packed = t.pack(big)
         rec = packed.rec
-        assert rec.issued and rec.storage is not None and t.copying
+        assert rec.issued and rec.storage is not None and t.mover.copying
         ref = weakref.ref(big.untyped_storage())
         del big
         assert ref() is not None  # the record keeps what the copy reads
         del packed  # released: waits for the copy
         gc.collect()
-        assert ref() is None and not rec.issued and not t.planned
+        assert ref() is None and not rec.issued and not t.mover.planned
         assert t.counters["offloads"] == 1 and t.counters["bytes_d2h"] == 64 << 20
-        t.poll_copies()
-        assert not t.copying
+        t.mover.poll_copies()
+        assert not t.mover.copying
         st = rt.enforcer.stats()
         assert st["tracked"] == 0 and st["pinned_in_use"] == 0
     finally:
@@ -446,7 +446,7 @@ def test_fp8_pack_on_synchronous_casts_registers_and_casts_at_once() -> None:
     fp8_bytes = enf.query(rec.enf).fp8_bytes
     assert fp8_bytes == (1000 + 15) // 16 * 16 + (1000 + 127) // 128 * 4
     # The FP8 block (the enforcer's, from the pool) only: the record took no block of its own.
-    assert rec.device_bytes() == tr.device_bytes() == fp8_bytes and rec.pool_block == 0
+    assert rec.device_bytes() == tr.store.device_bytes() == fp8_bytes and rec.pool_block == 0
     tr.end_forward()
     tr.begin_backward(0)
     y = tr.unpack(p)
@@ -456,7 +456,7 @@ def test_fp8_pack_on_synchronous_casts_registers_and_casts_at_once() -> None:
         assert float((y[sl] - x[sl]).abs().max()) <= float(x[sl].abs().max()) / 16 + 1e-6
     del y, p
     gc.collect()
-    assert tr.device_bytes() == 0 and enf.stats()["tracked"] == 0
+    assert tr.store.device_bytes() == 0 and enf.stats()["tracked"] == 0
 
 
 def test_one_offloaded_activations_trip_touches_at_most_four_files(tmp_path) -> None:

@@ -64,16 +64,18 @@ def test_the_room_for_the_backwards_reloads_follows_the_copies(overlap, monkeypa
     ahead of need plus one. Counting the bound on synchronous copies shrank the budget of
     the last warm-up forward (and the last forward) to about half the others'."""
     require_libs()
-    from bagualu.capture.tracker import Tracker
+    from bagualu.capture.store import RecordStore
     monkeypatch.setenv("BGL_CALIBRATION", calibration_file(tmp_path, overlap))
     asked = []
-    real = Tracker.backward_bytes
+    real = RecordStore.backward_bytes
 
-    def spy(tracker, micro_batch, ahead):
+    def spy(store, micro_batch, ahead):
+        tracker = bagualu.current().tracker
+        assert store is tracker.store
         asked.append((tracker.reload_ahead, tracker.enforcer.max_inflight, ahead))
-        return real(tracker, micro_batch, ahead)
+        return real(store, micro_batch, ahead)
 
-    monkeypatch.setattr(Tracker, "backward_bytes", spy)
+    monkeypatch.setattr(RecordStore, "backward_bytes", spy)
     full = unmodified.train("qwen3_moe", "keep-all", capacity="4GiB", forced={}, ep=False)
     cap = max(line["peak_bytes"] for line in full["lines"]) // 2
     r = unmodified.train("qwen3_moe", "bagualu", capacity=cap, ep=False)

@@ -78,7 +78,7 @@ class IterationLog:
             point["evictions"] = evictions - point.pop("_evictions0")
 
     def note_recompute(self, ms: float, ops: int) -> None:
-        """A checkpoint region of ``ops`` operators ran its forward in ``ms``."""
+        """A recompute call reran ``ops`` operators' forward in ``ms``."""
         self.recompute_ms += ms
         self.recompute_ops += ops
 

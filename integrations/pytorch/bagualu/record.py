@@ -4,44 +4,35 @@ keeps for each saved tensor of it (``Packed``: the tensor itself while the data 
 else the view to rebuild on whatever storage holds the data then).
 
 Hook capture over many records is the tracker's (capture/tracker.py), which owns the records
-through the ``Owner`` protocol below; every move of the data goes through the enforcer
-(enforce/enforcer.py). A record's fields are the compiled binding's ``RecordBase`` (the pack hook
+through the ``Owner`` protocol below; when the data moves is the Mover's (enforce/mover.py), and
+every move of the data goes through the enforcer (enforce/enforcer.py). A record's fields are the compiled binding's ``RecordBase`` (the pack hook
 makes and fills records there without a Python frame) and ``Packed`` is the binding's; the moves
 are here. Not thread-safe: records are used from the training thread, like autograd's hooks.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
 
 from .enforce.enforcer import fp8_supported
+from .enforce.mover import Mover
 from .errors import BagualuError
 from .native import ext
-from .vocabulary import OFFLOAD, RECOMPUTE, Op
-
-DEVICE, HOST, FP8_PLACE, DROPPED = "device", "host", "fp8", "dropped"  # placements
+from .vocabulary import DEVICE, DROPPED, FP8_PLACE, HOST, OFFLOAD, RECOMPUTE, Op
 
 
 class Owner(Protocol):
     """What a record needs from the tracker that owns it (capture/tracker.py)."""
 
     enforcer: Any                      # enforce.enforcer.Enforcer
-    issuer: Any                        # enforce.order.PointIssuer, or None
+    mover: Mover                       # its planned and copying records, track, acquired
+    store: Any                         # capture/store.py's RecordStore: retire(rec)
     counters: Dict[str, int]
     pool_backed: bool
-    planned: Dict[int, "Record"]
     device_alloc: Callable[[int], int]
     device_free: Callable[[int, int], None]
-
-    def enforcer_failed(self, what: str, error: Exception) -> None: ...
-
-    def acquired(self, micro_batch: int) -> None: ...
-
-    def retire(self, rec: "Record") -> None: ...
-
-    def track(self, rec: "Record") -> int: ...
 
 
 _C = ext.load()
@@ -132,7 +123,7 @@ class Record(_C.RecordBase):
         its storage already, so it stays where it is)."""
         if self.lazy:
             self.lazy = False
-            self.enf = self.tracker.track(self)
+            self.enf = self.tracker.mover.track(self)
         return self.enf
 
     def offload(self) -> int:
@@ -145,16 +136,16 @@ class Record(_C.RecordBase):
             if not self.tracked():
                 return 0
             if not (self.planned and t.enforcer.offloaded(self.enf)):
-                t.enforcer.offload(self.enf)  # in need_order() (given at registration)
+                t.enforcer.offload(self.enf)  # in need order (given at registration)
         except BagualuError as e:  # e.g. the pinned pool is full: the data stays
-            t.enforcer_failed("offload", e)
+            t.mover.enforcer_failed("offload", e)
             return 0
         return self.left_for_host()
 
     def offload_behind(self) -> bool:
         """Issues the offload without waiting for its copy (the host backend's copy threads
-        overlap compute): the device data stays, the copy reading it, until the tracker sees
-        the copy done (Tracker.poll_copies: left_for_host); whether it was issued."""
+        overlap compute): the device data stays, the copy reading it, until the Mover sees
+        the copy done (Mover.poll_copies: left_for_host); whether it was issued."""
         if not self.movable():
             return False
         t = self.tracker
@@ -163,11 +154,11 @@ class Record(_C.RecordBase):
                 return False
             t.enforcer.offload(self.enf, wait=False)
         except BagualuError as e:
-            t.enforcer_failed("offload", e)
+            t.mover.enforcer_failed("offload", e)
             return False
         self.planned = self.issued = True  # offload() completes it as a planned offload
-        t.planned[self.enf] = self
-        t.copying.append(self)
+        t.mover.planned[self.enf] = self
+        t.mover.copying.append(self)
         return True
 
     def plan_offload(self) -> None:
@@ -176,18 +167,13 @@ class Record(_C.RecordBase):
         self.planned = True
         self.tracker.enforcer.set_strategy(self.enf, OFFLOAD)
 
-    def need_order(self) -> int:
-        """The enforcer's reload order key (smaller: needed sooner; given at registration):
-        within a micro-batch the backward needs the last saved storage first."""
-        return (self.micro_batch << 32) + (1 << 31) - 1 - (self.seq % (1 << 31))
-
     def left_for_host(self) -> int:
         """The enforcer holds the data in its pinned pool now: let the device copy go; bytes
         freed."""
         t = self.tracker
         if self.planned:  # carried out before its O chain round (pressure, or no room)
             self.planned = self.issued = False
-            t.planned.pop(self.enf, None)
+            t.mover.planned.pop(self.enf, None)
         self._leave_device()
         self.storage = None
         self.placement = HOST
@@ -206,7 +192,7 @@ class Record(_C.RecordBase):
                 self.tracker.enforcer.set_strategy(self.enf, RECOMPUTE)
                 self.tracker.enforcer.drop(self.enf, self._regenerate)
             except BagualuError as e:
-                self.tracker.enforcer_failed("drop", e)
+                self.tracker.mover.enforcer_failed("drop", e)
                 return 0
         self._leave_device()
         self.storage = None
@@ -229,7 +215,7 @@ class Record(_C.RecordBase):
                 return 0
             fp8_bytes = t.enforcer.store_fp8(self.enf)
         except BagualuError as e:
-            t.enforcer_failed("fp8 cast", e)
+            t.mover.enforcer_failed("fp8 cast", e)
             return 0
         return self.stored_fp8(fp8_bytes)
 
@@ -270,7 +256,7 @@ class Record(_C.RecordBase):
         self.live_block = True
         self._enforcer_bytes(self.nbytes)
         if placement == HOST:
-            t.acquired(self.micro_batch)
+            t.mover.acquired(self.micro_batch)
             t.counters["reloads"] += 1
             t.counters["bytes_h2d"] += self.nbytes
         else:
@@ -326,13 +312,13 @@ class Record(_C.RecordBase):
         self._unaccount()
         if self.planned:
             self.planned = False
-            self.tracker.planned.pop(self.enf, None)
+            self.tracker.mover.planned.pop(self.enf, None)
         self.storage = self.regen = None
         self.packs = None
         self.released = True
         if not self.live_block:  # else once PyTorch lets go of the enforcer's block
             self._retire()
-        self.tracker.retire(self)
+        self.tracker.store.retire(self)
 
 
 class _Plain:

@@ -1,12 +1,12 @@
 """The per-process runtime behind bagualu.install(): it composes the rooms (device memory,
 enforcer, tracker, strategies, plans, iteration log), instruments one model, and runs each
-micro-batch's forward and backward under the saved-tensor hooks.
+micro-batch's forward and backward under the saved-tensor hooks. What the hooks ask of it (the
+Host of capture/host.py) is hooks_host.py's.
 
 One Runtime per process (installer.py creates it; the public API in __init__.py drives it)."""
 from __future__ import annotations
 
 import atexit
-import fnmatch
 import gc
 import logging
 from contextlib import contextmanager
@@ -27,7 +27,8 @@ from .discovery.sharding import Sharding, refuse_legacy_wrappers
 from .enforce.device import DeviceMemory
 from .enforce.enforcer import Enforcer
 from .enforce.pool import DevicePool
-from .errors import BagualuError, InstrumentError, NotReady
+from .errors import InstrumentError
+from .hooks_host import HooksHost
 from .iteration import IterationLog
 from .planning import graph
 from .planning.governor import Governor
@@ -69,9 +70,9 @@ def freeze_long_lived() -> None:
 MIN_MOVE_BYTES = 16 << 10
 
 
-class Runtime:
-    """State of bagualu in this process (see module docstring); implements capture/host.py's
-    Host for the hooks it installs. Not thread-safe: the training thread drives it (the pool's
+class Runtime(HooksHost):
+    """State of bagualu in this process (see module docstring); the Host of the hooks it
+    installs (hooks_host.py). Not thread-safe: the training thread drives it (the pool's
     pressure callback runs on the allocating thread)."""
 
     def __init__(self, settings: Settings, governor: Optional[Governor],
@@ -88,74 +89,27 @@ class Runtime:
             self.device, settings.pinned_capacity,
             borrowed_free_is_safe=self.device.type == "cuda" and _active.cuda_allocator_swapped,
             evict=evict, fp8_block=settings.fp8_block, sync_copies=settings.sync_copies)
-        self.strategies = Strategies(settings.policy)
-        self.tracker = Tracker(self.memory, self.enforcer, self.strategies.of,
-                               fp8_block=settings.fp8_block,
-                               light_grain=max(settings.capacity >> 10, 4 << 10)
-                               if pool is not None else 0,
-                               evict_fp8=bagualu and settings.allow_fp8,
-                               min_move_bytes=min(MIN_MOVE_BYTES, settings.capacity >> 12))
-        self.log = IterationLog(settings.policy, settings.capacity, settings.log_iterations)
-        self.planning = Planning(settings, governor, self.strategies, self.tracker,
-                                 self.enforcer, self.log)
+        strategies = Strategies(settings.policy)
+        tracker = Tracker(self.memory, self.enforcer, strategies.of,
+                          fp8_block=settings.fp8_block,
+                          light_grain=max(settings.capacity >> 10, 4 << 10)
+                          if pool is not None else 0,
+                          evict_fp8=bagualu and settings.allow_fp8,
+                          min_move_bytes=min(MIN_MOVE_BYTES, settings.capacity >> 12))
+        log = IterationLog(settings.policy, settings.capacity, settings.log_iterations)
+        planning = Planning(settings, governor, strategies, tracker, self.enforcer, log)
+        super().__init__(self.device, tracker, strategies, planning, log)
         self.governor = governor
         self.auto: Optional[AutoLayers] = None        # hooks of an unmodified model
         self.discovery: Optional[discover.Discovery] = None  # its layers and operators
         self.block_path: Optional[BlockPath] = None    # a model of bagualu.OpBlock layers
         self.layer_ops: Dict[int, List[Op]] = {}      # planned layer -> its operators
         self.model_info: Dict[str, Any] = {}
-        self.op_ms: Dict[str, float] = {}             # operator -> forward ms (capture)
-        self.sharding: Optional[Sharding] = None      # the model's FSDP2 modules
-        # What the model's own checkpointing hides from the capture (capture/foreign.py).
-        self.hidden = foreign.Hidden(self.tracker.pack, lambda: self.tracker.param_keys)
-        self.forwarding = False
         self._capture_unit = -1
         self.log.begin(self.tracker.counters, self.memory.oom_count)
 
     def _evict(self, needed: int) -> int:
-        return self.tracker.evict(needed)
-
-    # -- Host (capture/host.py) -------------------------------------------------------------
-    @property
-    def capturing(self) -> bool:
-        return self.tracker.capture
-
-    @property
-    def may_defer(self) -> bool:
-        return self.strategies.may_defer
-
-    def strategy_of(self, op: Op, unit: int) -> str:
-        return self.strategies.of(op, unit)
-
-    def op_time(self, name: str, ms: float) -> None:
-        self.op_ms[name] = self.op_ms.get(name, 0.0) + ms
-
-    def observe_router(self, layer: int, load: float) -> bool:
-        return self.planning.observe_router(self.tracker.micro_batch, layer, load)
-
-    def note_load(self, layer: int, load: float) -> None:
-        self.planning.note_load(self.tracker.micro_batch, load)
-
-    def note_recompute(self, ms: float, ops: int) -> None:
-        self.log.note_recompute(ms, ops)
-
-    def before_rerun(self, op: Op, fn: object) -> None:
-        sharding = self.sharding
-        if sharding is None or not sharding.active or not isinstance(fn, nn.Module):
-            return
-        issuer = self.tracker.issuer
-        scheduled = issuer is not None and issuer.issuing
-        if sharding.ready(fn, scheduled):
-            return
-        if scheduled:  # counted: tracker counter rerun_waits
-            c = self.tracker.counters
-            c["rerun_waits"] = c.get("rerun_waits", 0) + 1
-            raise NotReady(f"recompute of {op.qualname} waits for FSDP2 to gather its "
-                           "parameters (its layer's backward)")
-        raise BagualuError(
-            f"recompute of {op.qualname} ({type(fn).__name__}): FSDP2 holds its parameters "
-            "sharded now (its layer's backward has not started, or has ended), so it cannot "
-            "be rerun; keep this operator with ops= or force_strategies")
+        return self.tracker.mover.evict(needed)
 
     # -- instrumentation --------------------------------------------------------------------
     @property
@@ -199,16 +153,7 @@ class Runtime:
                                           "live on other ranks); expert_parallel=/"
                                           "local_experts= simulate it: give one or the other")
                 patterns = dispatch_hooks.patterns_of(dispatch)
-                given = dict(ops or {})
-                first = discover.find(model, layers, given)
-                block = first.blocks[first.planned[0]]
-                ops = dict(given)
-                for p in dispatch_hooks.module_patterns(block, patterns):
-                    ops.setdefault(p, "dispatch")
-                for p, kind in dispatch_hooks.holder_kinds(block, patterns,
-                                                           discover.classify).items():
-                    if not any(fnmatch.fnmatchcase(p, g) for g in given):
-                        ops[p] = kind
+                ops = dispatch_hooks.operators_with(model, layers, ops, patterns)
                 dispatches = dispatch_hooks.Dispatches(self, patterns)
             found = discover.find(model, layers, ops)
             if self.chunks > 1 and (len(found.planned) % self.chunks
@@ -246,12 +191,9 @@ class Runtime:
     def _describe_capture(self) -> None:
         """After the capture micro-batch: the layer graph of what PyTorch saved, to the
         governor."""
-        t = self.tracker
         # What the backward will need: records released during the forward (graph pieces
         # that lead nowhere, e.g. a router's selection arithmetic) held memory only briefly.
-        live = t.by_mb.get(self._capture_unit, set())
-        recs = [r for r in t.captured if r in live]
-        t.captured = []
+        recs = self.tracker.store.take_captured(self._capture_unit)
         loads = self.planning.loads.get(self._capture_unit, [])
         load0 = loads[0] if loads else 1.0
         if self.auto is not None:
@@ -296,7 +238,7 @@ class Runtime:
         if self.policy != "bagualu" or not self.memory.pool_backed:
             return True
         predicted = self.planning.plans.get(unit, {}).get("predicted_bytes", self.capacity)
-        return self.tracker.device_bytes() + 1.25 * predicted <= self.capacity
+        return self.tracker.store.device_bytes() + 1.25 * predicted <= self.capacity
 
     def _mitigations(self) -> tuple:
         c = self.tracker.counters
@@ -329,10 +271,11 @@ class Runtime:
             self.hidden.close()
             t.end_forward()
             if unit in t.scheduled:
-                t.place_planned(unit, self.planning.locate, later=True)
+                t.mover.place_planned(unit, self.planning.locate, later=True)
         load = self.planning.forward_ended(unit)
         self.log.loads.append(load)
-        captured = graph.produced_in_layers(t.by_mb.get(unit, ())) + t.light_bytes(unit, True)
+        captured = (graph.produced_in_layers(t.by_mb.get(unit, ()))
+                    + t.store.light_bytes(unit, True))
         if capture:
             self._describe_capture()
         description = self.planning.description
@@ -344,10 +287,10 @@ class Runtime:
                                       float(captured)))
         if self.planning.ready and unit in self.planning.plans:
             # The allocator's figures matter to the daemon only (bgl-top, the node's grants).
-            stats = (self.memory.report_stats(t.device_bytes(),
+            stats = (self.memory.report_stats(t.store.device_bytes(),
                                               self.enforcer.stats().get("pinned_in_use", 0))
                      if getattr(self.governor, "remote", None) is not None else None)
-            self.planning.report(unit, t.planned_bytes(unit), stats)
+            self.planning.report(unit, t.store.planned_bytes(unit), stats)
 
     @contextmanager
     def backward(self, mb: int, chunk: int = 0) -> Iterator[None]:
@@ -382,7 +325,7 @@ class Runtime:
         out: Dict[str, Any] = {"policy": self.policy, "device": str(self.device),
                                "capacity_bytes": self.capacity,
                                "tracker": dict(self.tracker.counters),
-                               "activation_bytes": self.tracker.device_bytes(),
+                               "activation_bytes": self.tracker.store.device_bytes(),
                                "ooms": self.memory.oom_count,
                                "governor": self.governor.kind if self.governor else None,
                                "grant_bytes": getattr(self.governor, "grant", None),

@@ -1,4 +1,5 @@
-"""The vocabulary shared by every part of the package: strategies, operator kinds, Op.
+"""The vocabulary shared by every part of the package: strategies, placements, operator kinds,
+Op.
 
 No imports from the rest of the package (it sits at the bottom of the dependency order).
 Immutable values; safe from any thread."""
@@ -8,6 +9,9 @@ from dataclasses import dataclass
 
 KEEP, RECOMPUTE, OFFLOAD, FP8 = "keep", "recompute", "offload", "fp8"
 STRATEGIES = (KEEP, RECOMPUTE, OFFLOAD, FP8)
+# Where a record's data is (the enforcer's placement names): on the device, on the host, as an
+# FP8 copy, dropped for recompute.
+DEVICE, HOST, FP8_PLACE, DROPPED = "device", "host", "fp8", "dropped"
 
 KINDS = ("norm", "linear", "attention", "router", "dispatch", "combine", "expert_linear",
          "expert_activation", "shared_linear", "shared_activation", "comm", "other")

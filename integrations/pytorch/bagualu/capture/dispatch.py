@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..discovery import find as discover
 from ..errors import InstrumentError
 from .host import Host
 
@@ -68,6 +69,23 @@ def holder_kinds(block: nn.Module, patterns: Sequence[str],
             m = mods[rel]
             if classify(rel, m, [c for c, _ in m.named_children()]) in SCALING_KINDS:
                 out[rel] = "other"
+    return out
+
+
+def operators_with(model: nn.Module, layers: Any, ops: Optional[Dict[str, str]],
+                   patterns: Sequence[str]) -> Dict[str, str]:
+    """``ops`` (instrument's) for a model whose dispatch ``patterns`` name: the modules they
+    name are ``dispatch`` operators and the modules containing one take a kind that does not
+    scale with the load (holder_kinds), unless ``ops`` names them itself."""
+    given = dict(ops or {})
+    first = discover.find(model, layers, given)
+    block = first.blocks[first.planned[0]]
+    out = dict(given)
+    for p in module_patterns(block, patterns):
+        out.setdefault(p, "dispatch")
+    for p, kind in holder_kinds(block, patterns, discover.classify).items():
+        if not any(fnmatch.fnmatchcase(p, g) for g in given):
+            out[p] = kind
     return out
 
 

@@ -13,7 +13,8 @@ from .tracker import Tracker
 
 
 class Host(Protocol):
-    """The runtime as the hooks see it (runtime.Runtime implements it)."""
+    """The runtime as the hooks see it (hooks_host.HooksHost implements it, and so
+    runtime.Runtime)."""
 
     forwarding: bool          # a micro-batch's forward runs (a recompute rerun is not one)
     tracker: Tracker
@@ -51,5 +52,5 @@ class Host(Protocol):
         ...
 
     def note_recompute(self, ms: float, ops: int) -> None:
-        """A checkpoint region of ``ops`` operators ran its forward in ``ms``."""
+        """A recompute call reran ``ops`` operators' forward in ``ms``."""
         ...

@@ -3,6 +3,7 @@ coarse blocks of the device memory (one allocator call per grain instead of two 
 Not thread-safe: the training thread."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -10,7 +11,8 @@ import torch
 
 class LightSet:
     """The storages one light micro-batch saved, accounted in blocks of the tracker's
-    light_grain bytes (one allocator call per chunk instead of two per storage)."""
+    light_grain bytes (one allocator call per chunk instead of two per storage). Not
+    thread-safe: the training thread."""
 
     __slots__ = ("alloc", "free_block", "grain", "micro_batch", "sizes", "used", "reserved", "blocks")
 
@@ -39,6 +41,16 @@ class LightSet:
             self.blocks.append((block, size))
             self.reserved += size
         self.used = used
+
+    def count(self, storage: torch.UntypedStorage, key: int, nbytes: int, inside: bool) -> None:
+        """Counts ``storage`` (``nbytes`` at pointer ``key``), saved inside the layers or not
+        (``inside``); a dead storage counted at the same pointer is forgotten. OutOfMemoryError
+        as grow's."""
+        seen = self.sizes.get(key)
+        if seen is not None:
+            self.forget(abs(seen[1]))
+        self.grow(nbytes)
+        self.sizes[key] = (weakref.ref(storage), nbytes if inside else -nbytes)
 
     def forget(self, nbytes: int) -> None:
         """A counted storage died before backward (its blocks stay until the set is freed)."""

@@ -2,11 +2,12 @@
 
 At a scheduling point F_x B_y the plan orders four chains: F (forward of x), B (backward of y),
 O (offloads of the forward before x) and R (reloads and recomputes of the backward after y). The
-package hands the order to the enforcer's stream scheduler (bgl_enf_schedule_begin) and tells it
-where compute is: the forward entering an operator, the backward unpacking an activation
-(bgl_enf_schedule_reached). The scheduler issues each O/R piece once compute reached its round,
-at most a bounded number in flight; the package then lets go of the device copies of the
-activations whose offload completed (bgl_enf_take_offloaded).
+package hands the order to the enforcer's stream scheduler (enforce/scheduler.py,
+bgl_enf_schedule_begin) and tells it where compute is: the forward entering an operator, the
+backward unpacking an activation (bgl_enf_schedule_reached). The scheduler issues each O/R piece
+once compute reached its round, at most a bounded number in flight; the package then lets go of
+the device copies of the activations whose offload completed (the Mover's collect_offloaded,
+enforce/mover.py).
 
 Operator and tensor indices are those of the planner's stage graph (the description): the
 package maps its operators by name ("L<layer within the chunk>.<operator>") and its records by
@@ -77,10 +78,12 @@ class RankSchedule:
 
 
 class PointIssuer:
-    """The issue order of the current scheduling point, carried out through the enforcer."""
+    """The issue order of the current scheduling point, carried out through the enforcer's
+    stream scheduler (``scheduler``: enforce/scheduler.py). Not thread-safe: the training
+    thread (and autograd's while the training thread waits in backward())."""
 
-    def __init__(self, enforcer: Any, index: StageGraphIndex, collect: Any) -> None:
-        self.enforcer = enforcer
+    def __init__(self, scheduler: Any, index: StageGraphIndex, collect: Any) -> None:
+        self.scheduler = scheduler
         self.index = index
         self.collect = collect  # lets go of the device copies whose offload completed
         self.active = False
@@ -97,7 +100,7 @@ class PointIssuer:
     def begin(self, order: Sequence[Dict[str, Any]], forward_key: int, backward_key: int,
               offload_key: int, recover_key: int) -> None:
         """Loads a point's order (the previous point's pieces are finished first)."""
-        self.enforcer.schedule_begin(order, offload_key, recover_key)
+        self.scheduler.begin(order, offload_key, recover_key)
         self.active = True
         self.forward_key, self.backward_key = forward_key, backward_key
         self.f_stages = sorted((it["first"], it["stage"]) for it in order if it["chain"] == "F")
@@ -130,7 +133,7 @@ class PointIssuer:
         try:
             while n < len(stages) and passed(stages[n][0], i):
                 n += 1
-                self.enforcer.schedule_reached(chain, stages[n - 1][1])
+                self.scheduler.reached(chain, stages[n - 1][1])
             if n != start:
                 self.collect()
         finally:
@@ -143,7 +146,7 @@ class PointIssuer:
             self.active = False
             self.issuing = True
             try:
-                self.enforcer.schedule_finish()
+                self.scheduler.finish()
                 self.collect()
             finally:
                 self.issuing = False

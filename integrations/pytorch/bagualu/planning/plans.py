@@ -98,8 +98,8 @@ class Planning:
         if bagualu and self.description is not None:
             self.index = order.StageGraphIndex(self.description,
                                                self.layer_count // max(s.chunks, 1))
-            self.tracker.set_issuer(order.PointIssuer(self.enforcer, self.index,
-                                                      self.tracker.collect_offloaded))
+            self.tracker.set_issuer(order.PointIssuer(self.enforcer.scheduler, self.index,
+                                                      self.tracker.mover.collect_offloaded))
             self.rank_schedule = order.RankSchedule(self.description.get("steps", []))
         if s.policy == "static-under":
             self.strategies.static = self.governor.static_plan(
@@ -132,21 +132,21 @@ class Planning:
         load = max(self.last_load, 0.05)
         forward = (forward_mb, forward_chunk)
         backward = (backward_mb, backward_chunk) if backward_mb is not None else None
-        t = self.tracker
+        t, memory = self.tracker, self.tracker.store
         # Algorithm 1 counts what the live micro-batches hold once their plans are carried
         # out (docs/algorithms.md sec. 3: a planned offload waiting for its O chain is gone;
         # the bytes outside the layers were set aside from the capacity at register) and what
         # R chains brought back, or this point's brings back, ahead of a backward.
-        in_use = t.planned_bytes() + sum(t.host_bytes(u) for u in self.reloaded_ahead)
+        in_use = memory.planned_bytes() + sum(memory.host_bytes(u) for u in self.reloaded_ahead)
         if backward is not None and unit_id(*backward) not in self.reloaded_ahead:
             # This point's backward runs after the forward planned here, and brings its
             # offloaded and dropped activations back while it runs: their room at once (the
             # enforcer's bound ahead of need, or one at a time on synchronous copies).
-            in_use += t.backward_bytes(unit_id(*backward),
-                                       self.enforcer.max_inflight if t.reload_ahead else 0)
+            in_use += memory.backward_bytes(unit_id(*backward),
+                                            self.enforcer.max_inflight if t.reload_ahead else 0)
         recover = self._reload_ahead(backward, load, in_use)
         if recover is not None:
-            in_use += t.host_bytes(unit_id(*recover))
+            in_use += memory.host_bytes(unit_id(*recover))
         point: Dict[str, Any] = {"phase": phase, "forward_micro_batch": int(forward_mb),
                                  "load_factor": load, "bytes_in_use": int(in_use)}
         if backward_mb is not None:
@@ -167,11 +167,11 @@ class Planning:
         self.strategies.set_plan(unit, {self._global_name(o["name"], forward_chunk):
                                         o["strategy"] for o in plan["operators"]})
         self.budget = min(self.budget, plan["budget_bytes"])
-        pending = t.pending_bytes()
+        pending = t.mover.pending_bytes()
         if pending and in_use + pending + plan["predicted_bytes"] > self.plan_capacity:
             # The earlier forward's offloads were to run under this one, but this forward's
             # plan needs their room: they go first.
-            t.offload_pending()
+            t.mover.offload_pending()
             pending = 0
         # This forward's own offloads may wait for the next point's O chain while it holds
         # them beside its plan's prediction (the next point flushes them if its forward needs
@@ -197,7 +197,8 @@ class Planning:
         if after is None:
             return None
         keep_all = graph.keep_all_bytes(self.description, load)
-        if in_use + self.tracker.host_bytes(unit_id(*after)) + keep_all > self.plan_capacity:
+        if in_use + self.tracker.store.host_bytes(unit_id(*after)) + keep_all \
+                > self.plan_capacity:
             return None
         return after
 
