@@ -215,7 +215,8 @@ PyObject* DtypeOf(HooksObject* h, PyObject* t, at::ScalarType st) {
   return d;
 }
 
-// Tracker.op_id: the enforcer's number of an operator (stable for the tracker's life).
+// Mover.op_id (enforce/mover.py): the enforcer's number of an operator (stable for the tracker's
+// life).
 bool OpId(HooksObject* h, PyObject* op, int* out) {
   PyObject* ids = Get(h->tracker, names.op_ids);
   if (ids == nullptr) return false;
@@ -343,7 +344,7 @@ PyObject* NewRecord(HooksObject* h, const Saved& s, PyObject* producer, PyObject
   return rec;
 }
 
-// Tracker._move_at_once on synchronous copies: the enforcer registers the new record and copies
+// Mover._move_at_once on synchronous copies: the enforcer registers the new record and copies
 // it to its pinned pool (`fp8` false) or casts it to FP8 (true) in one call, and the device copy
 // goes (Record.left_for_host, Record.stored_fp8). A failure is the tracker's (_move_outcome: the
 // error said, the record accounted on the device).
@@ -361,7 +362,8 @@ bool MoveAtOnce(HooksObject* h, RecordObject* r, bool fp8) {
   d.ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(r->ptr));
   d.bytes = static_cast<size_t>(r->nbytes);
   d.micro_batch = static_cast<int>(r->micro_batch);
-  // Record.need_order: within a micro-batch the backward needs the last saved storage first.
+  // enforce/mover.py need_order: within a micro-batch the backward needs the last saved storage
+  // first.
   d.need_order = (r->micro_batch << 32) + (1LL << 31) - 1 - (r->seq % (1LL << 31));
   d.consumer = consumer;
   r->lazy = 0;
@@ -410,7 +412,7 @@ bool MoveAtOnce(HooksObject* h, RecordObject* r, bool fp8) {
 }
 
 // The producer (a new reference) of the storage: a noted producer, else the innermost operator
-// running now (Tracker._producer_call).
+// running now (ForwardScope.producer_call, capture/scope.py).
 PyObject* ProducerOf(HooksObject* h, PyObject* key, c10::StorageImpl* impl, PyObject* op) {
   PyObject* producers = Get(h->tracker, names.producers);
   if (producers == nullptr) return nullptr;
@@ -608,7 +610,7 @@ PyObject* Pack(PyObject* self, PyObject* t) {
     if (unkeyed == nullptr) goto done;
     const bool pending = PyDict_Check(unkeyed) && PyDict_GET_SIZE(unkeyed) > 0;
     Py_DECREF(unkeyed);
-    if (pending) {  // a recompute call may drop it now (Tracker._drop_found)
+    if (pending) {  // a recompute call may drop it now (Mover.drop_found)
       rec = nullptr;
       out = PackInPython(h, t);
       goto done;

@@ -144,7 +144,8 @@ bool Retire(HooksObject* h, RecordObject* r) {
   return close >= 0;
 }
 
-// Tracker.retire: the record leaves the live records of its storage and its unit.
+// RecordStore.retire (capture/store.py): the record leaves the live records of its storage and
+// its unit.
 bool Forget(RecordObject* r) {
   PyObject* rec = reinterpret_cast<PyObject*>(r);
   PyObject* live = Get(r->tracker, names.live);
