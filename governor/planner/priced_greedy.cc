@@ -15,12 +15,9 @@ struct Terms {
   double mem = 0, local = 0, d2h = 0, h2d = 0, host = 0;
 };
 
-// How a unit's operators move: all alike, except kFp8, where an operator that may not store FP8
-// recomputes instead.
-enum class Pattern : uint8_t { kKeep, kOffload, kFp8, kRecompute };
-
+// One way to move a unit: a strategy for each of its operators, and what it costs.
 struct Option {
-  Pattern pattern = Pattern::kKeep;
+  std::vector<Strategy> strategies;  // in the order of Unit::ops
   Terms terms;
 };
 
@@ -43,10 +40,11 @@ class Model {
       : eval_(eval), g_(eval.graph()), options_(options) {
     const HardwareProfile& hw = eval.hw();
     const size_t n = g_.ops.size(), nt = g_.tensors.size();
-    limit_ = budget - g_.M0(r) + 1e-9 * std::max(1.0, budget);
-    host_limit_ = options.host_limit_bytes < 0
-                      ? -1
-                      : options.host_limit_bytes + 1e-9 * std::max(1.0, options.host_limit_bytes);
+    base_limit_ = budget - g_.M0(r);
+    slack_ = 1e-9 * std::max(1.0, budget);
+    limit_ = base_limit_ + slack_;
+    host_slack_ = 1e-9 * std::max(1.0, options.host_limit_bytes);
+    host_limit_ = options.host_limit_bytes < 0 ? -1 : options.host_limit_bytes + host_slack_;
     forward_window_ = hw.copy_overlap * g_.ForwardTime(r);
     backward_window_ = hw.copy_overlap * g_.BackwardTime(r);
     forward_s_.resize(n);
@@ -91,18 +89,17 @@ class Model {
     }
     dropped_.assign(nt, 0);
     rerun_.assign(n, 0);
+    strategy_.assign(n, Strategy::kKeep);
     for (Unit& u : units_) {
-      u.options.push_back({Pattern::kKeep, Measure(u, Pattern::kKeep)});
-      if (options.allow_offload)
-        u.options.push_back({Pattern::kOffload, Measure(u, Pattern::kOffload)});
-      if (options.allow_fp8 && Fp8Possible(u)) {
-        u.options.push_back({Pattern::kFp8, Measure(u, Pattern::kFp8)});
-      }
-      if (options.allow_recompute) {
-        u.options.push_back({Pattern::kRecompute, Measure(u, Pattern::kRecompute)});
-      }
+      Options(u);
       Add(keep_, u.options[0].terms, 1);
     }
+  }
+
+  // Plans a hair below the budget and the host limit instead of a hair above them.
+  void Tighten() {
+    limit_ = base_limit_ - slack_;
+    if (host_limit_ >= 0) host_limit_ = std::max(0.0, options_.host_limit_bytes - host_slack_);
   }
 
   // A unit state: the option of each unit, and the chunk's terms under it.
@@ -208,9 +205,27 @@ class Model {
   // hold, until none does (at most `passes` switches).
   void Improve(State& s, int passes) const {
     const size_t nu = units_.size();
+    // A switch of one unit and what it changes.
+    struct Move {
+      int unit, option;
+      Terms delta;
+    };
+    std::vector<Move> saving;  // the switches that free bytes, most bytes first
     for (int pass = 0; pass < passes; ++pass) {
-      const double now = Cost(s.total);
-      double best = now - 1e-12;
+      saving.clear();
+      for (size_t v = 0; v < nu; ++v) {
+        const std::vector<Option>& ov = units_[v].options;
+        const Terms& cv = ov[s.option[v]].terms;
+        for (size_t j = 0; j < ov.size(); ++j) {
+          if (ov[j].terms.mem >= cv.mem) continue;
+          Move m{static_cast<int>(v), static_cast<int>(j), ov[j].terms};
+          Add(m.delta, cv, -1);
+          saving.push_back(m);
+        }
+      }
+      std::sort(saving.begin(), saving.end(),
+                [](const Move& x, const Move& y) { return x.delta.mem < y.delta.mem; });
+      double best = Cost(s.total) - 1e-12;
       int bu = -1, bk = -1, bv = -1, bj = -1;
       for (size_t u = 0; u < nu; ++u) {
         const std::vector<Option>& ou = units_[u].options;
@@ -230,23 +245,17 @@ class Model {
             continue;
           }
           // Over the budget: another unit must give up the difference.
-          for (size_t v = 0; v < nu; ++v) {
-            if (v == u) continue;
-            const std::vector<Option>& ov = units_[v].options;
-            const Terms& cv = ov[s.option[v]].terms;
-            for (size_t j = 0; j < ov.size(); ++j) {
-              const Terms& to = ov[j].terms;
-              if (to.mem >= cv.mem || t.mem - cv.mem + to.mem > limit_) continue;
-              Terms w = t;
-              Add(w, cv, -1);
-              Add(w, to, 1);
-              if (host_limit_ >= 0 && w.host > host_limit_) continue;
-              const double c = Cost(w);
-              if (c < best) {
-                best = c;
-                bu = static_cast<int>(u), bk = static_cast<int>(k);
-                bv = static_cast<int>(v), bj = static_cast<int>(j);
-              }
+          for (const Move& m : saving) {
+            if (t.mem + m.delta.mem > limit_) break;  // the rest free fewer bytes
+            if (m.unit == static_cast<int>(u)) continue;
+            Terms w = t;
+            Add(w, m.delta, 1);
+            if (host_limit_ >= 0 && w.host > host_limit_) continue;
+            const double c = Cost(w);
+            if (c < best) {
+              best = c;
+              bu = static_cast<int>(u), bk = static_cast<int>(k);
+              bv = m.unit, bj = m.option;
             }
           }
         }
@@ -261,8 +270,8 @@ class Model {
   Assignment ToAssignment(const State& s) const {
     Assignment a(g_.ops.size(), Strategy::kKeep);
     for (size_t u = 0; u < units_.size(); ++u) {
-      const Pattern p = units_[u].options[s.option[u]].pattern;
-      for (int o : units_[u].ops) a[o] = StrategyOf(o, p);
+      const Option& x = units_[u].options[s.option[u]];
+      for (size_t i = 0; i < x.strategies.size(); ++i) a[units_[u].ops[i]] = x.strategies[i];
     }
     return a;
   }
@@ -299,41 +308,96 @@ class Model {
     }
   }
 
-  Strategy StrategyOf(int o, Pattern p) const {
-    switch (p) {
-      case Pattern::kKeep:
-        return Strategy::kKeep;
-      case Pattern::kOffload:
-        return Strategy::kOffload;
-      case Pattern::kFp8:
-        return eval_.Allowed(o, Strategy::kFp8) ? Strategy::kFp8 : Strategy::kRecompute;
-      case Pattern::kRecompute:
-        return Strategy::kRecompute;
+  // The unit's options: every conflict-free combination of its operators' strategies when there
+  // are at most kEnumerated, else each strategy for all of them (an operator that may not take it
+  // recomputes, or keeps) and those with one operator changed. Options another option dominates
+  // (no more bytes, seconds or host bytes) are dropped; keep-all is options[0].
+  void Options(Unit& u) {
+    constexpr size_t kEnumerated = 256;
+    const size_t k = u.ops.size();
+    std::vector<std::vector<Strategy>> choices(k);
+    size_t count = 1;
+    for (size_t i = 0; i < k; ++i) {
+      for (Strategy x : kAllStrategies) {
+        if (options_.Permits(x) && eval_.Allowed(u.ops[i], x)) choices[i].push_back(x);
+      }
+      count = std::min(kEnumerated + 1, count * choices[i].size());
     }
-    return Strategy::kKeep;
-  }
-  bool Fp8Possible(const Unit& u) const {
-    bool any = false, all = true;
-    for (int o : u.ops) {
-      const bool ok = eval_.Allowed(o, Strategy::kFp8);
-      any |= ok;
-      all &= ok;
+    // The combinations, k strategies each, flat; keep-all first.
+    std::vector<Strategy>& flat = combos_;
+    flat.clear();
+    if (count <= kEnumerated) {
+      std::vector<size_t> digit(k, 0);
+      for (;;) {
+        for (size_t i = 0; i < k; ++i) flat.push_back(choices[i][digit[i]]);
+        size_t i = 0;
+        for (; i < k && ++digit[i] == choices[i].size(); ++i) digit[i] = 0;
+        if (i == k) break;
+      }
+    } else {
+      flat.assign(k, Strategy::kKeep);
+      for (Strategy x : kAllStrategies) {
+        std::vector<Strategy> c(k);
+        for (size_t i = 0; i < k; ++i) {
+          const auto& ci = choices[i];
+          c[i] = std::find(ci.begin(), ci.end(), x) != ci.end() ? x
+                 : std::find(ci.begin(), ci.end(), Strategy::kRecompute) != ci.end()
+                     ? Strategy::kRecompute
+                     : Strategy::kKeep;
+        }
+        flat.insert(flat.end(), c.begin(), c.end());
+        for (size_t i = 0; i < k; ++i) {
+          for (Strategy y : choices[i]) {
+            if (y == c[i]) continue;
+            flat.insert(flat.end(), c.begin(), c.end());
+            flat[flat.size() - k + i] = y;
+          }
+        }
+      }
     }
-    return any && (all || options_.allow_recompute);
+    const size_t combos = flat.size() / k;
+    std::vector<Terms>& terms = terms_;
+    std::vector<char> valid(combos, 0);
+    terms.resize(combos);
+    for (size_t c = 0; c < combos; ++c) valid[c] = Measure(u, &flat[c * k], terms[c]);
+    // Combination 0 is keep-all: it stays whatever else ties with it.
+    for (size_t i = 0; i < combos; ++i) {
+      if (!valid[i]) continue;
+      bool dominated = false;
+      for (size_t j = 0; j < combos && !dominated && i > 0; ++j) {
+        if (j == i || !valid[j]) continue;
+        const Terms &a = terms[j], &b = terms[i];
+        const bool no_worse = a.mem <= b.mem && a.local <= b.local && a.d2h <= b.d2h &&
+                              a.h2d <= b.h2d && a.host <= b.host;
+        const bool equal = a.mem == b.mem && a.local == b.local && a.d2h == b.d2h &&
+                           a.h2d == b.h2d && a.host == b.host;
+        dominated = no_worse && (!equal || j < i);
+      }
+      if (!dominated) {
+        u.options.push_back({std::vector<Strategy>(flat.begin() + static_cast<long>(i * k),
+                                                   flat.begin() + static_cast<long>((i + 1) * k)),
+                             terms[i]});
+      }
+    }
   }
 
-  // The unit's terms under pattern p, every other unit kept.
-  Terms Measure(const Unit& u, Pattern p) {
-    Terms terms;
-    std::vector<int> pending;
+  // The unit's terms under `strategies`, every other unit kept; false on a conflict.
+  bool Measure(const Unit& u, const Strategy* strategies, Terms& terms) {
+    terms = Terms();
+    for (size_t i = 0; i < u.ops.size(); ++i) strategy_[u.ops[i]] = strategies[i];
+    std::vector<int>& pending = pending_;
+    pending.clear();
+    bool conflict = false;
     for (int t : u.tensors) {
       unsigned mask = 0;
       for (int s : g_.tensors[t].savers) {
-        const Strategy x = StrategyOf(s, p);
+        const Strategy x = strategy_[s];
         if (x != Strategy::kRecompute) mask |= 1u << static_cast<unsigned>(x);
       }
       const TensorCost& y = tensors_[t];
-      if (mask == 0) {
+      if ((mask & (mask - 1)) != 0) {
+        conflict = true;
+      } else if (mask == 0) {
         dropped_[t] = 1;
         pending.push_back(t);
       } else if (mask & (1u << static_cast<unsigned>(Strategy::kOffload))) {
@@ -347,9 +411,11 @@ class Model {
         terms.mem += y.bytes;
       }
     }
+    if (conflict) pending.clear();
     // The recompute closure: producers of dropped tensors rerun, and so, recursively, do the
     // producers of their inputs that nothing retains.
-    std::vector<int> reran;
+    std::vector<int>& reran = reran_;
+    reran.clear();
     while (!pending.empty()) {
       const int t = pending.back();
       pending.pop_back();
@@ -367,13 +433,13 @@ class Model {
     }
     for (int q : reran) rerun_[q] = 0;
     for (int t : u.tensors) dropped_[t] = 0;
-    return terms;
+    return !conflict;
   }
 
   const CostEvaluator& eval_;
   const StageGraph& g_;
   const MitigationOptions& options_;
-  double limit_ = 0, host_limit_ = -1;
+  double base_limit_ = 0, slack_ = 0, limit_ = 0, host_slack_ = 0, host_limit_ = -1;
   double forward_window_ = 0, backward_window_ = 0;
   std::vector<double> forward_s_;
   std::vector<TensorCost> tensors_;
@@ -381,23 +447,28 @@ class Model {
   std::vector<int> unit_of_;
   Terms keep_;  // every unit kept
   std::vector<char> dropped_, rerun_;
+  std::vector<Strategy> strategy_;    // scratch for Measure: every operator outside it keeps
+  std::vector<int> pending_, reran_;  // scratch for Measure
+  std::vector<Strategy> combos_;      // scratch for Options
+  std::vector<Terms> terms_;          // scratch for Options
 };
 
 }  // namespace
 
-std::optional<Assignment> PricedGreedy(const CostEvaluator& eval, double r, double budget,
-                                       const MitigationOptions& options) {
-  Model model(eval, r, budget, options);
+namespace {
+
+// The model's candidates, cheapest by the model first (the cheapest also improved, first).
+std::vector<Model::State> Candidates(const Model& model, const Deadline* deadline) {
   std::vector<Model::State> states;
   model.Greedy(0, 0, states);
   bool exposed = false;
   for (const Model::State& s : states) exposed |= !model.CopiesHidden(s.total);
   if (exposed) {
-    // The copy price at which the offloads just fit their windows, and full exposure.
+    // Full exposure, and the copy price at which the offloads just fit their windows.
     model.Greedy(1, 1, states);
     double lo = 0, hi = 1;
     for (int i = 0; i < 10; ++i) {
-      if (eval.deadline() != nullptr) eval.deadline()->Check();
+      if (deadline != nullptr) deadline->Check();
       const double mid = 0.5 * (lo + hi);
       const size_t before = states.size();
       model.Greedy(mid, mid, states);
@@ -406,34 +477,50 @@ std::optional<Assignment> PricedGreedy(const CostEvaluator& eval, double r, doub
       (hidden ? hi : lo) = mid;
     }
   }
-  // The cheapest few by the model, confirmed by the full evaluator; the cheapest improved first.
-  std::vector<size_t> order(states.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return model.Cost(states[a].total) < model.Cost(states[b].total);
+  std::stable_sort(states.begin(), states.end(), [&](const Model::State& a, const Model::State& b) {
+    return model.Cost(a.total) < model.Cost(b.total);
   });
-  if (!order.empty() && model.Cost(states[order[0]].total) > 0) {
-    Model::State improved = states[order[0]];
+  if (!states.empty() && model.Cost(states[0].total) > 0) {
+    Model::State improved = states[0];
     model.Improve(improved, 8);
-    states.push_back(std::move(improved));
-    order.insert(order.begin(), states.size() - 1);
+    states.insert(states.begin(), std::move(improved));
   }
-  std::optional<Assignment> best;
-  double best_cost = 0;
-  std::vector<Assignment> seen;
-  constexpr size_t kChecked = 3;
-  for (size_t i = 0; i < order.size() && seen.size() < kChecked; ++i) {
-    Assignment a = model.ToAssignment(states[order[i]]);
-    if (std::find(seen.begin(), seen.end(), a) != seen.end()) continue;
-    seen.push_back(a);
-    const AssignmentCost c = eval.Evaluate(a, r);
-    if (c.conflict || c.device_bytes > budget || !options.HostFits(c.host_bytes)) continue;
-    if (!best || c.exposed_s < best_cost) {
-      best_cost = c.exposed_s;
-      best = std::move(a);
+  return states;
+}
+
+}  // namespace
+
+std::optional<Assignment> PricedGreedy(const CostEvaluator& eval, double r, double budget,
+                                       const MitigationOptions& options) {
+  Model model(eval, r, budget, options);
+  // The model adds bytes in another order than the evaluator: a candidate exactly at the budget
+  // may be a hair over it there. Then the candidates are made again a hair below the budget.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1) model.Tighten();
+    const std::vector<Model::State> states = Candidates(model, eval.deadline());
+    std::optional<Assignment> best;
+    double best_cost = 0;
+    bool over = false;
+    std::vector<Assignment> seen;
+    constexpr size_t kChecked = 3;
+    for (size_t i = 0; i < states.size() && seen.size() < kChecked; ++i) {
+      Assignment a = model.ToAssignment(states[i]);
+      if (std::find(seen.begin(), seen.end(), a) != seen.end()) continue;
+      seen.push_back(a);
+      const AssignmentCost c = eval.Evaluate(a, r);
+      if (c.conflict) continue;
+      if (c.device_bytes > budget || !options.HostFits(c.host_bytes)) {
+        over = true;
+        continue;
+      }
+      if (!best || c.exposed_s < best_cost) {
+        best_cost = c.exposed_s;
+        best = std::move(a);
+      }
     }
+    if (best || !over) return best;
   }
-  return best;
+  return std::nullopt;
 }
 
 }  // namespace bgl::plan

@@ -13,6 +13,7 @@
 
 #include "exact_reference.h"
 #include "governor/planner/mitigation.h"
+#include "governor/planner/priced_greedy.h"
 #include "real_instances.h"
 
 using namespace bgl::plan;
@@ -28,7 +29,7 @@ double ThreadCpuSeconds() {
 // The first answer's latency, old (the DP alone) and new, interleaved on the same chunks.
 int Latency(const std::vector<testing::RealInstance>& chunks, int rounds) {
   const HardwareProfile hw = *HardwareProfileByName("h200");
-  std::vector<double> wall[2], cpu[2];
+  std::vector<double> wall[2], cpu[2], priced_cpu;
   double overhead[2] = {0, 0};
   for (int round = 0; round < rounds; ++round) {
     for (const auto& x : chunks) {
@@ -45,6 +46,10 @@ int Latency(const std::vector<testing::RealInstance>& chunks, int rounds) {
         cpu[v].push_back(ThreadCpuSeconds() - c0);
         if (round == 0 && selected.ok()) overhead[v] += selected->cost.exposed_s;
       }
+      MitigationOptions o;
+      const double c0 = ThreadCpuSeconds();
+      auto priced = PricedGreedy(eval, x.r, x.budget, o);
+      priced_cpu.push_back(ThreadCpuSeconds() - c0);
     }
   }
   auto at = [](std::vector<double>& v, double q) {
@@ -59,6 +64,8 @@ int Latency(const std::vector<testing::RealInstance>& chunks, int rounds) {
         at(wall[v], 1.0), at(cpu[v], 0.5), at(cpu[v], 0.99), at(cpu[v], 1.0), overhead[v] * 1e3,
         chunks.size());
   }
+  std::printf("the priced candidates alone: cpu p50 %.0f p99 %.0f us\n", at(priced_cpu, 0.5),
+              at(priced_cpu, 0.99));
   return 0;
 }
 
