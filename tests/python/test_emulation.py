@@ -92,3 +92,53 @@ def test_the_tool_writes_the_calibration_and_exits_2_on_bad_input(tmp_path: Path
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2, (args, bad.stderr)
         assert says in bad.stderr, bad.stderr
+
+
+def test_training_with_an_emulated_link_moves_through_it_and_keeps_gradients(
+        tmp_path: Path) -> None:
+    """install(calibration=an emulated one): the enforcer's copies go over the emulated link
+    (stats name it; the copy threads, not the training thread), and an offload changes no
+    gradient."""
+    import torch
+    from torch import nn
+    import bagualu
+
+    doc = emulation.emulate(MEASURED, "h200-pcie5")
+    for d in ("offload", "reload"):  # fast enough for a test: 50 MB/s
+        doc["rooflines"][d]["peak_GBps"] = 0.05
+    path = tmp_path / "emulated.json"
+    path.write_text(json.dumps(doc))
+
+    class Block(bagualu.OpBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def build_steps(self):
+            S = bagualu.Step
+            return [S("up_proj", "linear", lambda x: torch.relu(self.a(x)), ("x",), ("h",)),
+                    S("down_proj", "linear", lambda h: self.b(h), ("h",), ("out",))]
+
+    def grad(strategy: str, calibration_path):
+        torch.manual_seed(0)
+        m, x = Block(), torch.randn(256, 64)
+        bagualu.install(capacity="16MiB", policy="keep-all", governor="none",
+                        log_iterations=False, calibration=calibration_path)
+        try:
+            bagualu.instrument(m)
+            bagualu.force_strategies({"up_proj": strategy, "down_proj": strategy})
+            with bagualu.forward(0):
+                y = m(x).square().sum()
+            with bagualu.backward(0):
+                y.backward()
+            stats = bagualu.stats()
+        finally:
+            bagualu.uninstall()
+        return m.a.weight.grad, stats
+
+    kept, plain_stats = grad("keep", None)
+    assert plain_stats["emulated_link"] is None
+    moved, stats = grad("offload", str(path))
+    assert stats["emulated_link"] == "H200 over PCIe Gen5 x16", stats["emulated_link"]
+    assert stats["enforcer"]["offloads"] > 0 and stats["enforcer"]["reloads"] > 0
+    assert torch.equal(kept, moved)

@@ -2,6 +2,8 @@
 the governor connection, and the runtime that composes them."""
 from __future__ import annotations
 
+import json
+
 import logging
 from typing import Optional, Union
 
@@ -110,6 +112,12 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
             # The measurement's reloads and casts took blocks of the simulated device: a fresh
             # pool, so that its pages are not left reserved (and fragmented) for the training.
             pool = DevicePool(cap)
+    if cal and "emulated_link" in cal:
+        link, roofs = cal["emulated_link"], cal.get("rooflines", {})
+        log.warning("bagualu: the host backend's copies emulate %s (offload %s GB/s, reload %s "
+                    "GB/s here: docs/planner.md, \"An emulated device link\")",
+                    link.get("stands_for"), roofs.get("offload", {}).get("peak_GBps"),
+                    roofs.get("reload", {}).get("peak_GBps"))
     gov = Governor(governor, deadline_s=deadline_s,
                    gpu_index=(dev.index or 0) if dev.type == "cuda" else pipeline_rank,
                    calibration=cal)
@@ -119,7 +127,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
         log_iterations=log_iterations, fp8_block=fp8_block,
         pinned_capacity=pinned, chunks=chunks, gc_freeze=gc_freeze,
         issue_order=issue_order, sync_copies=pool is not None and not calibrations.overlaps(cal),
-        allow_fp8=bool(allow_fp8))
+        allow_fp8=bool(allow_fp8),
+        emulated_link=json.dumps(cal) if cal and "emulated_link" in cal else None)
     rt = runtime.Runtime(settings, gov, pool)
     _active.runtime = rt
     return rt

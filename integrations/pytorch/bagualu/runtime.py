@@ -88,7 +88,8 @@ class Runtime(HooksHost):
         self.enforcer = Enforcer(
             self.device, settings.pinned_capacity,
             borrowed_free_is_safe=self.device.type == "cuda" and _active.cuda_allocator_swapped,
-            evict=evict, fp8_block=settings.fp8_block, sync_copies=settings.sync_copies)
+            evict=evict, fp8_block=settings.fp8_block, sync_copies=settings.sync_copies,
+            emulated_link=settings.emulated_link)
         strategies = Strategies(settings.policy)
         tracker = Tracker(self.memory, self.enforcer, strategies.of,
                           fp8_block=settings.fp8_block,
@@ -329,7 +330,9 @@ class Runtime(HooksHost):
                                "ooms": self.memory.oom_count,
                                "governor": self.governor.kind if self.governor else None,
                                "grant_bytes": getattr(self.governor, "grant", None),
-                               "job_id": getattr(self.governor, "job_id", None)}
+                               "job_id": getattr(self.governor, "job_id", None),
+                               # the link the host backend's copies emulate (None: their own)
+                               "emulated_link": self.enforcer.emulated_link}
         pool = self.memory.allocator()
         if pool is not None:
             out["allocator"] = pool.stats()

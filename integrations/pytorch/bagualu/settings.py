@@ -3,7 +3,7 @@ byte sizes as users write them. Immutable values; safe from any thread."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -78,6 +78,10 @@ class Settings:
     # The host backend's copies on the training thread (the calibration's copy_overlap is 0:
     # they would not overlap compute; enforce/enforcer.py).
     sync_copies: bool = False
+    # A calibration document (JSON text) with an "emulated_link" section: the host backend's
+    # copies take that link's time (docs/planner.md, "An emulated device link"); None: they
+    # take their own.
+    emulated_link: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_policy(self.policy)

@@ -47,8 +47,8 @@ class Enforcer(EnforcerHandle):
 
     def __init__(self, device: torch.device, pinned_capacity: int, borrowed_free_is_safe: bool,
                  evict: Optional[Callable[[int], int]] = None, fp8_block: int = 128,
-                 sync_copies: bool = False) -> None:
-        super().__init__(device, pinned_capacity, fp8_block, sync_copies)
+                 sync_copies: bool = False, emulated_link: Optional[str] = None) -> None:
+        super().__init__(device, pinned_capacity, fp8_block, sync_copies, emulated_link)
         # With libbgl_alloc.so as PyTorch's allocator, the enforcer marks borrowed blocks used on
         # its copy stream, so PyTorch may free them before the copy ends; other memory must
         # outlive the copy (foreign memory rule in bgl/enforce.h).

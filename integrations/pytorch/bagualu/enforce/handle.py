@@ -10,6 +10,7 @@ runs unpack hooks while the training thread waits in backward()).
 from __future__ import annotations
 
 import ctypes
+import json
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -26,7 +27,7 @@ class EnforcerHandle:
     thread (and autograd's while the training thread waits in backward())."""
 
     def __init__(self, device: torch.device, pinned_capacity: int, fp8_block: int = 128,
-                 sync_copies: bool = False) -> None:
+                 sync_copies: bool = False, emulated_link: Optional[str] = None) -> None:
         self.lib = native.load()
         self.vocab = native.vocabulary(self.lib)
         self.device = device
@@ -42,6 +43,12 @@ class EnforcerHandle:
         # reload the training thread waits for costs no hand-off to a copy thread.
         opts.sync_copies = int(bool(sync_copies) and not self.cuda)
         self.sync_copies = bool(opts.sync_copies)
+        # A calibration with an "emulated_link" section: the host backend's copies take that
+        # link's time (enforcer/emulated_link_ops.h); what it stands for, for the stats.
+        self.emulated_link: Optional[str] = None
+        if emulated_link is not None:
+            opts.emulated_link = emulated_link.encode()
+            self.emulated_link = json.loads(emulated_link)["emulated_link"]["stands_for"]
         # Reloads prefetch keeps waiting for their first consumer (the library's default).
         self.max_inflight = int(opts.max_inflight)
         handle = ctypes.c_void_p()
