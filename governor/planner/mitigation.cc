@@ -286,7 +286,9 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
         found = true;
       }
     }
-    // Nothing is cheaper than no overhead: the DP has nothing to add.
+    // Nothing is cheaper than no overhead: the DP has nothing to add. Such an answer stays a first
+    // answer all the same (only the DP's own proof marks one exact, as before issue 43): the
+    // refinement cannot beat it, and the hosts see a miss on a large chunk as before.
     if (!found || quick.cost.exposed_s > 0) {
       const double bound = found ? quick.cost.exposed_s : std::numeric_limits<double>::infinity();
       std::optional<OperatorDpResult> dp =
@@ -298,8 +300,6 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
         quick.exact = dp->exact;
         found = true;
       }
-    } else {
-      quick.exact = true;
     }
     if (found) {
       quick.first_answer = !quick.exact;
@@ -311,6 +311,20 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
     }
   }
   MitigationResult result = Greedy(eval, r, budget, options, partners, nullptr);
+  // The priced candidates (issue 43) as a second bound: cheaper than the greedy's answer on most
+  // multi-layer chunks, so the searches below start lower.
+  if (options.priced_bound && result.cost.exposed_s > 0) {
+    if (std::optional<Assignment> priced = PricedGreedy(eval, r, budget, options)) {
+      MitigationResult alt = result;
+      alt.assignment = std::move(*priced);
+      alt.cost = eval.Evaluate(alt.assignment, r);
+      alt.refinements = 0;
+      if (alt.cost.exposed_s < result.cost.exposed_s) {
+        result = std::move(alt);
+        result.fallback_full_recompute = false;
+      }
+    }
+  }
   // The greedy is the bound: the layer search's answer replaces it only when it is cheaper. A
   // greedy answer without overhead is already optimal.
   if (options.layer_search && result.cost.exposed_s > 0 &&

@@ -49,6 +49,8 @@ struct MitigationOptions {
   // operator DP above only searches below their cost. false: the DP alone, as before (kept to
   // measure the two side by side).
   bool fast_priced = true;
+  // The full search takes the priced candidates as a bound too, beside the greedy's answer.
+  bool priced_bound = true;
   // Pinned host bytes the assignment may offload (the session's grant, issue 14); negative: no
   // limit. Offload candidates that would pass it are unavailable, so less host means more
   // recompute/FP8.

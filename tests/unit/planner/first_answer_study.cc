@@ -2,17 +2,21 @@
 // against the full search and the exact reference. Not a test; prints one line per instance.
 // Usage: planner_first_answer_study SEED COUNT [MAX_LABELS]  (quality; DUMP=<index> prints one
 //        instance's strategies) or planner_first_answer_study latency [ROUNDS] (the first
-//        answer's time, the DP alone and the priced candidates, side by side).
+//        answer's time, the DP alone and the priced candidates, side by side) or
+//        planner_first_answer_study full (the full search with and without the priced bound) or
+//        planner_first_answer_study miss [ROUNDS] (a whole PlanPoint miss, before and now).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "exact_reference.h"
 #include "governor/planner/mitigation.h"
+#include "governor/planner/planner.h"
 #include "governor/planner/priced_greedy.h"
 #include "real_instances.h"
 
@@ -24,6 +28,106 @@ double ThreadCpuSeconds() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// A whole PlanPoint miss on the anytime path (the budget, the first answer, the dual-batch issue
+// order): GLM-423B-A30B with 144 layers and 9 per virtual stage (126 operators per chunk), copy
+// engines at a twentieth of the paper's, 40 keys from near M0 to near keep-all at loads 1 to 2.6
+// (the points of bench/plan_bench.cc's BM_PlanLargeChunkMiss), the first answer before issue 43
+// and now, alternating.
+int Miss(int rounds) {
+  auto doc = LoadJsonOrYaml(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json", "model");
+  if (!doc.ok()) return 1;
+  (*doc)["layers"] = 144;
+  (*doc)["vp"] = 9;
+  auto config = ModelConfigFromJson(*doc, "glm-423b-a30b.json");
+  if (!config.ok()) return 1;
+  HardwareProfile hw = *HardwareProfileByName("paper");
+  hw.offload.peak_bytes_per_s /= 20;
+  hw.reload.peak_bytes_per_s /= 20;
+  std::unique_ptr<StagePlanner> planners[2];
+  for (int v = 0; v < 2; ++v) {
+    PlannerOptions options;
+    options.capacity_bytes = int64_t{141} * 1000 * 1000 * 1000;
+    options.anytime_min_ops = 64;
+    options.mitigation.fast_priced = v == 1;
+    auto planner = StagePlanner::Create(*config, hw, options);
+    if (!planner.ok()) return 1;
+    planners[v] = std::move(*planner);
+  }
+  std::vector<SchedulePoint> points;
+  const double m0 = planners[0]->m0(), keep = planners[0]->graph().KeepAllBytes(1.0);
+  for (int b = 0; b < 10; ++b) {
+    for (double r : {1.0, 1.3, 2.0, 2.6}) {
+      SchedulePoint p;
+      p.forward_micro_batch = 0;
+      p.load_factor = r;
+      const double budget = 1.05 * m0 + (keep - 1.05 * m0) * b / 10.0;
+      p.bytes_in_use = static_cast<int64_t>(planners[0]->activation_capacity() - budget);
+      points.push_back(p);
+    }
+  }
+  std::vector<double> wall[2], cpu[2];
+  double overhead[2] = {0, 0};
+  int first[2] = {0, 0};
+  for (int round = 0; round < rounds; ++round) {
+    for (const SchedulePoint& p : points) {
+      for (int v = 0; v < 2; ++v) {
+        planners[v]->ClearCaches();
+        const double c0 = ThreadCpuSeconds();
+        const auto t0 = std::chrono::steady_clock::now();
+        auto plan = planners[v]->PlanPoint(p);
+        wall[v].push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        cpu[v].push_back(ThreadCpuSeconds() - c0);
+        if (round == 0 && plan.ok()) {
+          overhead[v] += plan->overhead_s;
+          first[v] += plan->first_answer ? 1 : 0;
+        }
+      }
+    }
+  }
+  auto at = [](std::vector<double>& v, double q) {
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))] * 1e6;
+  };
+  std::printf("PlanPoint miss, %zu ops, anytime on, %zu keys x %d rounds\n",
+              planners[0]->graph().ops.size(), points.size(), rounds);
+  for (int v = 0; v < 2; ++v) {
+    std::printf(
+        "%s: wall p50 %.0f p99 %.0f us; cpu p50 %.0f p99 %.0f us; summed overhead of the "
+        "40 plans %.1f ms; first answers %d (the rest exact)\n",
+        v == 0 ? "before (DP alone)" : "now (priced + DP)", at(wall[v], 0.5), at(wall[v], 0.99),
+        at(cpu[v], 0.5), at(cpu[v], 0.99), overhead[v] * 1e3, first[v]);
+  }
+  return 0;
+}
+
+// The full search (a refinement) with and without the priced candidates as a bound.
+void FullSearch(const std::vector<testing::RealInstance>& chunks) {
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  std::vector<double> cpu[2];
+  double overhead[2] = {0, 0};
+  for (const auto& x : chunks) {
+    const CostEvaluator eval(x.graph, hw);
+    for (int v = 0; v < 2; ++v) {
+      MitigationOptions o;
+      o.priced_bound = v == 1;
+      const double c0 = ThreadCpuSeconds();
+      auto selected = SelectMitigation(eval, x.r, x.budget, o);
+      cpu[v].push_back(ThreadCpuSeconds() - c0);
+      if (selected.ok()) overhead[v] += selected->cost.exposed_s;
+    }
+  }
+  auto at = [](std::vector<double>& v, double q) {
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))] * 1e3;
+  };
+  for (int v = 0; v < 2; ++v) {
+    std::printf("full search %s: cpu p50 %.1f p99 %.1f max %.1f ms; summed overhead %.1f ms\n",
+                v == 0 ? "without the priced bound" : "with the priced bound   ", at(cpu[v], 0.5),
+                at(cpu[v], 0.99), at(cpu[v], 1.0), overhead[v] * 1e3);
+  }
 }
 
 // The first answer's latency, old (the DP alone) and new, interleaved on the same chunks.
@@ -72,6 +176,18 @@ int Latency(const std::vector<testing::RealInstance>& chunks, int rounds) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "miss") return Miss(argc > 2 ? std::atoi(argv[2]) : 5);
+  if (argc > 1 && std::string(argv[1]) == "full") {
+    std::printf("production blocks, 32 ops x 4 layers (ProductionInstances 3232, 40 chunks)\n");
+    FullSearch(testing::ProductionInstances(3232, 40, 4));
+    std::vector<testing::RealInstance> four;
+    for (auto& x : testing::RealInstances(BGL_PLANNER_TEST_DATA, 2323, 120, 20)) {
+      if (x.graph.layers == 4) four.push_back(std::move(x));
+    }
+    std::printf("real-sized 4-layer chunks (RealInstances 2323)\n");
+    FullSearch(four);
+    return 0;
+  }
   if (argc > 1 && std::string(argv[1]) == "latency") {
     const int rounds = argc > 2 ? std::atoi(argv[2]) : 20;
     std::printf("production blocks, 32 ops x 4 layers (ProductionInstances 3232, 40 chunks)\n");

@@ -83,6 +83,7 @@ class RatioCollector {
       // The greedy is the bound: the layer search never makes an answer worse.
       MitigationOptions greedy_only = options;
       greedy_only.layer_search = false;
+      greedy_only.priced_bound = false;
       auto greedy = SelectMitigation(eval, r, budget, greedy_only);
       ASSERT_TRUE(greedy.ok());
       EXPECT_LE(selected->cost.exposed_s, greedy->cost.exposed_s + 1e-12) << label;

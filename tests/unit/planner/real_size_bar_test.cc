@@ -139,7 +139,7 @@ TEST(SelectMitigation, RealSizesAgainstTheExactReference) {
     all.Add(ratio);
     by_set[x.set].Add(ratio);
     MitigationOptions paper;
-    paper.layer_search = paper.operator_dp = false;
+    paper.layer_search = paper.operator_dp = paper.priced_bound = false;
     auto g_only = SelectMitigation(eval, x.r, x.budget, paper);
     ASSERT_TRUE(g_only.ok());
     greedy.Add((g_only->cost.exposed_s + kFloor) / (opt.exposed_s + kFloor));
