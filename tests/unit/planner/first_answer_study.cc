@@ -87,10 +87,23 @@ int Miss(int rounds) {
       }
     }
   }
+  // The full search on the call (anytime off): what the refinements reach.
+  PlannerOptions full_options;
+  full_options.capacity_bytes = int64_t{141} * 1000 * 1000 * 1000;
+  full_options.anytime_min_ops = 0;
+  auto full = StagePlanner::Create(*config, hw, full_options);
+  if (!full.ok()) return 1;
+  double full_overhead = 0;
+  for (const SchedulePoint& p : points) {
+    auto plan = (*full)->PlanPoint(p);
+    if (plan.ok()) full_overhead += plan->overhead_s;
+  }
   auto at = [](std::vector<double>& v, double q) {
     std::sort(v.begin(), v.end());
     return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))] * 1e6;
   };
+  std::printf("the full search on the call: summed overhead of the 40 plans %.1f ms\n",
+              full_overhead * 1e3);
   std::printf("PlanPoint miss, %zu ops, anytime on, %zu keys x %d rounds\n",
               planners[0]->graph().ops.size(), points.size(), rounds);
   for (int v = 0; v < 2; ++v) {
