@@ -211,3 +211,46 @@ def test_messages_show_sizes_in_binary_units_that_parse_back() -> None:
     for n in (1, 1023, 1024, 5 << 30, 12638097408, 7 << 40):
         back = bagualu.parse_size(show_size(n).replace(" ", ""))
         assert abs(back - n) <= 0.005 * n + 1, (n, show_size(n), back)
+
+
+def test_a_plan_or_forced_strategy_naming_an_unknown_operator_is_named(caplog) -> None:
+    """A forced strategy with an operator the instrumented model does not have (a typo) and a
+    plan naming one (a planner that planned another model) are errors naming it and the
+    model's operators; nothing changes, and the training goes on with the data it holds."""
+    require_libs()
+
+    class Block(bagualu.OpBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(8, 8)
+
+        def build_steps(self):
+            return [bagualu.Step("up_proj", "linear", lambda x: torch.relu(self.w(x)), ("x",),
+                                 ("out",))]
+
+    torch.manual_seed(0)
+    m, x = Block(), torch.randn(4, 8)
+    bagualu.install(capacity="1MiB", policy="keep-all", governor="none", log_iterations=False)
+    try:
+        bagualu.force_strategies({"up_prj": "offload"})  # before instrument: not yet known
+        with caplog.at_level(logging.WARNING, logger="bagualu"):
+            bagualu.instrument(m)  # instrumented all the same, and the typo named
+        assert any("force_strategies names 1 operator(s) this model does not have: up_prj "
+                   "(its operators: up_proj" in r.getMessage() for r in caplog.records)
+        with pytest.raises(bagualu.PolicyError, match="does not have: L0.up_prj"):
+            bagualu.force_strategies({"L0.up_prj": "offload"})
+        bagualu.force_strategies({"L0.up_proj": "offload"})
+        rt = bagualu.current()
+        with pytest.raises(bagualu.PlannerError, match=r"the plan of micro-batch 0 names 1 "
+                           r"operator\(s\) this model does not have: L0.gate"):
+            rt.strategies.set_plan(0, {"L0.gate": "keep", "L0.up_proj": "offload"})
+        with pytest.raises(bagualu.PlannerError, match="unknown strategy 'swap'"):
+            rt.strategies.set_plan(0, {"L0.up_proj": "swap"})
+        assert 0 not in rt.strategies.per_unit  # nothing taken from either plan
+        with bagualu.forward(0):
+            y = m(x).square().sum()
+        with bagualu.backward(0):
+            y.backward()
+        assert bagualu.stats()["enforcer"]["offloads"] > 0
+    finally:
+        bagualu.uninstall()

@@ -109,6 +109,14 @@ class Record(_C.RecordBase):
     def device_bytes(self) -> int:
         return self.pool_bytes
 
+    def in_layers(self) -> bool:
+        """Whether the planned layers account for this storage: made inside them and saved by
+        one of their operators. The stage's output (the last layer's, saved only by the head)
+        is outside, with the embedding's and the loss's: the planner's layer graph names a
+        layer's output the next layer's block input, and the last one has no next layer."""
+        return self.producer.layer >= 0 and (
+            not self.consumers or any(c.layer >= 0 for c in self.consumers))
+
     # -- moves (all through the enforcer; the record follows where the data went) -----------
     def movable(self) -> bool:
         """Whether the data is on the device, in a storage the enforcer tracks and may move.

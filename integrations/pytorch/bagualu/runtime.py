@@ -104,10 +104,20 @@ class Runtime(HooksHost):
         self.auto: Optional[AutoLayers] = None        # hooks of an unmodified model
         self.discovery: Optional[discover.Discovery] = None  # its layers and operators
         self.block_path: Optional[BlockPath] = None    # a model of bagualu.OpBlock layers
-        self.layer_ops: Dict[int, List[Op]] = {}      # planned layer -> its operators
+        self._layer_ops: Dict[int, List[Op]] = {}     # planned layer -> its operators
         self.model_info: Dict[str, Any] = {}
         self._capture_unit = -1
         self.log.begin(self.tracker.counters, self.memory.oom_count)
+
+    @property
+    def layer_ops(self) -> Dict[int, List[Op]]:
+        """Planned layer -> its operators (compiled blocks: one operator each)."""
+        return self._layer_ops
+
+    @layer_ops.setter
+    def layer_ops(self, ops: Dict[int, List[Op]]) -> None:
+        self._layer_ops = ops
+        self.strategies.learn(op for layer in ops.values() for op in layer)
 
     def _evict(self, needed: int) -> int:
         return self.tracker.mover.evict(needed)
@@ -205,7 +215,7 @@ class Runtime(HooksHost):
         ops = [Op(n, kinds[n], 0) for n in calls.op_order(list(kinds))]
         names = graph.TensorNames(ops)
         lg = graph.build_produced_graph(recs, ops, load0, self.op_ms, calls.readers, names)
-        outside = sum(r.nbytes for r in recs if r.consumers and r.producer.layer < 0)
+        outside = sum(r.nbytes for r in recs if r.consumers and not r.in_layers())
         self.planning.register(lg, names, outside, self.model_info)
         if self.hidden.found and not self.hidden.reported:
             self.hidden.reported = True

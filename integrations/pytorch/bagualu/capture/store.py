@@ -122,7 +122,7 @@ class RecordStore:
         units = (self.by_mb if micro_batch is None
                  else {micro_batch: self.by_mb.get(micro_batch, ())})
         total = sum(r.pool_bytes for recs in units.values() for r in recs
-                    if r.producer.layer >= 0 and not r.planned)
+                    if r.in_layers() and not r.planned)
         for unit, ls in self.light_sets.items():
             if micro_batch is None or unit == micro_batch:
                 total += sum(n for _, n in ls.sizes.values() if n > 0)

@@ -99,7 +99,7 @@ def _operators(ops: Sequence[Op], op_ms: Dict[str, float]) -> List[Dict[str, Any
 def produced_in_layers(records: Iterable[Record]) -> int:
     """Captured bytes of storages produced inside the planned layers (what the graph models
     under producer strategies)."""
-    return sum(r.nbytes for r in records if r.consumers and r.producer.layer >= 0)
+    return sum(r.nbytes for r in records if r.consumers and r.in_layers())
 
 
 def keep_all_bytes(description: Dict[str, Any], load: float) -> float:

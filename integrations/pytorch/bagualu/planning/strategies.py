@@ -4,10 +4,13 @@ plans the governor gave per micro-batch, or strategies forced by the user (tests
 Not thread-safe: the training thread."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+import logging
+from typing import Dict, Iterable, List, Optional, Set
 
-from ..errors import PolicyError
+from ..errors import PlannerError, PolicyError
 from ..vocabulary import KEEP, RECOMPUTE, STRATEGIES, Op
+
+log = logging.getLogger("bagualu")
 
 
 class Strategies:
@@ -18,6 +21,9 @@ class Strategies:
         self.static: Dict[str, str] = {}                # static-under: qualname -> strategy
         self.per_unit: Dict[int, Dict[str, str]] = {}   # unit id -> qualname -> strategy
         self.forced: Optional[Dict[str, str]] = None
+        # Every operator name and qualname the instrumented model has had (compiled blocks
+        # add theirs): what a plan or a forced strategy may name. Empty before instrument.
+        self.known: Set[str] = set()
 
     def of(self, op: Op, unit: int) -> str:
         """The strategy of ``op`` in the forward of ``unit`` (a micro-batch of a chunk)."""
@@ -49,16 +55,45 @@ class Strategies:
             return all(s == KEEP for s in self.static.values())
         return all(s == KEEP for s in self.per_unit.get(unit, {"": RECOMPUTE}).values())
 
+    def learn(self, ops: Iterable[Op]) -> None:
+        """The model's operators (instrument, and compiled blocks when they are found). Forced
+        strategies given before that name none of them are a warning (instrument goes on:
+        an error there would leave a model half instrumented)."""
+        self.known.update(n for op in ops for n in (op.name, op.qualname))
+        if self.forced:
+            try:
+                self._check(self.forced, "force_strategies", PolicyError)
+            except PolicyError as e:
+                log.warning("bagualu: %s", e)
+
+    def _check(self, names: Iterable[str], what: str, error: type) -> None:
+        unknown = sorted(n for n in names if n not in self.known)
+        if unknown and self.known:
+            shown = sorted(n for n in self.known if "." not in n)
+            raise error(f"{what} names {len(unknown)} operator(s) this model does not have: "
+                        f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (its "
+                        f"operators: {', '.join(shown[:20])}{' ...' if len(shown) > 20 else ''}"
+                        "; qualified as 'L<layer>.<name>')")
+
     def force(self, strategies: Optional[Dict[str, str]]) -> None:
         """Overrides every plan: operator name ('expert_fc1', every layer) or qualname
-        ('L0.expert_fc1') -> strategy; None returns to the policy."""
+        ('L0.expert_fc1') -> strategy; None returns to the policy. PolicyError on an unknown
+        strategy or, once the model is instrumented, an operator it does not have."""
         for s in (strategies or {}).values():
             if s not in STRATEGIES:
                 raise PolicyError(f"unknown strategy '{s}' ({', '.join(STRATEGIES)})")
+        self._check(strategies or {}, "force_strategies", PolicyError)
         self.forced = dict(strategies) if strategies is not None else None
 
     def set_plan(self, unit: int, strategies: Dict[str, str]) -> bool:
-        """The plan of ``unit``'s forward; whether it changed anything."""
+        """The plan of ``unit``'s forward; whether it changed anything. PlannerError, with
+        nothing changed, when the plan names an operator the model does not have (a planner
+        or daemon that planned another model)."""
+        self._check(strategies, f"the plan of micro-batch {unit}", PlannerError)
+        for s in strategies.values():
+            if s not in STRATEGIES:
+                raise PlannerError(f"the plan of micro-batch {unit} gives an unknown strategy "
+                                   f"'{s}' ({', '.join(STRATEGIES)})")
         if strategies == self.per_unit.get(unit):
             return False
         self.per_unit[unit] = strategies
