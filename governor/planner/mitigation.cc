@@ -387,27 +387,61 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
   result.budget = budget;
   result.assignment = planned;
   result.cost = eval.Evaluate(planned, observed_r);
-  // Operators of the gate's layer and after that `pick` selects go to recompute.
+  auto over_host = [&](const AssignmentCost& c) {
+    return host_limit_bytes >= 0 && c.host_bytes > host_limit_bytes;
+  };
+  if (result.cost.device_bytes <= budget && !over_host(result.cost)) {
+    result.fits = true;
+    return result;
+  }
+  // The fixed rule (before issue 43): operators of the gate's layer and after that `pick`
+  // selects go to recompute: the MoE blocks when the plan no longer fits, then the offloads when
+  // the host grant is exceeded.
+  MitigationResult rule = result;
   auto downgrade = [&](auto pick) {
     for (size_t o = 0; o < g.ops.size(); ++o) {
       if (g.ops[o].layer >= gate_layer && pick(o) &&
           eval.Allowed(static_cast<int>(o), Strategy::kRecompute)) {
-        result.assignment[o] = Strategy::kRecompute;
+        rule.assignment[o] = Strategy::kRecompute;
       }
     }
-    result.cost = eval.Evaluate(result.assignment, observed_r);
+    rule.cost = eval.Evaluate(rule.assignment, observed_r);
   };
-  if (result.cost.device_bytes > budget) {
+  if (rule.cost.device_bytes > budget) {
     downgrade([&](size_t o) { return IsMoeBlock(g.ops[o].kind); });
-    result.fallback_full_recompute = true;
+    rule.fallback_full_recompute = true;
   }
-  // Over the node's host grant: the rest of the layer's offloads recompute instead (not a
-  // full-recompute fallback: only offloads change).
-  if (host_limit_bytes >= 0 && result.cost.host_bytes > host_limit_bytes) {
-    downgrade([&](size_t o) { return result.assignment[o] == Strategy::kOffload; });
+  if (over_host(rule.cost)) {
+    downgrade([&](size_t o) { return rule.assignment[o] == Strategy::kOffload; });
   }
-  result.fits = result.cost.device_bytes <= budget;
-  return result;
+  rule.fits = rule.cost.device_bytes <= budget;
+  // The plan (issue 43): the operators the forward has not run yet (the gate's layer from its
+  // first MoE-block operator on, every later layer) planned again at the observed load with the
+  // priced candidates, the others pinned; offload, FP8 and recompute weighed at the calibrated
+  // costs, a tensor shared with an operator that ran placed as that one placed it. The cheaper
+  // of the plan and the rule.
+  Pinned pins;
+  pins.strategies = planned;
+  pins.pinned.assign(g.ops.size(), 1);
+  bool moe_seen = false;
+  for (size_t o = 0; o < g.ops.size(); ++o) {
+    const Operator& op = g.ops[o];
+    moe_seen |= op.layer == gate_layer && IsMoeBlock(op.kind);
+    if (op.layer > gate_layer || (op.layer == gate_layer && moe_seen)) pins.pinned[o] = 0;
+  }
+  MitigationOptions options;
+  options.host_limit_bytes = host_limit_bytes;
+  if (std::optional<Assignment> plan = PricedGreedy(eval, observed_r, budget, options, &pins)) {
+    const AssignmentCost c = eval.Evaluate(*plan, observed_r);
+    if (!c.conflict && c.device_bytes <= budget && !over_host(c) &&
+        (!rule.fits || over_host(rule.cost) || c.exposed_s < rule.cost.exposed_s)) {
+      result.assignment = std::move(*plan);
+      result.cost = c;
+      result.fits = true;
+      return result;
+    }
+  }
+  return rule;
 }
 
 }  // namespace bgl::plan

@@ -103,10 +103,12 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
                                           const MitigationOptions& options = {});
 
 // Deferred planning: once the gate of `gate_layer` has run and the observed load factor is
-// known, re-checks `planned` against the budget; if it no longer fits, the MoE block of that layer
-// and later layers is downgraded to full recompute. Earlier layers are already executed.
-// With `host_limit_bytes` >= 0 and the revised plan's host bytes (at the observed load) over it,
-// the offloads of that layer and later layers are downgraded to recompute as well.
+// known, re-checks `planned` against the budget (and `host_limit_bytes` when >= 0). If it no
+// longer fits, the operators not run yet (that layer's MoE block on, and later layers) are
+// planned again at the observed load (the priced candidates of priced_greedy.h with the others
+// pinned), and the fixed rule is the alternative: the MoE block of that layer and later layers
+// to recompute, then, over the host limit, their offloads to recompute. The cheaper of the two
+// that fits wins (issue 43; the rule alone before). Earlier operators are already executed.
 MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
                                  int gate_layer, double observed_r, double budget,
                                  double host_limit_bytes = -1);

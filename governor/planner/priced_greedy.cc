@@ -36,8 +36,9 @@ struct Step {
 // The units of one chunk at one load factor, and the greedy over them.
 class Model {
  public:
-  Model(const CostEvaluator& eval, double r, double budget, const MitigationOptions& options)
-      : eval_(eval), g_(eval.graph()), options_(options) {
+  Model(const CostEvaluator& eval, double r, double budget, const MitigationOptions& options,
+        const Pinned* pinned)
+      : eval_(eval), g_(eval.graph()), options_(options), pinned_(pinned) {
     const HardwareProfile& hw = eval.hw();
     const size_t n = g_.ops.size(), nt = g_.tensors.size();
     base_limit_ = budget - g_.M0(r);
@@ -92,8 +93,16 @@ class Model {
     strategy_.assign(n, Strategy::kKeep);
     for (Unit& u : units_) {
       Options(u);
-      Add(keep_, u.options[0].terms, 1);
+      if (!u.options.empty()) Add(keep_, u.options[0].terms, 1);
     }
+  }
+
+  // Whether every unit has an option (pinned strategies can leave none).
+  bool Complete() const {
+    for (const Unit& u : units_) {
+      if (u.options.empty()) return false;
+    }
+    return true;
   }
 
   // Plans a hair below the budget and the host limit instead of a hair above them.
@@ -269,6 +278,9 @@ class Model {
   // The assignment of a state: every operator outside a unit keeps.
   Assignment ToAssignment(const State& s) const {
     Assignment a(g_.ops.size(), Strategy::kKeep);
+    for (size_t o = 0; pinned_ != nullptr && o < a.size(); ++o) {
+      if (pinned_->pinned[o]) a[o] = pinned_->strategies[o];
+    }
     for (size_t u = 0; u < units_.size(); ++u) {
       const Option& x = units_[u].options[s.option[u]];
       for (size_t i = 0; i < x.strategies.size(); ++i) a[units_[u].ops[i]] = x.strategies[i];
@@ -318,8 +330,13 @@ class Model {
     std::vector<std::vector<Strategy>> choices(k);
     size_t count = 1;
     for (size_t i = 0; i < k; ++i) {
-      for (Strategy x : kAllStrategies) {
-        if (options_.Permits(x) && eval_.Allowed(u.ops[i], x)) choices[i].push_back(x);
+      const int o = u.ops[i];
+      if (pinned_ != nullptr && pinned_->pinned[o]) {
+        choices[i].push_back(pinned_->strategies[o]);
+      } else {
+        for (Strategy x : kAllStrategies) {
+          if (options_.Permits(x) && eval_.Allowed(o, x)) choices[i].push_back(x);
+        }
       }
       count = std::min(kEnumerated + 1, count * choices[i].size());
     }
@@ -335,7 +352,7 @@ class Model {
         if (i == k) break;
       }
     } else {
-      flat.assign(k, Strategy::kKeep);
+      for (size_t i = 0; i < k; ++i) flat.push_back(choices[i][0]);  // keep, or the pinned one
       for (Strategy x : kAllStrategies) {
         std::vector<Strategy> c(k);
         for (size_t i = 0; i < k; ++i) {
@@ -343,7 +360,7 @@ class Model {
           c[i] = std::find(ci.begin(), ci.end(), x) != ci.end() ? x
                  : std::find(ci.begin(), ci.end(), Strategy::kRecompute) != ci.end()
                      ? Strategy::kRecompute
-                     : Strategy::kKeep;
+                     : ci[0];
         }
         flat.insert(flat.end(), c.begin(), c.end());
         for (size_t i = 0; i < k; ++i) {
@@ -360,7 +377,7 @@ class Model {
     std::vector<char> valid(combos, 0);
     terms.resize(combos);
     for (size_t c = 0; c < combos; ++c) valid[c] = Measure(u, &flat[c * k], terms[c]);
-    // Combination 0 is keep-all: it stays whatever else ties with it.
+    // Combination 0 is keep-all (pinned operators as pinned): it stays whatever else ties with it.
     for (size_t i = 0; i < combos; ++i) {
       if (!valid[i]) continue;
       bool dominated = false;
@@ -439,6 +456,7 @@ class Model {
   const CostEvaluator& eval_;
   const StageGraph& g_;
   const MitigationOptions& options_;
+  const Pinned* pinned_;  // null: nothing pinned
   double base_limit_ = 0, slack_ = 0, limit_ = 0, host_slack_ = 0, host_limit_ = -1;
   double forward_window_ = 0, backward_window_ = 0;
   std::vector<double> forward_s_;
@@ -491,8 +509,9 @@ std::vector<Model::State> Candidates(const Model& model, const Deadline* deadlin
 }  // namespace
 
 std::optional<Assignment> PricedGreedy(const CostEvaluator& eval, double r, double budget,
-                                       const MitigationOptions& options) {
-  Model model(eval, r, budget, options);
+                                       const MitigationOptions& options, const Pinned* pinned) {
+  Model model(eval, r, budget, options, pinned);
+  if (!model.Complete()) return std::nullopt;
   // The model adds bytes in another order than the evaluator: a candidate exactly at the budget
   // may be a hair over it there. Then the candidates are made again a hair below the budget.
   for (int attempt = 0; attempt < 2; ++attempt) {

@@ -20,15 +20,25 @@
 #pragma once
 
 #include <optional>
+#include <vector>
 
 #include "governor/planner/assignment.h"
 #include "governor/planner/mitigation.h"
 
 namespace bgl::plan {
 
+// Operators whose strategy is fixed: those a forward has already run when the plan is revised
+// after the gate (ReplanAfterGate). A plain value.
+struct Pinned {
+  Assignment strategies;     // one per operator; only the pinned operators' are read
+  std::vector<char> pinned;  // one per operator: 1 when its strategy is fixed
+};
+
 // The cheapest conflict-free candidate within `budget` and options.host_limit_bytes by the full
-// evaluator, or nothing when no candidate fits.
+// evaluator, or nothing when no candidate fits. With `pinned`, the pinned operators keep their
+// strategies and the others start from keep.
 std::optional<Assignment> PricedGreedy(const CostEvaluator& eval, double r, double budget,
-                                       const MitigationOptions& options);
+                                       const MitigationOptions& options,
+                                       const Pinned* pinned = nullptr);
 
 }  // namespace bgl::plan
