@@ -4,7 +4,8 @@
 //        instance's strategies) or planner_first_answer_study latency [ROUNDS] (the first
 //        answer's time, the DP alone and the priced candidates, side by side) or
 //        planner_first_answer_study full (the full search with and without the priced bound) or
-//        planner_first_answer_study miss [ROUNDS] (a whole PlanPoint miss, before and now).
+//        planner_first_answer_study miss [ROUNDS] (a whole PlanPoint miss, before and now) or
+//        planner_first_answer_study gate [ROUNDS] (the revision after the gate).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -116,6 +117,38 @@ int Miss(int rounds) {
   return 0;
 }
 
+// The revision after the gate (ReplanAfterGate): each production chunk planned at load 1 within
+// its budget (the first answer), then 2.6 seen at the gate of layer 1.
+int Gate(int rounds) {
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  std::vector<double> cpu;
+  int revised = 0, planned_chunks = 0;
+  for (int round = 0; round < rounds; ++round) {
+    for (const auto& x : testing::ProductionInstances(3232, 40, 4)) {
+      const CostEvaluator eval(x.graph, hw);
+      const double budget = std::max(x.budget, x.graph.M0(2.6));
+      MitigationOptions o;
+      o.fast = true;
+      auto planned = SelectMitigation(eval, 1.0, budget, o);
+      if (!planned.ok()) continue;
+      ++planned_chunks;
+      const double c0 = ThreadCpuSeconds();
+      const MitigationResult m = ReplanAfterGate(eval, planned->assignment, 1, 2.6, budget);
+      cpu.push_back(ThreadCpuSeconds() - c0);
+      revised += m.assignment != planned->assignment ? 1 : 0;
+    }
+  }
+  std::sort(cpu.begin(), cpu.end());
+  auto at = [&](double q) {
+    return cpu[std::min(cpu.size() - 1, static_cast<size_t>(q * cpu.size()))] * 1e6;
+  };
+  std::printf(
+      "ReplanAfterGate, 32 ops x 4 layers, gate of layer 1 at 2.6: cpu p50 %.0f p99 %.0f "
+      "max %.0f us (%d of %d revised)\n",
+      at(0.5), at(0.99), at(1.0), revised, planned_chunks);
+  return 0;
+}
+
 // The full search (a refinement) with and without the priced candidates as a bound.
 void FullSearch(const std::vector<testing::RealInstance>& chunks) {
   const HardwareProfile hw = *HardwareProfileByName("h200");
@@ -190,6 +223,7 @@ int Latency(const std::vector<testing::RealInstance>& chunks, int rounds) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "miss") return Miss(argc > 2 ? std::atoi(argv[2]) : 5);
+  if (argc > 1 && std::string(argv[1]) == "gate") return Gate(argc > 2 ? std::atoi(argv[2]) : 5);
   if (argc > 1 && std::string(argv[1]) == "full") {
     std::printf("production blocks, 32 ops x 4 layers (ProductionInstances 3232, 40 chunks)\n");
     FullSearch(testing::ProductionInstances(3232, 40, 4));
