@@ -3,6 +3,7 @@ the governor connection, and the runtime that composes them."""
 from __future__ import annotations
 
 import json
+import os
 
 import logging
 from typing import Optional, Union
@@ -99,7 +100,11 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
     else:
         pool = DevicePool(cap)
     cal = None
-    if calibration is not None or policy in ("bagualu", "static-under"):  # plans that mitigate
+    # Plans that mitigate need the rooflines; any policy takes a calibration the user named
+    # (an emulated link applies to every policy's copies).
+    named = calibration is not None or os.environ.get(calibrations.ENV) not in (
+        None, "", calibrations.PROFILE_ONLY)
+    if named or policy in ("bagualu", "static-under"):
         measured: list = []
 
         def measuring_enforcer(sync_copies: bool = False) -> Enforcer:

@@ -30,6 +30,11 @@ the policies under bagualu are compared with keep-all at twice keep-all's peak (
 installed, nothing moved, this rank's experts: ``keep-all, room to spare``), not with plain;
 keep-all at the same capacity runs too (it runs out of memory).
 
+``--micro-batches N`` (default 8): micro-batches per same-capacity iteration. With
+``BGL_CALIBRATION`` naming an emulated link (``python -m bagualu.planning.emulation``; docs/
+planner.md, "An emulated device link") every policy under bagualu copies over that link and
+plans with it; the table's header names the regime.
+
 ``--train POLICY`` (one of the same-capacity policies): one run of it on the first of
 ``--models`` at that setup, its iteration times printed: the process to profile.
 
@@ -81,6 +86,8 @@ def main() -> int:
                          "separated); nothing runs")
     ap.add_argument("--policies", default="",
                     help="--same-capacity: only these (comma-separated; plain always runs)")
+    ap.add_argument("--micro-batches", type=int, default=8,
+                    help="--same-capacity: micro-batches per iteration (1F1B over 4 stages)")
     ap.add_argument("--width", type=int, default=4, help="--overhead: model width factor")
     ap.add_argument("--seq", type=int, default=128, help="--overhead: tokens per sequence")
     args = ap.parse_args()
@@ -224,7 +231,8 @@ def _paired(times: Dict[str, List[float]], spike: int = 0) -> Dict[str, List[flo
 def _setup(args: argparse.Namespace) -> Dict:
     """train()'s arguments of the same-capacity setup (``--width``, ``--seq``, ``--spike``)."""
     return dict(width=args.width, seq=args.seq, ep=args.spike > 0, spike_every=args.spike,
-                device=args.device, spike_on_rank=args.spike > 0)
+                device=args.device, spike_on_rank=args.spike > 0,
+                micro_batches=args.micro_batches)
 
 
 def _run(name: str, k: str, cap: int, offload_all: Dict[str, str], iterations: int,
@@ -262,9 +270,17 @@ def train_one(args: argparse.Namespace) -> int:
 def same_capacity(args: argparse.Namespace) -> int:
     """Issue 22's table: every policy at half of keep-all's peak, alternating runs."""
     import bagualu
+    import os
     kw = _setup(args)
     table: Dict[str, Dict] = {}
     w = args.warmup
+    regime = "host copies"
+    cal = os.environ.get("BGL_CALIBRATION")
+    if cal and cal != "profile":
+        link = json.loads(open(cal).read()).get("emulated_link")
+        regime = f"emulated link: {link['stands_for']}" if link else f"calibration {cal}"
+    print(f"Regime: {regime}; {args.micro_batches} micro-batches per iteration"
+          f"{f', spike every {args.spike}' if args.spike else ''}.\n")
     print(f"| model | policy | ms/iteration from iteration {w}, median (range) | vs plain | "
           f"vs checkpoint | warm-up: ms/iteration of iterations 0-{w - 1}, median (range) | "
           "activation peak | fits | evictions/iteration | strategies (last iteration) | "
