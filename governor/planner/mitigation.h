@@ -38,11 +38,11 @@ struct MitigationOptions {
   int dp_states = 2048;
   // Chunks with more operators skip the operator DP.
   int max_dp_ops = 1024;
-  // The anytime path's first answer (issue 23): only the operator DP with fronts of
-  // fast_dp_states labels (no greedy, no layer search, no local search); the planner sets it on a
-  // large chunk's cache miss and refines the answer off the critical path (refiner.h).
-  // MitigationResult::first_answer says so. 4 labels: 0.5 ms p99 of CPU time at 32 operators x
-  // 4 layers where 24 took 2.4 ms (docs/planner.md).
+  // The anytime path's first answer (issues 23, 43): the priced candidates (priced_greedy.h),
+  // then the operator DP with fronts of fast_dp_states labels below their cost (no greedy, no
+  // layer search); the planner sets it on a large chunk's cache miss and refines the answer off
+  // the critical path (refiner.h). MitigationResult::first_answer says so. 0.32 ms p99 of CPU
+  // time at 32 operators x 4 layers (the DP alone on 4 labels: 0.25 ms; docs/planner.md).
   bool fast = false;
   int fast_dp_states = 4;
   // Issue 43: the first answer starts from the priced candidates (priced_greedy.h), and the

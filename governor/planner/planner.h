@@ -45,12 +45,12 @@ struct PlannerOptions {
   MitigationOptions mitigation;
   IssuePolicy issue_policy = IssuePolicy::kDualBatch;
   // The anytime path (issue 23): on a chunk of at least anytime_min_ops operators a mitigation
-  // cache miss is answered with the first answer (MitigationOptions::fast, the operator DP on
-  // fast_dp_states labels) and the full search for the same key runs on a background thread
-  // (refiner.h); its plan, never costlier, replaces the first answer in the cache, so the key's
-  // next hit returns it (Plan::first_answer, Plan::refined). <= 0: off, every miss runs the full
-  // search on the caller's thread. 64: the full search of a 2-layer chunk of 32 operators takes
-  // tens of milliseconds, the shipped small models stay on the exact path.
+  // cache miss is answered with the first answer (MitigationOptions::fast: the priced candidates,
+  // then the operator DP on fast_dp_states labels) and the full search for the same key runs on a
+  // background thread (refiner.h); its plan, never costlier, replaces the first answer in the
+  // cache, so the key's next hit returns it (Plan::first_answer, Plan::refined). <= 0: off, every
+  // miss runs the full search on the caller's thread. 64: the full search of a 2-layer chunk of
+  // 32 operators takes tens of milliseconds, the shipped small models stay on the exact path.
   int anytime_min_ops = 64;
   // A refinement running longer is dropped and the first answer stays (<= 0: no limit).
   int64_t refine_timeout_ms = 30000;
