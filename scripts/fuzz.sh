@@ -111,14 +111,15 @@ for t in "${targets[@]}"; do
   "$bin" -max_total_time="$seconds" -timeout="$per_input_timeout" -rss_limit_mb=2048 \
     -max_len=16384 -print_final_stats=1 -artifact_prefix="$scratch/artifacts/$t/" \
     "$scratch/corpus/$t" >"$log" 2>&1 || rc=$?
-  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
-  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -n 1)
-  cov=$(grep -oE 'cov: [0-9]+' "$log" | tail -n 1 | cut -d' ' -f2)
+  # (|| true: a target that dies before its first line of stats still gets its report below)
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1 || true)
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -n 1 || true)
+  cov=$(grep -oE 'cov: [0-9]+' "$log" | tail -n 1 | cut -d' ' -f2 || true)
   corpus=$(find "$scratch/corpus/$t" -type f | wc -l)
   summary+=("$(printf '%-18s %12s %10s %8s %8s  %s' "$t" "${execs:-?}" "${rate:-?}" \
     "${cov:-?}" "$corpus" "$([[ $rc -eq 0 ]] && echo ok || echo "FINDING (rc $rc)")")")
   if [[ $rc -ne 0 ]]; then
-    grep -E 'ERROR|runtime error|terminate called|SUMMARY|Test unit written' "$log" | head -n 20
+    grep -E 'ERROR|runtime error|terminate called|SUMMARY|Test unit written' "$log" | head -n 20 || true
     tail -n 30 "$log"
     failed+=("$t")
   fi
