@@ -14,12 +14,16 @@
 
 namespace bgl::fuzz {
 
-// A scratch file `<dir>/bgl-fuzz-<pid><suffix>` in /dev/shm when it exists (no disk writes per
-// execution), else $TMPDIR or /tmp. The same file is rewritten for every input.
+// A scratch file `<dir>/bgl-fuzz-<pid><suffix>`: <dir> is $BGL_FUZZ_SCRATCH when set (scripts/
+// fuzz.sh points it at its scratch folder, removed at the end, so a target that dies leaves
+// nothing behind), else /dev/shm when it exists (no disk writes per execution), else $TMPDIR or
+// /tmp. The same file is rewritten for every input.
 inline const std::string& ScratchPath(const char* suffix) {
   static const std::string path = [suffix] {
     std::string dir = "/tmp";
-    if (access("/dev/shm", W_OK) == 0) {
+    if (const char* s = std::getenv("BGL_FUZZ_SCRATCH"); s && *s) {
+      dir = s;
+    } else if (access("/dev/shm", W_OK) == 0) {
       dir = "/dev/shm";
     } else if (const char* t = std::getenv("TMPDIR"); t && *t) {
       dir = t;

@@ -38,8 +38,14 @@ cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPIL
 cmake --build "$dir" -j "$jobs" --target "${targets[@]}"
 echo "=== fuzz: built in $(($(date +%s) - start)) s"
 
+# The corpora on disk; the file each target rewrites for every execution in /dev/shm when it
+# exists (small: one input per target). Both go at the end, whatever the targets did.
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/bgl-fuzz.XXXXXX")
-trap 'rm -rf "$scratch"' EXIT
+shm=/dev/shm
+[[ -w $shm ]] || shm=$scratch
+BGL_FUZZ_SCRATCH=$(mktemp -d "$shm/bgl-fuzz-files.XXXXXX")
+export BGL_FUZZ_SCRATCH
+trap 'rm -rf "$scratch" "$BGL_FUZZ_SCRATCH"' EXIT
 
 # seed TARGET FILE...: copies seed files into the target's scratch corpus.
 seed() {
