@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "allocator/host_stream.h"
+#include "enforcer/detail/forwarding_ops.h"
 
 namespace bgl::enf {
 namespace {
@@ -31,52 +32,34 @@ class SteadyLinkClock final : public LinkClock {
   }
 };
 
-class EmulatedLinkOps final : public DeviceOps {
+class EmulatedLinkOps final : public detail::ForwardingOps {
  public:
   EmulatedLinkOps(std::unique_ptr<DeviceOps> upstream, const LinkTimes& times, LinkClock* clock)
-      : up_(std::move(upstream)), times_(times), clock_(clock) {}
-
-  const char* name() const override { return up_->name(); }
-  Status create_stream(Stream* out) override { return up_->create_stream(out); }
-  void destroy_stream(Stream s) override { up_->destroy_stream(s); }
-  void synchronize(Stream s) override { up_->synchronize(s); }
-  Event record(Stream s) override { return up_->record(s); }
-  bool query(const Event& e) override { return up_->query(e); }
-  void wait(const Event& e) override { up_->wait(e); }
-  void release(const Event& e) override { up_->release(e); }
-  Status stream_wait(Stream s, const Event& e) override { return up_->stream_wait(s, e); }
+      : ForwardingOps(std::move(upstream)), times_(times), clock_(clock) {}
 
   Status copy(void* dst, const void* src, std::size_t n, Stream s) override {
     const plan::Roofline* link = pinned(dst, n)   ? &times_.offload
                                  : pinned(src, n) ? &times_.reload
                                                   : nullptr;
-    if (link == nullptr) return up_->copy(dst, src, n, s);
+    if (link == nullptr) return upstream().copy(dst, src, n, s);
     const double seconds = link->Time(static_cast<double>(n));
     HostStream* h = HostStream::is_live(s) ? static_cast<HostStream*>(s) : nullptr;
     if (h == nullptr) {  // the calling thread
       const double start = clock_->now_s();
-      const Status st = up_->copy(dst, src, n, s);
+      const Status st = upstream().copy(dst, src, n, s);
       clock_->sleep_until_s(start + seconds);
       return st;
     }
     // The start is when the stream reaches the copy (after what was queued before it).
     auto start = std::make_shared<double>(0.0);
     h->enqueue([this, start] { *start = clock_->now_s(); });
-    const Status st = up_->copy(dst, src, n, s);
+    const Status st = upstream().copy(dst, src, n, s);
     h->enqueue([this, start, seconds] { clock_->sleep_until_s(*start + seconds); });
     return st;
   }
-  Status cast_to_fp8(const void* src, kern::DType t, std::size_t n, std::uint8_t* dst,
-                     float* scales, std::size_t block, Stream s) override {
-    return up_->cast_to_fp8(src, t, n, dst, scales, block, s);
-  }
-  Status cast_from_fp8(const std::uint8_t* src, const float* scales, std::size_t n,
-                       std::size_t block, kern::DType t, void* dst, Stream s) override {
-    return up_->cast_from_fp8(src, scales, n, block, t, dst, s);
-  }
 
   void* host_alloc(std::size_t bytes) override {
-    void* p = up_->host_alloc(bytes);
+    void* p = upstream().host_alloc(bytes);
     if (p != nullptr) {
       std::lock_guard<std::mutex> lock(mu_);
       ranges_[reinterpret_cast<std::uintptr_t>(p)] = bytes;
@@ -88,9 +71,8 @@ class EmulatedLinkOps final : public DeviceOps {
       std::lock_guard<std::mutex> lock(mu_);
       ranges_.erase(reinterpret_cast<std::uintptr_t>(p));
     }
-    up_->host_free(p);
+    upstream().host_free(p);
   }
-  std::string last_error() const override { return up_->last_error(); }
 
  private:
   // Whether [p, p + n) lies in pinned host memory this object handed out.
@@ -103,7 +85,6 @@ class EmulatedLinkOps final : public DeviceOps {
     return a + n <= it->first + it->second;
   }
 
-  std::unique_ptr<DeviceOps> up_;
   const LinkTimes times_;
   LinkClock* const clock_;
   std::mutex mu_;

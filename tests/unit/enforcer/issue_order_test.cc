@@ -18,6 +18,7 @@
 
 #include "allocator/host_backend.h"
 #include "allocator/host_stream.h"
+#include "enforcer/detail/forwarding_ops.h"
 #include "enforcer/enforcer.h"
 #include "governor/planner/planner.h"
 
@@ -42,20 +43,11 @@ struct Entry {
 
 // DeviceOps over host streams that records every copy queued on the two copy streams, and
 // delays each reload copy so that a consumer that did not wait for it would read stale bytes.
-class RecordingOps final : public DeviceOps {
+class RecordingOps final : public detail::ForwardingOps {
  public:
   RecordingOps(std::unique_ptr<DeviceOps> inner, Stream d2h, Stream h2d, std::vector<Entry>* log,
                std::mutex* mu)
-      : inner_(std::move(inner)), d2h_(d2h), h2d_(h2d), log_(log), mu_(mu) {}
-  const char* name() const override { return inner_->name(); }
-  Status create_stream(Stream* out) override { return inner_->create_stream(out); }
-  void destroy_stream(Stream s) override { inner_->destroy_stream(s); }
-  void synchronize(Stream s) override { inner_->synchronize(s); }
-  Event record(Stream s) override { return inner_->record(s); }
-  bool query(const Event& e) override { return inner_->query(e); }
-  void wait(const Event& e) override { inner_->wait(e); }
-  void release(const Event& e) override { inner_->release(e); }
-  Status stream_wait(Stream s, const Event& e) override { return inner_->stream_wait(s, e); }
+      : ForwardingOps(std::move(inner)), d2h_(d2h), h2d_(h2d), log_(log), mu_(mu) {}
   Status copy(void* dst, const void* src, std::size_t n, Stream s) override {
     if (s == d2h_ || s == h2d_) {
       std::lock_guard<std::mutex> lock(*mu_);
@@ -65,22 +57,10 @@ class RecordingOps final : public DeviceOps {
       static_cast<HostStream*>(s)->enqueue(
           [] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); });
     }
-    return inner_->copy(dst, src, n, s);
+    return upstream().copy(dst, src, n, s);
   }
-  Status cast_to_fp8(const void* src, kern::DType t, std::size_t n, std::uint8_t* dst,
-                     float* scales, std::size_t block, Stream s) override {
-    return inner_->cast_to_fp8(src, t, n, dst, scales, block, s);
-  }
-  Status cast_from_fp8(const std::uint8_t* src, const float* scales, std::size_t n,
-                       std::size_t block, kern::DType t, void* dst, Stream s) override {
-    return inner_->cast_from_fp8(src, scales, n, block, t, dst, s);
-  }
-  void* host_alloc(std::size_t bytes) override { return inner_->host_alloc(bytes); }
-  void host_free(void* p) override { inner_->host_free(p); }
-  std::string last_error() const override { return inner_->last_error(); }
 
  private:
-  std::unique_ptr<DeviceOps> inner_;
   Stream d2h_, h2d_;
   std::vector<Entry>* log_;
   std::mutex* mu_;
