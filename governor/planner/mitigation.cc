@@ -381,7 +381,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
 
 MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
                                  int gate_layer, double observed_r, double budget,
-                                 double host_limit_bytes) {
+                                 double host_limit_bytes, const MitigationOptions& allowed) {
   const StageGraph& g = eval.graph();
   MitigationResult result;
   result.budget = budget;
@@ -400,7 +400,7 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
   MitigationResult rule = result;
   auto downgrade = [&](auto pick) {
     for (size_t o = 0; o < g.ops.size(); ++o) {
-      if (g.ops[o].layer >= gate_layer && pick(o) &&
+      if (g.ops[o].layer >= gate_layer && pick(o) && allowed.allow_recompute &&
           eval.Allowed(static_cast<int>(o), Strategy::kRecompute)) {
         rule.assignment[o] = Strategy::kRecompute;
       }
@@ -429,7 +429,11 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
     moe_seen |= op.layer == gate_layer && IsMoeBlock(op.kind);
     if (op.layer > gate_layer || (op.layer == gate_layer && moe_seen)) pins.pinned[o] = 0;
   }
+  // What the planner may use (a run that keeps FP8 out must not get it from a revision).
   MitigationOptions options;
+  options.allow_recompute = allowed.allow_recompute;
+  options.allow_offload = allowed.allow_offload;
+  options.allow_fp8 = allowed.allow_fp8;
   options.host_limit_bytes = host_limit_bytes;
   if (std::optional<Assignment> plan = PricedGreedy(eval, observed_r, budget, options, &pins)) {
     const AssignmentCost c = eval.Evaluate(*plan, observed_r);

@@ -109,8 +109,11 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
 // pinned), and the fixed rule is the alternative: the MoE block of that layer and later layers
 // to recompute, then, over the host limit, their offloads to recompute. The cheaper of the two
 // that fits wins (issue 43; the rule alone before). Earlier operators are already executed.
+// `allowed`: the strategies the planner may use (its MitigationOptions' allow_*; the rest of
+// those options is not read here).
 MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
                                  int gate_layer, double observed_r, double budget,
-                                 double host_limit_bytes = -1);
+                                 double host_limit_bytes = -1,
+                                 const MitigationOptions& allowed = MitigationOptions());
 
 }  // namespace bgl::plan

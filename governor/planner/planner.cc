@@ -473,7 +473,7 @@ Result<Plan> StagePlanner::PlanAfterGateUnchecked(int micro_batch, int chunk, in
   CostEvaluator& eval = EvaluatorFor(unit.share_bucket);
   const MitigationResult revised =
       ReplanAfterGate(eval, interned_[unit.assignment].assignment, gate_layer, observed_r,
-                      unit.budget, unit.host_limit);
+                      unit.budget, unit.host_limit, options_.mitigation);
   unit.assignment = Intern(revised.assignment, observed_r, revised.fallback_full_recompute);
   unit.load = observed_r;
   tracker_.OnReport(micro_batch, chunk, revised.cost.device_bytes);

@@ -242,8 +242,9 @@ def test_issue_order_setting_is_checked() -> None:
 
 def test_the_router_downgrades_the_rest_of_its_layer() -> None:
     """Deferred planning on an unmodified model: routers see loads above the plan's, the rest
-    of their layer switches to recompute (records dropped), and neither the losses nor the
-    gradients change."""
+    of the forward is planned again at that load (issue 43: offload, FP8 or recompute as they
+    cost; on the host backend's memcpy the revision mostly offloads, FP8 off here), something
+    moves, and neither the losses nor the gradients change."""
     require_libs()
     full = unmodified.train("mixtral", "keep-all", capacity="4GiB", forced={})
     assert full["oom"] is None, full["oom"]
@@ -252,7 +253,7 @@ def test_the_router_downgrades_the_rest_of_its_layer() -> None:
     # Whether a router sees more than its plan allowed depends on the plan's margin at that
     # capacity (which moves with what a torch version saves, and with the issue order the plan
     # is made for): three capacities, one downgrade.
-    deferred = drops = recomputes = 0
+    deferred = moved = 0
     for cap in (peak * 3 // 5, peak // 2, peak * 2 // 5):
         # The serial order: when a dual-batch offload completes moves the bytes in use a
         # router's replan sees, and with them whether it must downgrade (about 1 run in 4).
@@ -261,9 +262,9 @@ def test_the_router_downgrades_the_rest_of_its_layer() -> None:
         assert r["oom"] is None and r["losses"] == full["losses"]
         assert_grads(full["grads"], r["grads"], count, what=f"capacity {cap}")
         deferred += sum(line["deferred"] for line in r["lines"])
-        drops += r["stats"]["tracker"]["drops"]
-        recomputes += r["stats"]["tracker"]["recomputes"]
-    assert deferred > 0 and drops > 0 and recomputes > 0, (deferred, drops, recomputes)
+        moved += r["stats"]["tracker"]["drops"] + r["stats"]["enforcer"]["offloads"]
+        assert r["stats"]["enforcer"]["fp8_casts"] == 0  # allow_fp8=False holds in revisions
+    assert deferred > 0 and moved > 0, (deferred, moved)
 
 
 def test_routers_whose_load_cannot_change_open_no_deferred_calls(monkeypatch) -> None:

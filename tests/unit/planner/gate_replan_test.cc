@@ -158,5 +158,32 @@ TEST(ReplanAfterGate, DearCopiesRecompute) {
   }
 }
 
+// The revision uses only the strategies the planner may: a run that keeps FP8 out (the package's
+// allow_fp8=False, bit-for-bit training) never gets FP8 from it, nor offload where offload is
+// off (the package's bit-for-bit EP and unmodified-model tests caught FP8 in a revision).
+TEST(ReplanAfterGate, UsesOnlyTheStrategiesThePlannerMay) {
+  HardwareProfile hw = *HardwareProfileByName("host");
+  hw.fp8_cast.peak_bytes_per_s *= 1000;  // FP8 nearly free: the revision would pick it
+  for (const Case& c : HostChunks(4, hw)) {
+    const StageGraph& g = c.graph;
+    CostEvaluator eval(g, hw);
+    const double budget = g.KeepAllBytes(1.0);
+    const Assignment planned(g.ops.size(), Strategy::kKeep);
+    MitigationOptions no_fp8;
+    no_fp8.allow_fp8 = false;
+    const MitigationResult a =
+        ReplanAfterGate(eval, planned, g.layers - 1, 1.3, budget, -1, no_fp8);
+    EXPECT_EQ(Count(a, Strategy::kFp8), 0) << c.shape;
+    EXPECT_TRUE(a.fits) << c.shape;
+    MitigationOptions recompute_only = no_fp8;
+    recompute_only.allow_offload = false;
+    const MitigationResult b =
+        ReplanAfterGate(eval, planned, g.layers - 1, 1.3, budget, -1, recompute_only);
+    EXPECT_EQ(Count(b, Strategy::kFp8) + Count(b, Strategy::kOffload), 0) << c.shape;
+    const MitigationResult any = ReplanAfterGate(eval, planned, g.layers - 1, 1.3, budget);
+    EXPECT_GT(Count(any, Strategy::kFp8), 0) << c.shape << ": the test's FP8 is not attractive";
+  }
+}
+
 }  // namespace
 }  // namespace bgl::plan
