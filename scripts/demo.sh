@@ -48,15 +48,21 @@ BGL_LIB_DIR=build .venv/bin/python integrations/pytorch/examples/moe_train.py --
   --picture build/demo-memory.svg \
   --require-finish bagualu,static-over >"${run_dir}/example.log" 2>&1 &
 example=$!
-# While the example trains, take one dashboard frame of the daemon's view: once a training
-# process has registered (at most two minutes; the frame says so when none has).
-for _ in $(seq 240); do
+# While the example trains, take one dashboard frame of the daemon's view while bagualu's run
+# holds memory: the example runs its policies in the order keep-all, static-under, static-over,
+# bagualu, each a session of its own, so the fourth session seen is bagualu's (at most four
+# minutes; the frame says so when none is there).
+seen=""
+for _ in $(seq 480); do
   sessions=$(build/tools/bglctl/bglctl --governor "$socket" sessions --json 2>/dev/null || true)
-  [[ $sessions == *'"session_id"'* ]] && break
+  for id in $(grep -o '"session_id": *"[^"]*"' <<<"$sessions" | sed 's/.*: *"//; s/"$//'); do
+    [[ " $seen " == *" $id "* ]] || seen="$seen $id"
+  done
+  (($(wc -w <<<"$seen") >= 4)) && break
   kill -0 "$example" 2>/dev/null || break
   sleep 0.5
 done
-sleep 2  # a few plans into the run
+sleep 2  # a few plans into bagualu's run (its capture first)
 echo "=== bgl-top --once, taken while the example trains"
 build/tools/bgl-top/bgl-top --governor "$socket" --once || true
 echo
