@@ -102,7 +102,10 @@ bgl_planner* bgl_planner_create(const char* model_json, const char* options_json
         !Optional(options, "budget_step_bytes", po.budget_step_bytes, "options_json") ||
         !Optional(options, "load_bucket", po.load_bucket, "options_json") ||
         !Optional(options, "schedule_load_class", po.schedule_load_class, "options_json") ||
-        !Optional(options, "anytime_min_ops", po.anytime_min_ops, "options_json")) {
+        !Optional(options, "anytime_min_ops", po.anytime_min_ops, "options_json") ||
+        !Optional(options, "warm_up", po.warm_up, "options_json") ||
+        !Optional(options, "warm_spike_bound", po.warm_spike_bound, "options_json") ||
+        !Optional(options, "warm_max_keys", po.warm_max_keys, "options_json")) {
       return nullptr;
     }
     std::string issue = dual_batch ? "dual-batch" : "serial";
@@ -282,6 +285,33 @@ int bgl_planner_report(bgl_planner* handle, int micro_batch, int chunk, int64_t 
 
 void bgl_planner_reset_iteration(bgl_planner* handle) {
   if (handle) handle->planner->ResetIteration();
+}
+
+char* bgl_planner_stats(bgl_planner* handle) {
+  if (!handle) return Fail("planner: NULL handle");
+  try {
+    handle->planner->ApplyRefinements();
+    const bgl::plan::PlannerCacheStats s = handle->planner->cache_stats();
+    json j = {{"cache_hits", s.mitigation.hits},
+              {"cache_misses", s.mitigation.misses},
+              {"cache_evictions", s.mitigation.evictions},
+              {"cache_entries", s.mitigation.entries},
+              {"first_answers", s.first_answers},
+              {"refined", s.refined},
+              {"refine_cpu_s", s.refine_cpu_s},
+              {"warm_keys", s.warm_keys},
+              {"warm_enumerated", s.warm_enumerated},
+              {"warm_submitted", s.warm_submitted},
+              {"warm_done", s.warm_done},
+              {"warm_hits", s.warm_hits},
+              {"warm_rounds", s.warm_rounds},
+              {"warm_complete", s.warm_complete},
+              {"warm_cpu_s", s.warm_cpu_s}};
+    last_error.clear();
+    return Dup(j.dump());
+  } catch (const std::exception& e) {
+    return Fail(std::string("internal error: ") + e.what());
+  }
 }
 
 const char* bgl_planner_last_error(void) { return last_error.c_str(); }

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <optional>
@@ -59,11 +60,17 @@ struct CacheCounters {
   size_t entries = 0;
 };
 
-// A least-recently-used map with counters.
+// A least-recently-used map with counters. Not thread-safe: its owner's thread.
 template <typename Key, typename Value>
 class LruCache {
  public:
   explicit LruCache(size_t capacity) : capacity_(capacity) {}
+
+  // Called with each entry the capacity pushes out, before it goes.
+  void set_on_evict(std::function<void(const Key&, const Value&)> on_evict) {
+    on_evict_ = std::move(on_evict);
+  }
+  size_t capacity() const { return capacity_; }
 
   const Value* Find(const Key& key) {
     auto it = index_.find(key);
@@ -92,6 +99,7 @@ class LruCache {
     order_.emplace_front(key, std::move(value));
     index_[key] = order_.begin();
     if (order_.size() > capacity_) {
+      if (on_evict_) on_evict_(order_.back().first, order_.back().second);
       index_.erase(order_.back().first);
       order_.pop_back();
       ++counters_.evictions;
@@ -114,6 +122,7 @@ class LruCache {
   std::list<std::pair<Key, Value>> order_;
   std::map<Key, typename std::list<std::pair<Key, Value>>::iterator> index_;
   CacheCounters counters_;
+  std::function<void(const Key&, const Value&)> on_evict_;
 };
 
 }  // namespace bgl::plan

@@ -22,6 +22,20 @@ Result<std::unique_ptr<StagePlanner>> StagePlanner::Create(const ModelConfig& co
     return InvalidArgument("offload_chunk_bytes must be positive");
   }
   if (options.cache_entries == 0) return InvalidArgument("cache_entries must be positive");
+  if (!std::isfinite(options.warm_spike_bound) || options.warm_spike_bound < 1 ||
+      options.warm_spike_bound > 64) {
+    return InvalidArgument(
+        "warm_spike_bound: the highest load factor the warm-up plans for must be in [1, 64], "
+        "got " +
+        std::to_string(options.warm_spike_bound));
+  }
+  if (options.warm_max_keys > options.cache_entries / 2) {
+    return InvalidArgument("warm_max_keys: at most half the plan cache (" +
+                           std::to_string(options.cache_entries / 2) +
+                           " of cache_entries), so the warm-up never evicts its own plans; got " +
+                           std::to_string(options.warm_max_keys));
+  }
+  if (options.warm_rounds < 1) return InvalidArgument("warm_rounds must be at least 1");
   auto graph = BuildStageGraph(config, hw);
   if (!graph.ok()) return graph.status();
   auto steps =
@@ -79,10 +93,14 @@ StagePlanner::StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOption
     }
   }
   keep_all_ = Intern(Assignment(graph_.ops.size(), Strategy::kKeep), 1.0, false);
-  if (options_.anytime_min_ops > 0 &&
-      graph_.ops.size() >= static_cast<size_t>(options_.anytime_min_ops)) {
+  anytime_ = options_.anytime_min_ops > 0 &&
+             graph_.ops.size() >= static_cast<size_t>(options_.anytime_min_ops);
+  if (anytime_ || options_.warm_up) {
     refiner_ = std::make_unique<Refiner>(graph_, options_.refine_timeout_ms);
   }
+  mitigation_cache_.set_on_evict([this](const MitigationKey&, const CachedAssignment& entry) {
+    if (entry.warm) --warm_live_;
+  });
 }
 
 PlannerCacheStats StagePlanner::cache_stats() const {
@@ -91,6 +109,15 @@ PlannerCacheStats StagePlanner::cache_stats() const {
   stats.refined = refined_;
   stats.improved = improved_;
   stats.refine_expired = refine_expired_;
+  stats.warm_keys = warm_live_;
+  stats.warm_enumerated = warm_enumerated_;
+  stats.warm_submitted = warm_submitted_.size();
+  stats.warm_done = warm_done_;
+  stats.warm_hits = warm_hits_;
+  stats.warm_rounds = warm_rounds_;
+  stats.warm_complete = warm_complete_;
+  stats.warm_cpu_s = warm_cpu_s_;
+  stats.refine_cpu_s = refine_cpu_s_;
   return stats;
 }
 
@@ -98,6 +125,11 @@ void StagePlanner::ApplyRefinements() {
   if (!refiner_ || !refiner_->HasDone()) return;
   for (RefineDone& done : refiner_->TakeDone()) {
     if (done.generation != generation_) continue;  // the caches were cleared since
+    if (done.warm) {
+      LandWarm(done);
+      continue;
+    }
+    refine_cpu_s_ += done.cpu_s;
     CachedAssignment* entry = mitigation_cache_.Peek(done.key);
     if (entry == nullptr || !entry->first_answer) continue;  // evicted: a miss plans it again
     if (done.expired) {
@@ -112,12 +144,97 @@ void StagePlanner::ApplyRefinements() {
     entry->refined = true;
     ++refined_;
   }
+  // A round's jobs all landed: the next round enumerates with their bytes.
+  if (warm_started_ && !warm_complete_ && warm_in_flight_ == 0) {
+    if (warm_last_round_) {
+      warm_complete_ = true;
+    } else {
+      WarmRound();
+    }
+  }
+}
+
+void StagePlanner::LandWarm(RefineDone& done) {
+  --warm_in_flight_;
+  ++warm_done_;
+  warm_cpu_s_ += done.cpu_s;
+  warm_submitted_[done.key] = true;
+  if (done.expired || !done.improved) return;  // a miss plans it as before
+  CachedAssignment* entry = mitigation_cache_.Peek(done.key);
+  // A miss met the key first and its full search (or refinement) already stands.
+  if (entry != nullptr && !entry->first_answer) return;
+  const double r = static_cast<double>(done.key.load_bucket) * options_.load_bucket;
+  const int id = Intern(std::move(done.assignment), r, done.fallback_full_recompute);
+  if (entry != nullptr) {  // a first answer: the warm plan if it is not costlier
+    if (ExposedAt(id, done.key.share_bucket) > ExposedAt(entry->id, done.key.share_bucket)) return;
+    entry->id = id;
+    entry->first_answer = false;
+    entry->refined = true;
+    if (!entry->warm) ++warm_live_;
+    entry->warm = true;
+    return;
+  }
+  CachedAssignment fresh;
+  fresh.id = id;
+  fresh.warm = true;
+  mitigation_cache_.Insert(done.key, fresh);
+  ++warm_live_;
 }
 
 void StagePlanner::WaitForRefinements() {
   if (!refiner_) return;
   refiner_->WaitIdle();
   ApplyRefinements();
+}
+
+Status StagePlanner::StartWarmup(int64_t host_limit_bytes, double bandwidth_share) {
+  if (!options_.warm_up || !refiner_) {
+    return FailedPrecondition("warm_up: the planner was created without the warm-up");
+  }
+  if (!std::isfinite(bandwidth_share) || bandwidth_share <= 0 || bandwidth_share > 1) {
+    return InvalidArgument("bandwidth_share: must be in (0, 1], got " +
+                           std::to_string(bandwidth_share));
+  }
+  if (warm_started_) return OkStatus();
+  warm_started_ = true;
+  warm_host_limit_ = host_limit_bytes;
+  warm_share_bucket_ = std::clamp(
+      static_cast<int>(std::floor(bandwidth_share * kShareSteps + 1e-9)), 1, kShareSteps);
+  WarmRound();
+  return OkStatus();
+}
+
+void StagePlanner::WaitForWarmup() {
+  while (warm_started_ && !warm_complete_) {
+    refiner_->WaitIdle();
+    ApplyRefinements();
+  }
+}
+
+void StagePlanner::WarmRound() {
+  const std::vector<MitigationKey> keys =
+      WarmKeys(warm_host_limit_, static_cast<double>(warm_share_bucket_) / kShareSteps);
+  ++warm_rounds_;
+  for (const MitigationKey& key : keys) {
+    if (!warm_submitted_.count(key)) ++warm_enumerated_;
+  }
+  const size_t cap =
+      options_.warm_max_keys > 0 ? options_.warm_max_keys : mitigation_cache_.capacity() / 2;
+  size_t submitted = 0;
+  for (const MitigationKey& key : keys) {
+    if (warm_submitted_.size() >= cap) break;
+    if (!warm_submitted_.emplace(key, false).second) continue;
+    RefineJob job = JobFor(key);
+    job.warm = true;
+    refiner_->Submit(std::move(job));
+    ++warm_in_flight_;
+    ++submitted;
+  }
+  if (submitted == 0) {
+    warm_complete_ = true;  // nothing new (called with nothing in flight)
+  } else if (warm_rounds_ >= static_cast<uint64_t>(options_.warm_rounds)) {
+    warm_last_round_ = true;  // complete once these land
+  }
 }
 
 void StagePlanner::ResetIteration() {
@@ -130,6 +247,10 @@ void StagePlanner::ClearCaches() {
   if (refiner_) refiner_->DropQueued();  // their keys are gone
   mitigation_cache_.Clear();
   schedule_cache_.Clear();
+  // The warm-up starts again at the next point (options_.warm_up).
+  warm_started_ = warm_complete_ = warm_last_round_ = false;
+  warm_submitted_.clear();
+  warm_in_flight_ = warm_live_ = 0;
 }
 
 Status StagePlanner::Validate(const SchedulePoint& p) const {
@@ -204,41 +325,96 @@ const StagePlanner::CachedAssignment& StagePlanner::AssignmentFor(const Mitigati
     return *cached;
   }
   hit = false;
-  // Plan for the worst case of the bucket: the lowest budget, the highest load, the lowest host
-  // limit and the lowest bandwidth share in it.
-  const double r_plan = static_cast<double>(key.load_bucket) * options_.load_bucket;
-  const double budget_plan =
-      std::max(graph_.M0(r_plan), static_cast<double>(key.budget_bucket) *
-                                      static_cast<double>(options_.budget_step_bytes));
-  MitigationOptions mitigation = options_.mitigation;
-  if (key.host_bucket >= 0) {
-    mitigation.host_limit_bytes =
-        static_cast<double>(key.host_bucket) * static_cast<double>(options_.budget_step_bytes);
-  }
+  RefineJob job = JobFor(key);
   // The anytime path: the first answer now, the full search on the refiner's thread.
-  CostEvaluator& eval = EvaluatorFor(key.share_bucket);
-  MitigationOptions first = mitigation;
-  first.fast = refiner_ != nullptr;
-  auto selected = SelectMitigation(eval, r_plan, budget_plan, first);
+  MitigationOptions first = job.options;
+  first.fast = anytime_;
+  auto selected = SelectMitigation(EvaluatorFor(key.share_bucket), job.r, job.budget, first);
   CachedAssignment entry;
   entry.first_answer = selected.ok() && selected->first_answer;
   if (entry.first_answer) {
-    RefineJob job;
-    job.key = key;
-    job.generation = generation_;
-    job.hw = eval.hw();
-    job.r = r_plan;
-    job.budget = budget_plan;
-    job.options = mitigation;
     job.first_answer = selected->assignment;
     job.first_exposed_s = selected->cost.exposed_s;
     refiner_->Submit(std::move(job));
     ++first_answers_;
   }
-  entry.id = selected.ok() ? Intern(std::move(selected->assignment), r_plan,
-                                    selected->fallback_full_recompute)
-                           : Intern(FullRecompute(*eval_), r_plan, true);
+  entry.id = selected.ok()
+                 ? Intern(std::move(selected->assignment), job.r, selected->fallback_full_recompute)
+                 : Intern(FullRecompute(*eval_), job.r, true);
   return mitigation_cache_.Insert(key, entry);
+}
+
+RefineJob StagePlanner::JobFor(const MitigationKey& key) {
+  // Plan for the worst case of the bucket: the lowest budget, the highest load, the lowest host
+  // limit and the lowest bandwidth share in it.
+  RefineJob job;
+  job.key = key;
+  job.generation = generation_;
+  job.r = static_cast<double>(key.load_bucket) * options_.load_bucket;
+  job.budget = std::max(graph_.M0(job.r), static_cast<double>(key.budget_bucket) *
+                                              static_cast<double>(options_.budget_step_bytes));
+  job.options = options_.mitigation;
+  if (key.host_bucket >= 0) {
+    job.options.host_limit_bytes =
+        static_cast<double>(key.host_bucket) * static_cast<double>(options_.budget_step_bytes);
+  }
+  job.hw = EvaluatorFor(key.share_bucket).hw();
+  return job;
+}
+
+std::vector<MitigationKey> StagePlanner::WarmKeys(int64_t host_limit_bytes,
+                                                  double bandwidth_share) {
+  const double lb = options_.load_bucket;
+  const double step = static_cast<double>(options_.budget_step_bytes);
+  const int share_bucket = std::clamp(
+      static_cast<int>(std::floor(bandwidth_share * kShareSteps + 1e-9)), 1, kShareSteps);
+  const int64_t host_bucket =
+      host_limit_bytes < 0 ? -1 : host_limit_bytes / options_.budget_step_bytes;
+  const Interned& keep_all = interned_[keep_all_];
+  std::vector<MitigationKey> out;
+  std::map<MitigationKey, bool> seen;
+  // One iteration with micro-batch `spiked` at load `spike` (-1: none), the others at 1: the
+  // keys of its forwards, each forward retaining what the cached plan for its key predicts (its
+  // memory line, reported as PlanPoint's callers do), else min(budget, keep-all).
+  auto replay = [&](int spiked, double spike) {
+    BudgetTracker tracker(m_max_, graph_.M0(1.0));
+    for (size_t i = 0; i < steps_.size(); ++i) {
+      const Step& s = steps_[i];
+      if (!s.forward) {
+        tracker.OnBackward(s.micro_batch, s.chunk);
+        continue;
+      }
+      const double r = s.micro_batch == spiked ? spike : 1.0;
+      const BudgetDecision d = tracker.OnForward(ForwardsUntilNextBackward(steps_, i));
+      double retained = keep_all.device_fixed + keep_all.device_per_load * r;
+      if (d.budget < retained) {
+        MitigationKey key;
+        key.valid = true;
+        key.phase = static_cast<int>(s.phase);
+        key.chunk = s.chunk;
+        key.budget_bucket = static_cast<int64_t>(std::floor(d.budget / step));
+        key.load_bucket = static_cast<int64_t>(std::ceil(r / lb - 1e-9));
+        key.host_bucket = host_bucket;
+        key.share_bucket = share_bucket;
+        if (seen.emplace(key, true).second) out.push_back(key);
+        if (const CachedAssignment* cached = mitigation_cache_.Peek(key)) {
+          const Interned& a = interned_[cached->id];
+          retained = a.device_fixed + a.device_per_load * r;
+        } else {
+          retained = d.budget;
+        }
+      }
+      tracker.OnReport(s.micro_batch, s.chunk, std::floor(retained));
+    }
+  };
+  replay(-1, 1.0);
+  const auto first = static_cast<int64_t>(std::ceil(1.0 / lb - 1e-9));
+  const auto last = static_cast<int64_t>(std::ceil(options_.warm_spike_bound / lb - 1e-9));
+  const int micro_batches = static_cast<int>(config_.MicroBatches());
+  for (int64_t bucket = first + 1; bucket <= last; ++bucket) {
+    for (int mb = 0; mb < micro_batches; ++mb) replay(mb, static_cast<double>(bucket) * lb);
+  }
+  return out;
 }
 
 CostEvaluator& StagePlanner::EvaluatorFor(int share_bucket) {
@@ -300,6 +476,9 @@ Result<Plan> StagePlanner::WithDeadline(const Deadline& deadline, F&& plan) {
 
 Result<Plan> StagePlanner::PlanPoint(const SchedulePoint& point, const Deadline& deadline) {
   BGL_RETURN_IF_ERROR(Validate(point));
+  if (options_.warm_up && !warm_started_ && point.forward_micro_batch >= 0) {
+    BGL_RETURN_IF_ERROR(StartWarmup(point.host_limit_bytes, point.bandwidth_share));
+  }
   ApplyRefinements();
   (void)EvaluatorFor(ShareBucket(point.bandwidth_share));  // created before the deadline is set
   return WithDeadline(deadline, [&] { return PlanPointUnchecked(point, deadline); });
@@ -348,6 +527,8 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
       id = cached.id;
       plan.first_answer = cached.first_answer;
       plan.refined = cached.refined;
+      plan.warm = cached.warm;
+      if (hit_mitigation && cached.warm) ++warm_hits_;
     }
     const Interned& a = interned_[id];
     plan.strategies = a.assignment;

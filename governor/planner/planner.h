@@ -54,6 +54,18 @@ struct PlannerOptions {
   int anytime_min_ops = 64;
   // A refinement running longer is dropped and the first answer stays (<= 0: no limit).
   int64_t refine_timeout_ms = 30000;
+  // The warm-up (issue 43): from the first planned point on, the refiner's thread runs the full
+  // search for the mitigation-cache keys a run will meet (WarmKeys: every forward of an iteration
+  // at load 1 and, for each load bucket up to warm_spike_bound, each micro-batch spiked to it
+  // with the budgets that spike leaves the points after it), at the first point's host limit and
+  // bandwidth share, behind the misses' refinements; the plans enter the cache as they land, so
+  // the keys' first hits get them (Plan::warm). Rounds re-enumerate with the landed plans' bytes
+  // until no new key shows (at most warm_rounds). At most warm_max_keys keys (0: half the
+  // cache), so the warm-up never evicts its own plans.
+  bool warm_up = false;
+  double warm_spike_bound = 3.0;  // highest load factor warmed, in [1, 64]
+  size_t warm_max_keys = 0;       // <= cache_entries / 2
+  int warm_rounds = 4;
 };
 
 // A pipeline scheduling point F_x B_y (either side may be absent in warmup or cooldown).
@@ -104,6 +116,7 @@ struct Plan {
   // on the call, the first answer was proven optimal (its DP never thinned), or keep-all.
   bool first_answer = false;
   bool refined = false;
+  bool warm = false;  // the warm-up's plan (PlannerOptions::warm_up), met before its first hit
   double bandwidth_share = 1.0;  // the share the plan assumed (rounded down to 1/kShareSteps)
 };
 
@@ -115,6 +128,16 @@ struct PlannerCacheStats {
   uint64_t refined = 0;         // refinements that entered the cache
   uint64_t improved = 0;        // of those, cheaper than their first answer
   uint64_t refine_expired = 0;  // past refine_timeout_ms: the first answer stayed
+  // The warm-up (PlannerOptions::warm_up).
+  uint64_t warm_keys = 0;        // mitigation-cache entries holding the warm-up's plans now
+  uint64_t warm_enumerated = 0;  // distinct keys the enumeration found (before the cap)
+  uint64_t warm_submitted = 0;   // keys sent to the refiner (at most warm_max_keys)
+  uint64_t warm_done = 0;        // of those, searched (landed, failed or expired)
+  uint64_t warm_hits = 0;        // points served by a warm-up plan
+  uint64_t warm_rounds = 0;      // enumeration rounds run
+  bool warm_complete = false;    // every round ran and every job landed
+  double warm_cpu_s = 0;         // the refiner thread's CPU time on the warm-up's jobs
+  double refine_cpu_s = 0;       // ... and on the misses' refinements
 };
 
 class StagePlanner {
@@ -145,6 +168,16 @@ class StagePlanner {
   void WaitForRefinements();
   // Refinements queued or running.
   size_t refinements_pending() const { return refiner_ ? refiner_->Pending() : 0; }
+  // The warm-up (PlannerOptions::warm_up): starts it now (PlanPoint starts it at the first point
+  // otherwise) for the keys at `host_limit_bytes` (-1: none) and `bandwidth_share`; a second call
+  // does nothing. Error: warm_up is off.
+  Status StartWarmup(int64_t host_limit_bytes = -1, double bandwidth_share = 1.0);
+  // Waits until every warm-up round has run and its plans entered the cache (tests, benchmarks,
+  // bgl-plan).
+  void WaitForWarmup();
+  // The keys the warm-up would search now, in its order (the cache's plans give the bytes of the
+  // forwards they serve; the rest are estimated at min(budget, keep-all)); uncapped.
+  std::vector<MitigationKey> WarmKeys(int64_t host_limit_bytes = -1, double bandwidth_share = 1.0);
 
   const ModelConfig& config() const { return config_; }
   const HardwareProfile& hardware() const { return hw_; }
@@ -192,6 +225,7 @@ class StagePlanner {
     int id = -1;
     bool first_answer = false;
     bool refined = false;
+    bool warm = false;  // the warm-up's plan
   };
 
   StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOptions options, StageGraph graph,
@@ -205,6 +239,11 @@ class StagePlanner {
   template <typename F>
   Result<Plan> WithDeadline(const Deadline& deadline, F&& plan);
   int Intern(Assignment assignment, double planned_r, bool fallback);
+  // The inputs a key is planned at (the bucket's worst case) as a refinement job.
+  RefineJob JobFor(const MitigationKey& key);
+  // A warm-up round: enumerates, submits the keys not submitted yet (up to the cap).
+  void WarmRound();
+  void LandWarm(RefineDone& done);
   const CachedAssignment& AssignmentFor(const MitigationKey& key, bool& hit);
   void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, int share_bucket,
                     bool use_cache, const Deadline& deadline);
@@ -236,6 +275,15 @@ class StagePlanner {
   int keep_all_ = -1;
   uint64_t generation_ = 0;  // ClearCaches() count: older refinements are dropped
   uint64_t first_answers_ = 0, refined_ = 0, improved_ = 0, refine_expired_ = 0;
+  bool anytime_ = false;  // first answers on a miss (anytime_min_ops); the refiner may run anyway
+  // The warm-up's state.
+  bool warm_started_ = false, warm_complete_ = false, warm_last_round_ = false;
+  int64_t warm_host_limit_ = -1;
+  int warm_share_bucket_ = kShareSteps;
+  std::map<MitigationKey, bool> warm_submitted_;  // key -> landed
+  uint64_t warm_in_flight_ = 0, warm_enumerated_ = 0, warm_done_ = 0, warm_hits_ = 0;
+  uint64_t warm_live_ = 0, warm_rounds_ = 0;
+  double warm_cpu_s_ = 0, refine_cpu_s_ = 0;
   std::unique_ptr<Refiner> refiner_;  // last: destroyed (joined) first; null: anytime off
 };
 

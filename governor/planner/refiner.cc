@@ -1,5 +1,7 @@
 #include "governor/planner/refiner.h"
 
+#include <time.h>
+
 #include <utility>
 
 #include "governor/planner/deadline.h"
@@ -14,6 +16,7 @@ Refiner::~Refiner() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_.store(true, std::memory_order_relaxed);
     queue_.clear();
+    warm_queue_.clear();
   }
   work_.notify_all();
   idle_.notify_all();
@@ -24,7 +27,7 @@ void Refiner::Submit(RefineJob job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_.load(std::memory_order_relaxed)) return;
-    queue_.push_back(std::move(job));
+    (job.warm ? warm_queue_ : queue_).push_back(std::move(job));
   }
   work_.notify_one();
 }
@@ -41,6 +44,7 @@ void Refiner::DropQueued() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.clear();
+    warm_queue_.clear();
   }
   idle_.notify_all();
 }
@@ -48,25 +52,43 @@ void Refiner::DropQueued() {
 void Refiner::WaitIdle() {
   std::unique_lock<std::mutex> lock(mu_);
   idle_.wait(lock, [&] {
-    return stopping_.load(std::memory_order_relaxed) || (queue_.empty() && running_ == 0);
+    return stopping_.load(std::memory_order_relaxed) ||
+           (queue_.empty() && warm_queue_.empty() && running_ == 0);
   });
 }
 
 size_t Refiner::Pending() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return queue_.size() + running_;
+  return queue_.size() + warm_queue_.size() + running_;
 }
+
+size_t Refiner::WarmQueued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return warm_queue_.size();
+}
+
+namespace {
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+}  // namespace
 
 void Refiner::Run() {
   for (;;) {
     RefineJob job;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      work_.wait(lock,
-                 [&] { return stopping_.load(std::memory_order_relaxed) || !queue_.empty(); });
+      work_.wait(lock, [&] {
+        return stopping_.load(std::memory_order_relaxed) || !queue_.empty() || !warm_queue_.empty();
+      });
       if (stopping_.load(std::memory_order_relaxed)) return;
-      job = std::move(queue_.front());
-      queue_.pop_front();
+      std::deque<RefineJob>& from = queue_.empty() ? warm_queue_ : queue_;
+      job = std::move(from.front());
+      from.pop_front();
       ++running_;
     }
     RefineDone done;
@@ -74,13 +96,19 @@ void Refiner::Run() {
     done.generation = job.generation;
     done.r = job.r;
     done.assignment = job.first_answer;
+    done.warm = job.warm;
+    const double cpu0 = ThreadCpuSeconds();
     CostEvaluator eval(graph_, job.hw);
     const Deadline deadline(limit_ms_, &stopping_);
     eval.set_deadline(&deadline);
     try {
       Result<MitigationResult> full = SelectMitigation(eval, job.r, job.budget, job.options);
-      if (full.ok() && full->fits && !full->cost.conflict &&
-          full->cost.exposed_s < job.first_exposed_s) {
+      if (job.warm && full.ok()) {  // nothing to compare with: the plan a miss would run
+        done.assignment = std::move(full->assignment);
+        done.fallback_full_recompute = full->fallback_full_recompute;
+        done.improved = true;
+      } else if (full.ok() && full->fits && !full->cost.conflict &&
+                 full->cost.exposed_s < job.first_exposed_s) {
         done.assignment = std::move(full->assignment);
         done.fallback_full_recompute = full->fallback_full_recompute;
         done.improved = true;
@@ -88,6 +116,7 @@ void Refiner::Run() {
     } catch (const detail::DeadlineExpired&) {
       done.expired = true;
     }
+    done.cpu_s = ThreadCpuSeconds() - cpu0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       --running_;

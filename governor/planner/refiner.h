@@ -6,7 +6,8 @@
 //
 // Deterministic: a job's answer depends only on the job (the graph, the hardware, the load, the
 // budget and the options), never on timing; only when it becomes visible does. Jobs run one at a
-// time in submission order.
+// time in submission order, a miss's refinement before any warm-up job (issue 43: the warm-up's
+// jobs, RefineJob::warm, wait in their own queue and run when no miss is waiting).
 #pragma once
 
 #include <atomic>
@@ -36,6 +37,9 @@ struct RefineJob {
   MitigationOptions options;  // the full search's (fast off)
   Assignment first_answer;    // what the cache holds until the refinement lands
   double first_exposed_s = 0;
+  // The warm-up's job (issue 43): no first answer, the key not met yet; the full search's plan
+  // is handed back whatever it costs (RefineDone::improved: the search gave one).
+  bool warm = false;
 };
 
 // A finished job: the assignment to cache under `key` (never costlier than the first answer).
@@ -48,6 +52,8 @@ struct RefineDone {
   bool fallback_full_recompute = false;
   bool improved = false;  // cheaper than the first answer (else the first answer is kept)
   bool expired = false;   // the refinement ran past its time limit: the first answer stays
+  bool warm = false;      // RefineJob::warm
+  double cpu_s = 0;       // the worker thread's CPU time on this job
 };
 
 // Threading: every public method may be called from any thread; the worker thread reads only
@@ -70,6 +76,8 @@ class Refiner {
   void WaitIdle();
   // Jobs queued or running.
   size_t Pending() const;
+  // Warm-up jobs queued (not yet running).
+  size_t WarmQueued() const;
   // Whether TakeDone() has something (lock-free: the planner's hit path asks on every point).
   bool HasDone() const { return done_count_.load(std::memory_order_acquire) > 0; }
 
@@ -79,9 +87,10 @@ class Refiner {
   const StageGraph graph_;
   const int64_t limit_ms_;
   mutable std::mutex mu_;
-  std::condition_variable work_;  // a job was queued, or stopping
-  std::condition_variable idle_;  // a job finished
-  std::deque<RefineJob> queue_;
+  std::condition_variable work_;      // a job was queued, or stopping
+  std::condition_variable idle_;      // a job finished
+  std::deque<RefineJob> queue_;       // the misses' refinements, first
+  std::deque<RefineJob> warm_queue_;  // the warm-up's jobs, when queue_ is empty
   std::vector<RefineDone> done_;
   size_t running_ = 0;
   std::atomic<size_t> done_count_{0};  // done_.size()

@@ -29,7 +29,10 @@ typedef struct bgl_planner bgl_planner;
  * MiB; small models want less), "load_bucket" (0.05) and "schedule_load_class" (0.25), and
  * "anytime_min_ops" (64; 0: off): chunks of at least that many operators answer a plan-cache miss
  * with a quick first answer and refine it on a background thread (the plan's "first_answer" and
- * "refined" say which). NULL on error. */
+ * "refined" say which); "warm_up" (false): from the first planned point on, the full search
+ * plans in the background the keys the run will meet at loads 1 to "warm_spike_bound" (3.0; a
+ * load factor in [1, 64]), at most "warm_max_keys" (0: half the plan cache) of them (the plan's
+ * "warm" says a warm-up plan served it). NULL on error. */
 BGL_PLANNER_API bgl_planner* bgl_planner_create(const char* model_json, const char* options_json);
 BGL_PLANNER_API void bgl_planner_destroy(bgl_planner* planner);
 
@@ -67,6 +70,14 @@ BGL_PLANNER_API int bgl_planner_report(bgl_planner* planner, int micro_batch, in
 
 /* Forgets live micro-batches at an iteration boundary (caches are kept). */
 BGL_PLANNER_API void bgl_planner_reset_iteration(bgl_planner* planner);
+
+/* The planner's counters as JSON: the plan cache's "cache_hits", "cache_misses",
+ * "cache_evictions", "cache_entries"; the anytime path's "first_answers", "refined",
+ * "refine_cpu_s"; the warm-up's "warm_keys" (cache entries holding its plans now),
+ * "warm_enumerated", "warm_submitted", "warm_done", "warm_hits", "warm_rounds", "warm_complete",
+ * "warm_cpu_s" (the worker thread's CPU seconds). NULL on error. Free with
+ * bgl_planner_free_string. */
+BGL_PLANNER_API char* bgl_planner_stats(bgl_planner* planner);
 
 /* The last error of the calling thread ("" if none). Valid until the thread's next call. */
 BGL_PLANNER_API const char* bgl_planner_last_error(void);

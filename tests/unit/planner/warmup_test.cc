@@ -1,0 +1,171 @@
+// The warm-up (issue 43 item 1): the refiner's thread plans the mitigation-cache keys a run will
+// meet (every forward at load 1 and each micro-batch spiked up to the spike bound) before they are
+// met; the cap keeps it from evicting its own plans; a bad spike bound is refused.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "governor/planner/iteration.h"
+#include "governor/planner/planner.h"
+
+namespace bgl::plan {
+namespace {
+
+// The Table II GLM-423B-A30B stage at 8 micro-batches with copies at a twentieth of the paper's
+// bandwidth (as anytime_test.cc) on 48 GB, so plans mitigate at load 1 and differ between keys.
+Result<std::unique_ptr<StagePlanner>> Glm423(PlannerOptions options) {
+  auto doc = LoadJsonOrYaml(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json", "model");
+  EXPECT_TRUE(doc.ok());
+  (*doc)["micro_batches"] = 8;
+  auto config = ModelConfigFromJson(*doc, "glm-423b-a30b.json");
+  EXPECT_TRUE(config.ok()) << config.status().message();
+  HardwareProfile hw = *HardwareProfileByName("paper");
+  hw.offload.peak_bytes_per_s /= 20;
+  hw.reload.peak_bytes_per_s /= 20;
+  // 48 GB: about half the forwards at load 1 mitigate, and every spiked one.
+  options.capacity_bytes = int64_t{48} * 1000 * 1000 * 1000;
+  options.anytime_min_ops = 0;  // a miss runs the full search on the call: same plans as warm
+  return StagePlanner::Create(*config, hw, options);
+}
+
+PlannerOptions Warm(double bound) {
+  PlannerOptions options;
+  options.warm_up = true;
+  options.warm_spike_bound = bound;
+  return options;
+}
+
+std::vector<double> Loads(const StagePlanner& p, int spiked, double spike) {
+  std::vector<double> loads(static_cast<size_t>(p.config().MicroBatches()), 1.0);
+  if (spiked >= 0) loads[static_cast<size_t>(spiked)] = spike;
+  return loads;
+}
+
+TEST(Warmup, RefusesASpikeBoundOutsideOneTo64WithItsName) {
+  for (double bad : {0.5, 0.99, 65.0, -1.0, std::numeric_limits<double>::quiet_NaN(),
+                     std::numeric_limits<double>::infinity()}) {
+    auto p = Glm423(Warm(bad));
+    ASSERT_FALSE(p.ok()) << bad;
+    EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(p.status().message().find("warm_spike_bound"), std::string::npos)
+        << p.status().message();
+    EXPECT_NE(p.status().message().find("[1, 64]"), std::string::npos) << p.status().message();
+  }
+  for (double good : {1.0, 3.0, 64.0}) EXPECT_TRUE(Glm423(Warm(good)).ok()) << good;
+  PlannerOptions over = Warm(3.0);
+  over.cache_entries = 100;
+  over.warm_max_keys = 51;  // more than half the cache
+  auto p = Glm423(over);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("warm_max_keys"), std::string::npos);
+}
+
+TEST(Warmup, OffUnlessAskedFor) {
+  auto p = Glm423(PlannerOptions{});
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ((*p)->StartWarmup().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(ReplayIteration(**p, Loads(**p, -1, 1)).ok());
+  const PlannerCacheStats s = (*p)->cache_stats();
+  EXPECT_EQ(s.warm_submitted, 0u);
+  EXPECT_EQ(s.warm_keys, 0u);
+}
+
+// Every forward that mitigates, at load 1 and with each micro-batch spiked to each bucket up to
+// the bound, is a cache hit on a warm-up plan: no miss once the warm-up is done.
+TEST(Warmup, TheKeysOfARunWithASpikeAreWarmBeforeTheyAreMet) {
+  const double bound = 1.5;
+  auto made = Glm423(Warm(bound));
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  StagePlanner& p = **made;
+  ASSERT_TRUE(p.StartWarmup().ok());
+  p.WaitForWarmup();
+  const PlannerCacheStats warm = p.cache_stats();
+  EXPECT_TRUE(warm.warm_complete);
+  EXPECT_GT(warm.warm_submitted, 0u);
+  EXPECT_EQ(warm.warm_done, warm.warm_submitted);
+  EXPECT_EQ(warm.warm_keys, warm.warm_submitted);
+  EXPECT_EQ(warm.mitigation.misses, 0u);
+  int mitigated = 0, spiked_points = 0;
+  std::set<double> spike_loads;
+  for (int spiked = -1; spiked < static_cast<int>(p.config().MicroBatches()); ++spiked) {
+    for (double spike : {1.05, 1.25, 1.5}) {
+      if (spiked < 0 && spike != 1.05) continue;
+      auto replay = ReplayIteration(p, Loads(p, spiked, spike));
+      ASSERT_TRUE(replay.ok()) << replay.status().message();
+      for (const Plan& plan : replay->plans) {
+        if (plan.micro_batch < 0) continue;
+        if (plan.predicted_bytes >= plan.keep_all_bytes) continue;  // keep-all: no key
+        ++mitigated;
+        if (plan.micro_batch == spiked) {
+          ++spiked_points;
+          spike_loads.insert(plan.load_factor);
+        }
+        EXPECT_TRUE(plan.warm) << "micro-batch " << plan.micro_batch << " chunk " << plan.chunk
+                               << " load " << plan.load_factor << " spiked " << spiked;
+      }
+    }
+  }
+  EXPECT_GT(mitigated, 0);
+  EXPECT_GT(spiked_points, 0);
+  EXPECT_EQ(spike_loads.size(), 3u);
+  const PlannerCacheStats after = p.cache_stats();
+  EXPECT_EQ(after.mitigation.misses, 0u);
+  EXPECT_EQ(after.warm_hits, static_cast<uint64_t>(mitigated));
+  EXPECT_GT(after.warm_cpu_s, 0);
+}
+
+// The same run without the warm-up misses: the test above is not vacuous.
+TEST(Warmup, WithoutItTheSpikedKeysMiss) {
+  auto made = Glm423(PlannerOptions{});
+  ASSERT_TRUE(made.ok());
+  StagePlanner& p = **made;
+  ASSERT_TRUE(ReplayIteration(p, Loads(p, -1, 1)).ok());
+  const uint64_t misses = p.cache_stats().mitigation.misses;
+  ASSERT_TRUE(ReplayIteration(p, Loads(p, 3, 1.5)).ok());
+  EXPECT_GT(p.cache_stats().mitigation.misses, misses);
+}
+
+// More keys than half the cache: the warm-up submits half the cache and every plan it made is
+// still cached when it is done (none pushed out by a later one of its own).
+TEST(Warmup, NeverEvictsItsOwnPlans) {
+  PlannerOptions options = Warm(3.0);
+  options.cache_entries = 16;
+  auto made = Glm423(options);
+  ASSERT_TRUE(made.ok());
+  StagePlanner& p = **made;
+  ASSERT_GT(p.WarmKeys().size(), 8u);
+  ASSERT_TRUE(p.StartWarmup().ok());
+  p.WaitForWarmup();
+  const PlannerCacheStats s = p.cache_stats();
+  EXPECT_EQ(s.warm_submitted, 8u);
+  EXPECT_GT(s.warm_enumerated, 8u);
+  EXPECT_EQ(s.warm_keys, 8u);
+  EXPECT_EQ(s.mitigation.evictions, 0u);
+  EXPECT_TRUE(s.warm_complete);
+}
+
+// The first planned point starts the warm-up at its host limit and bandwidth share; clearing the
+// caches starts it again.
+TEST(Warmup, TheFirstPointStartsItAndClearCachesRestartsIt) {
+  auto made = Glm423(Warm(1.2));
+  ASSERT_TRUE(made.ok());
+  StagePlanner& p = **made;
+  EXPECT_EQ(p.cache_stats().warm_rounds, 0u);
+  ASSERT_TRUE(ReplayIteration(p, Loads(p, -1, 1)).ok());
+  EXPECT_GT(p.cache_stats().warm_rounds, 0u);
+  p.WaitForWarmup();
+  EXPECT_GT(p.cache_stats().warm_keys, 0u);
+  p.ClearCaches();
+  EXPECT_EQ(p.cache_stats().warm_keys, 0u);
+  ASSERT_TRUE(ReplayIteration(p, Loads(p, -1, 1)).ok());
+  p.WaitForWarmup();
+  EXPECT_GT(p.cache_stats().warm_keys, 0u);
+}
+
+}  // namespace
+}  // namespace bgl::plan
