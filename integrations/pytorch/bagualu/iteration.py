@@ -65,6 +65,7 @@ class IterationLog:
                  "evictions": 0, "cache_hit": bool(plan.get("cache_hit")),
                  "first_answer": bool(plan.get("first_answer")),
                  "refined": bool(plan.get("refined")),
+                 "warm": bool(plan.get("warm")),
                  "plan_ms": ms, "_evictions0": evictions}
         self.points.append(point)
         self._point_of[unit] = point
@@ -83,8 +84,10 @@ class IterationLog:
         self.recompute_ops += ops
 
     def end(self, counters: Dict[str, int], ooms: int, budget: float, peak: int,
-            strategies: Dict[str, int], deferred: int) -> Dict[str, Any]:
-        """Closes the iteration and logs its line; returns the line's fields."""
+            strategies: Dict[str, int], deferred: int,
+            planner: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Closes the iteration and logs its line; returns the line's fields. ``planner``:
+        the planner's counters now (bgl_planner_stats), for the warm-up's figures."""
         c0, c = self._counters0, counters
         loads = self.loads or [1.0]
         elapsed = (time.perf_counter() - self._t0) * 1e3
@@ -100,6 +103,10 @@ class IterationLog:
             "early_offloads": c.get("early_offloads", 0) - c0.get("early_offloads", 0),
             "plan_ms": self.plan_ms, "plan_cache_hits": self.cache_hits,
             "plan_cache_misses": self.cache_misses,
+            # the warm-up (issue 43): this iteration's points a warm-up plan served, and the
+            # warm-up's plans in the planner's cache now
+            "warm_hits": sum(1 for p in self.points if p["warm"]),
+            "warm_keys": int((planner or {}).get("warm_keys", 0)),
             "points": [{k: v for k, v in p.items() if not k.startswith("_")}
                        for p in self.points],
             "deferred": deferred, "overhead_ms": self.recompute_ms, "iteration_ms": elapsed,
@@ -111,14 +118,16 @@ class IterationLog:
             strat = " ".join(f"{k}={v}" for k, v in strategies.items() if v)
             log.info("bagualu: iter %d policy %s load %.2f (max %.2f) budget %s peak %s/%s "
                      "strategies %s offloads %d (early %d) fp8 %d recomputed %d evictions %d "
-                     "deferred %d overhead %.1fms (%.1f%%) plans %d hit %d miss %.1fms",
+                     "deferred %d overhead %.1fms (%.1f%%) plans %d hit %d miss %.1fms "
+                     "warm %d hit %d keys",
                      line["iteration"], self.policy,
                      line["load_factor"], line["max_load_factor"], budget_text, _mib(peak),
                      _mib(self.capacity), strat or "keep", line["offloads"],
                      line["early_offloads"], line["fp8_casts"],
                      line["recomputed_ops"], line["evictions"], line["deferred"],
                      line["overhead_ms"], 100 * line["overhead_ms"] / max(elapsed, 1e-9),
-                     self.cache_hits, self.cache_misses, self.plan_ms)
+                     self.cache_hits, self.cache_misses, self.plan_ms,
+                     line["warm_hits"], line["warm_keys"])
         self.iteration += 1
         return line
 

@@ -174,7 +174,8 @@ class Runtime(HooksHost):
                     f"{found.layers_path} ({len(found.planned)} planned alike) do not split "
                     f"into {self.chunks} stages of equal planned layers; instrument a list of "
                     "the rank's stage modules (chunk order) or pass layers=[path per stage]")
-            self.auto = AutoLayers(self, model, found, ep, dispatches)
+            self.auto = AutoLayers(self, model, found, ep, dispatches,
+                                   self.settings.compiled_operators == "operators")
             self.tracker.set_model(param_storages(model))
             self.planning.layer_count = len(found.planned)
             self.layer_ops = {li: [Op(n, found.kinds[n], li) for n in found.op_names]
@@ -214,7 +215,18 @@ class Runtime(HooksHost):
         # Operators in the order of their first call (a block's own code first).
         ops = [Op(n, kinds[n], 0) for n in calls.op_order(list(kinds))]
         names = graph.TensorNames(ops)
-        lg = graph.build_produced_graph(recs, ops, load0, self.op_ms, calls.readers, names)
+        op_ms = self.op_ms
+        per_op = self.auto is not None and self.auto.compiled.per_op
+        if per_op:  # compiled blocks, their operators placed apart (capture/compiled.py)
+            produced: Dict[str, int] = {}
+            for r in recs:
+                if r.producer.layer == 0:
+                    produced[r.producer.name] = produced.get(r.producer.name, 0) + r.nbytes
+            op_ms = self.auto.compiled_op_times(op_ms, produced)
+        lg = graph.build_produced_graph(recs, ops, load0, op_ms, calls.readers, names)
+        if per_op:  # a compiled graph's operators cannot be rerun alone
+            for o in lg["operators"]:
+                o["recompute_allowed"] = False
         outside = sum(r.nbytes for r in recs if r.consumers and not r.in_layers())
         self.planning.register(lg, names, outside, self.model_info)
         if self.hidden.found and not self.hidden.reported:
@@ -326,7 +338,12 @@ class Runtime(HooksHost):
         self.planning.end_iteration()
         return self.log.end(self.tracker.counters, self.memory.oom_count, self.planning.budget,
                             self.memory.peak(), self.strategies.counts(self.layer_ops.values()),
-                            self.planning.deferred)
+                            self.planning.deferred, self._planner_stats())
+
+    def _planner_stats(self) -> Optional[Dict[str, Any]]:
+        """The embedded planner's counters (None without a planner)."""
+        stats = getattr(self.governor, "planner_stats", None)
+        return stats() if stats is not None else None
 
     @property
     def history(self) -> List[Dict[str, Any]]:
@@ -352,7 +369,14 @@ class Runtime(HooksHost):
                            "cache_hits": sum(x["plan_cache_hits"] for x in lines),
                            "cache_misses": sum(x["plan_cache_misses"] for x in lines),
                            "early_offloads": sum(x["early_offloads"] for x in lines),
-                           "evictions": sum(x["evictions"] for x in lines)}
+                           "evictions": sum(x["evictions"] for x in lines),
+                           "warm_hits": sum(x.get("warm_hits", 0) for x in lines)}
+        planner = self._planner_stats()
+        if planner is not None:
+            # the warm-up (issue 43): its plans cached now, keys searched, the worker's CPU
+            for key in ("warm_keys", "warm_submitted", "warm_done", "warm_complete",
+                        "warm_cpu_s", "refine_cpu_s", "first_answers"):
+                out["planning"][key] = planner.get(key)
         model = self.log.memory_model()
         if model is not None:
             out["memory_model"] = model

@@ -17,7 +17,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.bgl_planner_destroy.restype = None
     lib.bgl_planner_calibrated_profile.argtypes = [c_str, c_str]
     lib.bgl_planner_calibrated_profile.restype = c_void
-    for fn in ("bgl_planner_describe",):
+    for fn in ("bgl_planner_describe", "bgl_planner_stats"):
         getattr(lib, fn).argtypes = [c_void]
         getattr(lib, fn).restype = c_void
     lib.bgl_planner_schedule.argtypes = [ctypes.c_int] * 4

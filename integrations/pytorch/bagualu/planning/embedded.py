@@ -73,6 +73,12 @@ class EmbeddedPlanner:
                                             int(actual_bytes)) != 0:
                 raise PlannerError(self._error())
 
+    def stats(self) -> Json:
+        """The planner's counters (bgl_planner_stats): the plan cache, the anytime path and
+        the warm-up (warm_keys, warm_hits, warm_cpu_s, ...)."""
+        with self._mutex:
+            return self._take(self._lib.bgl_planner_stats(self._handle))
+
     def reset_iteration(self) -> None:
         with self._mutex:
             self._lib.bgl_planner_reset_iteration(self._handle)

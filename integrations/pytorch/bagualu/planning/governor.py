@@ -193,8 +193,13 @@ class Governor:
         # answered at once with the planner's first answer while the full search runs on its
         # worker thread, whose plan a later point of the same key gets: in a training process
         # a miss is on the critical path, and the first iterations and every spike miss.
+        # The warm-up (issue 43): from the first plan on, the planner's worker thread plans
+        # the keys the run will meet at loads 1 to the spike bound (BGL_WARM_SPIKE_BOUND,
+        # default 3.0, a load factor in [1, 64]; BGL_WARM_UP=0: off), so a spike and the points
+        # after it are served by full-search plans.
         self.embedded = plannermod.EmbeddedPlanner(
-            model, dict(self._options, anytime_min_ops=EMBEDDED_ANYTIME_MIN_OPS))
+            model, dict(self._options, anytime_min_ops=EMBEDDED_ANYTIME_MIN_OPS,
+                        **warm_up_options()))
         self.description = self.embedded.description
         self.kind = "embedded"
         if not self.uses_daemon:
@@ -286,6 +291,17 @@ class Governor:
         if self.remote is not None:
             self.remote.reset_iteration()
 
+    def planner_stats(self) -> Optional[Dict[str, Any]]:
+        """The embedded planner's counters (bgl_planner_stats: the plan cache, the anytime
+        path, the warm-up's warm_keys, warm_hits, warm_cpu_s, ...); None before register."""
+        if self.embedded is None:
+            return None
+        try:
+            return self.embedded.stats()
+        except PlannerError as e:
+            log.debug("bagualu: planner stats: %s", e)
+            return None
+
     def static_plan(self, steps: List[Dict[str, Any]]) -> Dict[str, str]:
         """Strategies sized for load 1.0 at the iteration's tightest forward, with recompute
         only (the static-under baseline), computed on a private embedded planner."""
@@ -343,6 +359,27 @@ def _short(e: BaseException) -> str:
 
 
 EMBEDDED_ANYTIME_MIN_OPS = 1  # the embedded planner's PlannerOptions::anytime_min_ops
+WARM_SPIKE_BOUND = 3.0  # the warm-up's default highest load (PlannerOptions::warm_spike_bound)
+
+
+def warm_up_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The embedded planner's warm-up options from BGL_WARM_UP (0/false/off: off) and
+    BGL_WARM_SPIKE_BOUND (a load factor in [1, 64]; ValueError naming the variable
+    otherwise)."""
+    env = os.environ if env is None else env
+    if env.get("BGL_WARM_UP", "1").strip().lower() in ("0", "false", "off", "no"):
+        return {"warm_up": False}
+    text = env.get("BGL_WARM_SPIKE_BOUND", "").strip()
+    bound = WARM_SPIKE_BOUND
+    if text:
+        try:
+            bound = float(text)
+        except ValueError:
+            bound = math.nan
+        if not 1.0 <= bound <= 64.0:
+            raise ValueError(f"BGL_WARM_SPIKE_BOUND: the highest load factor the warm-up plans "
+                             f"for must be a number in [1, 64], got {text!r}")
+    return {"warm_up": True, "warm_spike_bound": bound}
 _MIN_STEP = 64 << 10
 _MAX_STEP = 64 << 20  # the planner's default (PlannerOptions::budget_step_bytes)
 

@@ -1,0 +1,96 @@
+"""The planner's warm-up in the package (issue 43 item 1): stats() and the iteration line show
+the warm-up's keys, the points its plans served and its CPU time; BGL_WARM_UP=0 turns it off;
+a bad BGL_WARM_SPIKE_BOUND is refused with its name."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+import bagualu
+from conftest import require_libs, small_config
+
+
+def run(iterations: int, until_warm: bool = False) -> list:
+    """The small MoE stage, 4 micro-batches of gradient accumulation at 512 KiB (plans mitigate
+    at load 1), embedded planner; ``until_warm``: iterations go on (at most 200) until the
+    warm-up is complete, then ``iterations`` more. Returns the iteration lines."""
+    from moe_model import MoEStage
+    torch.manual_seed(0)
+    cfg = small_config()
+    model = MoEStage(cfg)
+    n = 4
+    bagualu.install(capacity="512KiB", policy="bagualu", governor="none", pipeline_stages=1,
+                    micro_batches=n, log_iterations=True)
+    bagualu.instrument(model, cfg.info())
+    xs = [torch.randint(0, cfg.vocab, (cfg.micro_batch_size, cfg.seq_len)) for _ in range(n)]
+
+    def step() -> None:
+        bagualu.accumulate_gradients(lambda mb: model(xs[int(mb)]).float().mean(), n)
+
+    if until_warm:
+        for _ in range(200):
+            step()
+            if bagualu.stats()["planning"]["warm_complete"]:
+                break
+            time.sleep(0.05)  # the worker thread's turn on a busy machine
+        assert bagualu.stats()["planning"]["warm_complete"], "the warm-up never completed"
+    for _ in range(iterations):
+        step()
+    return bagualu.history()
+
+
+def test_stats_and_the_iteration_line_show_the_warm_up(monkeypatch, caplog) -> None:
+    require_libs()
+    monkeypatch.delenv("BGL_WARM_UP", raising=False)
+    monkeypatch.delenv("BGL_WARM_SPIKE_BOUND", raising=False)
+    caplog.set_level(logging.INFO, logger="bagualu")
+    lines = run(1, until_warm=True)
+    planning = bagualu.stats()["planning"]
+    last = lines[-1]
+    assert planning["warm_keys"] > 0
+    assert planning["warm_submitted"] >= planning["warm_keys"]
+    assert planning["warm_done"] == planning["warm_submitted"]
+    assert planning["warm_cpu_s"] > 0
+    assert last["warm_keys"] == planning["warm_keys"]
+    # every point says whether a warm-up plan served it; the line counts them
+    assert all("warm" in p for p in last["points"])
+    assert last["warm_hits"] == sum(p["warm"] for p in last["points"])
+    # the first forward of an iteration meets the budget the warm-up's load-1 replay gave it
+    assert last["warm_hits"] >= 1, last["points"]
+    assert planning["warm_hits"] == sum(x["warm_hits"] for x in lines)
+    text = [r.getMessage() for r in caplog.records if "iter" in r.getMessage()]
+    assert text and f"warm {last['warm_hits']} hit {last['warm_keys']} keys" in text[-1]
+
+
+def test_bgl_warm_up_0_turns_it_off(monkeypatch) -> None:
+    require_libs()
+    monkeypatch.setenv("BGL_WARM_UP", "0")
+    lines = run(2)
+    planning = bagualu.stats()["planning"]
+    assert planning["warm_submitted"] == 0 and planning["warm_keys"] == 0
+    assert [x["warm_hits"] for x in lines] == [0, 0]
+
+
+@pytest.mark.parametrize("bound", ["0.5", "65", "three"])
+def test_a_bad_spike_bound_is_refused_with_its_name(monkeypatch, bound: str) -> None:
+    require_libs()
+    monkeypatch.setenv("BGL_WARM_SPIKE_BOUND", bound)
+    with pytest.raises(Exception, match=r"BGL_WARM_SPIKE_BOUND.*\[1, 64\]"):
+        run(1)
+
+
+def test_the_planner_refuses_a_bad_spike_bound_with_its_name() -> None:
+    """The C++ check behind the variable (PlannerOptions::warm_spike_bound), through the
+    embedded planner's options."""
+    require_libs()
+    from bagualu.errors import PlannerError
+    from bagualu.planning.embedded import EmbeddedPlanner
+    import json
+    from conftest import ROOT
+    model = json.loads((ROOT / "models" / "tiny-moe.json").read_text())
+    with pytest.raises(PlannerError, match=r"warm_spike_bound.*\[1, 64\], got 0\.5"):
+        EmbeddedPlanner(model, {"capacity_bytes": 2 << 30, "warm_up": True,
+                                "warm_spike_bound": 0.5})
