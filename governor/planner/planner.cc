@@ -95,7 +95,7 @@ StagePlanner::StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOption
   keep_all_ = Intern(Assignment(graph_.ops.size(), Strategy::kKeep), 1.0, false);
   anytime_ = options_.anytime_min_ops > 0 &&
              graph_.ops.size() >= static_cast<size_t>(options_.anytime_min_ops);
-  if (anytime_ || options_.warm_up) {
+  if ((anytime_ && options_.refine_first_answers) || options_.warm_up) {
     refiner_ = std::make_unique<Refiner>(graph_, options_.refine_timeout_ms);
   }
   mitigation_cache_.set_on_evict([this](const MitigationKey&, const CachedAssignment& entry) {
@@ -332,7 +332,7 @@ const StagePlanner::CachedAssignment& StagePlanner::AssignmentFor(const Mitigati
   auto selected = SelectMitigation(EvaluatorFor(key.share_bucket), job.r, job.budget, first);
   CachedAssignment entry;
   entry.first_answer = selected.ok() && selected->first_answer;
-  if (entry.first_answer) {
+  if (entry.first_answer && refiner_ && options_.refine_first_answers) {
     job.first_answer = selected->assignment;
     job.first_exposed_s = selected->cost.exposed_s;
     refiner_->Submit(std::move(job));

@@ -54,6 +54,8 @@ struct PlannerOptions {
   int anytime_min_ops = 64;
   // A refinement running longer is dropped and the first answer stays (<= 0: no limit).
   int64_t refine_timeout_ms = 30000;
+  // false: first answers stay, nothing is refined (bgl-plan --first-answer shows one).
+  bool refine_first_answers = true;
   // The warm-up (issue 43): from the first planned point on, the refiner's thread runs the full
   // search for the mitigation-cache keys a run will meet (WarmKeys: every forward of an iteration
   // at load 1 and, for each load bucket up to warm_spike_bound, each micro-batch spiked to it

@@ -37,8 +37,8 @@ struct RefineJob {
   MitigationOptions options;  // the full search's (fast off)
   Assignment first_answer;    // what the cache holds until the refinement lands
   double first_exposed_s = 0;
-  // The warm-up's job (issue 43): no first answer, the key not met yet; the full search's plan
-  // is handed back whatever it costs (RefineDone::improved: the search gave one).
+  // The warm-up's job (issue 43): the key not met yet; the worker computes its first answer
+  // too and hands back the cheaper of that and the full search (RefineDone::improved: a plan).
   bool warm = false;
 };
 

@@ -16,7 +16,8 @@ namespace {
 constexpr const char* kUsage = R"(usage: bgl-plan --model FILE --capacity SIZE --load R [options]
 
 Plans the first forward of the requested pipeline phase for one stage of the model, replaying the
-iteration up to it with every micro-batch at load factor R, and prints the plan.
+iteration up to it with every micro-batch at load factor R, and prints the plan: the full
+search's, the plan a warm run uses (its key planned by the warm-up or refined after a first miss).
 
   --model FILE        model description (.json, .yaml or .yml; see models/)
   --capacity SIZE     device memory, in bytes or with a unit (64GiB, 80GB)
@@ -26,6 +27,9 @@ iteration up to it with every micro-batch at load factor R, and prints the plan.
   --gpu NAME          hardware profile (default: the model file's, else h200)
   --calibration FILE  measured rooflines overriding the profile (JSON)
   --budget-step SIZE  plan-cache budget bucket (default 64MiB; small stages want capacity/64)
+  --first-answer      print the first answer a cold plan-cache miss gets instead (the anytime
+                      path's quick answer on chunks of 64 operators or more, in the daemon;
+                      the embedded planner's on every chunk), before its refinement lands
   --json              print JSON instead of the table
   --curve-csv FILE    write the iteration's activation memory curve (planned and keep-all)
   -h, --help          this text
@@ -44,7 +48,7 @@ int main(int argc, char** argv) {
   std::string model_path, capacity_text, load_text, phase_text = "steady", gpu, calibration,
                                                     curve_path, budget_step_text;
   int rank = 0;
-  bool json = false;
+  bool json = false, first_answer = false;
   std::vector<std::string> args(argv + 1, argv + argc);
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -58,6 +62,8 @@ int main(int argc, char** argv) {
       return 0;
     } else if (a == "--json") {
       json = true;
+    } else if (a == "--first-answer") {
+      first_answer = true;
     } else if (a == "--model" || a == "--capacity" || a == "--load" || a == "--phase" ||
                a == "--gpu" || a == "--calibration" || a == "--curve-csv" || a == "--rank" ||
                a == "--budget-step") {
@@ -110,6 +116,10 @@ int main(int argc, char** argv) {
     if (!s.ok()) return Fail(s.message());
   }
   PlannerOptions options;
+  // The full search on every miss (what a warm key holds), or the first answer on every chunk,
+  // never refined (what a cold key gets first).
+  options.anytime_min_ops = first_answer ? 1 : 0;
+  options.refine_first_answers = false;
   options.capacity_bytes = *capacity;
   options.pipeline_rank = rank;
   if (!budget_step_text.empty()) {
@@ -152,6 +162,7 @@ int main(int argc, char** argv) {
     j["activation_capacity_bytes"] = static_cast<int64_t>(p.activation_capacity());
     j["iteration_peak_bytes"] = static_cast<int64_t>(replay->planned.peak_bytes);
     j["keep_all_peak_bytes"] = static_cast<int64_t>(replay->keep_all.peak_bytes);
+    j["search"] = first_answer ? "first answer" : "full";
     j["plan"] = PlanToJson(*chosen, p.graph());
     std::cout << j.dump(2) << "\n";
     return 0;
@@ -166,6 +177,9 @@ int main(int argc, char** argv) {
               FormatBytes(static_cast<double>(*capacity)).c_str(),
               FormatBytes(config->StaticBytesPerGpu()).c_str(),
               FormatBytes(p.activation_capacity()).c_str());
+  std::printf("search: %s\n",
+              first_answer ? "the first answer a cold plan-cache miss gets (--first-answer)"
+                           : "full (the plan a warm run uses; --first-answer: a cold miss's)");
   std::printf("iteration peak at load %.2f: planned %s, keep-all %s (%s)\n\n", load,
               FormatBytes(replay->planned.peak_bytes).c_str(),
               FormatBytes(replay->keep_all.peak_bytes).c_str(),
