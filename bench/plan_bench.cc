@@ -14,6 +14,7 @@
 #include "governor/planner/iteration.h"
 #include "governor/planner/mitigation.h"
 #include "governor/planner/planner.h"
+#include "tests/unit/planner/large_chunk.h"
 #include "tests/unit/planner/real_instances.h"
 
 namespace {
@@ -224,27 +225,17 @@ BENCHMARK(BM_SelectMitigationProduction4Layers)
     ->Unit(benchmark::kMicrosecond);
 
 // A whole plan-cache miss and hit (PlanPoint: the budget, the mitigation search, the dual-batch
-// issue order) on a large chunk: GLM-423B-A30B with 144 layers and 9 per virtual stage, so a
-// chunk holds 9 layers of 14 operators (126, about issue 23's 32 x 4), copy engines at a
-// twentieth of the paper's so plans have an overhead. Arg: anytime_min_ops (0: the full search on
-// the call; 64: the first answer on the call, the full search on the refiner's thread).
+// issue order) on a large chunk (tests/unit/planner/large_chunk.h: 126 operators, slow copies).
+// Arg: anytime_min_ops (0: the full search on the call; 64: the first answer on the call, the
+// full search on the refiner's thread).
 std::unique_ptr<StagePlanner> LargeChunkPlanner(int anytime_min_ops) {
-  auto doc = LoadJsonOrYaml(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json", "model");
-  if (!doc.ok()) std::exit(1);
-  (*doc)["layers"] = 144;
-  (*doc)["vp"] = 9;
-  auto config = ModelConfigFromJson(*doc, "glm-423b-a30b.json");
+  auto config = testing::LargeChunkConfig();
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().message().c_str());
     std::exit(1);
   }
-  HardwareProfile hw = *HardwareProfileByName("paper");
-  hw.offload.peak_bytes_per_s /= 20;
-  hw.reload.peak_bytes_per_s /= 20;
-  PlannerOptions options;
-  options.capacity_bytes = int64_t{141} * 1000 * 1000 * 1000;
-  options.anytime_min_ops = anytime_min_ops;
-  auto planner = StagePlanner::Create(*config, hw, options);
+  auto planner = StagePlanner::Create(*config, testing::LargeChunkHardware(),
+                                      testing::LargeChunkOptions(anytime_min_ops));
   if (!planner.ok()) {
     std::fprintf(stderr, "%s\n", planner.status().message().c_str());
     std::exit(1);
@@ -252,27 +243,9 @@ std::unique_ptr<StagePlanner> LargeChunkPlanner(int anytime_min_ops) {
   return std::move(*planner);
 }
 
-// The points the bench plans: forward of micro-batch 0 at loads 1 to 2.6 with budgets from near
-// M0 to near keep-all (through bytes_in_use), 40 keys.
-std::vector<SchedulePoint> LargeChunkPoints(const StagePlanner& planner) {
-  std::vector<SchedulePoint> points;
-  const double m0 = planner.m0(), keep = planner.graph().KeepAllBytes(1.0);
-  for (int b = 0; b < 10; ++b) {
-    for (double r : {1.0, 1.3, 2.0, 2.6}) {
-      SchedulePoint p;
-      p.forward_micro_batch = 0;
-      p.load_factor = r;
-      const double budget = 1.05 * m0 + (keep - 1.05 * m0) * b / 10.0;
-      p.bytes_in_use = static_cast<int64_t>(planner.activation_capacity() - budget);
-      points.push_back(p);
-    }
-  }
-  return points;
-}
-
 void PlanLargeChunk(benchmark::State& state, bool hit) {
   auto planner = LargeChunkPlanner(static_cast<int>(state.range(0)));
-  const std::vector<SchedulePoint> points = LargeChunkPoints(*planner);
+  const std::vector<SchedulePoint> points = testing::LargeChunkPoints(*planner);
   std::vector<double> times, cpu_times;
   size_t i = 0;
   int first_answers = 0, refined = 0;

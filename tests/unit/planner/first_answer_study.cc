@@ -20,6 +20,7 @@
 #include "governor/planner/planner.h"
 #include "governor/planner/priced_greedy.h"
 #include "real_instances.h"
+#include "tests/unit/planner/large_chunk.h"
 
 using namespace bgl::plan;
 
@@ -32,42 +33,21 @@ double ThreadCpuSeconds() {
 }
 
 // A whole PlanPoint miss on the anytime path (the budget, the first answer, the dual-batch issue
-// order): GLM-423B-A30B with 144 layers and 9 per virtual stage (126 operators per chunk), copy
-// engines at a twentieth of the paper's, 40 keys from near M0 to near keep-all at loads 1 to 2.6
-// (the points of bench/plan_bench.cc's BM_PlanLargeChunkMiss), the first answer before issue 43
-// and now, alternating.
+// order) on large_chunk.h's stage and 40 points (those of bench/plan_bench.cc's
+// BM_PlanLargeChunkMiss), the first answer before issue 43 and now, alternating.
 int Miss(int rounds) {
-  auto doc = LoadJsonOrYaml(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json", "model");
-  if (!doc.ok()) return 1;
-  (*doc)["layers"] = 144;
-  (*doc)["vp"] = 9;
-  auto config = ModelConfigFromJson(*doc, "glm-423b-a30b.json");
+  auto config = testing::LargeChunkConfig();
   if (!config.ok()) return 1;
-  HardwareProfile hw = *HardwareProfileByName("paper");
-  hw.offload.peak_bytes_per_s /= 20;
-  hw.reload.peak_bytes_per_s /= 20;
+  const HardwareProfile hw = testing::LargeChunkHardware();
   std::unique_ptr<StagePlanner> planners[2];
   for (int v = 0; v < 2; ++v) {
-    PlannerOptions options;
-    options.capacity_bytes = int64_t{141} * 1000 * 1000 * 1000;
-    options.anytime_min_ops = 64;
+    PlannerOptions options = testing::LargeChunkOptions(/*anytime_min_ops=*/64);
     options.mitigation.fast_priced = v == 1;
     auto planner = StagePlanner::Create(*config, hw, options);
     if (!planner.ok()) return 1;
     planners[v] = std::move(*planner);
   }
-  std::vector<SchedulePoint> points;
-  const double m0 = planners[0]->m0(), keep = planners[0]->graph().KeepAllBytes(1.0);
-  for (int b = 0; b < 10; ++b) {
-    for (double r : {1.0, 1.3, 2.0, 2.6}) {
-      SchedulePoint p;
-      p.forward_micro_batch = 0;
-      p.load_factor = r;
-      const double budget = 1.05 * m0 + (keep - 1.05 * m0) * b / 10.0;
-      p.bytes_in_use = static_cast<int64_t>(planners[0]->activation_capacity() - budget);
-      points.push_back(p);
-    }
-  }
+  const std::vector<SchedulePoint> points = testing::LargeChunkPoints(*planners[0]);
   std::vector<double> wall[2], cpu[2];
   double overhead[2] = {0, 0};
   int first[2] = {0, 0};
@@ -89,10 +69,7 @@ int Miss(int rounds) {
     }
   }
   // The full search on the call (anytime off): what the refinements reach.
-  PlannerOptions full_options;
-  full_options.capacity_bytes = int64_t{141} * 1000 * 1000 * 1000;
-  full_options.anytime_min_ops = 0;
-  auto full = StagePlanner::Create(*config, hw, full_options);
+  auto full = StagePlanner::Create(*config, hw, testing::LargeChunkOptions(0));
   if (!full.ok()) return 1;
   double full_overhead = 0;
   for (const SchedulePoint& p : points) {
