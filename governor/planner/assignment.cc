@@ -57,6 +57,7 @@ bool CostEvaluator::Allowed(int op, Strategy s) const {
   }
   if (!movable) return false;
   if (s == Strategy::kFp8) return o.fp8_allowed && fp8_source;
+  if (s == Strategy::kRecompute) return o.recompute_allowed;
   return true;
 }
 

@@ -285,6 +285,7 @@ struct OpSpec {
   double forward_s = 0, backward_s = 0, flops = 0;
   bool scales_with_load = false;
   bool fp8_allowed = true;
+  bool recompute_allowed = true;
 };
 struct TensorSpec {
   std::string name;
@@ -407,7 +408,8 @@ Result<LayerSpec> ParseLayerGraph(const nlohmann::json& doc, const std::string& 
     field += " ('" + o.name + "')";
     BGL_RETURN_IF_ERROR(RejectUnknownKeys(od,
                                           {"name", "kind", "forward_ms", "backward_ms", "flops",
-                                           "scales_with_load", "fp8_allowed", "comment"},
+                                           "scales_with_load", "fp8_allowed", "recompute_allowed",
+                                           "comment"},
                                           field));
     if (!od.contains("kind") || !od["kind"].is_string()) {
       return InvalidArgument(field + ": missing field 'kind'");
@@ -424,6 +426,7 @@ Result<LayerSpec> ParseLayerGraph(const nlohmann::json& doc, const std::string& 
     BGL_RETURN_IF_ERROR(ReadBool(od, "scales_with_load", o.scales_with_load, field));
     o.fp8_allowed = o.kind != OpKind::kRouter;
     BGL_RETURN_IF_ERROR(ReadBool(od, "fp8_allowed", o.fp8_allowed, field));
+    BGL_RETURN_IF_ERROR(ReadBool(od, "recompute_allowed", o.recompute_allowed, field));
     if (op_index.count(o.name)) return InvalidArgument(field + ": duplicate operator");
     op_index[o.name] = static_cast<int>(spec.ops.size());
     spec.ops.push_back(std::move(o));
@@ -530,6 +533,7 @@ Result<StageGraph> BuildCustomGraph(const ModelConfig& config, const nlohmann::j
       o.flops = s.flops;
       o.scales_with_load = s.scales_with_load;
       o.fp8_allowed = s.fp8_allowed;
+      o.recompute_allowed = s.recompute_allowed;
       g.ops.push_back(std::move(o));
     }
     for (size_t i = 0; i < spec.tensors.size(); ++i) {

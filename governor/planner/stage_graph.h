@@ -43,6 +43,9 @@ struct Operator {
   double flops = 0;       // forward FLOPs at load 1 (for MFU)
   bool scales_with_load = false;
   bool fp8_allowed = true;  // precision-sensitive operators (the router) never store FP8
+  // False where the operator cannot be rerun alone (inside a compiled block, whose graph
+  // reruns whole): its tensors are kept, offloaded or stored in FP8 only.
+  bool recompute_allowed = true;
   std::vector<int> inputs;  // tensors read in forward (needed to recompute it)
   std::vector<int> saves;   // tensors it saves for backward
 

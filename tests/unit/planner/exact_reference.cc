@@ -38,6 +38,7 @@ bool Movable(const StageGraph& g, int op, Strategy s) {
     castable |= g.tensors[t].dtype != DType::kFP8;
   }
   if (s == Strategy::kFp8) return movable && castable && g.ops[op].fp8_allowed;
+  if (s == Strategy::kRecompute) return movable && g.ops[op].recompute_allowed;
   return movable;
 }
 
@@ -639,7 +640,8 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
     std::string& key = keys[i];
     for (const Operator& o : parts[i].graph.ops) {
       key += std::to_string(static_cast<int>(o.kind)) + ":" + Exact(o.forward_s) + ":" +
-             std::to_string(o.scales_with_load) + std::to_string(o.fp8_allowed) + "(";
+             std::to_string(o.scales_with_load) + std::to_string(o.fp8_allowed) +
+             std::to_string(o.recompute_allowed) + "(";
       for (int t : o.inputs) key += std::to_string(t) + ",";
       key += ")(";
       for (int t : o.saves) key += std::to_string(t) + ",";

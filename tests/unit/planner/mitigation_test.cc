@@ -371,9 +371,9 @@ TEST(SelectMitigation, ConflictingCandidatesAreRejectedNotApplied) {
   g.tensors = {{"input", 1 << 20, DType::kBF16, -1, {}, false, true},
                {"shared", 64 << 20, DType::kBF16, 0, {}, false, false},
                {"own", 256 << 20, DType::kBF16, 0, {}, false, false}};
-  Operator producer{"producer", OpKind::kLinear, 0, 1e-3, 2e-3, 0, false, true, {0}, {0}};
-  Operator router{"router", OpKind::kRouter, 0, 5e-2, 1e-1, 0, false, false, {1}, {1}};
-  Operator linear{"linear", OpKind::kLinear, 0, 5e-2, 1e-1, 0, false, true, {1, 2}, {1, 2}};
+  Operator producer{"producer", OpKind::kLinear, 0, 1e-3, 2e-3, 0, false, true, true, {0}, {0}};
+  Operator router{"router", OpKind::kRouter, 0, 5e-2, 1e-1, 0, false, false, true, {1}, {1}};
+  Operator linear{"linear", OpKind::kLinear, 0, 5e-2, 1e-1, 0, false, true, true, {1, 2}, {1, 2}};
   g.ops = {producer, router, linear};
   g.tensors[2].producer = 0;
   ASSERT_TRUE(g.Finalize().ok());

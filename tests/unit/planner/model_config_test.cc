@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "base/utf8.h"
+#include "governor/planner/assignment.h"
 #include "governor/planner/planner.h"
 
 namespace bgl::plan {
@@ -166,6 +167,39 @@ TEST(ModelConfig, CustomGraphErrorsNameTheProblem) {
   ASSERT_TRUE(g.ok()) << g.status().message();
   EXPECT_EQ(g->ops.size(), 3u * config->LayersPerChunk());
   EXPECT_EQ(g->M0(1.0), 1000.0 * static_cast<double>(config->LayersPerChunk()));
+}
+
+// An operator that cannot be rerun alone (inside a compiled block under per-operator
+// placements) is never recomputed: CostEvaluator::Allowed, which every search consults.
+TEST(ModelConfig, RecomputeAllowedPerOperator) {
+  auto doc = CustomGraph();
+  doc["layer_graph"]["operators"][2]["kind"] = "other";
+  doc["layer_graph"]["tensors"][1]["producer"] = "norm";
+  doc["layer_graph"]["tensors"][1]["consumers"] = {"norm"};
+  auto hw = HardwareProfileByName("h200");
+  auto config = ModelConfigFromJson(doc, "custom.json");
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  auto g = BuildStageGraph(*config, *hw);
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  EXPECT_TRUE(CostEvaluator(*g, *hw).Allowed(0, Strategy::kRecompute));
+  doc["layer_graph"]["operators"][0]["recompute_allowed"] = false;
+  config = ModelConfigFromJson(doc, "custom.json");
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  g = BuildStageGraph(*config, *hw);
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  CostEvaluator eval(*g, *hw);
+  EXPECT_FALSE(eval.Allowed(0, Strategy::kRecompute));
+  EXPECT_TRUE(eval.Allowed(0, Strategy::kOffload));
+  EXPECT_TRUE(eval.Allowed(0, Strategy::kFp8));
+  doc["layer_graph"]["operators"][0]["recompute_allowed"] = "no";
+  config = ModelConfigFromJson(doc, "custom.json");
+  std::string message = config.ok() ? "" : config.status().message();
+  if (config.ok()) {
+    auto bad = BuildStageGraph(*config, *hw);
+    ASSERT_FALSE(bad.ok());
+    message = bad.status().message();
+  }
+  EXPECT_NE(message.find("recompute_allowed"), std::string::npos) << message;
 }
 
 }  // namespace
