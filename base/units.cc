@@ -108,22 +108,26 @@ Result<int64_t> ParseBytes(std::string_view text, std::string_view what) {
   return static_cast<int64_t>(std::llround(bytes));
 }
 
-std::string FormatBytes(double bytes) {
-  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+std::string FormatBytes(double bytes, bool exact) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int unit = 0;
   double value = bytes;
-  while (std::fabs(value) >= 1024 && unit < 4) {
+  while (std::fabs(value) >= 1000 && unit < 5) {
     value /= 1024;
     ++unit;
   }
-  // Three significant digits without switching to exponent form (1000-1023 of a unit).
-  char buf[32];
+  char buf[64];
   const double magnitude = std::fabs(value);
   const char* format = unit == 0 || magnitude >= 100 ? "%.0f %s"
                        : magnitude >= 10             ? "%.1f %s"
                                                      : "%.2f %s";
   std::snprintf(buf, sizeof buf, format, value, kUnits[unit]);
-  return buf;
+  std::string text = buf;
+  if (exact && unit > 0) {
+    std::snprintf(buf, sizeof buf, " (%.0f bytes)", bytes);
+    text += buf;
+  }
+  return text;
 }
 
 std::string FormatSeconds(double seconds) {

@@ -16,8 +16,11 @@ namespace bgl {
 // ("1.5GiB") are rounded to whole bytes. `what` names the value in error messages.
 Result<int64_t> ParseBytes(std::string_view text, std::string_view what);
 
-// Formats bytes with a binary unit, three significant digits ("1.25 GiB").
-std::string FormatBytes(double bytes);
+// Formats bytes with a binary unit, three significant digits and never more than three integer
+// digits ("1.25 GiB"; 1010 MiB reads "0.99 GiB"), so table columns keep their width: the one
+// byte formatter of every tool's output and message. `exact` adds the count where the exact
+// figure matters ("11.8 GiB (12638097408 bytes)"; under 1000 bytes the count is already exact).
+std::string FormatBytes(double bytes, bool exact = false);
 
 // Formats seconds as us or ms, whichever reads better.
 std::string FormatSeconds(double seconds);

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "base/units.h"
 #include "governor/planner/hardware.h"
 #include "governor/planner/model_config.h"
 
@@ -99,8 +100,9 @@ Status CheckModelBounds(const plan::ModelConfig& c, const ModelBounds& b,
 
 Status CheckStringField(const std::string& value, const char* field, size_t max, bool required) {
   if (value.size() > max) {
-    return Exhausted(std::string(field) + ": " + std::to_string(value.size()) +
-                     " bytes exceed the limit of " + std::to_string(max));
+    return Exhausted(std::string(field) + ": " +
+                     FormatBytes(static_cast<double>(value.size()), true) +
+                     " exceeds the limit of " + FormatBytes(static_cast<double>(max), true));
   }
   if (required && value.empty()) return InvalidArgument(std::string(field) + ": required");
   for (char ch : value) {
@@ -142,8 +144,10 @@ Status ValidateRegisterRequest(const pb::RegisterRequest& req, const RequestLimi
                            std::to_string(req.budget_step_bytes()));
   }
   if (req.model_json().size() > limits.max_model_json_bytes) {
-    return Exhausted("model_json: " + std::to_string(req.model_json().size()) +
-                     " bytes exceed the limit of " + std::to_string(limits.max_model_json_bytes));
+    return Exhausted(
+        "model_json: " + FormatBytes(static_cast<double>(req.model_json().size()), true) +
+        " exceeds the limit of " +
+        FormatBytes(static_cast<double>(limits.max_model_json_bytes), true));
   }
   if (req.model_json().empty()) return InvalidArgument("model_json: required");
   // A linear scan before any parser or copy recurses over the document.

@@ -119,8 +119,9 @@ void ReturnFreeMemory() {
 #if defined(__GLIBC__)
   malloc_trim(0);
   const struct mallinfo2 mi = mallinfo2();
-  Log(LogLevel::kDebug, "heap: " + std::to_string(mi.uordblks + mi.hblkhd) + " bytes in use, " +
-                            std::to_string(mi.fordblks) + " free in the arenas");
+  Log(LogLevel::kDebug, "heap: " + FormatBytes(static_cast<double>(mi.uordblks + mi.hblkhd)) +
+                            " in use, " + FormatBytes(static_cast<double>(mi.fordblks)) +
+                            " free in the arenas");
 #endif
 }
 
@@ -282,8 +283,8 @@ int Run(int argc, char** argv) {
       "serving on " + config->listen +
           (tcp_port ? " and tcp port " + std::to_string(tcp_port) : "") +
           (exposer ? "; metrics on port " + std::to_string(config->metrics_port) : ""));
-  Log(LogLevel::kInfo, "node: host budget " + FormatBytes(config->host_budget_bytes) + ", floor " +
-                           FormatBytes(config->host_floor_bytes) + " per session (" +
+  Log(LogLevel::kInfo, "node: host budget " + FormatBytes(config->host_budget_bytes, true) +
+                           ", floor " + FormatBytes(config->host_floor_bytes) + " per session (" +
                            std::to_string(config->node_max_sessions) + " sessions), " +
                            std::to_string(config->links.size()) + " shared link(s) from " +
                            config->links_source);

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "base/units.h"
 #include "governor/common/convert.h"
 #include "governor/planner/assignment.h"
 
@@ -70,6 +71,36 @@ grpc::Status CheckNonNegative(int64_t v, const char* field) {
     return Invalid(std::string(field) + ": must be non-negative, got " + std::to_string(v));
   if (v > (int64_t{1} << 50)) {
     return Invalid(std::string(field) + ": out of range (> 2^50), got " + std::to_string(v));
+  }
+  return grpc::Status::OK;
+}
+
+// A report's InEffect: byte counts as any other, strategy names the planner's, counts bounded
+// by what the session's micro-batches in flight can have.
+grpc::Status CheckInEffect(const pb::InEffect& e, size_t operators) {
+  if (e.micro_batches() < 0 || e.micro_batches() > (1 << 20)) {
+    return Invalid("in_effect.micro_batches: must be in [0, 2^20], got " +
+                   std::to_string(e.micro_batches()));
+  }
+  for (auto [v, field] : {std::pair{e.planned_bytes(), "in_effect.planned_bytes"},
+                          {e.actual_bytes(), "in_effect.actual_bytes"},
+                          {e.planned_host_bytes(), "in_effect.planned_host_bytes"},
+                          {e.actual_host_bytes(), "in_effect.actual_host_bytes"}}) {
+    if (auto s = CheckNonNegative(v, field); !s.ok()) return s;
+  }
+  const int64_t most = static_cast<int64_t>(operators) * e.micro_batches();
+  for (const auto& [name, n] : e.strategy_counts()) {
+    bool known = false;
+    for (plan::Strategy st : plan::kAllStrategies) known |= name == plan::StrategyName(st);
+    if (!known) {
+      return Invalid("in_effect.strategy_counts: unknown strategy '" + name.substr(0, 64) +
+                     "' (keep, recompute, offload, fp8)");
+    }
+    if (n < 0 || n > most) {
+      return Invalid("in_effect.strategy_counts[" + name + "]: must be in [0, " +
+                     std::to_string(most) + "] (operators x micro_batches), got " +
+                     std::to_string(n));
+    }
   }
   return grpc::Status::OK;
 }
@@ -143,8 +174,9 @@ grpc::Status GovernorCore::Find(const Caller& caller, const std::string& id, boo
                                 std::shared_ptr<Session>* out) const {
   std::shared_lock<std::shared_mutex> lock(mu_);
   if (id.size() > limits_.max_string_bytes) {
-    return Exhausted("session_id: " + std::to_string(id.size()) + " bytes exceed the limit of " +
-                     std::to_string(limits_.max_string_bytes));
+    return Exhausted("session_id: " + FormatBytes(static_cast<double>(id.size()), true) +
+                     " exceeds the limit of " +
+                     FormatBytes(static_cast<double>(limits_.max_string_bytes), true));
   }
   if (id.empty()) return Invalid("session_id: required");
   auto it = sessions_.find(id);
@@ -343,10 +375,12 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
   }
   const RequestLimits limits = this->limits();
   if (req.allocator_snapshot_json().size() > limits.max_snapshot_json_bytes) {
-    return Reject("Report", Exhausted("allocator_snapshot_json: " +
-                                      std::to_string(req.allocator_snapshot_json().size()) +
-                                      " bytes exceed the limit of " +
-                                      std::to_string(limits.max_snapshot_json_bytes)));
+    return Reject(
+        "Report",
+        Exhausted("allocator_snapshot_json: " +
+                  FormatBytes(static_cast<double>(req.allocator_snapshot_json().size()), true) +
+                  " exceeds the limit of " +
+                  FormatBytes(static_cast<double>(limits.max_snapshot_json_bytes), true)));
   }
   if (req.micro_batch() < 0) return Reject("Report", Invalid("micro_batch: must be >= 0"));
   if (req.chunk() < 0) return Reject("Report", Invalid("chunk: must be >= 0"));
@@ -369,6 +403,10 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
   if (!req.allocator_snapshot_json().empty() &&
       !nlohmann::json::accept(req.allocator_snapshot_json())) {
     return Reject("Report", Invalid("allocator_snapshot_json: not valid JSON"));
+  }
+  if (req.has_in_effect()) {
+    const size_t operators = session->planner->graph().ops.size();
+    if (auto s = CheckInEffect(req.in_effect(), operators); !s.ok()) return Reject("Report", s);
   }
   int64_t ooms_delta = 0;
   int64_t host_used = -1;  // pinned bytes the process holds now, when it reports them
@@ -397,6 +435,9 @@ grpc::Status GovernorCore::Report(const Caller& caller, const pb::ReportRequest&
     } else {
       session->in_use_bytes = static_cast<int64_t>(planner_used);
       session->peak_bytes = std::max(session->peak_bytes, session->in_use_bytes);
+    }
+    if (req.has_in_effect()) {
+      session->in_effect = req.in_effect();
     }
     if (!req.allocator_snapshot_json().empty()) {
       session->snapshot_json = req.allocator_snapshot_json();
@@ -536,6 +577,7 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
     const int link = row->session().link();
     row->set_bandwidth_share(s->bandwidth_share);
     row->set_offloading(s->offloading);
+    if (s->in_effect) *row->mutable_in_effect() = *s->in_effect;
     row->mutable_session()->set_host_used_bytes(s->host_used_bytes);
     pb::LinkState& l = links[link];
     if (l.sessions() == 0) {

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "bagualu/v1/governor.pb.h"
@@ -40,6 +41,8 @@ struct Session {
   double bandwidth_share = 1.0;    // as of its last plan
   bool offloading = false;         // its last plan puts bytes on host
   plan::CacheCounters plan_cache;  // the planner's mitigation-cache counters after its last plan
+  // Its micro-batches in flight under the plans it serves, as of its latest report with them.
+  std::optional<bagualu::v1::InEffect> in_effect;
   std::string snapshot_json;
   int64_t snapshot_unix_ms = 0;
 };

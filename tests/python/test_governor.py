@@ -589,3 +589,70 @@ def test_fallback_keeps_the_nodes_last_grant(tmp_path, monkeypatch, caplog) -> N
     limited = [p for p in points if "host_limit_bytes" in p]
     assert limited and all(p["host_limit_bytes"] == 1 << 20 for p in limited)
     assert len(_messages(caplog, "keeping the node's last host grant")) == 1
+
+
+def test_a_running_sessions_row_shows_the_plans_it_serves(daemon, tmp_path,  # noqa: F811
+                                                          monkeypatch) -> None:
+    """Issue 44: bgl-top's row of a running bagualu session is what the process serves its
+    micro-batches in flight (InEffect: planned against actual bytes, on the device and on host,
+    and the strategy mix), whichever planner made the plans and after the gate's revisions, not
+    the daemon's latest plan (a later forward's, which at load 1.0 keeps everything). A 2.6x
+    spike on a machine whose copies are cheap and whose recompute and FP8 casts are dear is
+    revised to offload: each report's row, read back over Watch right after it, shows the
+    offloads and their host bytes."""
+    require_libs()
+    pytest.importorskip("grpc_tools")
+    import grpc
+    from bagualu.planning.remote import load_stubs
+    from moe_train import train
+    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))
+    calibration = tmp_path / "cheap-copies.json"
+    calibration.write_text(json.dumps({
+        "gpu": "host", "peak_tflops": 0.001, "copy_overlap": 1.0,
+        "rooflines": {"offload": {"peak_GBps": 1e4}, "reload": {"peak_GBps": 1e4},
+                      "fp8_cast": {"peak_GBps": 1e-4}}}))
+    monkeypatch.setenv("BGL_CALIBRATION", str(calibration))
+    pb, pb_grpc = load_stubs()
+    channel = grpc.insecure_channel(daemon)
+    watch = pb_grpc.GovernorStub(channel)
+
+    def row_of(session_id: str) -> Any:
+        for frame in watch.Watch(pb.WatchRequest(interval_ms=10, max_samples=1), timeout=10):
+            rows = [p for g in frame.gpus for p in g.processes
+                    if p.session.session_id == session_id]
+            assert len(rows) == 1, frame
+            return rows[0]
+
+    seen: List[Tuple[Dict[str, Any], Any]] = []
+    real_report = RemoteGovernor.report
+
+    def report_then_watch(self, mb: int, chunk: int, actual: int) -> None:
+        sent = dict(self.in_effect or {})
+        real_report(self, mb, chunk, actual)
+        seen.append((sent, row_of(self.session_id)))
+
+    monkeypatch.setattr(RemoteGovernor, "report", report_then_watch)
+    try:
+        r = train(small_config(), "bagualu", capacity="1.5MiB", iterations=2, micro_batches=4,
+                  stages=2, spike_size=2.6, spike_every=6, governor=daemon,
+                  log_iterations=False)
+    finally:
+        channel.close()
+    assert r["oom"] is None and r["stats"]["governor"] == "remote", r.get("oom")
+    assert seen, "no report reached the daemon"
+    offloading = 0
+    for sent, row in seen:
+        assert sent, "a report without the plans in effect"
+        assert row.HasField("in_effect")
+        got = row.in_effect
+        assert got.micro_batches == sent["micro_batches"] >= 1
+        assert (got.planned_bytes, got.actual_bytes) == (sent["planned_bytes"],
+                                                         sent["actual_bytes"])
+        assert (got.planned_host_bytes, got.actual_host_bytes) == (
+            sent["planned_host_bytes"], sent["actual_host_bytes"])
+        assert dict(got.strategy_counts) == {k: v for k, v in sent["strategy_counts"].items()
+                                             if v}
+        if sent["strategy_counts"].get("offload"):
+            offloading += 1
+            assert got.strategy_counts["offload"] > 0 and got.planned_host_bytes > 0, got
+    assert offloading > 0, [s["strategy_counts"] for s, _ in seen]

@@ -4,7 +4,6 @@
 
 #include <string>
 
-#include "tools/bgl-top/byte_text.h"
 #include "tools/bgl-top/frame_json.h"
 #include "tools/bgl-top/frame_layout.h"
 #include "tools/bgl-top/gpu_bar.h"
@@ -225,7 +224,8 @@ TEST(FrameLayout, ShowsHostGrantsAndLinkLoad) {
   EXPECT_NE(text.find("link 0 [GPU 0,1]"), std::string::npos) << text;
   EXPECT_NE(text.find("2 offloading"), std::string::npos) << text;
   EXPECT_NE(text.find("host 3.00 GiB/16.0 GiB"), std::string::npos) << text;
-  EXPECT_NE(text.find("host 2.00 GiB of grant 8.00 GiB  link 0  share 0.50"), std::string::npos)
+  EXPECT_NE(text.find("pinned 2.00 GiB of grant 8.00 GiB  link 0  share 0.50  offloading"),
+            std::string::npos)
       << text;
   const auto json = FrameToJson(frame, history, SortKey::kPid, false, "unix:///s");
   EXPECT_EQ(json["host_budget_bytes"], 16 * kGiB);
@@ -235,14 +235,52 @@ TEST(FrameLayout, ShowsHostGrantsAndLinkLoad) {
   EXPECT_EQ(json["processes"][0]["bandwidth_share"], 0.5);
 }
 
-TEST(ShortBytes, ThreeSignificantDigitsAtMostThreeIntegerDigits) {
-  EXPECT_EQ(ShortBytes(0), "0 B");
-  EXPECT_EQ(ShortBytes(999), "999 B");
-  EXPECT_EQ(ShortBytes(1000), "0.98 KiB");
-  EXPECT_EQ(ShortBytes(int64_t{1010} << 20), "0.99 GiB");
-  EXPECT_EQ(ShortBytes(int64_t{399} << 20), "399 MiB");
-  EXPECT_EQ(ShortBytes(int64_t{3} << 29), "1.50 GiB");
-  EXPECT_EQ(ShortBytes(int64_t{20} << 30), "20.0 GiB");
+// Issue 44: planned against actual per process, and the strategy mix of the plans it serves
+// (a gate's revision that offloads) rather than the daemon's latest plan (a later forward's,
+// keep only); a process that reports none shows "-" and the latest plan's mix.
+TEST(FrameLayout, ShowsPlannedAgainstActualAndTheMixInEffect) {
+  auto frame = TwoGpuFrame();
+  auto* row = frame.mutable_gpus(0)->mutable_processes(0);  // alice: her latest plan keep 10 rc 4
+  auto* e = row->mutable_in_effect();
+  e->set_micro_batches(3);
+  e->set_planned_bytes(int64_t{1536} << 20);
+  e->set_actual_bytes(int64_t{1545} << 20);
+  e->set_planned_host_bytes(int64_t{200} << 20);
+  e->set_actual_host_bytes(int64_t{150} << 20);
+  (*e->mutable_strategy_counts())["keep"] = 25;
+  (*e->mutable_strategy_counts())["offload"] = 5;
+  (*e->mutable_strategy_counts())["recompute"] = 12;
+  History history;
+  history.Add(frame);
+  LayoutOptions options;
+  options.width = 120;
+  options.ascii = true;
+  const std::string text = ToPlainText(LayoutFrame(frame, history, options));
+  EXPECT_NE(text.find("PLANNED   ACTUAL"), std::string::npos) << text;
+  const size_t alice = text.find("alice");
+  ASSERT_NE(alice, std::string::npos) << text;
+  const std::string line = text.substr(alice, text.find('\n', alice) - alice);
+  EXPECT_NE(line.find("1.50 GiB 1.51 GiB"), std::string::npos) << line;
+  EXPECT_NE(line.find("keep 25 rc 12 off 5"), std::string::npos) << line;
+  EXPECT_EQ(line.find("keep 10"), std::string::npos) << line;
+  EXPECT_NE(text.find("in flight 3 micro-batches  on host planned 200 MiB actual 150 MiB"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("offloading"), std::string::npos) << text;
+  // bob reports nothing: dashes, and his latest plan's mix ("-": none).
+  const size_t bob = text.find("bob");
+  ASSERT_NE(bob, std::string::npos);
+  EXPECT_NE(text.substr(bob, text.find('\n', bob) - bob).find(" -        - "), std::string::npos)
+      << text;
+  for (size_t pos = 0, end; pos < text.size(); pos = end + 1) {
+    end = text.find('\n', pos);
+    EXPECT_LE(DisplayWidth(text.substr(pos, end - pos)), 120u) << text.substr(pos, end - pos);
+  }
+  const auto json = FrameToJson(frame, history, SortKey::kPid, false, "unix:///s");
+  EXPECT_TRUE(json["processes"][0]["in_effect"].is_null());  // bob
+  EXPECT_EQ(json["processes"][1]["in_effect"]["planned_bytes"], int64_t{1536} << 20);
+  EXPECT_EQ(json["processes"][1]["in_effect"]["actual_host_bytes"], int64_t{150} << 20);
+  EXPECT_EQ(json["processes"][1]["in_effect"]["strategy_counts"]["offload"], 5);
 }
 
 TEST(Screen, FitAndTruncateCountCells) {

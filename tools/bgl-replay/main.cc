@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "base/units.h"
 #include "tools/bgl-replay/replay.h"
 
 namespace {
@@ -113,8 +114,10 @@ int main(int argc, char** argv) {
     std::printf("trace          %s (%zu ops, %zu skipped)\n", trace_path.c_str(), r.ops,
                 trace.skipped);
     std::printf("backend        %s%s%s\n", backend.c_str(), conf.empty() ? "" : " ", conf.c_str());
-    std::printf("peak live      %.3f GiB\n", r.peak_live / 1073741824.0);
-    std::printf("peak reserved  %.3f GiB\n", r.peak_reserved / 1073741824.0);
+    std::printf("peak live      %s\n",
+                bgl::FormatBytes(static_cast<double>(r.peak_live), true).c_str());
+    std::printf("peak reserved  %s\n",
+                bgl::FormatBytes(static_cast<double>(r.peak_reserved), true).c_str());
     std::printf("ratio          %.4f\n", r.ratio);
     std::printf("ns/op          %.1f (first pass %.1f, warm %.1f)\n", r.ns_per_op,
                 r.first_ns_per_op, r.warm_ns_per_op);

@@ -40,6 +40,16 @@ nlohmann::json FrameToJson(const bagualu::v1::WatchResponse& frame, const Histor
   for (const ProcessRef& ref : SortedProcesses(frame, sort, reverse)) {
     const auto& r = *ref.row;
     const auto& s = r.session();
+    nlohmann::json in_effect = nullptr;  // null: the process reports none
+    if (r.has_in_effect()) {
+      const auto& e = r.in_effect();
+      in_effect = {{"micro_batches", e.micro_batches()},
+                   {"planned_bytes", e.planned_bytes()},
+                   {"actual_bytes", e.actual_bytes()},
+                   {"planned_host_bytes", e.planned_host_bytes()},
+                   {"actual_host_bytes", e.actual_host_bytes()},
+                   {"strategy_counts", Counts(e.strategy_counts())}};
+    }
     processes.push_back({{"gpu_index", ref.gpu->gpu_index()},
                          {"gpu_uuid", ref.gpu->gpu_uuid()},
                          {"session_id", s.session_id()},
@@ -62,6 +72,7 @@ nlohmann::json FrameToJson(const bagualu::v1::WatchResponse& frame, const Histor
                          {"host_used_bytes", s.host_used_bytes()},
                          {"bandwidth_share", r.bandwidth_share()},
                          {"offloading", r.offloading()},
+                         {"in_effect", std::move(in_effect)},
                          {"link", s.link()}});
   }
   nlohmann::json links = nlohmann::json::array();

@@ -5,14 +5,14 @@
 #include <cstdio>
 #include <ctime>
 
-#include "tools/bgl-top/byte_text.h"
+#include "base/units.h"
 #include "tools/bgl-top/gpu_bar.h"
 #include "tools/bgl-top/strategy_text.h"
 
 namespace bgl::top {
 namespace {
 
-std::string Bytes(int64_t bytes) { return ShortBytes(bytes); }
+std::string Bytes(int64_t bytes) { return FormatBytes(static_cast<double>(bytes)); }
 
 std::string Clock(int64_t unix_ms) {
   const std::time_t t = static_cast<std::time_t>(unix_ms / 1000);
@@ -37,7 +37,8 @@ size_t LineWidth(const Line& line) {
 
 std::string Plural(size_t n, const std::string& word) {
   if (n == 1) return "1 " + word;
-  return std::to_string(n) + " " + word + (word.ends_with("s") ? "es" : "s");
+  const bool es = word.ends_with("s") || word.ends_with("ch");
+  return std::to_string(n) + " " + word + (es ? "es" : "s");
 }
 
 // Appends `groups` separated by two spaces, starting a new (indented) line whenever the next
@@ -115,10 +116,13 @@ struct Column {
   size_t width;
   bool right;
 };
-constexpr Column kColumns[] = {{"GPU", 3, true},        {"PID", 7, true},  {"USER", 9, false},
-                               {"JOB", 14, false},      {"RANK", 4, true}, {"IN USE", 10, true},
-                               {"PEAK", 10, true},      {"LOAD", 5, true}, {"OOMS-AV", 7, true},
-                               {"STRATEGIES", 0, false}};
+// PLANNED and ACTUAL: the activation bytes on the device of the micro-batches in flight, as
+// their plans predict and as they are; STRATEGIES: the mix those plans give (issue 44). A size
+// takes at most 8 cells (FormatBytes: at most three integer digits).
+constexpr Column kColumns[] = {{"GPU", 3, true},   {"PID", 7, true},     {"USER", 8, false},
+                               {"JOB", 10, false}, {"RANK", 4, true},    {"IN USE", 8, true},
+                               {"PEAK", 8, true},  {"PLANNED", 8, true}, {"ACTUAL", 8, true},
+                               {"LOAD", 5, true},  {"OOMS-AV", 7, true}, {"STRATEGIES", 0, false}};
 
 std::string Row(const std::vector<std::string>& cells, int width) {
   std::string text;
@@ -149,23 +153,47 @@ void AddProcesses(const bagualu::v1::WatchResponse& frame, const LayoutOptions& 
   for (const ProcessRef& ref : rows) {
     const auto& r = *ref.row;
     const auto& s = r.session();
+    const auto& e = r.in_effect();
+    const bool reported = r.has_in_effect();
     const std::string user = s.user().empty() ? std::to_string(s.uid()) : s.user();
     Line& line = screen.Add();
-    line.push_back({Row({std::to_string(ref.gpu->gpu_index()), std::to_string(s.pid()), user,
-                         s.job_id().empty() ? "-" : s.job_id(), std::to_string(s.pipeline_rank()),
-                         Bytes(r.in_use_bytes()), Bytes(r.peak_bytes()), Fixed(r.load_factor(), 2),
-                         std::to_string(r.ooms_avoided()), StrategyText(r.strategy_counts())},
-                        o.width),
-                    r.load_factor() > kSpikeLoadFactor ? Style::kSpike : Style::kNormal});
-    // Under a node grant (issue 14): the pinned host bytes in use against the grant, the link
-    // and the bandwidth share of its last plan.
+    line.push_back(
+        {Row({std::to_string(ref.gpu->gpu_index()), std::to_string(s.pid()), user,
+              s.job_id().empty() ? "-" : s.job_id(), std::to_string(s.pipeline_rank()),
+              Bytes(r.in_use_bytes()), Bytes(r.peak_bytes()),
+              reported ? Bytes(e.planned_bytes()) : "-", reported ? Bytes(e.actual_bytes()) : "-",
+              Fixed(r.load_factor(), 2), std::to_string(r.ooms_avoided()),
+              // What the process serves; the latest plan's when it reports nothing.
+              StrategyText(reported ? e.strategy_counts() : r.strategy_counts())},
+             o.width),
+         r.load_factor() > kSpikeLoadFactor ? Style::kSpike : Style::kNormal});
+    // Host bytes: the plans' in effect against what the micro-batches hold there, and under a
+    // node grant (issue 14) the pinned bytes in use against it, the link and the bandwidth
+    // share of its last plan.
+    std::vector<Line> groups;
+    if (reported) {
+      groups.push_back(
+          {{"    in flight " + Plural(static_cast<size_t>(e.micro_batches()), "micro-batch")}});
+      groups.push_back({{"on host planned " + Bytes(e.planned_host_bytes()) + " actual " +
+                         Bytes(e.actual_host_bytes())}});
+    }
+    const bool over = s.host_used_bytes() > s.host_grant_bytes();
     if (s.host_grant_bytes() > 0) {
-      const bool over = s.host_used_bytes() > s.host_grant_bytes();
-      screen.Add().push_back(
-          {"    host " + Bytes(s.host_used_bytes()) + " of grant " + Bytes(s.host_grant_bytes()) +
-               "  link " + std::to_string(s.link()) + "  share " + Fixed(r.bandwidth_share(), 2) +
-               (r.offloading() ? "  offloading" : ""),
-           over ? Style::kSpike : Style::kDim});
+      groups.push_back(
+          {{(groups.empty() ? "    " : "") + std::string("pinned ") + Bytes(s.host_used_bytes()) +
+                " of grant " + Bytes(s.host_grant_bytes()),
+            over ? Style::kSpike : Style::kDim}});
+      groups.push_back(
+          {{"link " + std::to_string(s.link()) + "  share " + Fixed(r.bandwidth_share(), 2)}});
+    }
+    if (r.offloading() || e.planned_host_bytes() > 0) groups.push_back({{"offloading"}});
+    if (!groups.empty()) {
+      for (Line& g : groups) {
+        for (Span& span : g) {
+          if (span.style == Style::kNormal) span.style = Style::kDim;
+        }
+      }
+      PackGroups(groups, o.width, screen);
     }
   }
 }

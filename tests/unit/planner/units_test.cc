@@ -56,8 +56,16 @@ TEST(ParseBytes, RejectsBadInputNamingTheValue) {
 TEST(FormatBytes, ReadsWell) {
   EXPECT_EQ(FormatBytes(512), "512 B");
   EXPECT_EQ(FormatBytes(1.25 * (1 << 30)), "1.25 GiB");
-  EXPECT_EQ(FormatBytes(1010.0 * (1 << 20)), "1010 MiB");  // never "1.01e+03 MiB"
+  EXPECT_EQ(FormatBytes(1010.0 * (1 << 20)), "0.99 GiB");  // at most three integer digits
   EXPECT_EQ(FormatBytes(12.5 * (1 << 20)), "12.5 MiB");
+  EXPECT_EQ(FormatBytes(0), "0 B");
+  EXPECT_EQ(FormatBytes(999), "999 B");
+  EXPECT_EQ(FormatBytes(1000), "0.98 KiB");
+  EXPECT_EQ(FormatBytes(399.0 * (1 << 20)), "399 MiB");
+  EXPECT_EQ(FormatBytes(20.0 * (1 << 30)), "20.0 GiB");
+  // Where the exact figure matters, the count follows in parentheses.
+  EXPECT_EQ(FormatBytes(12638097408.0, true), "11.8 GiB (12638097408 bytes)");
+  EXPECT_EQ(FormatBytes(512, true), "512 B");
   EXPECT_EQ(FormatSeconds(2.5e-3), "2.50 ms");
 }
 

@@ -275,11 +275,15 @@ class Governor:
             return None
 
     def report(self, mb: int, chunk: int, actual: int,
-               stats: Optional[Dict[str, Any]] = None) -> None:
+               stats: Optional[Dict[str, Any]] = None,
+               in_effect: Optional[Dict[str, Any]] = None) -> None:
         """What a forward retained; ``stats``: the process's allocator figures now
-        (AllocatorStats fields: the daemon shows them, and its grants follow host_used_bytes)."""
+        (AllocatorStats fields: the daemon shows them, and its grants follow host_used_bytes);
+        ``in_effect``: the plans this process serves its micro-batches in flight (InEffect
+        fields), whichever planner made them: what the daemon shows as the process's."""
         if self.remote is not None:
             self.remote.stats = dict(stats or {})
+            self.remote.in_effect = dict(in_effect) if in_effect else None
         try:
             self._call("report", mb, chunk, int(actual))
         except PlannerError as e:

@@ -46,6 +46,8 @@ class Planning:
         self.description: Optional[Dict[str, Any]] = None  # the planner's stage graph
         self.tensor_names: Optional[graph.TensorNames] = None
         self.plans: Dict[int, Dict[str, Any]] = {}     # unit -> its forward's plan
+        # unit -> the plan its forward runs under: its plan, or the revision after a gate
+        self.served: Dict[int, Dict[str, Any]] = {}
         self.loads: Dict[int, List[float]] = {}        # unit -> its routers' load factors
         self.last_load = 1.0
         self.rank_schedule: Optional[order.RankSchedule] = None
@@ -163,7 +165,7 @@ class Planning:
         if self.log is not None:
             self.log.note_plan(unit, plan, (time.perf_counter() - t0) * 1e3, int(in_use),
                                t.counters["evictions"])
-        self.plans[unit] = plan
+        self.plans[unit] = self.served[unit] = plan
         self.strategies.set_plan(unit, {self._global_name(o["name"], forward_chunk):
                                         o["strategy"] for o in plan["operators"]})
         self.budget = min(self.budget, plan["budget_bytes"])
@@ -251,6 +253,7 @@ class Planning:
         if not self.strategies.set_plan(unit, {o["name"]: o["strategy"]
                                                for o in plan["operators"]}):
             return False
+        self.served[unit] = plan
         self.deferred += 1
         return True
 
@@ -261,20 +264,40 @@ class Planning:
         self.last_load = sum(loads) / len(loads)
         return self.last_load
 
+    def in_effect(self) -> Dict[str, Any]:
+        """The micro-batches in flight (forward planned and run, backward not yet) under the
+        plans this process serves them, whichever planner made them (the daemon's, the
+        embedded one's, a gate's revision): activation bytes planned against actual, on the
+        device and on host, and the strategy mix (the proto's InEffect; bgl-top shows it)."""
+        units = list(self.plans)
+        served = [self.served.get(u, self.plans[u]) for u in units]
+        store = self.tracker.store
+        return {"micro_batches": len(units),
+                "planned_bytes": int(sum(p.get("predicted_bytes", 0) for p in served)),
+                "actual_bytes": int(sum(store.planned_bytes(u) for u in units)),
+                "planned_host_bytes": int(sum(p.get("host_bytes", 0) for p in served)),
+                "actual_host_bytes": int(sum(store.host_bytes(u) for u in units)),
+                "strategy_counts": self.strategies.in_effect(units)}
+
     def report(self, unit: int, retained: int, stats: Optional[Dict[str, Any]]) -> None:
-        """What the forward of ``unit`` retained on the device, to the governor."""
+        """What the forward of ``unit`` retained on the device, to the governor; to a daemon,
+        with the plans in effect (``in_effect``)."""
         if self.ready and unit in self.plans:
             if self.log is not None:
                 self.log.note_forward(unit, retained, self.tracker.counters["evictions"])
-            self.governor.report(unit % UNIT_STRIDE, unit // UNIT_STRIDE, retained, stats)
+            in_effect = self.in_effect() if stats is not None else None
+            self.governor.report(unit % UNIT_STRIDE, unit // UNIT_STRIDE, retained, stats,
+                                 in_effect)
 
     def backward_ended(self, unit: int) -> None:
         self.plans.pop(unit, None)
+        self.served.pop(unit, None)
         self.reloaded_ahead.discard(unit)
 
     def begin_iteration(self) -> None:
         self.strategies.clear()
         self.plans.clear()
+        self.served.clear()
         self.budget = math.inf
         self.deferred = 0
         self.reloaded_ahead.clear()

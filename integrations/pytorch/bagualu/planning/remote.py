@@ -86,6 +86,8 @@ class RemoteGovernor:
         # The process's AllocatorStats figures, sent whole with each report: the daemon takes
         # a report's stats as the process's state, so a field left out would read as zero.
         self.stats: Dict[str, Any] = {}
+        # The plans in effect (InEffect fields), sent with each report when set.
+        self.in_effect: Optional[Dict[str, Any]] = None
         self.stub = pb_grpc.GovernorStub(self.channel)
         self.session_id = ""
         self.operator_names: List[str] = []
@@ -171,11 +173,13 @@ class RemoteGovernor:
 
     def report(self, mb: int, chunk: int, actual: int) -> None:
         """What the forward of (mb, chunk) retained, with the process's allocator figures
-        (``stats``, set by the caller; none: the daemon counts the planner's bytes)."""
+        (``stats``, set by the caller; none: the daemon counts the planner's bytes) and the
+        plans in effect (``in_effect``, set by the caller)."""
         stats = self.pb.AllocatorStats(**self.stats) if self.stats else None
+        in_effect = self.pb.InEffect(**self.in_effect) if self.in_effect else None
         self.stub.Report(self.pb.ReportRequest(session_id=self.session_id, micro_batch=mb,
                                                chunk=chunk, actual_bytes=int(actual),
-                                               stats=stats),
+                                               stats=stats, in_effect=in_effect),
                          timeout=self.deadline)
 
     def reset_iteration(self) -> None:

@@ -110,6 +110,18 @@ class Strategies:
                     counts[s] = counts.get(s, 0) + 1
         return counts
 
+    def in_effect(self, units: Iterable[int]) -> Dict[str, int]:
+        """(operator, micro-batch) pairs per strategy over the planned operators of ``units``
+        as their forwards run them (the plans as served, revised after a gate, or forced)."""
+        counts: Dict[str, int] = {}
+        for unit in units:
+            for qualname, s in self.per_unit.get(unit, {}).items():
+                if self.forced is not None:
+                    name = qualname.split(".", 1)[-1]
+                    s = self.forced.get(name, self.forced.get(qualname, KEEP))
+                counts[s] = counts.get(s, 0) + 1
+        return counts
+
     def clear(self) -> None:
         """A new iteration: the plans of the last one no longer apply."""
         self.per_unit.clear()
