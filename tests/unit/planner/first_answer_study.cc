@@ -5,17 +5,21 @@
 //        answer's time, the DP alone and the priced candidates, side by side) or
 //        planner_first_answer_study full (the full search with and without the priced bound) or
 //        planner_first_answer_study miss [ROUNDS] (a whole PlanPoint miss, before and now) or
-//        planner_first_answer_study gate [ROUNDS] (the revision after the gate).
+//        planner_first_answer_study gate [ROUNDS] (the revision after the gate) or
+//        planner_first_answer_study warm [BOUND] [MICRO_BATCHES] (the warm-up's keys, CPU time
+//        and coverage on the Table II models and the large-chunk stage).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "exact_reference.h"
+#include "governor/planner/iteration.h"
 #include "governor/planner/mitigation.h"
 #include "governor/planner/planner.h"
 #include "governor/planner/priced_greedy.h"
@@ -198,7 +202,88 @@ int Latency(const std::vector<testing::RealInstance>& chunks, int rounds) {
 
 }  // namespace
 
+// The warm-up (issue 43 item 1) on one stage: its keys, the worker's CPU time (total, per chunk,
+// per key), the wall time to complete on this machine, and its coverage: iterations at load 1 and
+// with micro-batch 0, the middle one and the last spiked to 1.3, 2.0 and 2.6, counting the
+// forwards that mitigate and those a warm-up plan served (the rest miss: the full search or the
+// first answer on the call).
+void WarmStage(const std::string& name, const ModelConfig& config, const HardwareProfile& hw,
+               PlannerOptions options, double bound) {
+  options.warm_up = true;
+  options.warm_spike_bound = bound;
+  auto made = StagePlanner::Create(config, hw, options);
+  if (!made.ok()) {
+    std::printf("%-26s %s\n", name.c_str(), made.status().message().c_str());
+    return;
+  }
+  StagePlanner& p = **made;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!p.StartWarmup().ok()) return;
+  p.WaitForWarmup();
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const PlannerCacheStats s = p.cache_stats();
+  const int mbs = static_cast<int>(config.MicroBatches());
+  int mitigated = 0, warm = 0;
+  for (int spiked : {-1, 0, mbs / 2, mbs - 1}) {
+    for (double spike : {1.3, 2.0, 2.6}) {
+      if (spiked < 0 && spike != 1.3) continue;
+      std::vector<double> loads(static_cast<size_t>(mbs), 1.0);
+      if (spiked >= 0) loads[static_cast<size_t>(spiked)] = spike;
+      auto replay = ReplayIteration(p, loads);
+      if (!replay.ok()) continue;
+      for (const Plan& plan : replay->plans) {
+        if (plan.micro_batch < 0 || plan.predicted_bytes >= plan.keep_all_bytes) continue;
+        ++mitigated;
+        warm += plan.warm ? 1 : 0;
+      }
+    }
+  }
+  const double chunks = static_cast<double>(config.Chunks());
+  std::printf(
+      "%-26s %4zu ops/chunk %3.0f chunk(s) %3d mb: keys %5llu found %5llu warmed (%llu rounds), "
+      "CPU %.2f s (%.2f s/chunk, %.1f ms/key), wall %.2f s; forwards that mitigate %d, warm %d "
+      "(%.0f%%)\n",
+      name.c_str(), p.graph().ops.size(), chunks, mbs,
+      static_cast<unsigned long long>(s.warm_enumerated),
+      static_cast<unsigned long long>(s.warm_submitted),
+      static_cast<unsigned long long>(s.warm_rounds), s.warm_cpu_s, s.warm_cpu_s / chunks,
+      s.warm_submitted ? 1e3 * s.warm_cpu_s / static_cast<double>(s.warm_submitted) : 0.0, wall,
+      mitigated, warm, mitigated ? 100.0 * warm / mitigated : 0.0);
+  std::fflush(stdout);
+}
+
+int Warm(double bound, int micro_batches) {
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(BGL_MODELS_DIR)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("glm-", 0) == 0 && e.path().extension() == ".json") files.push_back(f);
+  }
+  std::sort(files.begin(), files.end());
+  std::printf(
+      "warm-up to load %.2f; Table II models at %d micro-batches on their profile's "
+      "memory, then the large-chunk stage (large_chunk.h)\n",
+      bound, micro_batches);
+  for (const std::string& f : files) {
+    auto doc = LoadJsonOrYaml(std::string(BGL_MODELS_DIR) + "/" + f, "model");
+    if (!doc.ok()) return 1;
+    if (micro_batches > 0) (*doc)["micro_batches"] = micro_batches;
+    auto config = ModelConfigFromJson(*doc, f);
+    if (!config.ok()) return 1;
+    auto hw = HardwareProfileByName(config->gpu);
+    if (!hw.ok()) return 1;
+    WarmStage(f, *config, *hw, PlannerOptions{}, bound);
+  }
+  auto config = testing::LargeChunkConfig();
+  if (!config.ok()) return 1;
+  WarmStage("large chunk (126 ops)", *config, testing::LargeChunkHardware(),
+            testing::LargeChunkOptions(64), bound);
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "warm") {
+    return Warm(argc > 2 ? std::atof(argv[2]) : 3.0, argc > 3 ? std::atoi(argv[3]) : 0);
+  }
   if (argc > 1 && std::string(argv[1]) == "miss") return Miss(argc > 2 ? std::atoi(argv[2]) : 5);
   if (argc > 1 && std::string(argv[1]) == "gate") return Gate(argc > 2 ? std::atoi(argv[2]) : 5);
   if (argc > 1 && std::string(argv[1]) == "full") {
