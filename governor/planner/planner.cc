@@ -36,6 +36,10 @@ Result<std::unique_ptr<StagePlanner>> StagePlanner::Create(const ModelConfig& co
                            std::to_string(options.warm_max_keys));
   }
   if (options.warm_rounds < 1) return InvalidArgument("warm_rounds must be at least 1");
+  if (options.warm_nice < 0 || options.warm_nice > 19) {
+    return InvalidArgument("warm_nice: must be in [0, 19], got " +
+                           std::to_string(options.warm_nice));
+  }
   auto graph = BuildStageGraph(config, hw);
   if (!graph.ok()) return graph.status();
   auto steps =
@@ -95,8 +99,12 @@ StagePlanner::StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOption
   keep_all_ = Intern(Assignment(graph_.ops.size(), Strategy::kKeep), 1.0, false);
   anytime_ = options_.anytime_min_ops > 0 &&
              graph_.ops.size() >= static_cast<size_t>(options_.anytime_min_ops);
-  if ((anytime_ && options_.refine_first_answers) || options_.warm_up) {
+  if (anytime_ && options_.refine_first_answers) {
     refiner_ = std::make_unique<Refiner>(graph_, options_.refine_timeout_ms);
+  }
+  if (options_.warm_up) {
+    warm_refiner_ =
+        std::make_unique<Refiner>(graph_, options_.refine_timeout_ms, options_.warm_nice);
   }
   mitigation_cache_.set_on_evict([this](const MitigationKey&, const CachedAssignment& entry) {
     if (entry.warm) --warm_live_;
@@ -122,8 +130,21 @@ PlannerCacheStats StagePlanner::cache_stats() const {
 }
 
 void StagePlanner::ApplyRefinements() {
-  if (!refiner_ || !refiner_->HasDone()) return;
-  for (RefineDone& done : refiner_->TakeDone()) {
+  for (Refiner* refiner : {refiner_.get(), warm_refiner_.get()}) {
+    if (refiner != nullptr && refiner->HasDone()) ApplyDone(refiner->TakeDone());
+  }
+  // A round's jobs all landed: the next round enumerates with their bytes.
+  if (warm_started_ && !warm_complete_ && warm_in_flight_ == 0) {
+    if (warm_last_round_) {
+      warm_complete_ = true;
+    } else {
+      WarmRound();
+    }
+  }
+}
+
+void StagePlanner::ApplyDone(std::vector<RefineDone> finished) {
+  for (RefineDone& done : finished) {
     if (done.generation != generation_) continue;  // the caches were cleared since
     if (done.warm) {
       LandWarm(done);
@@ -143,14 +164,6 @@ void StagePlanner::ApplyRefinements() {
     entry->first_answer = false;
     entry->refined = true;
     ++refined_;
-  }
-  // A round's jobs all landed: the next round enumerates with their bytes.
-  if (warm_started_ && !warm_complete_ && warm_in_flight_ == 0) {
-    if (warm_last_round_) {
-      warm_complete_ = true;
-    } else {
-      WarmRound();
-    }
   }
 }
 
@@ -182,13 +195,13 @@ void StagePlanner::LandWarm(RefineDone& done) {
 }
 
 void StagePlanner::WaitForRefinements() {
-  if (!refiner_) return;
-  refiner_->WaitIdle();
+  if (refiner_) refiner_->WaitIdle();
+  if (warm_refiner_) warm_refiner_->WaitIdle();
   ApplyRefinements();
 }
 
 Status StagePlanner::StartWarmup(int64_t host_limit_bytes, double bandwidth_share) {
-  if (!options_.warm_up || !refiner_) {
+  if (!warm_refiner_) {
     return FailedPrecondition("warm_up: the planner was created without the warm-up");
   }
   if (!std::isfinite(bandwidth_share) || bandwidth_share <= 0 || bandwidth_share > 1) {
@@ -206,7 +219,7 @@ Status StagePlanner::StartWarmup(int64_t host_limit_bytes, double bandwidth_shar
 
 void StagePlanner::WaitForWarmup() {
   while (warm_started_ && !warm_complete_) {
-    refiner_->WaitIdle();
+    warm_refiner_->WaitIdle();
     ApplyRefinements();
   }
 }
@@ -226,7 +239,7 @@ void StagePlanner::WarmRound() {
     if (!warm_submitted_.emplace(key, false).second) continue;
     RefineJob job = JobFor(key);
     job.warm = true;
-    refiner_->Submit(std::move(job));
+    warm_refiner_->Submit(std::move(job));
     ++warm_in_flight_;
     ++submitted;
   }
@@ -245,6 +258,7 @@ void StagePlanner::ResetIteration() {
 void StagePlanner::ClearCaches() {
   ++generation_;
   if (refiner_) refiner_->DropQueued();  // their keys are gone
+  if (warm_refiner_) warm_refiner_->DropQueued();
   mitigation_cache_.Clear();
   schedule_cache_.Clear();
   // The warm-up starts again at the next point (options_.warm_up).

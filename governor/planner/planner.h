@@ -2,8 +2,9 @@
 // micro-batch ids, load factor, bytes in use) it returns a Plan: the budget, each operator's
 // strategy, the issue order, the predicted memory and the time overhead. One per GPU; not
 // thread-safe (the daemon serialises calls per session). On large chunks it owns the anytime
-// path's refinement worker (refiner.h), which runs on its own thread and touches none of the
-// planner's state: finished refinements enter the cache on the planner's calling thread.
+// path's refinement worker (refiner.h), and with the warm-up a second one; each runs on its own
+// thread and touches none of the planner's state: finished jobs enter the cache on the planner's
+// calling thread.
 #pragma once
 
 #include <map>
@@ -68,6 +69,10 @@ struct PlannerOptions {
   double warm_spike_bound = 3.0;  // highest load factor warmed, in [1, 64]
   size_t warm_max_keys = 0;       // <= cache_entries / 2
   int warm_rounds = 4;
+  // The warm-up's jobs run on their own worker thread at this nice value (Linux; 19: the
+  // lowest priority, so it takes the CPU that training leaves), the misses' refinements on
+  // the anytime path's at the caller's.
+  int warm_nice = 19;
 };
 
 // A pipeline scheduling point F_x B_y (either side may be absent in warmup or cooldown).
@@ -169,7 +174,9 @@ class StagePlanner {
   // iterations).
   void WaitForRefinements();
   // Refinements queued or running.
-  size_t refinements_pending() const { return refiner_ ? refiner_->Pending() : 0; }
+  size_t refinements_pending() const {
+    return (refiner_ ? refiner_->Pending() : 0) + (warm_refiner_ ? warm_refiner_->Pending() : 0);
+  }
   // The warm-up (PlannerOptions::warm_up): starts it now (PlanPoint starts it at the first point
   // otherwise) for the keys at `host_limit_bytes` (-1: none) and `bandwidth_share`; a second call
   // does nothing. Error: warm_up is off.
@@ -246,6 +253,7 @@ class StagePlanner {
   // A warm-up round: enumerates, submits the keys not submitted yet (up to the cap).
   void WarmRound();
   void LandWarm(RefineDone& done);
+  void ApplyDone(std::vector<RefineDone> finished);
   const CachedAssignment& AssignmentFor(const MitigationKey& key, bool& hit);
   void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, int share_bucket,
                     bool use_cache, const Deadline& deadline);
@@ -286,7 +294,10 @@ class StagePlanner {
   uint64_t warm_in_flight_ = 0, warm_enumerated_ = 0, warm_done_ = 0, warm_hits_ = 0;
   uint64_t warm_live_ = 0, warm_rounds_ = 0;
   double warm_cpu_s_ = 0, refine_cpu_s_ = 0;
-  std::unique_ptr<Refiner> refiner_;  // last: destroyed (joined) first; null: anytime off
+  // Last: destroyed (joined) first. refiner_: the misses' refinements (null: anytime off);
+  // warm_refiner_: the warm-up's jobs, at warm_nice (null: warm_up off).
+  std::unique_ptr<Refiner> refiner_;
+  std::unique_ptr<Refiner> warm_refiner_;
 };
 
 }  // namespace bgl::plan

@@ -1,6 +1,9 @@
 #include "governor/planner/refiner.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <limits>
 #include <utility>
@@ -9,8 +12,8 @@
 
 namespace bgl::plan {
 
-Refiner::Refiner(const StageGraph& graph, int64_t limit_ms)
-    : graph_(graph), limit_ms_(limit_ms), worker_([this] { Run(); }) {}
+Refiner::Refiner(const StageGraph& graph, int64_t limit_ms, int nice)
+    : graph_(graph), limit_ms_(limit_ms), nice_(nice), worker_([this] { Run(); }) {}
 
 Refiner::~Refiner() {
   {
@@ -79,6 +82,9 @@ double ThreadCpuSeconds() {
 }  // namespace
 
 void Refiner::Run() {
+  if (nice_ > 0) {  // this thread only (Linux: a thread's own priority)
+    (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice_);
+  }
   for (;;) {
     RefineJob job;
     {

@@ -61,8 +61,9 @@ struct RefineDone {
 // flight (the search checks a cancel flag), drops the queued ones and joins the worker.
 class Refiner {
  public:
-  // `graph` is copied; `limit_ms` bounds each job (<= 0: no limit).
-  Refiner(const StageGraph& graph, int64_t limit_ms);
+  // `graph` is copied; `limit_ms` bounds each job (<= 0: no limit); `nice` > 0: the worker
+  // thread lowers its own priority to it (Linux setpriority; ignored where refused).
+  Refiner(const StageGraph& graph, int64_t limit_ms, int nice = 0);
   ~Refiner();
   Refiner(const Refiner&) = delete;
   Refiner& operator=(const Refiner&) = delete;
@@ -86,6 +87,7 @@ class Refiner {
 
   const StageGraph graph_;
   const int64_t limit_ms_;
+  const int nice_;
   mutable std::mutex mu_;
   std::condition_variable work_;      // a job was queued, or stopping
   std::condition_variable idle_;      // a job finished
