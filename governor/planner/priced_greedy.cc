@@ -74,7 +74,8 @@ class Model {
     std::vector<int> index(n, -1);
     unit_of_.assign(n, -1);
     for (size_t o = 0; o < n; ++o) {
-      if (!eval.Allowed(static_cast<int>(o), Strategy::kRecompute)) continue;  // nothing movable
+      // Allowed(kOffload) is "saves something movable" (recompute may be ruled out alone).
+      if (!eval.Allowed(static_cast<int>(o), Strategy::kOffload)) continue;  // nothing movable
       const int root = find(static_cast<int>(o));
       if (index[root] < 0) {
         index[root] = static_cast<int>(units_.size());

@@ -6,6 +6,7 @@
 
 #include "base/utf8.h"
 #include "governor/planner/assignment.h"
+#include "governor/planner/mitigation.h"
 #include "governor/planner/planner.h"
 
 namespace bgl::plan {
@@ -191,6 +192,25 @@ TEST(ModelConfig, RecomputeAllowedPerOperator) {
   EXPECT_FALSE(eval.Allowed(0, Strategy::kRecompute));
   EXPECT_TRUE(eval.Allowed(0, Strategy::kOffload));
   EXPECT_TRUE(eval.Allowed(0, Strategy::kFp8));
+  // Every operator barred from recompute, under a budget that needs something moved: the
+  // searches (the priced greedy took "may recompute" for "saves something movable" and
+  // crashed) plan offloads, and nothing recomputes.
+  for (auto& od : doc["layer_graph"]["operators"]) od["recompute_allowed"] = false;
+  config = ModelConfigFromJson(doc, "custom.json");
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  g = BuildStageGraph(*config, *hw);
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  CostEvaluator none(*g, *hw);
+  const double m0 = g->M0(1.0);
+  auto plan = SelectMitigation(none, 1.0, m0 + 100.0);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  EXPECT_TRUE(plan->fits);
+  bool moved = false;
+  for (Strategy s : plan->assignment) {
+    EXPECT_NE(s, Strategy::kRecompute);
+    moved |= s != Strategy::kKeep;
+  }
+  EXPECT_TRUE(moved);
   doc["layer_graph"]["operators"][0]["recompute_allowed"] = "no";
   config = ModelConfigFromJson(doc, "custom.json");
   std::string message = config.ok() ? "" : config.status().message();
