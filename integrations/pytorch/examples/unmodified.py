@@ -231,7 +231,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           issue_order: str = "dual-batch", layers: int = 3, compiled: Optional[str] = None,
           compile_options: Optional[Dict[str, Any]] = None,
           compile_after: bool = False, allow_fp8: bool = True,
-          spike_on_rank: bool = False) -> Dict[str, Any]:
+          spike_on_rank: bool = False,
+          compiled_operators: str = "operators") -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
@@ -245,14 +246,15 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     (``device`` "cuda": wall time after a synchronize). ``spike_on_rank`` (with ``ep`` and
     ``spike_every``): this process stands for the EP rank the spike lands on, and the spike's
     batches repeat the tokens that put it there (``spike_rank``); else rank 0 and a batch of
-    few random tokens."""
+    few random tokens. ``compiled_operators``: bagualu's install option."""
     import bagualu
     one_f_one_b = bagualu.schedule.one_f_one_b
     cuda = device.startswith("cuda")
     if policy is not None:  # first: on CUDA install() swaps the allocator before any tensor
         bagualu.install(capacity=capacity, policy=policy, governor=governor, device=device,
                         pipeline_stages=stages, micro_batches=micro_batches,
-                        log_iterations=False, issue_order=issue_order, allow_fp8=allow_fp8)
+                        log_iterations=False, issue_order=issue_order, allow_fp8=allow_fp8,
+                        compiled_operators=compiled_operators)
     model = build(name, seed, layers=layers, ep_size=4 if ep else 1, width=width).to(device)
     ep_kwargs = instrument_kwargs(name) if ep else {}
     tokens = None
