@@ -2,6 +2,8 @@
 
 #include <cstdio>
 
+#include "base/units.h"
+
 namespace bgl::alloc {
 namespace {
 thread_local std::string t_last_error;
@@ -38,20 +40,7 @@ const std::string& last_error() { return t_last_error; }
 void clear_last_error() { t_last_error.clear(); }
 
 std::string format_bytes(std::size_t bytes) {
-  static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1024.0 && u < 5) {
-    v /= 1024.0;
-    ++u;
-  }
-  char buf[96];
-  if (u == 0) {
-    std::snprintf(buf, sizeof buf, "%zu bytes", bytes);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.2f %s (%zu bytes)", v, kUnits[u], bytes);
-  }
-  return buf;
+  return FormatBytes(static_cast<double>(bytes), true);
 }
 
 }  // namespace bgl::alloc

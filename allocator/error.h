@@ -43,7 +43,7 @@ BGL_ALLOC_INTERNAL void report_error(bool log, const std::string& message);
 BGL_ALLOC_INTERNAL const std::string& last_error();
 BGL_ALLOC_INTERNAL void clear_last_error();
 
-// "1.50 GiB (1610612736 bytes)".
+// "1.50 GiB (1610612736 bytes)": bgl::FormatBytes with the exact count (base/units.h).
 BGL_ALLOC_INTERNAL std::string format_bytes(std::size_t bytes);
 
 }  // namespace bgl::alloc

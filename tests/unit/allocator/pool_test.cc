@@ -122,7 +122,7 @@ TEST(PoolTest, OomMessageStatesRequestFreeReservedAndFragmentation) {
   EXPECT_EQ(big, nullptr);
   const std::string msg = last_error();
   EXPECT_NE(msg.find("out of memory on device 0"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("requested 12.00 MiB"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("requested 12.0 MiB (12582912 bytes)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("free "), std::string::npos) << msg;
   EXPECT_NE(msg.find("reserved but unallocated"), std::string::npos) << msg;
   EXPECT_NE(msg.find("fragmentation"), std::string::npos) << msg;
