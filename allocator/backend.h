@@ -1,6 +1,7 @@
 // Backend: where a Pool gets device memory from and how it orders work on streams.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -51,6 +52,12 @@ class Backend {
   virtual Event record(Stream stream) = 0;
   virtual bool query(const Event& event) = 0;
   virtual void wait(const Event& event) = 0;
+  // As wait, for at most `timeout`; false when the event had not completed by then (the pool
+  // waits this way: a stalled stream makes an allocation fail, never hang).
+  virtual bool wait_for(const Event& event, std::chrono::milliseconds /*timeout*/) {
+    wait(event);
+    return true;
+  }
   virtual void release(const Event& /*event*/) {}
 
   // Description of the most recent failure, for error messages.

@@ -4,6 +4,7 @@
 #include <mutex>
 #include <vector>
 
+#include "allocator/detail/fault.h"
 #include "allocator/global.h"
 #include "allocator/snapshot.h"
 #include "base/units.h"
@@ -197,6 +198,28 @@ BGL_ALLOC_API int bgl_alloc_reset_peak_stats(int device) {
   Pool* p = pool_or_error(device);
   if (p == nullptr) return BGL_ERR_INVALID_ARGUMENT;
   p->reset_peak_stats();
+  return BGL_OK;
+}
+
+BGL_ALLOC_API int bgl_alloc_fault_configure(const char* spec, int64_t wait_timeout_ms) {
+  std::string error;
+  if (!detail::configure_faults(spec == nullptr ? "" : spec, &error)) {
+    report_error(false, "bgl_alloc_fault_configure: " + error);
+    return BGL_ERR_INVALID_ARGUMENT;
+  }
+  if (wait_timeout_ms > 0) detail::set_wait_timeout(std::chrono::milliseconds(wait_timeout_ms));
+  return BGL_OK;
+}
+
+BGL_ALLOC_API int bgl_alloc_fault_get_stats(bgl_alloc_fault_stats* out) {
+  if (out == nullptr) {
+    report_error(false, "bgl_alloc_fault_get_stats: null argument");
+    return BGL_ERR_INVALID_ARGUMENT;
+  }
+  out->device_ops = detail::fault_operations(detail::FaultKind::kDevice);
+  out->pinned_ops = detail::fault_operations(detail::FaultKind::kPinned);
+  out->copy_ops = detail::fault_operations(detail::FaultKind::kCopy);
+  out->fired = detail::faults_fired();
   return BGL_OK;
 }
 

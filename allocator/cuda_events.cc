@@ -1,5 +1,8 @@
 #include "allocator/cuda_events.h"
 
+#include <chrono>
+#include <thread>
+
 namespace bgl::alloc {
 
 DeviceGuard::DeviceGuard(int device) {
@@ -57,6 +60,19 @@ bool CudaEvents::query(const Event& e) {
 
 void CudaEvents::wait(const Event& e) {
   if (e.handle != nullptr) cudaEventSynchronize(static_cast<cudaEvent_t>(e.handle));
+}
+
+bool CudaEvents::wait_for(const Event& e, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (int spins = 0; !query(e); ++spins) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    if (spins < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  return true;
 }
 
 void CudaEvents::release(const Event& e) {

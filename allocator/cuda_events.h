@@ -20,6 +20,8 @@ class BGL_ALLOC_INTERNAL CudaEvents {
   Event record(Stream stream);
   bool query(const Event& e);
   void wait(const Event& e);
+  // Polls until `e` completed or `timeout` passed; false on the timeout.
+  bool wait_for(const Event& e, std::chrono::milliseconds timeout);
   void release(const Event& e);
   std::string last_error() const;
 

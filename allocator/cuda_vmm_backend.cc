@@ -120,6 +120,9 @@ class CudaVmmBackend final : public Backend {
   Event record(Stream stream) override { return events_.record(stream); }
   bool query(const Event& e) override { return events_.query(e); }
   void wait(const Event& e) override { events_.wait(e); }
+  bool wait_for(const Event& e, std::chrono::milliseconds timeout) override {
+    return events_.wait_for(e, timeout);
+  }
   void release(const Event& e) override { events_.release(e); }
   std::string last_error() const override {
     return last_error_.empty() ? events_.last_error() : last_error_;

@@ -83,4 +83,9 @@ void HostBackend::wait(const Event& event) {
   static_cast<HostStream*>(event.handle)->wait(event.value);
 }
 
+bool HostBackend::wait_for(const Event& event, std::chrono::milliseconds timeout) {
+  return event.handle == nullptr ||
+         static_cast<HostStream*>(event.handle)->wait_for(event.value, timeout);
+}
+
 }  // namespace bgl::alloc

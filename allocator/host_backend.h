@@ -39,6 +39,7 @@ class HostBackend final : public Backend {
   Event record(Stream stream) override;
   bool query(const Event& event) override;
   void wait(const Event& event) override;
+  bool wait_for(const Event& event, std::chrono::milliseconds timeout) override;
 
   std::string last_error() const override { return last_error_; }
   // Bytes of simulated physical memory in use.

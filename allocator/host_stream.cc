@@ -63,10 +63,18 @@ bool HostStream::is_live(const void* p) {
 }
 
 std::uint64_t HostStream::enqueue(std::function<void()> work) {
+  return push(std::move(work), false);
+}
+
+std::uint64_t HostStream::enqueue_on_worker(std::function<void()> work) {
+  return push(std::move(work), true);
+}
+
+std::uint64_t HostStream::push(std::function<void()> work, bool worker_only) {
   std::uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(work));
+    queue_.push_back(Item{std::move(work), worker_only});
     ticket = ++enqueued_;
   }
   cv_.notify_all();
@@ -84,20 +92,38 @@ bool HostStream::done(std::uint64_t ticket) const {
 }
 
 void HostStream::wait(std::uint64_t ticket) const {
+  wait_until(ticket, std::chrono::steady_clock::time_point::max());
+}
+
+bool HostStream::wait_for(std::uint64_t ticket, std::chrono::milliseconds timeout) const {
+  return wait_until(ticket, std::chrono::steady_clock::now() + timeout);
+}
+
+bool HostStream::wait_until(std::uint64_t ticket,
+                            std::chrono::steady_clock::time_point deadline) const {
   std::unique_lock<std::mutex> lock(mu_);
   while (completed_ < ticket) {
-    if (!running_ && !queue_.empty()) {
+    if (!running_ && !queue_.empty() && !queue_.front().worker_only) {
       run_front(lock);  // the worker is idle or not yet awake: run the next item here
       continue;
     }
-    cv_.wait(lock);
+    if (deadline == std::chrono::steady_clock::time_point::max()) {
+      cv_.wait(lock);
+    } else if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      return completed_ >= ticket;
+    }
   }
+  return true;
 }
 
 void HostStream::synchronize() const { wait(enqueued()); }
 
+bool HostStream::synchronize_for(std::chrono::milliseconds timeout) const {
+  return wait_for(enqueued(), timeout);
+}
+
 void HostStream::run_front(std::unique_lock<std::mutex>& lock) const {
-  auto work = std::move(queue_.front());
+  auto work = std::move(queue_.front().work);
   queue_.pop_front();
   running_ = true;
   lock.unlock();

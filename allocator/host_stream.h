@@ -2,6 +2,7 @@
 // CUDA stream. Work items run in order; an event is "all items enqueued so far have run".
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -24,6 +25,9 @@ class BGL_ALLOC_INTERNAL HostStream {
 
   // Queues `work`; returns its ticket (1, 2, ...).
   std::uint64_t enqueue(std::function<void()> work);
+  // As enqueue, but only the worker runs `work`, never a waiting thread (a stalled item must
+  // not hold up the thread whose wait is bounded).
+  std::uint64_t enqueue_on_worker(std::function<void()> work);
   // Ticket of the last queued item (0 when nothing was ever queued).
   std::uint64_t enqueued() const;
   // True when every item with ticket <= `ticket` has run.
@@ -32,8 +36,11 @@ class BGL_ALLOC_INTERNAL HostStream {
   // caller runs the next queued items itself (in order, one at a time with the worker), which
   // spares a synchronous copy two thread hand-offs.
   void wait(std::uint64_t ticket) const;
+  // As wait, for at most `timeout`; false when the items had not all run by then.
+  bool wait_for(std::uint64_t ticket, std::chrono::milliseconds timeout) const;
   // Blocks until the queue is empty.
   void synchronize() const;
+  bool synchronize_for(std::chrono::milliseconds timeout) const;
 
   // True when `p` points to a live HostStream (so foreign handles can be told apart).
   static bool is_live(const void* p);
@@ -45,7 +52,15 @@ class BGL_ALLOC_INTERNAL HostStream {
 
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  mutable std::deque<std::function<void()>> queue_;
+  struct Item {
+    std::function<void()> work;
+    bool worker_only = false;
+  };
+  std::uint64_t push(std::function<void()> work, bool worker_only);
+  // Blocks until `ticket` ran or `deadline` (none: max) passed; false on the deadline.
+  bool wait_until(std::uint64_t ticket, std::chrono::steady_clock::time_point deadline) const;
+
+  mutable std::deque<Item> queue_;
   std::uint64_t enqueued_ = 0;
   mutable std::uint64_t completed_ = 0;
   mutable bool running_ = false;  // an item is running (on the worker or a waiter)

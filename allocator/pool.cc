@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <limits>
 
+#include "allocator/detail/fault.h"
+
 namespace bgl::alloc {
 namespace {
 
@@ -318,6 +320,9 @@ Block* Pool::grow_expandable(Arena& a, Stream s, std::size_t n) {
   if (best_u == nullptr) return nullptr;
   const std::size_t bytes = best_pages * page_;
   if (reserved + bytes > limit_) return nullptr;
+  if (detail::fault_point(detail::FaultKind::kDevice) == detail::FaultAction::kFail) {
+    return nullptr;  // fault injection (detail/fault.h): as a device out of memory
+  }
   if (!backend_->map(reinterpret_cast<void*>(best_addr), bytes)) return nullptr;
   return map_range(a, best_u, best_addr, bytes, s);
 }
@@ -349,6 +354,9 @@ Block* Pool::map_range(Arena& a, Block* u, std::uintptr_t addr, std::size_t byte
 Block* Pool::grow_segment(Arena& a, Stream s, std::size_t n) {
   const std::size_t size = a.small ? options_.small_segment : round_up(n, page_);
   if (static_cast<std::size_t>(stats_.reserved_bytes.current) + size > limit_) return nullptr;
+  if (detail::fault_point(detail::FaultKind::kDevice) == detail::FaultAction::kFail) {
+    return nullptr;  // fault injection (detail/fault.h): as a device out of memory
+  }
   void* p = backend_->allocate_segment(size, s);
   if (p == nullptr) return nullptr;
   Block* b = new_block();
@@ -592,7 +600,7 @@ bool Pool::steal(bool wait) {
   }
   if (wait) {
     for (Steal& s : steals_) {
-      backend_->wait(s.event);
+      backend_->wait_for(s.event, detail::wait_timeout());  // bounded: process_events checks
       ++stats_.num_syncs;
     }
   }
@@ -633,7 +641,7 @@ void Pool::wait_all() {
   // Pending frees first: once complete they become owned free blocks, which the steal below
   // then makes ready.
   for (PendingFree& p : pending_) {
-    backend_->wait(p.event);
+    backend_->wait_for(p.event, detail::wait_timeout());  // bounded: process_events checks
     ++stats_.num_syncs;
   }
   process_events();

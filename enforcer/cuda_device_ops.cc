@@ -2,10 +2,13 @@
 // cudaHostAlloc, and the kernels/ FP8 launchers.
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "allocator/cuda_events.h"
+#include "allocator/detail/fault.h"
 #include "enforcer/device_ops.h"
 #include "kernels/fp8_cast.h"
 
@@ -33,11 +36,18 @@ class CudaDeviceOps final : public DeviceOps {
   void destroy_stream(Stream s) override {
     if (s != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(s));
   }
-  void synchronize(Stream s) override { cudaStreamSynchronize(static_cast<cudaStream_t>(s)); }
+  Status synchronize(Stream s) override {
+    DeviceGuard guard(device_);
+    return poll_until("the stream's work", [&] {
+      return cudaStreamQuery(static_cast<cudaStream_t>(s)) != cudaErrorNotReady;
+    });
+  }
 
   Event record(Stream s) override { return events_.record(s); }
   bool query(const Event& e) override { return events_.query(e); }
-  void wait(const Event& e) override { events_.wait(e); }
+  Status wait(const Event& e) override {
+    return poll_until("the stream work before an event", [&] { return events_.query(e); });
+  }
   void release(const Event& e) override { events_.release(e); }
   Status stream_wait(Stream s, const Event& e) override {
     if (e.handle == nullptr) return Status::kOk;
@@ -85,6 +95,25 @@ class CudaDeviceOps final : public DeviceOps {
   }
 
  private:
+  // Polls `done` until true or the wait timeout (alloc/detail/fault.h) passed: a bounded wait.
+  template <typename Done>
+  Status poll_until(const char* what, Done&& done) {
+    const auto deadline = std::chrono::steady_clock::now() + alloc::detail::wait_timeout();
+    for (int spins = 0; !done(); ++spins) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::lock_guard<std::mutex> lock(mu_);
+        last_error_ = alloc::detail::wait_timeout_message(what);
+        return Status::kBackendError;
+      }
+      if (spins < 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    return Status::kOk;
+  }
+
   bool ok(cudaError_t e, const char* what) {
     if (e == cudaSuccess) return true;
     std::lock_guard<std::mutex> lock(mu_);

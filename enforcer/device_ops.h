@@ -20,13 +20,15 @@ class DeviceOps {
 
   virtual Status create_stream(Stream* out) = 0;
   virtual void destroy_stream(Stream s) = 0;
-  virtual void synchronize(Stream s) = 0;
+  // Blocks until the work queued on `s` ran; kBackendError (last_error() says so) when it did
+  // not within alloc::detail::wait_timeout() (BGL_WAIT_TIMEOUT_MS): every host wait is bounded.
+  virtual Status synchronize(Stream s) = 0;
 
   // An event after all work queued on `s` so far (complete at once for an idle/null stream).
   virtual Event record(Stream s) = 0;
   virtual bool query(const Event& e) = 0;
-  // Blocks the calling thread until `e` completed.
-  virtual void wait(const Event& e) = 0;
+  // Blocks the calling thread until `e` completed; bounded as synchronize.
+  virtual Status wait(const Event& e) = 0;
   // Gives the event back once nobody will query it again.
   virtual void release(const Event& /*e*/) {}
   // Work queued on `s` after this call starts only after `e` completed.

@@ -9,6 +9,7 @@
 
 #include "allocator/global.h"
 #include "bgl/enforce.h"
+#include "enforcer/detail/fault_injecting_ops.h"
 #include "enforcer/emulated_link_ops.h"
 #include "enforcer/enforcer.h"
 #include "governor/planner/assignment.h"
@@ -202,6 +203,8 @@ BGL_ALLOC_API int bgl_enf_create(const bgl_enf_options* options, bgl_enforcer** 
       }
       ops = make_emulated_link_ops(std::move(ops), times);
     }
+    // Fault injection (BGL_FAULT, bgl_alloc_fault_configure): idle, one atomic load per call.
+    ops = std::make_unique<bgl::enf::detail::FaultInjectingOps>(std::move(ops));
     EnforcerOptions eo;
     eo.pinned_capacity = o.pinned_capacity;
     eo.fp8_block = o.fp8_block;
@@ -250,7 +253,8 @@ BGL_ALLOC_API int bgl_enf_stream_destroy(bgl_enforcer* enf, void* stream) {
 
 BGL_ALLOC_API int bgl_enf_stream_synchronize(bgl_enforcer* enf, void* stream) {
   return Call(enf, __func__, {}, [&](Enforcer& e) {
-    e.ops().synchronize(stream);
+    const Status s = e.ops().synchronize(stream);
+    if (s != Status::kOk) return bad(s, "bgl_enf_stream_synchronize: " + e.ops().last_error());
     return Status::kOk;
   });
 }

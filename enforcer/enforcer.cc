@@ -81,18 +81,26 @@ Enforcer::~Enforcer() {
   if (pressure_id_ != 0) pool_->remove_pressure_callback(pressure_id_);
   std::lock_guard<std::recursive_mutex> lock(mu_);
   std::string ignored;
-  sched_.finish(&ignored);
-  ops_->synchronize(options_.d2h);
-  ops_->synchronize(options_.h2d);
+  // The destructor waits as long as the work takes (a stalled copy included): the memory it
+  // frees may be in use until then. Every other wait is bounded (BGL_WAIT_TIMEOUT_MS).
+  auto drain = [this](Stream s) {
+    while (ops_->synchronize(s) != Status::kOk) {
+      report_error(true, "enforcer: still waiting at destruction: " + ops_->last_error());
+    }
+  };
+  while (sched_.finish(&ignored) != Status::kOk && sched_.inflight() != 0) {
+  }
+  drain(options_.d2h);
+  drain(options_.h2d);
   std::vector<std::uint64_t> handles;
   for (auto& [h, t] : tracker_.tensors()) handles.push_back(h);
   for (std::uint64_t h : handles) {
     TrackedTensor* t = tracker_.find(h);
-    ops_->synchronize(t->alloc_stream);
+    drain(t->alloc_stream);
     retire_locked(*t, t->alloc_stream);
   }
-  ops_->synchronize(options_.d2h);
-  ops_->synchronize(options_.h2d);
+  drain(options_.d2h);
+  drain(options_.h2d);
   pinned_.reset();
   if (own_d2h_) ops_->destroy_stream(options_.d2h);
   if (own_h2d_) ops_->destroy_stream(options_.h2d);
@@ -200,8 +208,7 @@ Status Enforcer::unregister(std::uint64_t handle) {
   return with_tensor(handle, "unregister", [&](TrackedTensor& t) {
     if (t.busy != 0)
       return fail(Status::kInvalidState, "unregister: " + tensor_name(handle) + " is busy");
-    if (t.has_offload) ops_->wait(t.offload_done);
-    if (t.has_ready) ops_->wait(t.ready);
+    if (Status s = wait_events(t, "unregister"); s != Status::kOk) return s;
     retire_locked(t, t.alloc_stream);
     return Status::kOk;
   });
@@ -596,17 +603,41 @@ void Enforcer::retire_locked(TrackedTensor& t, Stream s) {
 
 Status Enforcer::wait_tensor(std::uint64_t handle) {
   return with_tensor(handle, "wait_tensor", [&](TrackedTensor& t) {
-    if (t.has_offload) ops_->wait(t.offload_done);
-    if (t.has_ready) ops_->wait(t.ready);
-    if (t.placement == Placement::kFp8) ops_->synchronize(t.desc.stream);
+    if (Status s = wait_events(t, "wait_tensor"); s != Status::kOk) return s;
+    if (t.placement == Placement::kFp8 && ops_->synchronize(t.desc.stream) != Status::kOk) {
+      return fail(Status::kBackendError, "wait_tensor: " + tensor_name(t.handle) +
+                                             ": the FP8 cast: " + ops_->last_error());
+    }
     return Status::kOk;
   });
 }
 
+Status Enforcer::wait_events(TrackedTensor& t, const char* fn) {
+  if (t.has_offload && ops_->wait(t.offload_done) != Status::kOk) {
+    return fail(Status::kBackendError, std::string(fn) + ": " + tensor_name(t.handle) +
+                                           ": its offload copy: " + ops_->last_error());
+  }
+  if (t.has_ready && ops_->wait(t.ready) != Status::kOk) {
+    return fail(Status::kBackendError, std::string(fn) + ": " + tensor_name(t.handle) +
+                                           ": its reload or cast: " + ops_->last_error());
+  }
+  return Status::kOk;
+}
+
+Status Enforcer::wait(const Event& e) {
+  if (ops_->wait(e) == Status::kOk) return Status::kOk;
+  return fail(Status::kBackendError, "scheduled copy: " + ops_->last_error());
+}
+
 Status Enforcer::synchronize() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  ops_->synchronize(options_.d2h);
-  ops_->synchronize(options_.h2d);
+  for (Stream s : {options_.d2h, options_.h2d}) {
+    if (ops_->synchronize(s) != Status::kOk) {
+      return fail(Status::kBackendError, std::string("synchronize: the ") +
+                                             (s == options_.d2h ? "offload" : "reload") +
+                                             " stream: " + ops_->last_error());
+    }
+  }
   std::string ignored;
   sched_.pump(&ignored);
   return Status::kOk;

@@ -120,6 +120,8 @@ class Enforcer final : private WorkIssuer {
   Status fp8_locked(TrackedTensor& t);
   Status uncast_locked(TrackedTensor& t, Stream s);
   Status drop_locked(TrackedTensor& t);
+  // Waits (bounded) for the tensor's offload and ready events; kBackendError naming `fn`.
+  Status wait_events(TrackedTensor& t, const char* fn);
   Status recompute_locked(TrackedTensor& t, Stream s);
   Status unreload_locked(TrackedTensor& t);
   // The device data leaves after `s`'s queued work: freed when owned, else marked used on `s`
@@ -133,7 +135,7 @@ class Enforcer final : private WorkIssuer {
   // WorkIssuer (the scheduler's pieces).
   Status issue(const plan::IssueItem& item, Event* done, std::string* error) override;
   bool query(const Event& e) override { return ops_->query(e); }
-  void wait(const Event& e) override { ops_->wait(e); }
+  Status wait(const Event& e) override;
   void release(const Event& e) override { ops_->release(e); }
 
   Pool* pool_;

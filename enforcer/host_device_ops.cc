@@ -3,7 +3,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 
+#include "allocator/detail/fault.h"
 #include "allocator/host_stream.h"
 #include "enforcer/device_ops.h"
 #include "kernels/fp8_cast.h"
@@ -31,8 +33,10 @@ class HostDeviceOps final : public DeviceOps {
   void destroy_stream(Stream s) override {
     if (HostStream* h = live(s)) delete h;
   }
-  void synchronize(Stream s) override {
-    if (HostStream* h = live(s)) h->synchronize();
+  Status synchronize(Stream s) override {
+    HostStream* h = live(s);
+    if (h == nullptr || h->synchronize_for(alloc::detail::wait_timeout())) return Status::kOk;
+    return timed_out("the stream's work");
   }
 
   Event record(Stream s) override {
@@ -43,19 +47,23 @@ class HostDeviceOps final : public DeviceOps {
   bool query(const Event& e) override {
     return e.handle == nullptr || static_cast<HostStream*>(e.handle)->done(e.value);
   }
-  void wait(const Event& e) override {
-    if (e.handle != nullptr) static_cast<HostStream*>(e.handle)->wait(e.value);
+  Status wait(const Event& e) override {
+    if (e.handle == nullptr ||
+        static_cast<HostStream*>(e.handle)->wait_for(e.value, alloc::detail::wait_timeout())) {
+      return Status::kOk;
+    }
+    return timed_out("the stream work before an event");
   }
   Status stream_wait(Stream s, const Event& e) override {
     if (e.handle == nullptr || e.handle == s) return Status::kOk;  // complete / same stream
     HostStream* h = live(s);
-    if (h == nullptr) {
-      wait(e);
-      return Status::kOk;
-    }
+    if (h == nullptr) return wait(e);
     auto* src = static_cast<HostStream*>(e.handle);
     const std::uint64_t ticket = e.value;
-    h->enqueue([src, ticket] { src->wait(ticket); });
+    if (src->done(ticket)) return Status::kOk;
+    // On the worker only: a thread whose wait on `h` is bounded must not block in here (a
+    // device-side wait: the work after it may not start before `src` got there).
+    h->enqueue_on_worker([src, ticket] { src->wait(ticket); });
     return Status::kOk;
   }
 
@@ -81,9 +89,19 @@ class HostDeviceOps final : public DeviceOps {
   }
   void host_free(void* p) override { std::free(p); }
 
-  std::string last_error() const override { return {}; }
+  std::string last_error() const override { return error(); }
 
  private:
+  // The calling thread's last failure (DeviceOps is shared by threads).
+  static std::string& error() {
+    thread_local std::string e;
+    return e;
+  }
+  static Status timed_out(const char* what) {
+    error() = alloc::detail::wait_timeout_message(what);
+    return Status::kBackendError;
+  }
+
   template <typename F>
   static void run(Stream s, F&& f) {
     if (HostStream* h = live(s)) {

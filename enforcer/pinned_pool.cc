@@ -20,7 +20,8 @@ void PinnedPool::set_capacity(std::size_t capacity) {
 
 PinnedPool::~PinnedPool() {
   std::lock_guard<std::mutex> lock(mu_);
-  reap(/*wait=*/true);
+  // Until every copy is done, however long: a block a stalled copy still uses is never freed.
+  while (!pending_.empty()) reap(/*wait=*/true);
   for (auto& [p, n] : size_) ops_->host_free(p);
 }
 
@@ -36,8 +37,9 @@ std::size_t PinnedPool::round(std::size_t bytes) {
 void PinnedPool::reap(bool wait) {
   std::size_t kept = 0;
   for (auto& pe : pending_) {
-    if (wait) ops_->wait(pe.event);
-    if (wait || ops_->query(pe.event)) {
+    // A wait that timed out (a stalled copy) leaves the block pending: it is not reused.
+    const bool waited = wait && ops_->wait(pe.event) == Status::kOk;
+    if (waited || ops_->query(pe.event)) {
       ops_->release(pe.event);
       cache(pe.p);
     } else {
@@ -99,6 +101,9 @@ Status PinnedPool::allocate(std::size_t bytes, void** out, std::string* error) {
     for (auto& pe : pending_) pending_bytes += size_.at(pe.p);
     if (n > stats_.capacity || stats_.in_use - pending_bytes > stats_.capacity - n) return fail("");
     reap(/*wait=*/true);
+    if (stats_.in_use > stats_.capacity - n) {
+      return fail(" (a copy from pinned memory did not complete: " + ops_->last_error() + ")");
+    }
   }
   if (stats_.in_use + stats_.cached > stats_.capacity - n) {
     release_cached(stats_.in_use + stats_.cached - (stats_.capacity - n));

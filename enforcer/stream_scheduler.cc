@@ -4,6 +4,8 @@
 #include <array>
 #include <limits>
 
+#include "allocator/detail/fault.h"
+
 namespace bgl::enf {
 
 StreamScheduler::StreamScheduler(WorkIssuer* issuer, int max_inflight)
@@ -121,7 +123,14 @@ Status StreamScheduler::finish(std::string* error) {
       if (queue_.empty()) break;
       continue;
     }
-    issuer_->wait(inflight_.front().done);
+    if (issuer_->wait(inflight_.front().done) != Status::kOk) {
+      // Bounded (BGL_WAIT_TIMEOUT_MS): the piece stays in flight; a later pump retires it.
+      if (first == Status::kOk) {
+        first = Status::kBackendError;
+        *error = alloc::detail::wait_timeout_message("a scheduled offload or reload");
+      }
+      return first;
+    }
   }
   return first;
 }

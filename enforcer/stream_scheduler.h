@@ -21,7 +21,7 @@ class WorkIssuer {
   // Queues the work of `item`; *done gets an event after it (a null handle: already complete).
   virtual Status issue(const plan::IssueItem& item, Event* done, std::string* error) = 0;
   virtual bool query(const Event& e) = 0;
-  virtual void wait(const Event& e) = 0;
+  virtual Status wait(const Event& e) = 0;
   virtual void release(const Event& /*e*/) {}
 };
 
@@ -39,7 +39,8 @@ class StreamScheduler {
   // Retires completed pieces and issues what the frontier and the bound allow. The first issue
   // error is returned (that piece is skipped: its tensors stay where they are).
   Status pump(std::string* error);
-  // Makes everything issuable, issues it all and waits for it.
+  // Makes everything issuable, issues it all and waits for it. kBackendError when a piece did
+  // not complete within the wait timeout (it stays in flight).
   Status finish(std::string* error);
 
   std::size_t waiting() const { return queue_.size(); }

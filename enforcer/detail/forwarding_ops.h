@@ -18,10 +18,10 @@ class ForwardingOps : public DeviceOps {
   const char* name() const override { return up_->name(); }
   Status create_stream(Stream* out) override { return up_->create_stream(out); }
   void destroy_stream(Stream s) override { up_->destroy_stream(s); }
-  void synchronize(Stream s) override { up_->synchronize(s); }
+  Status synchronize(Stream s) override { return up_->synchronize(s); }
   Event record(Stream s) override { return up_->record(s); }
   bool query(const Event& e) override { return up_->query(e); }
-  void wait(const Event& e) override { up_->wait(e); }
+  Status wait(const Event& e) override { return up_->wait(e); }
   void release(const Event& e) override { up_->release(e); }
   Status stream_wait(Stream s, const Event& e) override { return up_->stream_wait(s, e); }
   Status copy(void* dst, const void* src, std::size_t n, Stream s) override {

@@ -118,6 +118,20 @@ BGL_ALLOC_API int bgl_status_value(const char* name, int* value);
  * "capacity: '8G' is ambiguous: write 8GiB (2^30 bytes each) or 8GB (10^9)". */
 BGL_ALLOC_API int bgl_parse_bytes(const char* text, const char* what, int64_t* bytes);
 
+/* Fault injection (docs/operations.md, "Fault injection"; BGL_FAULT reads the same spec at
+ * start): "device:N", "pinned:N", "copy:N" fail the Nth operation of that kind counted from
+ * this call (device: the pool's growth; pinned: the enforcer's page-locked host allocations;
+ * copy: its copies and FP8 casts), "stall:N" holds the Nth copy's stream for
+ * BGL_FAULT_STALL_MS (default twice BGL_WAIT_TIMEOUT_MS), several separated by commas; "count"
+ * only counts; "" or null turns injection off. Every host wait for stream work gives up with
+ * BGL_ERR_BACKEND after BGL_WAIT_TIMEOUT_MS (default 60000); wait_timeout_ms > 0 sets it. */
+BGL_ALLOC_API int bgl_alloc_fault_configure(const char* spec, int64_t wait_timeout_ms);
+typedef struct bgl_alloc_fault_stats {
+  uint64_t device_ops, pinned_ops, copy_ops; /* operations seen since the last configure */
+  uint64_t fired;                            /* faults injected */
+} bgl_alloc_fault_stats;
+BGL_ALLOC_API int bgl_alloc_fault_get_stats(bgl_alloc_fault_stats* out);
+
 /* The calling thread's last error message ("" when none). Valid until the next call. */
 BGL_ALLOC_API const char* bgl_alloc_last_error(void);
 /* Number of devices of the configured backend (initializing it if needed); -1 on error. */

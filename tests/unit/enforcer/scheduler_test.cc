@@ -37,7 +37,10 @@ class FakeIssuer : public WorkIssuer {
     return Status::kOk;
   }
   bool query(const Event& e) override { return complete[e.value]; }
-  void wait(const Event& e) override { complete[e.value] = true; }
+  Status wait(const Event& e) override {
+    complete[e.value] = true;
+    return Status::kOk;
+  }
   std::size_t open() const {
     std::size_t n = 0;
     for (auto& [id, c] : complete) n += c ? 0 : 1;

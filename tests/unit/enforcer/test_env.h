@@ -22,8 +22,10 @@ using alloc::HostStream;
 using alloc::PoolOptions;
 
 struct Env {
+  // `ops` null: the host backend's.
   explicit Env(std::size_t capacity = std::size_t{256} << 20, std::size_t pinned = 64 << 20,
-               int max_inflight = 4, bool pressure = true) {
+               int max_inflight = 4, bool pressure = true,
+               std::unique_ptr<DeviceOps> ops = nullptr) {
     HostBackendOptions bo;
     bo.capacity = capacity;
     bo.page_size = 64 << 10;
@@ -37,7 +39,8 @@ struct Env {
     eo.h2d = &h2d;
     eo.pressure_eviction = pressure;
     std::string error;
-    enf = Enforcer::create(pool.get(), make_host_device_ops(), eo, &error);
+    enf = Enforcer::create(pool.get(), ops != nullptr ? std::move(ops) : make_host_device_ops(),
+                           eo, &error);
     EXPECT_NE(enf, nullptr) << error;
   }
   ~Env() {
