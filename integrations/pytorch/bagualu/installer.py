@@ -17,7 +17,8 @@ from .errors import InstallError
 from .native import libs as _lib
 from .planning import calibration as calibrations
 from .planning.governor import Governor
-from .settings import Settings, check_issue_order, check_policy, parse_size
+from .settings import (Settings, check_compiled_operators, check_issue_order, check_policy,
+                       parse_size)
 
 log = logging.getLogger("bagualu")
 
@@ -53,7 +54,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
             pinned_capacity: Union[int, str] = "16GiB", chunks: int = 1,
             issue_order: str = "dual-batch",
             calibration: Optional[str] = None,
-            allow_fp8: bool = True) -> "runtime.Runtime":
+            allow_fp8: bool = True,
+            compiled_operators: str = "operators") -> "runtime.Runtime":
     """Installs bagualu in this process and returns its runtime.
 
     capacity: activation memory of the (simulated) device, bytes or '256MiB'. On CPU the host
@@ -80,9 +82,15 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
     allow_fp8: False: no plan (and no pressure eviction) stores an activation in FP8, so that
       training stays bit for bit what PyTorch computes (offload and recompute are exact; FP8
       is within its tolerance, docs/pytorch.md).
+    compiled_operators: how compiled blocks are planned (docs/pytorch.md, "Compiled blocks"):
+      'operators' (default; torch 2.15 and later): each saved tensor of a compiled block is
+      placed by its own operator's plan (keep, offload, FP8; none recomputed alone); 'block':
+      each compiled block is one operator (all of its tensors offloaded, cast or recomputed
+      together: the whole block reruns). Older torch always plans them as blocks.
     """
     check_policy(policy)
     check_issue_order(issue_order)
+    check_compiled_operators(compiled_operators)
     if runtime.active() is not None:
         uninstall()
     dev = torch.device(device) if device is not None else (
@@ -132,7 +140,7 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
         log_iterations=log_iterations, fp8_block=fp8_block,
         pinned_capacity=pinned, chunks=chunks, gc_freeze=gc_freeze,
         issue_order=issue_order, sync_copies=pool is not None and not calibrations.overlaps(cal),
-        allow_fp8=bool(allow_fp8),
+        allow_fp8=bool(allow_fp8), compiled_operators=compiled_operators,
         emulated_link=json.dumps(cal) if cal and "emulated_link" in cal else None)
     rt = runtime.Runtime(settings, gov, pool)
     _active.runtime = rt

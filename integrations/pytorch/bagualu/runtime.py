@@ -364,6 +364,8 @@ class Runtime(HooksHost):
         if pool is not None:
             out["allocator"] = pool.stats()
         out["enforcer"] = self.enforcer.stats()
+        if self.auto is not None and self.auto.compiled.active:
+            out["compiled"] = self.auto.compiled_stats()
         lines = self.log.history
         out["planning"] = {"plan_ms": sum(x["plan_ms"] for x in lines),
                            "cache_hits": sum(x["plan_cache_hits"] for x in lines),

@@ -56,6 +56,17 @@ def check_issue_order(order: str) -> str:
     return order
 
 
+COMPILED_OPERATORS = ("operators", "block")  # how compiled blocks are planned
+
+
+def check_compiled_operators(how: str) -> str:
+    """Returns ``how`` or raises PolicyError naming the choices (capture/compiled.py)."""
+    if how not in COMPILED_OPERATORS:
+        raise PolicyError(f"unknown compiled_operators '{how}' (known: "
+                          f"{', '.join(COMPILED_OPERATORS)})")
+    return how
+
+
 @dataclass(frozen=True)
 class Settings:
     """What ``bagualu.install`` was asked for (validated there); immutable."""
@@ -82,9 +93,13 @@ class Settings:
     # copies take that link's time (docs/planner.md, "An emulated device link"); None: they
     # take their own.
     emulated_link: Optional[str] = None
+    # Compiled blocks: "operators" (their saved tensors placed per operator, torch 2.15) or
+    # "block" (one operator each); capture/compiled.py.
+    compiled_operators: str = "operators"
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
         check_issue_order(self.issue_order)
+        check_compiled_operators(self.compiled_operators)
         if self.chunks < 1:
             raise ValueError(f"chunks must be at least 1, got {self.chunks}")

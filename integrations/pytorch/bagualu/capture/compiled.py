@@ -14,11 +14,20 @@ left once, in eager:
 - a block wrapped by ``torch.compile(block)`` (an ``OptimizedModule`` in the block list, as
   torchtitan registers them) gets forward hooks on the wrapper, whose own hooks run in eager.
 
-The compiled region is the operator ``block`` of its layer (kind ``other``): every tensor the
-compiled function hands autograd is saved by it, at the end of its forward (saved-tensor hooks
-are not traced into a compiled region; they run on the compiled function's saved tensors),
-and its strategy applies to all of them: offload and FP8 move them after the forward,
-recompute reruns the compiled block (recompute.py, RNG restored). Hooks that still run inside a
+Per operator (``per_op``; torch 2.15 and later, the default): each compiled call runs inside a
+``stash.Frame``, whose graph-module saved-tensor hooks put ``torch.ops.bagualu.stash`` and
+``unstash`` into the block's graphs (capture/stash.py): every tensor the compiled graph saves is
+named by the operator whose module computed it and placed by that operator's strategy for the
+micro-batch (keep, offload, FP8), the layers keeping the eager block's operators. An operator
+cannot be rerun alone inside a compiled graph, so the planner is told none of them recomputes
+(``recompute_allowed``); the operators' times are the block's, shared by the bytes each saves.
+
+Per block (older torch, or ``compiled_operators="block"``): the compiled region is the operator
+``block`` of its layer (kind ``other``): every tensor the compiled function hands autograd is
+saved by it, at the end of its forward (Python saved-tensor hooks are not traced into a compiled
+region; they run on the compiled function's saved tensors), and its strategy applies to all of
+them: offload and FP8 move them after the forward, recompute reruns the compiled block
+(recompute.py, RNG restored). Hooks that still run inside a
 compiled region (a block compiled after the capture, a compiled module above the blocks) return
 at once: ``eager_only``. Not thread-safe: the training thread.
 """
@@ -32,6 +41,7 @@ from torch import nn
 
 from ..discovery.find import Discovery, is_compiled_wrapper
 from ..errors import BagualuError, InstrumentError
+from . import stash
 
 log = logging.getLogger("bagualu")
 
@@ -51,22 +61,46 @@ def eager_only(hook: Hook) -> Hook:
 
 
 class _Entry:
-    """A block's ``_compiled_call_impl`` with bagualu's enter and leave around it."""
+    """A block's ``_compiled_call_impl`` with bagualu's enter and leave around it (and, per
+    operator, the compiled call inside a stash frame)."""
 
-    __slots__ = ("block", "compiled", "pre", "post")
+    __slots__ = ("block", "compiled", "pre", "post", "on_stash")
 
     def __init__(self, block: nn.Module, compiled: Callable[..., Any], pre: Hook,
-                 post: Hook) -> None:
+                 post: Hook, on_stash: Optional[stash.OnStash]) -> None:
         self.block = block
         self.compiled = compiled
         self.pre = pre
         self.post = post
+        self.on_stash = on_stash
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.pre(self.block, args, kwargs)
-        out = self.compiled(*args, **kwargs)
+        if self.on_stash is None:
+            out = self.compiled(*args, **kwargs)
+        else:
+            with stash.Frame(self.on_stash):
+                out = self.compiled(*args, **kwargs)
         self.post(self.block, args, out)
         return out
+
+
+class _WrappedFrames:
+    """The stash frames of a block wrapped by ``torch.compile`` (forward hooks on the wrapper:
+    entered after bagualu's enter, left before its leave, also when the call raises)."""
+
+    def __init__(self, on_stash: stash.OnStash) -> None:
+        self.on_stash = on_stash
+        self.open: List[stash.Frame] = []
+
+    def enter(self, m: nn.Module, args: Any, kwargs: Any) -> None:
+        f = stash.Frame(self.on_stash)
+        f.__enter__()
+        self.open.append(f)
+
+    def leave(self, m: nn.Module, args: Any, out: Any) -> None:
+        if self.open:
+            self.open.pop().__exit__(None, None, None)
 
 
 def _is_compiled(m: nn.Module) -> bool:
@@ -80,12 +114,15 @@ class CompiledBlocks:
 
     def __init__(self, model: nn.Module, found: Discovery,
                  hooks: Callable[[int], Tuple[Hook, Hook]],
-                 drop_inner: Callable[[], None], simulated_ep: bool) -> None:
+                 drop_inner: Callable[[], None], simulated_ep: bool,
+                 on_stash: Optional[Callable[[int], stash.OnStash]] = None) -> None:
         self.model = model
         self.found = found
         self.hooks = hooks
         self.drop_inner = drop_inner
         self.simulated_ep = simulated_ep
+        # Per operator when given (the layer's on_stash) and torch can (capture/stash.py).
+        self.on_stash = on_stash if on_stash is not None and stash.supported() else None
         self.form: Optional[str] = None            # of every planned block (None: eager)
         self.seen: Optional[List[Optional[str]]] = None  # the forms the capture planned
         self.handles: List[Any] = []
@@ -93,8 +130,13 @@ class CompiledBlocks:
 
     @property
     def active(self) -> bool:
-        """Whether the planned blocks are compiled (each is one operator)."""
+        """Whether the planned blocks are compiled."""
         return self.form is not None
+
+    @property
+    def per_op(self) -> bool:
+        """Whether the compiled blocks keep their operators (stash ops; else one each)."""
+        return self.form is not None and self.on_stash is not None
 
     def forms(self) -> List[Optional[str]]:
         """The compiled form of each planned block now."""
@@ -146,20 +188,35 @@ class CompiledBlocks:
                 "local_experts= for a model that computes only its own experts")
         self.form = form
         self.drop_inner()
+        if self.on_stash is not None:
+            stash.name_operators({s.path: s.name for sites in self.found.sites for s in sites})
         for li, bi in enumerate(self.found.planned):
             pre, post = self.hooks(li)
+            on_stash = self.on_stash(li) if self.on_stash is not None else None
             if form == WRAPPED:
                 wrapper = self.found.entry(bi)
                 self.handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
+                if on_stash is not None:
+                    frames = _WrappedFrames(on_stash)
+                    self.handles.append(wrapper.register_forward_pre_hook(frames.enter,
+                                                                          with_kwargs=True))
+                    self.handles.append(wrapper.register_forward_hook(frames.leave,
+                                                                      always_call=True))
                 self.handles.append(wrapper.register_forward_hook(post))
             else:
                 block = self.found.blocks[bi]
                 compiled = block.__dict__["_compiled_call_impl"]
-                block._compiled_call_impl = _Entry(block, compiled, pre, post)
+                block._compiled_call_impl = _Entry(block, compiled, pre, post, on_stash)
                 self.entries.append((block, compiled))
-        log.info("bagualu: the %d planned blocks of %s are compiled (%s): each is one "
-                 "operator ('block'); routers' load factors are not observed inside them",
-                 len(forms), self.found.layers_path, form)
+        if self.per_op:
+            log.info("bagualu: the %d planned blocks of %s are compiled (%s): their saved "
+                     "tensors are placed per operator (torch.ops.bagualu.stash); no operator "
+                     "inside them is recomputed alone; routers' load factors are not observed "
+                     "inside them", len(forms), self.found.layers_path, form)
+        else:
+            log.info("bagualu: the %d planned blocks of %s are compiled (%s): each is one "
+                     "operator ('block'); routers' load factors are not observed inside them",
+                     len(forms), self.found.layers_path, form)
         return True
 
     def _rewrap(self) -> None:
@@ -169,7 +226,8 @@ class CompiledBlocks:
             impl = block.__dict__.get("_compiled_call_impl")
             if not isinstance(impl, _Entry):
                 pre, post = self.hooks(i)
-                block._compiled_call_impl = _Entry(block, impl, pre, post)
+                on_stash = self.on_stash(i) if self.on_stash is not None else None
+                block._compiled_call_impl = _Entry(block, impl, pre, post, on_stash)
                 self.entries[i] = (block, impl)
 
     def _check_above(self) -> None:

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ..discovery.find import BLOCK_OP, Discovery, expert_count, top_k_of
 from ..errors import InstrumentError
-from ..vocabulary import OUTSIDE, Op
+from ..vocabulary import OUTSIDE, RECOMPUTE, Op
 from .calls import OperatorCalls, tensors as _tensors
 from .compiled import CompiledBlocks, eager_only
 from .dispatch import Dispatches
@@ -128,7 +128,8 @@ class AutoLayers:
     """The hooks of one instrumented unmodified model (see the module docstring)."""
 
     def __init__(self, rt: Host, model: nn.Module, found: Discovery,
-                 ep: ExpertParallel, dispatch: Optional[Dispatches] = None) -> None:
+                 ep: ExpertParallel, dispatch: Optional[Dispatches] = None,
+                 compiled_per_op: bool = True) -> None:
         self.rt = rt
         self.found = found
         self.ep = ep
@@ -144,8 +145,14 @@ class AutoLayers:
         # it cannot, no deferred plan can follow a router, and the operators containing one
         # open no recompute call for it.
         self.load_varies = False
+        # Compiled per operator: (micro-batch, layer) -> the strategies its stashed tensors'
+        # operators had (stats: a block whose operators were placed differently), and the
+        # number of tensors stashed.
+        self.placements: Dict[Tuple[int, int], Set[str]] = {}
+        self.stashed = 0
         self.compiled = CompiledBlocks(model, found, self._block_hooks, self._drop_inner,
-                                       ep.simulate)
+                                       ep.simulate,
+                                       self._on_stash if compiled_per_op else None)
         try:
             self._install(model)
         except BaseException:
@@ -249,10 +256,67 @@ class AutoLayers:
 
     def layer_ops(self) -> Dict[int, List[Op]]:
         """The operators of each planned layer: the discovered ones, or the block alone when
-        the blocks are compiled."""
-        names = [BLOCK_OP] if self.compiled.active else self.found.op_names
+        the blocks are compiled as one operator each."""
+        one = self.compiled.active and not self.compiled.per_op
+        names = [BLOCK_OP] if one else self.found.op_names
         return {li: [Op(n, self.found.kinds[n], li) for n in names]
                 for li in range(self.layers)}
+
+    def _on_stash(self, layer: int) -> Any:
+        """What a compiled block of layer ``layer`` does before its saved tensor is packed
+        (capture/stash.py): names the operator that computed it as its producer (unless the
+        whole block is recomputed: its call owns everything) and, in the capture, orders the
+        operators by their first saved tensor."""
+        ops = {n: Op(n, self.found.kinds[n], layer) for n in self.found.op_names}
+
+        def note(t: torch.Tensor, name: Optional[str]) -> None:
+            rt = self.rt
+            tr = rt.tracker
+            if name is None or not rt.forwarding or tr.light is not None:
+                return
+            if tr.calls and tr.calls[-1].op.name == BLOCK_OP:
+                return
+            op = ops.get(name)
+            if op is None:
+                return
+            mb = tr.micro_batch
+            strategy = rt.strategy_of(op, mb)
+            if strategy == RECOMPUTE:  # cannot be rerun alone: its block's strategy holds it
+                if name not in self.calls.warned:
+                    self.calls.warned.add(name)
+                    log.warning("bagualu: %s is inside a compiled block and cannot be "
+                                "recomputed alone; its tensors follow the block's strategy "
+                                "(force 'block': 'recompute' to rerun whole blocks, or "
+                                "install(compiled_operators='block'))", name)
+                return
+            if rt.capturing:
+                self.calls.order.setdefault(name, len(self.calls.order))
+            tr.note_output(t, op)
+            self.stashed += 1
+            self.placements.setdefault((mb, layer), set()).add(strategy)
+        return note
+
+    def compiled_stats(self) -> Dict[str, Any]:
+        """How compiled blocks are planned: per operator or as blocks; per operator, the
+        tensors their graphs stashed and the (micro-batch, layer) blocks whose operators got
+        different strategies."""
+        return {"per_operator": self.compiled.per_op, "stashed": self.stashed,
+                "mixed_blocks": sum(1 for s in self.placements.values() if len(s) > 1)}
+
+    def compiled_op_times(self, op_ms: Dict[str, float],
+                          produced: Dict[str, int]) -> Dict[str, float]:
+        """The operators' forward times when the blocks are compiled per operator: the
+        block's measured time (its compiled call) shared by the bytes each operator saves
+        (a compiled graph's operators cannot be timed apart; docs/pytorch.md)."""
+        if not self.compiled.per_op:
+            return op_ms
+        total = op_ms.get(BLOCK_OP, 0.0)
+        weight = {n: float(produced.get(n, 0)) for n in self.found.op_names}
+        s = sum(weight.values())
+        out = dict(op_ms)
+        for n, w in weight.items():
+            out[n] = total * (w / s if s > 0 else 1.0 / len(weight))
+        return out
 
     def remove(self) -> None:
         self.compiled.remove()
@@ -307,7 +371,15 @@ class AutoLayers:
                         t.note_external(v)
                         if t.light is None:
                             t.note_output(v, OUTSIDE, overwrite=False)
-            self.calls.enter(op, m, args, kwargs, False)
+            per_op = self.compiled.per_op
+            if per_op and t.light is None and op.name not in self.calls.warned and \
+                    rt.strategy_of(op, t.micro_batch) == RECOMPUTE:
+                self.calls.warned.add(op.name)
+                log.warning("bagualu: compiled blocks placed per operator are not recomputed "
+                            "(not yet: docs/pytorch.md, \"Compiled blocks\"); %s keeps its "
+                            "tensors; install(compiled_operators='block') reruns whole blocks",
+                            op.qualname)
+            self.calls.enter(op, m, args, kwargs, False, replay=not per_op)
             return None
         return hook
 

@@ -1,0 +1,231 @@
+"""Per-operator placements inside compiled blocks: the ``torch.ops.bagualu.stash`` and
+``unstash`` ops and the graph-module saved-tensor hooks that put them into a compiled block's
+graphs.
+
+A compiled block's saved tensors never meet the operator scopes of eager capture: dynamo
+traces the block whole, and Python saved-tensor hooks would see every tensor at the block's
+end with no producer. Saved-tensor hooks that are ``fx.GraphModule``\\ s are instead inlined by
+AOTAutograd (torch 2.15, after the partitioner has chosen what to save, so the partition and
+every computed value stay those of plain compile): while each saved node's pack hook is traced,
+``_get_saved_tensor_hook_context()`` names the node, whose ``nn_module_stack`` names the module
+that computed it. The traced pack is ``stash(t, op)``, with ``op`` the id of the planner
+operator owning that module (a constant in the graph); the traced unpack is ``unstash(handle,
+sizes, strides, dtype, device)`` at the start of the block's backward graph. Both are opaque
+custom ops with fake implementations, so nothing of bagualu is traced and no graph breaks.
+
+At run time ``stash`` hands the tensor to the saved-tensor hooks that were in effect outside
+the block (the runtime's pack, or a rerun's collecting hook), after naming its producer
+(``Frame.on_stash``): the core places it by the current micro-batch's plan for that operator,
+keep, offload or FP8, with no recompile. ``unstash`` gives back what the outer unpack returns.
+A handle is a 0-d int64 tensor whose entry lives as long as autograd holds the handle.
+
+Each planned block runs its compiled call inside ``Frame`` (capture/compiled.py), which pushes
+these hooks (one pair for the process: dynamo guards on their identity), the filtering mode
+"no_static" (every saved tensor but parameters and buffers, the block's input included) and,
+for inductor, no buffer reuse or in-place buffers in the blocks' graphs (``_inductor_config``).
+Not thread-safe: the training thread (unstash runs on autograd's thread while the training
+thread waits in backward()).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import re
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+try:  # torch 2.15: the saved node while a graph-module hook is traced
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+except ImportError:  # older torch: compiled blocks stay one operator (capture/compiled.py)
+    _get_saved_tensor_hook_context = None
+
+OUTER = -1  # op id of a saved block input (its producer is whoever made it outside)
+
+_names: List[str] = []                 # op id -> planner operator name (ids are in graphs)
+_ids: Dict[str, int] = {}
+_paths: Dict[str, str] = {}            # module path within a block -> operator name
+_handles: Dict[int, Tuple[Any, Optional[Callable[[Any], torch.Tensor]]]] = {}
+_next = itertools.count(1)
+_frames: List["Frame"] = []            # compiled block calls running now, innermost last
+
+
+def supported() -> bool:
+    """Whether this torch inlines graph-module saved-tensor hooks with their saved node."""
+    return _get_saved_tensor_hook_context is not None
+
+
+def name_operators(paths: Dict[str, str]) -> None:
+    """Module path within a planned block -> its planner operator ('' is the block's own
+    code). Read when a block's graphs are traced (the ids are baked into them)."""
+    _paths.update(paths)
+
+
+def op_name(op: int) -> Optional[str]:
+    """The operator name of id ``op`` (None: a block input)."""
+    return _names[op] if 0 <= op < len(_names) else None
+
+
+_ROOT = re.compile(r"^L\['[^']*'\]")
+_INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
+
+
+def module_path(stack_entry: str) -> str:
+    """A dynamo nn_module_stack path (``L['self'].mlp.experts[0]``, ``._modules['x']``)
+    relative to the compiled block: ``mlp.experts.0``."""
+    p = _ROOT.sub("", stack_entry)
+    p = p.replace("._orig_mod", "").replace("._modules", "")
+    p = _INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), p)
+    return p.strip(".").replace("..", ".")
+
+
+def _op_of(node: fx.Node) -> int:
+    """The id of the operator that computed ``node`` (the deepest operator module on its
+    module stack; the block's own code where none is; OUTER for a graph input)."""
+    if node.op == "placeholder":
+        return OUTER
+    stack = node.meta.get("nn_module_stack") or {}
+    best = _paths.get("")
+    best_len = -1
+    for entry in stack.values():
+        path = module_path(entry[0] if isinstance(entry, tuple) else str(entry))
+        for p, name in _paths.items():
+            if p and len(p) > best_len and (path == p or path.startswith(p + ".")):
+                best, best_len = name, len(p)
+    if best is None:
+        return OUTER
+    if best not in _ids:
+        _ids[best] = len(_names)
+        _names.append(best)
+    return _ids[best]
+
+
+# -- the ops ------------------------------------------------------------------------------
+@torch.library.custom_op("bagualu::stash", mutates_args=())
+def stash(t: torch.Tensor, op: int) -> torch.Tensor:
+    """Places a saved tensor of a compiled block by the plan (module docstring); returns its
+    handle."""
+    frame = _frames[-1] if _frames else None
+    entry: Tuple[Any, Optional[Callable[[Any], torch.Tensor]]]
+    entry = (t, None) if frame is None else frame.pack(t, op)
+    hid = next(_next)
+    _handles[hid] = entry
+    h = torch.tensor(hid, dtype=torch.int64)
+    weakref.finalize(h, _handles.pop, hid, None)
+    return h
+
+
+@stash.register_fake
+def _(t: torch.Tensor, op: int) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("bagualu::unstash", mutates_args=())
+def unstash(h: torch.Tensor, size: List[int], stride: List[int], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """The saved tensor of handle ``h``, where and as the plan left it, brought back."""
+    hid = int(h)
+    entry = _handles.get(hid)
+    if entry is None:
+        raise RuntimeError(f"bagualu: saved tensor {hid} of a compiled block is gone (its "
+                           "backward ran already, or its graph was freed)")
+    packed, unpack = entry
+    return packed if unpack is None else unpack(packed)
+
+
+@unstash.register_fake
+def _(h: torch.Tensor, size: List[int], stride: List[int], dtype: torch.dtype,
+      device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+# -- the graph-module hooks ---------------------------------------------------------------
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    ctx = _get_saved_tensor_hook_context() if supported() else None
+    if ctx is None:  # run as a plain hook (never pushed outside a Frame's compiled call)
+        raise RuntimeError("bagualu's stash hook ran outside a compiled graph")
+    return torch.ops.bagualu.stash(t, _op_of(ctx["_node"]))
+
+
+def _unpack(h: torch.Tensor) -> torch.Tensor:
+    ctx = _get_saved_tensor_hook_context()
+    if ctx is None:
+        raise RuntimeError("bagualu's unstash hook ran outside a compiled graph")
+    v = ctx["_node"].meta["val"]
+    return torch.ops.bagualu.unstash(h, list(v.shape), list(v.stride()), v.dtype, v.device)
+
+
+def _graph_module(fn: Callable[[torch.Tensor], torch.Tensor]) -> fx.GraphModule:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(fn, (x,)))
+    return fx.GraphModule(nn.Module(), g)
+
+
+PACK = _graph_module(_pack)
+UNPACK = _graph_module(_unpack)
+
+OnStash = Callable[[torch.Tensor, Optional[str]], None]
+
+
+class Frame:
+    """One compiled block call with the stash hooks pushed (``with Frame(on_stash):``):
+    remembers the saved-tensor hooks in effect outside it, which place what ``stash`` gets,
+    and ``on_stash(t, operator name or None)``, which names the producer first. Not
+    thread-safe: the training thread."""
+
+    __slots__ = ("on_stash", "outer", "mode")
+
+    def __init__(self, on_stash: Optional[OnStash]) -> None:
+        self.on_stash = on_stash
+        self.outer: Optional[Tuple[Any, Any]] = None
+        self.mode: Any = None  # the ExitStack of the config patches and the hooks
+
+    def pack(self, t: torch.Tensor, op: int) -> Tuple[Any, Optional[Callable[[Any], Any]]]:
+        if self.outer is None:
+            return t, None
+        if self.on_stash is not None:
+            self.on_stash(t, op_name(op))
+        pack, unpack = self.outer
+        return pack(t), unpack
+
+    def __enter__(self) -> "Frame":
+        self.outer = torch._functorch._aot_autograd.utils.top_saved_tensors_hooks()
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(torch._functorch.config.patch(
+                saved_tensors_hooks_filtering_mode="no_static"))
+            stack.enter_context(_inductor_config().patch(inplace_buffers=False,
+                                                         allow_buffer_reuse=False))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(PACK, UNPACK))
+        except BaseException:
+            stack.close()
+            raise
+        self.mode = stack
+        _frames.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if _frames and _frames[-1] is self:
+            _frames.pop()
+        self.mode.__exit__(*exc)
+
+
+def _inductor_config() -> Any:
+    """torch._inductor.config: inductor may write a kernel's output into a dead buffer of its
+    graph (buffer reuse, in-place buffers). An unstashed tensor is such a buffer to inductor,
+    but the core may still hold it (kept, the same storage as another saved view, the next
+    layer's input): compiled with either on, the backward overwrote saved activations
+    (gradients off by orders of magnitude). Off in the blocks' graphs only (the patch is in
+    effect while they compile)."""
+    import torch._inductor.config as config
+    return config
+
+
+def live_handles() -> int:
+    """Saved tensors of compiled blocks whose handles autograd still holds (tests: none
+    after a backward)."""
+    return len(_handles)
