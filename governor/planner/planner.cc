@@ -133,7 +133,9 @@ void StagePlanner::ApplyRefinements() {
   for (Refiner* refiner : {refiner_.get(), warm_refiner_.get()}) {
     if (refiner != nullptr && refiner->HasDone()) ApplyDone(refiner->TakeDone());
   }
-  // A round's jobs all landed: the next round enumerates with their bytes.
+  // A round's jobs all landed: the next round enumerates with their bytes, or with the budget
+  // buckets the run's points have met since.
+  if (warm_started_ && warm_observed_new_) WarmObserved();
   if (warm_started_ && !warm_complete_ && warm_in_flight_ == 0) {
     if (warm_last_round_) {
       warm_complete_ = true;
@@ -141,6 +143,39 @@ void StagePlanner::ApplyRefinements() {
       WarmRound();
     }
   }
+}
+
+void StagePlanner::WarmObserved() {
+  warm_observed_new_ = false;
+  const double lb = options_.load_bucket;
+  const double step = static_cast<double>(options_.budget_step_bytes);
+  const auto first = static_cast<int64_t>(std::ceil(1.0 / lb - 1e-9));
+  const auto last = static_cast<int64_t>(std::ceil(options_.warm_spike_bound / lb - 1e-9));
+  const Interned& keep_all = interned_[keep_all_];
+  const size_t cap = WarmCap();
+  // Load buckets ascending, each met budget in turn: the loads nearest the common ones first.
+  for (int64_t bucket = first; bucket <= last; ++bucket) {
+    const double r = static_cast<double>(bucket) * lb;
+    for (const MitigationKey& met : warm_observed_) {
+      if (warm_submitted_.size() >= cap) return;
+      if (static_cast<double>(met.budget_bucket) * step >=
+          keep_all.device_fixed + keep_all.device_per_load * r) {
+        continue;  // keep-all at this load
+      }
+      MitigationKey key = met;
+      key.load_bucket = bucket;
+      if (!warm_submitted_.emplace(key, false).second) continue;
+      RefineJob job = JobFor(key);
+      job.warm = true;
+      warm_refiner_->Submit(std::move(job), /*ahead=*/true);
+      ++warm_in_flight_;
+      warm_complete_ = false;
+    }
+  }
+}
+
+size_t StagePlanner::WarmCap() const {
+  return options_.warm_max_keys > 0 ? options_.warm_max_keys : mitigation_cache_.capacity() / 2;
 }
 
 void StagePlanner::ApplyDone(std::vector<RefineDone> finished) {
@@ -218,7 +253,9 @@ Status StagePlanner::StartWarmup(int64_t host_limit_bytes, double bandwidth_shar
 }
 
 void StagePlanner::WaitForWarmup() {
-  while (warm_started_ && !warm_complete_) {
+  if (!warm_started_) return;
+  ApplyRefinements();  // starts the round a newly met budget asks for
+  while (!warm_complete_ || warm_observed_new_ || warm_in_flight_ > 0) {
     warm_refiner_->WaitIdle();
     ApplyRefinements();
   }
@@ -231,8 +268,7 @@ void StagePlanner::WarmRound() {
   for (const MitigationKey& key : keys) {
     if (!warm_submitted_.count(key)) ++warm_enumerated_;
   }
-  const size_t cap =
-      options_.warm_max_keys > 0 ? options_.warm_max_keys : mitigation_cache_.capacity() / 2;
+  const size_t cap = WarmCap();
   size_t submitted = 0;
   for (const MitigationKey& key : keys) {
     if (warm_submitted_.size() >= cap) break;
@@ -264,6 +300,8 @@ void StagePlanner::ClearCaches() {
   // The warm-up starts again at the next point (options_.warm_up).
   warm_started_ = warm_complete_ = warm_last_round_ = false;
   warm_submitted_.clear();
+  warm_observed_.clear();
+  warm_observed_new_ = false;
   warm_in_flight_ = warm_live_ = 0;
 }
 
@@ -537,6 +575,11 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
         d.budget >= keep_all.device_fixed + keep_all.device_per_load * point.load_factor;
     int id = keep_all_;
     if (!fits_all) {
+      if (warm_refiner_) {  // the warm-up's next round covers this budget at every load
+        MitigationKey met = key;
+        met.load_bucket = 0;
+        if (warm_observed_.insert(met).second) warm_observed_new_ = true;
+      }
       const CachedAssignment& cached = AssignmentFor(key, hit_mitigation);
       id = cached.id;
       plan.first_answer = cached.first_answer;

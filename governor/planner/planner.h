@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "governor/planner/assignment.h"
@@ -57,14 +58,15 @@ struct PlannerOptions {
   int64_t refine_timeout_ms = 30000;
   // false: first answers stay, nothing is refined (bgl-plan --first-answer shows one).
   bool refine_first_answers = true;
-  // The warm-up (issue 43): from the first planned point on, the refiner's thread runs the full
-  // search for the mitigation-cache keys a run will meet (WarmKeys: every forward of an iteration
-  // at load 1 and, for each load bucket up to warm_spike_bound, each micro-batch spiked to it
-  // with the budgets that spike leaves the points after it), at the first point's host limit and
-  // bandwidth share, behind the misses' refinements; the plans enter the cache as they land, so
-  // the keys' first hits get them (Plan::warm). Rounds re-enumerate with the landed plans' bytes
-  // until no new key shows (at most warm_rounds). At most warm_max_keys keys (0: half the
-  // cache), so the warm-up never evicts its own plans.
+  // The warm-up (issue 43): from the first planned point on, a worker thread (at warm_nice)
+  // runs the full search for the mitigation-cache keys a run will meet (WarmKeys: every forward of
+  // an iteration at load 1 and, for each load bucket up to warm_spike_bound, each micro-batch
+  // spiked to it with the budgets that spike leaves the points after it; and every budget bucket
+  // the run's points meet, at every load bucket up to the bound), at the first point's host limit
+  // and bandwidth share; the plans enter the cache as they land, so the keys' first hits get them
+  // (Plan::warm). Rounds re-enumerate with the landed plans' bytes until no new key shows (at most
+  // warm_rounds), and again when a point meets a new budget bucket. At most warm_max_keys keys (0:
+  // half the cache), so the warm-up never evicts its own plans.
   bool warm_up = false;
   double warm_spike_bound = 3.0;  // highest load factor warmed, in [1, 64]
   size_t warm_max_keys = 0;       // <= cache_entries / 2
@@ -254,6 +256,10 @@ class StagePlanner {
   void WarmRound();
   void LandWarm(RefineDone& done);
   void ApplyDone(std::vector<RefineDone> finished);
+  // The budget buckets the points met since the last call, at every load bucket up to the
+  // bound, ahead of the replay's queued keys.
+  void WarmObserved();
+  size_t WarmCap() const;
   const CachedAssignment& AssignmentFor(const MitigationKey& key, bool& hit);
   void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, int share_bucket,
                     bool use_cache, const Deadline& deadline);
@@ -291,6 +297,8 @@ class StagePlanner {
   int64_t warm_host_limit_ = -1;
   int warm_share_bucket_ = kShareSteps;
   std::map<MitigationKey, bool> warm_submitted_;  // key -> landed
+  std::set<MitigationKey> warm_observed_;         // keys the points met, load bucket 0
+  bool warm_observed_new_ = false;                // one added since the last round
   uint64_t warm_in_flight_ = 0, warm_enumerated_ = 0, warm_done_ = 0, warm_hits_ = 0;
   uint64_t warm_live_ = 0, warm_rounds_ = 0;
   double warm_cpu_s_ = 0, refine_cpu_s_ = 0;

@@ -27,11 +27,11 @@ Refiner::~Refiner() {
   worker_.join();
 }
 
-void Refiner::Submit(RefineJob job) {
+void Refiner::Submit(RefineJob job, bool ahead) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_.load(std::memory_order_relaxed)) return;
-    (job.warm ? warm_queue_ : queue_).push_back(std::move(job));
+    (job.warm && !ahead ? warm_queue_ : queue_).push_back(std::move(job));
   }
   work_.notify_one();
 }

@@ -68,7 +68,8 @@ class Refiner {
   Refiner(const Refiner&) = delete;
   Refiner& operator=(const Refiner&) = delete;
 
-  void Submit(RefineJob job);
+  // `ahead`: before the queued warm-up jobs (with the misses' refinements).
+  void Submit(RefineJob job, bool ahead = false);
   // The jobs finished since the last call, in submission order.
   std::vector<RefineDone> TakeDone();
   // Drops the queued jobs (the one running finishes; its result is still handed back).

@@ -119,6 +119,33 @@ TEST(Warmup, TheKeysOfARunWithASpikeAreWarmBeforeTheyAreMet) {
   EXPECT_GT(after.warm_cpu_s, 0);
 }
 
+// A budget the planner's replay does not give (the point's measured bytes in use) is warmed at
+// every load once a point met it: a spike at that budget is then a warm hit.
+TEST(Warmup, ABudgetThePointsMeetIsWarmedAtEveryLoad) {
+  auto made = Glm423(Warm(2.0));
+  ASSERT_TRUE(made.ok());
+  StagePlanner& p = **made;
+  ASSERT_TRUE(p.StartWarmup().ok());
+  p.WaitForWarmup();
+  SchedulePoint point;
+  point.forward_micro_batch = 0;
+  point.load_factor = 1.0;
+  // Room for 1.37 M0 more: a budget below keep-all that no replayed point has.
+  point.bytes_in_use = static_cast<int64_t>(p.activation_capacity() - 1.37 * p.m0());
+  point.load_factor = 1.9;
+  auto cold = p.PlanPoint(point);
+  ASSERT_TRUE(cold.ok());
+  ASSERT_LT(cold->predicted_bytes, cold->keep_all_bytes);
+  EXPECT_FALSE(cold->warm);  // not among the replay's keys
+  p.ResetIteration();
+  p.WaitForWarmup();  // the round the met budget started
+  point.load_factor = 1.6;
+  auto spiked = p.PlanPoint(point);
+  ASSERT_TRUE(spiked.ok());
+  EXPECT_TRUE(spiked->warm);
+  EXPECT_TRUE(spiked->cache_hit || !spiked->first_answer);
+}
+
 // The same run without the warm-up misses: the test above is not vacuous.
 TEST(Warmup, WithoutItTheSpikedKeysMiss) {
   auto made = Glm423(PlannerOptions{});
