@@ -367,9 +367,9 @@ WARM_SPIKE_BOUND = 3.0  # the warm-up's default highest load (PlannerOptions::wa
 
 
 def warm_up_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """The embedded planner's warm-up options from BGL_WARM_UP (0/false/off: off) and
-    BGL_WARM_SPIKE_BOUND (a load factor in [1, 64]; ValueError naming the variable
-    otherwise)."""
+    """The embedded planner's warm-up options from BGL_WARM_UP (0/false/off: off),
+    BGL_WARM_SPIKE_BOUND (a load factor in [1, 64]) and BGL_WARM_NICE (the worker thread's
+    nice value, 0-19, default 19); ValueError naming the variable otherwise."""
     env = os.environ if env is None else env
     if env.get("BGL_WARM_UP", "1").strip().lower() in ("0", "false", "off", "no"):
         return {"warm_up": False}
@@ -383,7 +383,14 @@ def warm_up_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
         if not 1.0 <= bound <= 64.0:
             raise ValueError(f"BGL_WARM_SPIKE_BOUND: the highest load factor the warm-up plans "
                              f"for must be a number in [1, 64], got {text!r}")
-    return {"warm_up": True, "warm_spike_bound": bound}
+    out: Dict[str, Any] = {"warm_up": True, "warm_spike_bound": bound}
+    nice = env.get("BGL_WARM_NICE", "").strip()
+    if nice:
+        if not (nice.isdigit() and 0 <= int(nice) <= 19):
+            raise ValueError(f"BGL_WARM_NICE: the warm-up thread's nice value must be an "
+                             f"integer in [0, 19], got {nice!r}")
+        out["warm_nice"] = int(nice)
+    return out
 _MIN_STEP = 64 << 10
 _MAX_STEP = 64 << 20  # the planner's default (PlannerOptions::budget_step_bytes)
 
