@@ -6,6 +6,8 @@
 #include <set>
 #include <string>
 
+#include "base/units.h"
+
 namespace bgl::gov {
 
 std::vector<int64_t> WaterFill(const std::vector<int64_t>& requests, int64_t budget,
@@ -102,9 +104,10 @@ Result<int64_t> NodeArbiter::Register(uint64_t session, int gpu, int64_t request
                            std::to_string(requested_bytes));
   }
   if (requested_bytes > config_.host_budget_bytes) {
-    return InvalidArgument("host_request_bytes: " + std::to_string(requested_bytes) +
-                           " is over the node's host budget (host_budget_bytes " +
-                           std::to_string(config_.host_budget_bytes) + ")");
+    return InvalidArgument(
+        "host_request_bytes: " + FormatBytes(static_cast<double>(requested_bytes), true) +
+        " is over the node's host budget (host_budget_bytes " +
+        FormatBytes(static_cast<double>(config_.host_budget_bytes), true) + ")");
   }
   if (gpu < 0) return InvalidArgument("gpu: must be non-negative, got " + std::to_string(gpu));
   if (sessions_.count(session) != 0) {

@@ -63,21 +63,24 @@ Result<Flags> ParseFlags(int argc, char** argv) {
     if (arg == "-h" || arg == "--help") return Status(StatusCode::kNotFound, "help");
     if (arg.rfind("--", 0) != 0) return InvalidArgument("unexpected argument '" + arg + "'");
     std::string key = arg.substr(2), value;
-    if (auto eq = key.find('='); eq != std::string::npos) {
+    const size_t eq = key.find('=');
+    if (eq != std::string::npos) {
       value = key.substr(eq + 1);
       key = key.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      return InvalidArgument("--" + key + ": missing value");
     }
+    const std::string typed = "--" + key;  // as the user spelled it, for messages
     std::replace(key.begin(), key.end(), '-', '_');
+    const bool known = key == "config" || std::find(ConfigKeys().begin(), ConfigKeys().end(),
+                                                    key) != ConfigKeys().end();
+    if (!known) return InvalidArgument("unknown flag '" + typed + "'");
+    if (eq == std::string::npos) {
+      if (i + 1 >= argc) return InvalidArgument(typed + ": missing value");
+      value = argv[++i];
+    }
     if (key == "config") {
       flags.config_file = value;
-    } else if (std::find(ConfigKeys().begin(), ConfigKeys().end(), key) != ConfigKeys().end()) {
-      flags.overrides[key] = value;
     } else {
-      return InvalidArgument("unknown flag '--" + key + "'");
+      flags.overrides[key] = value;
     }
   }
   return flags;

@@ -182,6 +182,33 @@ TEST(SizeRule, ToolsRefuseABareUnitWithExitStatus2) {
   }
 }
 
+// Bad input (issue 44): an unknown flag, last on the line or not, is refused by every tool with
+// exit status 2 and a message that names it as typed, not as a flag wanting a value.
+TEST(ToolMessages, UnknownFlagExitsTwoNamingIt) {
+  const std::string model = BGL_MODELS_DIR "/tiny-moe.json";
+  const std::vector<std::pair<std::string, std::string>> tools = {
+      {"bgl-plan", std::string(BGL_PLAN) + " --model " + model + " --capacity 1GiB --load 1"},
+      {"bgl-sim", std::string(BGL_SIM) + " --model " + model},
+      {"bglctl", std::string(BGL_CTL)},
+      {"bgl-replay", std::string(BGL_REPLAY) + " --trace /nonexistent"},
+      {"bgl-top", std::string(BGL_TOP) + " --once"},
+      {"bgl-governord", std::string(BGL_GOVERNORD) + " --metrics-port 0"},
+  };
+  for (const auto& [name, command] : tools) {
+    for (const std::string& tail :
+         {std::string(" --host-budget"), std::string(" --bogus-flag 1")}) {
+      const auto [status, out] = RunCommand(command + tail);
+      const std::string flag = tail.substr(1, tail.find(' ', 1) - 1);
+      EXPECT_EQ(status, 2) << name << tail << ": " << out;
+      EXPECT_NE(out.find("'" + flag + "'"), std::string::npos) << name << tail << ": " << out;
+      EXPECT_EQ(out.find(flag + ": needs a value"), std::string::npos)
+          << name << tail << ": " << out;
+      EXPECT_EQ(out.find(flag + ": missing value"), std::string::npos)
+          << name << tail << ": " << out;
+    }
+  }
+}
+
 TEST(SizeRule, BglPlanReadsTheSameBytes) {
   const std::string command = std::string(BGL_PLAN) +
                               " --model " BGL_MODELS_DIR

@@ -115,9 +115,9 @@ Result<NodeSpec> NodeSpecFromJson(const nlohmann::json& doc, const std::string& 
   }
   if (n.pinned_pool_bytes <= 0) return prefix(InvalidArgument("pinned_pool: must be positive"));
   if (n.host_floor_bytes > n.host_budget_bytes / n.gpus) {
-    return prefix(InvalidArgument("host_floor: " + FormatBytes(n.host_floor_bytes) + " x " +
+    return prefix(InvalidArgument("host_floor: " + FormatBytes(n.host_floor_bytes, true) + " x " +
                                   std::to_string(n.gpus) + " GPUs is over host_budget (" +
-                                  FormatBytes(n.host_budget_bytes) + ")"));
+                                  FormatBytes(n.host_budget_bytes, true) + ")"));
   }
   std::set<int> seen;
   for (size_t i = 0; i < n.links.size(); ++i) {

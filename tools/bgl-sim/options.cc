@@ -1,8 +1,10 @@
 #include "tools/bgl-sim/options.h"
 
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
+#include <string_view>
 #include <type_traits>
 
 #include "base/units.h"
@@ -77,6 +79,20 @@ Result<int64_t> ParseInt(const std::string& flag, const std::string& v, int64_t 
   return static_cast<int64_t>(i);
 }
 
+// Whether the usage text documents `flag` (every flag is there): a flag it does not name is
+// unknown, whether or not a value follows it.
+bool Documented(const std::string& flag) {
+  const std::string_view usage(kUsage);
+  for (size_t at = usage.find(flag); at != std::string_view::npos; at = usage.find(flag, at + 1)) {
+    const size_t end = at + flag.size();
+    if (end == usage.size() ||
+        !(std::islower(static_cast<unsigned char>(usage[end])) || usage[end] == '-')) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 Result<SimOptions> ParseOptions(const std::vector<std::string>& args) {
@@ -96,7 +112,7 @@ Result<SimOptions> ParseOptions(const std::vector<std::string>& args) {
       continue;
     }
     if (i + 1 >= args.size()) {
-      if (a.rfind("--", 0) == 0) return InvalidArgument(a + ": needs a value");
+      if (a.rfind("--", 0) == 0 && Documented(a)) return InvalidArgument(a + ": needs a value");
       return InvalidArgument("unknown argument '" + a + "'");
     }
     const std::string& v = args[++i];

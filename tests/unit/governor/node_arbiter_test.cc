@@ -258,6 +258,11 @@ TEST(NodeArbiter, BadRequestsNameTheFieldAndLeaveOthersAlone) {
   auto over = a.Register(2, 0, 1001);
   ASSERT_FALSE(over.ok());
   EXPECT_NE(over.status().message().find("host_request_bytes"), std::string::npos);
+  // Sizes in binary units with the exact count (issue 44).
+  EXPECT_NE(over.status().message().find("0.98 KiB (1001 bytes) is over the node's host budget "
+                                         "(host_budget_bytes 0.98 KiB (1000 bytes))"),
+            std::string::npos)
+      << over.status().message();
   auto negative = a.Register(2, 0, -1);
   ASSERT_FALSE(negative.ok());
   EXPECT_NE(negative.status().message().find("host_request_bytes"), std::string::npos);
