@@ -371,15 +371,7 @@ class AutoLayers:
                         t.note_external(v)
                         if t.light is None:
                             t.note_output(v, OUTSIDE, overwrite=False)
-            per_op = self.compiled.per_op
-            if per_op and t.light is None and op.name not in self.calls.warned and \
-                    rt.strategy_of(op, t.micro_batch) == RECOMPUTE:
-                self.calls.warned.add(op.name)
-                log.warning("bagualu: compiled blocks placed per operator are not recomputed "
-                            "(not yet: docs/pytorch.md, \"Compiled blocks\"); %s keeps its "
-                            "tensors; install(compiled_operators='block') reruns whole blocks",
-                            op.qualname)
-            self.calls.enter(op, m, args, kwargs, False, replay=not per_op)
+            self.calls.enter(op, m, args, kwargs, False)
             return None
         return hook
 
@@ -403,8 +395,14 @@ class AutoLayers:
     def _block_post(self, op: Op, last: bool) -> Any:
         def hook(m: nn.Module, args: Any, out: Any) -> None:
             rt = self.rt
-            if not rt.forwarding or not self.calls.leave(op, out):
+            if not rt.forwarding:
                 return None
+            stack = self.calls.stack
+            call = stack[-1][1] if stack and stack[-1][0] is op else None
+            if not self.calls.leave(op, out):
+                return None
+            if call is not None and self.compiled.per_op:
+                _rerun_before_backward(call, out)
             if last and rt.tracker.light is None:
                 rt.tracker.note_output(out, OUTSIDE)  # leaves the planned layers
             return None
@@ -423,6 +421,20 @@ class AutoLayers:
 
     def op_order(self, names: Sequence[str]) -> List[str]:
         return self.calls.op_order(names)
+
+
+def _rerun_before_backward(call: Any, out: Any) -> None:
+    """A compiled block recomputed whole, its tensors stashed (capture/stash.py): the rerun
+    must run before the block's compiled backward starts, since the unstash that would start
+    it runs inside that backward, where AOTAutograd disables saved-tensor hooks (a rerun there
+    saves nothing through them). A hook on the block's output gradient runs it first."""
+    for v in pytree.tree_leaves(out):
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            def rerun(grad: torch.Tensor) -> None:
+                if not call.done and call.pending:
+                    call.regenerate()
+            v.register_hook(rerun)
+            return
 
 
 def _has_expert_list(module: nn.Module) -> bool:

@@ -32,7 +32,7 @@ import contextlib
 import itertools
 import re
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -124,7 +124,7 @@ def _(t: torch.Tensor, op: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("bagualu::unstash", mutates_args=())
-def unstash(h: torch.Tensor, size: List[int], stride: List[int], dtype: torch.dtype,
+def unstash(h: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
     """The saved tensor of handle ``h``, where and as the plan left it, brought back."""
     hid = int(h)
@@ -137,28 +137,34 @@ def unstash(h: torch.Tensor, size: List[int], stride: List[int], dtype: torch.dt
 
 
 @unstash.register_fake
-def _(h: torch.Tensor, size: List[int], stride: List[int], dtype: torch.dtype,
+def _(h: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
       device: torch.device) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
 # -- the graph-module hooks ---------------------------------------------------------------
-def _pack(t: torch.Tensor) -> torch.Tensor:
+def _pack(t: torch.Tensor) -> Tuple[Any, ...]:
+    """(handle, sizes..., strides...): sizes and strides go through the graphs as values, so
+    that symbolic ones (an expert's tokens, data-dependent under expert parallelism) reach the
+    backward graph as its inputs."""
     ctx = _get_saved_tensor_hook_context() if supported() else None
     if ctx is None:  # run as a plain hook (never pushed outside a Frame's compiled call)
         raise RuntimeError("bagualu's stash hook ran outside a compiled graph")
-    return torch.ops.bagualu.stash(t, _op_of(ctx["_node"]))
+    h = torch.ops.bagualu.stash(t, _op_of(ctx["_node"]))
+    return (h, *t.size(), *t.stride())
 
 
-def _unpack(h: torch.Tensor) -> torch.Tensor:
+def _unpack(packed: Tuple[Any, ...]) -> torch.Tensor:
     ctx = _get_saved_tensor_hook_context()
     if ctx is None:
         raise RuntimeError("bagualu's unstash hook ran outside a compiled graph")
     v = ctx["_node"].meta["val"]
-    return torch.ops.bagualu.unstash(h, list(v.shape), list(v.stride()), v.dtype, v.device)
+    n = v.dim()
+    h, size, stride = packed[0], list(packed[1:1 + n]), list(packed[1 + n:1 + 2 * n])
+    return torch.ops.bagualu.unstash(h, size, stride, v.dtype, v.device)
 
 
-def _graph_module(fn: Callable[[torch.Tensor], torch.Tensor]) -> fx.GraphModule:
+def _graph_module(fn: Callable[[Any], Any]) -> fx.GraphModule:
     g = fx.Graph()
     x = g.placeholder("x")
     g.output(g.call_function(fn, (x,)))

@@ -83,6 +83,13 @@ class BagualuConfig:
     log_iterations: bool = True
     """Log bagualu's line per training step on every rank."""
 
+    compiled_operators: str = "block"
+    """With --compile.enable: 'block' (each compiled block one operator) or 'operators' (each
+    saved tensor placed by its own operator: install's compiled_operators). 'block' by
+    default: per operator, the backward of torchtitan's compiled DeepSeek-V3 blocks under
+    expert parallelism and FSDP2 stops in AOTAutograd (StopIteration taking its arguments;
+    docs/torchtitan.md)."""
+
 
 class BagualuTrainer(Trainer):
     """torchtitan's Trainer with bagualu managing activation memory (module docstring)."""
@@ -160,7 +167,8 @@ class BagualuTrainer(Trainer):
                         pipeline_rank=rank, pipeline_stages=stages,
                         micro_batches=micro_batches, chunks=chunks,
                         issue_order=cfg.issue_order, allow_fp8=cfg.allow_fp8,
-                        log_iterations=cfg.log_iterations)
+                        log_iterations=cfg.log_iterations,
+                        compiled_operators=cfg.compiled_operators)
         return parallel_dims
 
     # -- the steps --------------------------------------------------------------------------
