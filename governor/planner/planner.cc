@@ -118,7 +118,7 @@ PlannerCacheStats StagePlanner::cache_stats() const {
   stats.improved = improved_;
   stats.refine_expired = refine_expired_;
   stats.warm_keys = warm_live_;
-  stats.warm_enumerated = warm_enumerated_;
+  stats.warm_enumerated = warm_found_.size();
   stats.warm_submitted = warm_submitted_.size();
   stats.warm_done = warm_done_;
   stats.warm_hits = warm_hits_;
@@ -164,6 +164,7 @@ void StagePlanner::WarmObserved() {
       }
       MitigationKey key = met;
       key.load_bucket = bucket;
+      warm_found_.insert(key);
       if (!warm_submitted_.emplace(key, false).second) continue;
       RefineJob job = JobFor(key);
       job.warm = true;
@@ -265,9 +266,7 @@ void StagePlanner::WarmRound() {
   const std::vector<MitigationKey> keys =
       WarmKeys(warm_host_limit_, static_cast<double>(warm_share_bucket_) / kShareSteps);
   ++warm_rounds_;
-  for (const MitigationKey& key : keys) {
-    if (!warm_submitted_.count(key)) ++warm_enumerated_;
-  }
+  warm_found_.insert(keys.begin(), keys.end());
   const size_t cap = WarmCap();
   size_t submitted = 0;
   for (const MitigationKey& key : keys) {
@@ -301,6 +300,7 @@ void StagePlanner::ClearCaches() {
   warm_started_ = warm_complete_ = warm_last_round_ = false;
   warm_submitted_.clear();
   warm_observed_.clear();
+  warm_found_.clear();
   warm_observed_new_ = false;
   warm_in_flight_ = warm_live_ = 0;
 }

@@ -139,14 +139,14 @@ struct PlannerCacheStats {
   uint64_t refine_expired = 0;  // past refine_timeout_ms: the first answer stayed
   // The warm-up (PlannerOptions::warm_up).
   uint64_t warm_keys = 0;        // mitigation-cache entries holding the warm-up's plans now
-  uint64_t warm_enumerated = 0;  // distinct keys the enumeration found (before the cap)
-  uint64_t warm_submitted = 0;   // keys sent to the refiner (at most warm_max_keys)
+  uint64_t warm_enumerated = 0;  // distinct keys the warm-up found (before the cap)
+  uint64_t warm_submitted = 0;   // keys sent to the worker (at most warm_max_keys)
   uint64_t warm_done = 0;        // of those, searched (landed, failed or expired)
   uint64_t warm_hits = 0;        // points served by a warm-up plan
   uint64_t warm_rounds = 0;      // enumeration rounds run
   bool warm_complete = false;    // every round ran and every job landed
-  double warm_cpu_s = 0;         // the refiner thread's CPU time on the warm-up's jobs
-  double refine_cpu_s = 0;       // ... and on the misses' refinements
+  double warm_cpu_s = 0;         // the warm-up worker thread's CPU time on its jobs
+  double refine_cpu_s = 0;       // the anytime worker's on the misses' refinements
 };
 
 class StagePlanner {
@@ -183,8 +183,8 @@ class StagePlanner {
   // otherwise) for the keys at `host_limit_bytes` (-1: none) and `bandwidth_share`; a second call
   // does nothing. Error: warm_up is off.
   Status StartWarmup(int64_t host_limit_bytes = -1, double bandwidth_share = 1.0);
-  // Waits until every warm-up round has run and its plans entered the cache (tests, benchmarks,
-  // bgl-plan).
+  // Waits until every warm-up round has run and its plans entered the cache (tests,
+  // benchmarks).
   void WaitForWarmup();
   // The keys the warm-up would search now, in its order (the cache's plans give the bytes of the
   // forwards they serve; the rest are estimated at min(budget, keep-all)); uncapped.
@@ -298,8 +298,9 @@ class StagePlanner {
   int warm_share_bucket_ = kShareSteps;
   std::map<MitigationKey, bool> warm_submitted_;  // key -> landed
   std::set<MitigationKey> warm_observed_;         // keys the points met, load bucket 0
+  std::set<MitigationKey> warm_found_;            // every key enumerated (before the cap)
   bool warm_observed_new_ = false;                // one added since the last round
-  uint64_t warm_in_flight_ = 0, warm_enumerated_ = 0, warm_done_ = 0, warm_hits_ = 0;
+  uint64_t warm_in_flight_ = 0, warm_done_ = 0, warm_hits_ = 0;
   uint64_t warm_live_ = 0, warm_rounds_ = 0;
   double warm_cpu_s_ = 0, refine_cpu_s_ = 0;
   // Last: destroyed (joined) first. refiner_: the misses' refinements (null: anytime off);
