@@ -108,7 +108,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
           prefetch: bool = False, loop: str = "accumulate", iterations: int = 2,
           same_data: bool = False, measure: bool = False, ddp: bool = False,
           device: str = "cpu", checkpoint: bool = False,
-          allow_fp8: bool = True) -> Dict[str, Any]:
+          allow_fp8: bool = True, compiled: bool = False) -> Dict[str, Any]:
     """Trains ``name`` under FSDP2 (SGD, lr 0.1) for ``iterations`` steps of MICRO_BATCHES
     micro-batches; ``policy`` None: plain FSDP2. Returns what the checks need."""
     rank = dist.get_rank()
@@ -127,6 +127,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
     else:
         if checkpoint:  # torch.utils.checkpoint around every block, then FSDP2 (torchtitan's order)
             unmodified._checkpoint_blocks(model)
+        if compiled:  # every block compiled in place, then FSDP2 (torchtitan's order)
+            unmodified.compile_blocks(model, "in-place", fullgraph=True, backend="aot_eager")
         blocks = shard(model, reshard, prefetch, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     xs = [x.to(device) for x in unmodified.batches(n * iterations, spike_every=0,
@@ -193,7 +195,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
         saved.remove()
     if policy is not None:
         st = bagualu.stats()
-        out["stats"] = {"tracker": st["tracker"], "enforcer": st["enforcer"]}
+        out["stats"] = {"tracker": st["tracker"], "enforcer": st["enforcer"],
+                        "compiled": st.get("compiled")}
         out["accuracy"] = st.get("memory_model", {}).get("points", [])
         out["keep_all"] = planner_keep_all([a[0] for a in out["accuracy"]]) \
             if out["accuracy"] else []
@@ -328,6 +331,20 @@ def oom_check(name: str) -> Dict[str, Any]:
     return {"peak": peak, "oom": r["oom"]}
 
 
+def compiled_blocks(name: str = "qwen3_moe") -> Dict[str, Any]:
+    """Every block compiled, then fully_shard (torchtitan's order), placed per operator:
+    plain compiled FSDP2, keep-all (its peak), the bagualu policy at half of it."""
+    kw: Dict[str, Any] = dict(reshard=True, prefetch=False, loop="pipeline", compiled=True)
+    torch._dynamo.reset()
+    plain = train(name, None, **kw)
+    full = train(name, "keep-all", forced={}, **kw)
+    peak = max(int(line["peak_bytes"]) for line in full["lines"])
+    r = train(name, "bagualu", capacity=peak // 2, allow_fp8=False, **kw)
+    res = {"plain": summary(plain), "peak": peak, "half": summary(r)}
+    res["half"]["grads"] = compare(plain["grads"], r["grads"])
+    return res
+
+
 SCENARIOS = {
     # reshard_after_forward=False, FSDP2's implicit prefetching, gradient accumulation
     "qwen3_moe": lambda: scenario("qwen3_moe", False, False, "accumulate"),
@@ -337,6 +354,7 @@ SCENARIOS = {
     "oom": lambda: oom_check("qwen3_moe"),
     "ddp": lambda: ddp_check("qwen3_moe"),
     "pipeline_stages": lambda: pipeline_stages(),
+    "compiled": lambda: compiled_blocks(),
     # not a check: run by name (docs/benchmarks/engines.md, section "FSDP2: bagualu against
     # per-block checkpointing")
     "bench": lambda: bench(),

@@ -113,6 +113,23 @@ def test_the_memory_model_counts_only_activations_under_fsdp2_on_two_ranks(ranks
         assert max(errors) < 0.015, f"{name} rank {rank}: {errors}"
 
 
+def test_compiled_blocks_per_operator_under_fsdp2_on_two_ranks(ranks) -> None:
+    """Every block compiled, then fully_shard (torchtitan's order), Qwen3-MoE: at half of
+    keep-all's peak the compiled blocks' operators are placed apart (keep and offload in one
+    block), and plain compiled FSDP2's losses and gradient shards bit for bit."""
+    for rank, res in ranks.items():
+        s = res["compiled"]
+        assert "error" not in s, s.get("error")
+        half = s["half"]
+        what = f"compiled, rank {rank} at half of {s['peak']} bytes"
+        assert half["oom"] is None, f"{what}: {half['oom']}"
+        compiled = half["stats"]["compiled"]
+        assert compiled and compiled["per_operator"] and compiled["mixed_blocks"] > 0, compiled
+        assert half["stats"]["tracker"]["offloads"] > 0, half["stats"]["tracker"]
+        assert half["losses"] == s["plain"]["losses"], what
+        _grads_equal(half["grads"], what)
+
+
 def test_keep_all_runs_out_of_memory_at_half_its_peak_on_two_ranks(ranks) -> None:
     for rank, res in ranks.items():
         assert "error" not in res["oom"], res["oom"].get("error")
