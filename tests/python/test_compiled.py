@@ -236,3 +236,19 @@ def test_per_operator_placements_under_inductor() -> None:
     assert r["stats"]["compiled"]["mixed_blocks"] > 0, r["stats"]["compiled"]
     assert r["stats"]["tracker"]["offloads"] > 0, r["stats"]["tracker"]
     assert_grads(plain["grads"], r["grads"], parameters(), rel_l2=1e-5, what="inductor")
+
+
+def test_older_torch_plans_compiled_blocks_as_blocks(monkeypatch, caplog) -> None:
+    """Without torch 2.15's saved-tensor hook context (torch 2.6-2.14), compiled blocks are
+    planned as one operator each, and bagualu says so once."""
+    require_libs()
+    monkeypatch.setattr(stash, "_get_saved_tensor_hook_context", None)
+    assert not stash.supported()
+    with caplog.at_level("WARNING", logger="bagualu"):
+        r = run("bagualu", fresh=False, capacity="64MiB", forced={"block": "offload"})
+    assert r["oom"] is None
+    assert not r["stats"]["compiled"]["per_operator"], r["stats"]["compiled"]
+    ops = {o["name"] for o in r["description"]["operators"]}
+    assert ops == {"L0.block", "L1.block"}, ops
+    said = [m for m in caplog.messages if "cannot place their saved tensors per operator" in m]
+    assert len(said) == 1, caplog.messages

@@ -123,6 +123,7 @@ class CompiledBlocks:
         self.simulated_ep = simulated_ep
         # Per operator when given (the layer's on_stash) and torch can (capture/stash.py).
         self.on_stash = on_stash if on_stash is not None and stash.supported() else None
+        self.unsupported = on_stash is not None and self.on_stash is None
         self.form: Optional[str] = None            # of every planned block (None: eager)
         self.seen: Optional[List[Optional[str]]] = None  # the forms the capture planned
         self.handles: List[Any] = []
@@ -213,6 +214,11 @@ class CompiledBlocks:
                      "tensors are placed per operator (torch.ops.bagualu.stash); no operator "
                      "inside them is recomputed alone; routers' load factors are not observed "
                      "inside them", len(forms), self.found.layers_path, form)
+        elif self.unsupported:
+            log.warning("bagualu: the %d planned blocks of %s are compiled (%s) and torch %s "
+                        "cannot place their saved tensors per operator (it needs torch 2.15's "
+                        "saved-tensor hook context): each block is one operator ('block')",
+                        len(forms), self.found.layers_path, form, torch.__version__)
         else:
             log.info("bagualu: the %d planned blocks of %s are compiled (%s): each is one "
                      "operator ('block'); routers' load factors are not observed inside them",
