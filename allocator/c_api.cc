@@ -220,6 +220,7 @@ BGL_ALLOC_API int bgl_alloc_fault_get_stats(bgl_alloc_fault_stats* out) {
   out->pinned_ops = detail::fault_operations(detail::FaultKind::kPinned);
   out->copy_ops = detail::fault_operations(detail::FaultKind::kCopy);
   out->fired = detail::faults_fired();
+  out->pinned_blocks_live = detail::pinned_blocks_live();
   return BGL_OK;
 }
 

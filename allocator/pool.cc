@@ -226,8 +226,18 @@ Block* Pool::take(Block* b, std::size_t n, std::size_t requested, Stream s) {
   return b;
 }
 
+namespace {
+
+std::string injected_device_failure() {
+  return "fault injection: device operation #" +
+         std::to_string(detail::fault_operations(detail::FaultKind::kDevice)) + " failed";
+}
+
+}  // namespace
+
 Block* Pool::allocate_slow(Arena& a, Stream s, std::size_t n, std::size_t requested,
                            std::unique_lock<std::mutex>& lock) {
+  injected_.clear();
   // 1. Other streams' cached blocks whose last use has already finished.
   if (steal(/*wait=*/false)) {
     if (Block* b = find_fit(a, s, n)) return b;
@@ -265,7 +275,8 @@ Block* Pool::allocate_slow(Arena& a, Stream s, std::size_t n, std::size_t reques
     release_free(std::numeric_limits<std::size_t>::max());
     if (Block* b = grow(a, s, n)) return b;
   }
-  fail_oom(requested, n, "");
+  fail_oom(requested, n, injected_);
+  injected_.clear();
   return nullptr;
 }
 
@@ -321,7 +332,8 @@ Block* Pool::grow_expandable(Arena& a, Stream s, std::size_t n) {
   const std::size_t bytes = best_pages * page_;
   if (reserved + bytes > limit_) return nullptr;
   if (detail::fault_point(detail::FaultKind::kDevice) == detail::FaultAction::kFail) {
-    return nullptr;  // fault injection (detail/fault.h): as a device out of memory
+    injected_ = injected_device_failure();  // as a device out of memory; the OOM names it
+    return nullptr;
   }
   if (!backend_->map(reinterpret_cast<void*>(best_addr), bytes)) return nullptr;
   return map_range(a, best_u, best_addr, bytes, s);
@@ -355,7 +367,8 @@ Block* Pool::grow_segment(Arena& a, Stream s, std::size_t n) {
   const std::size_t size = a.small ? options_.small_segment : round_up(n, page_);
   if (static_cast<std::size_t>(stats_.reserved_bytes.current) + size > limit_) return nullptr;
   if (detail::fault_point(detail::FaultKind::kDevice) == detail::FaultAction::kFail) {
-    return nullptr;  // fault injection (detail/fault.h): as a device out of memory
+    injected_ = injected_device_failure();  // as a device out of memory; the OOM names it
+    return nullptr;
   }
   void* p = backend_->allocate_segment(size, s);
   if (p == nullptr) return nullptr;

@@ -180,6 +180,7 @@ class BGL_ALLOC_INTERNAL Pool {
   std::unique_ptr<Backend> backend_;
   PoolOptions options_;
   std::size_t limit_ = 0;
+  std::string injected_;  // the injected growth failure of the allocation under way (fault.h)
   std::size_t page_ = 0;
   bool expandable_ = false;
 

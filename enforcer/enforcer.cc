@@ -323,16 +323,24 @@ void Enforcer::set_recompute(RecomputeFn fn) {
   recompute_ = std::move(fn);
 }
 
-void Enforcer::order_after_data(TrackedTensor& t, Stream s) {
+Status Enforcer::after(Stream s, const Event& e, const std::string& what) {
+  // On a null stream (synchronous copies) this is a host wait, bounded: work that was to
+  // follow `e` must not start when it did not complete.
+  if (ops_->stream_wait(s, e) == Status::kOk) return Status::kOk;
+  return fail(Status::kBackendError, what + ": " + ops_->last_error());
+}
+
+Status Enforcer::order_after_data(TrackedTensor& t, Stream s, const std::string& what) {
   // Work on `s` must follow whatever wrote the device data: a reload/uncast event, or the
   // producer's stream.
-  if (t.has_ready) {
-    ops_->stream_wait(s, t.ready);
-  } else if (t.desc.stream != s) {
+  if (t.has_ready) return after(s, t.ready, what + ": its reload or cast");
+  if (t.desc.stream != s) {
     const Event e = ops_->record(t.desc.stream);
-    ops_->stream_wait(s, e);
+    const Status st = after(s, e, what + ": its producer's stream");
     ops_->release(e);
+    return st;
   }
+  return Status::kOk;
 }
 
 void Enforcer::set_ready(TrackedTensor& t, Stream s) {
@@ -362,7 +370,10 @@ Status Enforcer::offload_locked(TrackedTensor& t) {
     return fail(Status::kPinnedExhausted, name + ": " + error);
   }
   const Stream d2h = options_.d2h;
-  order_after_data(t, d2h);
+  if (Status st = order_after_data(t, d2h, name); st != Status::kOk) {
+    pinned_->free_after(host, Event{});
+    return st;
+  }
   if (ops_->copy(host, t.ptr, t.desc.bytes, d2h) != Status::kOk) {
     pinned_->free_after(host, Event{});
     return fail(Status::kBackendError, name + ": " + ops_->last_error());
@@ -397,7 +408,10 @@ Status Enforcer::reload_locked(TrackedTensor& t) {
   void* dev = pool_->allocate(t.desc.bytes, h2d);
   if (dev == nullptr) return fail(Status::kOutOfMemory, name + ": " + last_error());
   // The race in Megatron-LM's fine-grained offloading: never start before the D2H finished.
-  ops_->stream_wait(h2d, t.offload_done);
+  if (Status st = after(h2d, t.offload_done, name + ": its offload copy"); st != Status::kOk) {
+    pool_->deallocate(dev, 0, h2d);
+    return st;
+  }
   if (ops_->copy(dev, t.host, t.desc.bytes, h2d) != Status::kOk) {
     pool_->deallocate(dev, 0, h2d);
     return fail(Status::kBackendError, name + ": " + ops_->last_error());
@@ -434,7 +448,10 @@ Status Enforcer::fp8_locked(TrackedTensor& t) {
   const std::size_t total = fp8_data_bytes(t);
   auto* f = static_cast<std::uint8_t*>(pool_->allocate(total, s));
   if (f == nullptr) return fail(Status::kOutOfMemory, name + ": " + last_error());
-  order_after_data(t, s);
+  if (Status st = order_after_data(t, s, name); st != Status::kOk) {
+    pool_->deallocate(f, 0, s);
+    return st;
+  }
   auto* scales = reinterpret_cast<float*>(f + (n + 15) / 16 * 16);
   if (ops_->cast_to_fp8(t.ptr, static_cast<kern::DType>(t.desc.dtype), n, f, scales,
                         options_.fp8_block, s) != Status::kOk) {
@@ -461,8 +478,12 @@ Status Enforcer::uncast_locked(TrackedTensor& t, Stream s) {
   auto* f = static_cast<std::uint8_t*>(t.fp8);
   if (s != t.desc.stream) {
     const Event e = ops_->record(t.desc.stream);
-    ops_->stream_wait(s, e);
+    const Status st = after(s, e, name + ": its cast");
     ops_->release(e);
+    if (st != Status::kOk) {
+      pool_->deallocate(dev, 0, s);
+      return st;
+    }
   }
   const auto* scales = reinterpret_cast<const float*>(f + (n + 15) / 16 * 16);
   if (ops_->cast_from_fp8(f, scales, n, options_.fp8_block, static_cast<kern::DType>(t.desc.dtype),
@@ -555,7 +576,11 @@ Status Enforcer::acquire(std::uint64_t handle, int consumer_op, Stream stream, v
         break;
     }
     if (st != Status::kOk) return st;
-    if (t.has_ready) ops_->stream_wait(stream, t.ready);
+    if (t.has_ready) {
+      // Not acquired when its data did not arrive in time: a later acquire waits again.
+      st = after(stream, t.ready, "acquire " + tensor_name(handle) + ": its reload or cast");
+      if (st != Status::kOk) return st;
+    }
     ++t.acquired;
     if (t.reload_unused) {  // the first consumer takes the reload: the pinned copy goes
       pinned_->free_after(t.host, ops_->record(options_.h2d));

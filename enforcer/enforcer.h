@@ -127,7 +127,10 @@ class Enforcer final : private WorkIssuer {
   // The device data leaves after `s`'s queued work: freed when owned, else marked used on `s`
   // (borrowed pool memory); the ready event goes.
   void leave_device(TrackedTensor& t, Stream s);
-  void order_after_data(TrackedTensor& t, Stream s);
+  // Work queued on `s` from now on follows `e` (a bounded host wait on a null stream);
+  // kBackendError naming `what` when it timed out.
+  Status after(Stream s, const Event& e, const std::string& what);
+  Status order_after_data(TrackedTensor& t, Stream s, const std::string& what);
   void set_ready(TrackedTensor& t, Stream s);
   void retire_locked(TrackedTensor& t, Stream s);
   std::size_t fp8_data_bytes(const TrackedTensor& t) const;

@@ -19,6 +19,7 @@ struct State {
   std::atomic<bool> fail_after[kFaultKinds] = {};        // fail_at and every later one
   std::atomic<std::uint64_t> stall_at{0};                // the Nth copy stalls; 0: none
   std::atomic<std::uint64_t> fired{0};
+  std::atomic<std::int64_t> pinned_live{0};
   std::atomic<std::int64_t> timeout_ms{60000};
   std::atomic<std::int64_t> stall_ms{-1};  // -1: twice the timeout
   std::mutex configure_mu;
@@ -172,6 +173,10 @@ std::uint64_t fault_operations(FaultKind kind) {
 }
 
 std::uint64_t faults_fired() { return state().fired.load(); }
+
+void count_pinned_blocks(int delta) { state().pinned_live.fetch_add(delta); }
+
+std::int64_t pinned_blocks_live() { return state().pinned_live.load(); }
 
 std::chrono::milliseconds wait_timeout() {
   ensure_env();

@@ -37,6 +37,11 @@ BGL_ALLOC_INTERNAL std::uint64_t fault_operations(FaultKind kind);
 BGL_ALLOC_INTERNAL std::uint64_t faults_fired();
 BGL_ALLOC_INTERNAL const char* fault_kind_name(FaultKind kind);
 
+// Page-locked host blocks handed out and not yet given back, counted by every enforcer's
+// FaultInjectingOps whether injection is on or not (the fault sweep's leak check). Thread safe.
+BGL_ALLOC_INTERNAL void count_pinned_blocks(int delta);
+BGL_ALLOC_INTERNAL std::int64_t pinned_blocks_live();
+
 // The longest a host thread waits for stream work before it reports an error
 // (BGL_WAIT_TIMEOUT_MS, default 60000), and how long a stalled copy waits (BGL_FAULT_STALL_MS,
 // default twice the wait timeout). Thread safe.

@@ -47,7 +47,13 @@ class FaultInjectingOps final : public ForwardingOps {
           " of " + std::to_string(bytes) + " bytes failed";
       return nullptr;
     }
-    return upstream().host_alloc(bytes);
+    void* p = upstream().host_alloc(bytes);
+    if (p != nullptr) alloc::detail::count_pinned_blocks(1);
+    return p;
+  }
+  void host_free(void* p) override {
+    if (p != nullptr) alloc::detail::count_pinned_blocks(-1);
+    upstream().host_free(p);
   }
   std::string last_error() const override {
     std::string& e = injected();

@@ -129,6 +129,7 @@ BGL_ALLOC_API int bgl_alloc_fault_configure(const char* spec, int64_t wait_timeo
 typedef struct bgl_alloc_fault_stats {
   uint64_t device_ops, pinned_ops, copy_ops; /* operations seen since the last configure */
   uint64_t fired;                            /* faults injected */
+  int64_t pinned_blocks_live; /* page-locked blocks the enforcers hold (injection on or off) */
 } bgl_alloc_fault_stats;
 BGL_ALLOC_API int bgl_alloc_fault_get_stats(bgl_alloc_fault_stats* out);
 

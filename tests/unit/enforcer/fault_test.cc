@@ -227,6 +227,89 @@ TEST_F(Faults, AReloadBehindAStalledOffloadTimesOutOnTheConsumerStream) {
   ASSERT_EQ(e->enf->release(h, -1, &e->compute), Status::kOk);
 }
 
+TEST_F(Faults, AnAcquireOnTheCallingThreadWhoseReloadStallsIsAnErrorNotEarlyData) {
+  // Found by the fault sweep (copy threads, a stalled offload): the host backend's null stream
+  // makes the acquire's wait for the reload a host wait; it timed out and the acquire returned
+  // the block before the reload wrote it (a wrong gradient). The acquire fails instead, and a
+  // later one waits again.
+  auto e = env();
+  fault::set_wait_timeout(milliseconds(20));
+  fault::set_stall_duration(milliseconds(3600 * 1000));
+  std::vector<std::uint8_t> data;
+  const std::uint64_t h = e->make(300000, &data);
+  configure("stall:1");
+  ASSERT_EQ(e->enf->offload(h), Status::kOk);
+  ASSERT_EQ(e->enf->reload(h), Status::kOk);
+  void* p = nullptr;
+  ASSERT_EQ(e->enf->acquire(h, -1, nullptr, &p), Status::kBackendError);
+  EXPECT_EQ(p, nullptr);
+  EXPECT_NE(alloc::last_error().find("acquire tensor"), std::string::npos) << alloc::last_error();
+  EXPECT_NE(alloc::last_error().find("did not complete within 20 ms"), std::string::npos)
+      << alloc::last_error();
+  fault::release_stalls();
+  fault::set_wait_timeout(milliseconds(3600 * 1000));
+  ASSERT_EQ(e->enf->acquire(h, -1, nullptr, &p), Status::kOk) << alloc::last_error();
+  EXPECT_EQ(std::memcmp(p, data.data(), data.size()), 0);
+  ASSERT_EQ(e->enf->release(h, -1, nullptr), Status::kOk);
+}
+
+TEST_F(Faults, AnOffloadOnTheCallingThreadBehindAStalledProducerIsAnErrorNotACopyOfEarlyData) {
+  // Synchronous copies (null copy streams): the offload's wait for the producer's stream is a
+  // host wait; when it times out no copy is made (it would read data not yet written).
+  HostBackendOptions bo;
+  bo.capacity = std::size_t{64} << 20;
+  bo.page_size = 64 << 10;
+  Pool pool(std::make_unique<HostBackend>(bo), PoolOptions{});
+  EnforcerOptions eo;
+  eo.pinned_capacity = 16 << 20;
+  eo.sync_copies = true;
+  std::string error;
+  auto enf = Enforcer::create(
+      &pool, std::make_unique<detail::FaultInjectingOps>(make_host_device_ops()), eo, &error);
+  ASSERT_NE(enf, nullptr) << error;
+  HostStream producer;
+  void* ptr = pool.allocate(4096, &producer);
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  producer.enqueue_on_worker([opened, ptr] {
+    opened.wait();
+    std::memset(ptr, 7, 4096);  // the producer's kernel, late
+  });
+  TensorDesc d{ptr, 4096, ElemType::kBytes, 0, -1, 0, &producer, true};
+  std::uint64_t h = 0;
+  ASSERT_EQ(enf->register_tensor(d, &h), Status::kOk);
+  fault::set_wait_timeout(milliseconds(20));
+  ASSERT_EQ(enf->offload(h), Status::kBackendError);
+  EXPECT_NE(alloc::last_error().find("its producer's stream"), std::string::npos)
+      << alloc::last_error();
+  bgl_enf_tensor_info i{};
+  ASSERT_EQ(enf->info(h, &i), Status::kOk);
+  EXPECT_EQ(i.placement, BGL_PLACE_DEVICE);
+  EXPECT_EQ(enf->stats().pinned_in_use, 0u);
+  gate.set_value();
+  fault::set_wait_timeout(milliseconds(3600 * 1000));
+  ASSERT_EQ(enf->offload(h), Status::kOk) << alloc::last_error();
+  void* p = nullptr;
+  ASSERT_EQ(enf->acquire(h, -1, nullptr, &p), Status::kOk);
+  EXPECT_EQ(static_cast<std::uint8_t*>(p)[4095], 7);
+  ASSERT_EQ(enf->release(h, -1, nullptr), Status::kOk);
+  enf.reset();
+  producer.synchronize();
+}
+
+TEST_F(Faults, EveryPinnedBlockIsCountedUntilTheEnforcerGivesItBack) {
+  const std::int64_t before = fault::pinned_blocks_live();
+  auto e = env();
+  std::vector<std::uint8_t> data;
+  const std::uint64_t h = e->make(300000, &data);
+  ASSERT_EQ(e->enf->offload(h), Status::kOk);
+  EXPECT_EQ(fault::pinned_blocks_live(), before + 1);
+  e->expect_data(h, data);
+  ASSERT_EQ(e->enf->release(h, -1, &e->compute), Status::kOk);
+  e->enf.reset();  // the pinned pool's cache goes with it
+  EXPECT_EQ(fault::pinned_blocks_live(), before);
+}
+
 TEST_F(Faults, AnEnforcerDestroyedWhileACopyStallsWaitsForItBeforeFreeingItsMemory) {
   // The destructor's waits are the one unbounded kind: the pinned block and the device block
   // the stalled copy uses must outlive it (ASan and TSan see a free before the copy ran).
@@ -260,6 +343,8 @@ TEST_F(Faults, AFailedDeviceGrowthIsRetriedByThePoolAndEveryFailureIsAnOutOfMemo
   configure("device:1+");
   EXPECT_EQ(e->pool->allocate(8 << 20, &e->compute), nullptr);
   EXPECT_NE(alloc::last_error().find("out of memory"), std::string::npos) << alloc::last_error();
+  EXPECT_NE(alloc::last_error().find("fault injection: device operation #"), std::string::npos)
+      << alloc::last_error();
   configure("");
   p = e->pool->allocate(8 << 20, &e->compute);
   EXPECT_NE(p, nullptr);
