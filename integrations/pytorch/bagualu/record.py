@@ -315,7 +315,7 @@ class Record(_C.RecordBase):
     def release(self) -> None:
         """Every holder is gone: the storage is no longer an activation."""
         if self.issued and self.storage is not None:  # its copy may still read the storage
-            self.tracker.enforcer.wait(self.enf)
+            self.tracker.enforcer.wait_until_copied(self.enf)
             self.left_for_host()  # the offload it was, counted
         self._unaccount()
         if self.planned:

@@ -22,6 +22,7 @@ runs unpack hooks while the training thread waits in backward()).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -31,6 +32,8 @@ from ..native import ext
 from .handle import EnforcerHandle
 from .pool import retry_after_eviction
 from .scheduler import StreamScheduler
+
+log = logging.getLogger("bagualu")
 
 FP8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # bgl_dtype's element types
 
@@ -201,8 +204,22 @@ class Enforcer(EnforcerHandle):
         return not pending
 
     def wait(self, handle: int) -> None:
-        """Blocks until the tensor's queued copies and casts completed."""
+        """Blocks until the tensor's queued copies and casts completed (bounded:
+        BGL_WAIT_TIMEOUT_MS, then a BagualuError naming what did not complete)."""
         self.check(self.fast.wait(handle), "wait")
+
+    def wait_until_copied(self, handle: int) -> None:
+        """As wait, for however long the copies take: before memory a copy still reads is given
+        back (no caller to stop: a record's release). Each bound that passes is logged."""
+        while True:
+            try:
+                self.check(self.fast.wait(handle), "wait")
+                return
+            except OutOfMemoryError:
+                raise
+            except BagualuError as e:
+                log.error("bagualu: %s; still waiting: the copy reads memory not yet given back",
+                          e)
 
     def store_fp8(self, handle: int) -> int:
         """Casts the tensor to e4m3 with per-block scales on its producer's stream (PyTorch
@@ -225,6 +242,10 @@ class Enforcer(EnforcerHandle):
             return
         rc = self.fast.prefetch(micro_batch)
         if rc == self.vocab.out_of_memory:  # no room yet: each acquire reloads what it needs
+            return
+        if rc == self.vocab.backend:  # a failed reload ahead: the acquire reloads it again
+            log.warning("bagualu: reload ahead failed; the backward reloads on demand: %s",
+                        self.last_error())
             return
         self.check(rc, "prefetch")
 

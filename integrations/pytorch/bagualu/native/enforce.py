@@ -139,6 +139,7 @@ class Vocabulary:
         self.out_of_memory = value("status", "out_of_memory")
         self.duplicate = value("status", "duplicate")
         self.callback = value("status", "callback")
+        self.backend = value("status", "backend")
         # Statuses of a piece the stream scheduler skipped: out of memory, invalid state,
         # conflict, pinned pool exhausted.
         self.skipped_piece = frozenset(value("status", n) for n in (
