@@ -232,7 +232,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           compile_options: Optional[Dict[str, Any]] = None,
           compile_after: bool = False, allow_fp8: bool = True,
           spike_on_rank: bool = False,
-          compiled_operators: str = "operators") -> Dict[str, Any]:
+          compiled_operators: str = "operators", selective: bool = False,
+          measure_saved: bool = False) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
@@ -246,7 +247,10 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     (``device`` "cuda": wall time after a synchronize). ``spike_on_rank`` (with ``ep`` and
     ``spike_every``): this process stands for the EP rank the spike lands on, and the spike's
     batches repeat the tokens that put it there (``spike_rank``); else rank 0 and a batch of
-    few random tokens. ``compiled_operators``: bagualu's install option."""
+    few random tokens. ``compiled_operators``: bagualu's install option. ``selective`` (with
+    ``checkpoint_layers``): torch's selective checkpointing (matmul outputs saved, the rest
+    recomputed). ``measure_saved`` (plain PyTorch): ``saved_peak``, the most bytes of saved
+    activations (storages, parameters left out) held at once over the schedule."""
     import bagualu
     one_f_one_b = bagualu.schedule.one_f_one_b
     cuda = device.startswith("cuda")
@@ -274,7 +278,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
         if compiled is not None and compile_after:
             compile_blocks(model, compiled, **(compile_options or {}))
     elif checkpoint_layers:
-        _checkpoint_blocks(model)
+        _checkpoint_blocks(model, selective)
+    saved = _SavedPeak(model) if measure_saved and policy is None else None
     try:
         for it in range(iterations):
             t0, c0 = time.perf_counter(), time.process_time()
@@ -293,6 +298,9 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
                     elif save_on_cpu:
                         with torch.autograd.graph.save_on_cpu():
                             losses[f] = loss_of(model, x)
+                    elif saved is not None:
+                        with saved.forward(f):
+                            losses[f] = loss_of(model, x)
                     else:
                         losses[f] = loss_of(model, x)
                 if b is not None:
@@ -301,6 +309,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
                             losses[b].backward()
                     else:
                         losses[b].backward()
+                        if saved is not None:
+                            saved.backward_done(b)
                     out["losses"].append(float(losses.pop(b).detach()))
             if policy is not None:
                 out["lines"].append(bagualu.end_iteration())
@@ -312,6 +322,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
         out["oom"] = str(e)
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()
                     if p.grad is not None}
+    if saved is not None:
+        out["saved_peak"] = saved.peak
     if policy is not None:
         out["stats"] = bagualu.stats()
         out["description"] = bagualu.stage_graph()
@@ -362,18 +374,68 @@ def compile_blocks(model: nn.Module, form: str = "in-place", **options: Any) -> 
                     parent[i] = torch.compile(m, **options)
 
 
-def _checkpoint_blocks(model: nn.Module) -> None:
-    """What users do today: torch.utils.checkpoint around every block."""
-    from torch.utils.checkpoint import checkpoint
+def _checkpoint_blocks(model: nn.Module, selective: bool = False) -> None:
+    """What users do today: torch.utils.checkpoint around every block (``selective``: torch's
+    selective checkpointing, the outputs of matmuls saved and the rest recomputed, as
+    torchtitan's 'op' policy)."""
+    import functools
+
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
 
     import bagualu
+    saved_ops = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+                 torch.ops.aten.addmm.default, torch.ops.aten._grouped_mm.default}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return CheckpointPolicy.MUST_SAVE if op in saved_ops else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)} \
+        if selective else {}
     blocks = bagualu.layers(model)
     for blk in blocks:
         fwd = blk.forward
 
         def wrapped(*a: Any, _fwd: Callable = fwd, **k: Any) -> Any:
-            return checkpoint(_fwd, *a, use_reentrant=False, **k)
+            return checkpoint(_fwd, *a, use_reentrant=False, **extra, **k)
         blk.forward = wrapped
+
+
+class _SavedPeak:
+    """Plain PyTorch's saved activation bytes over a schedule: each forward's distinct storages
+    (parameters left out) counted by a saved-tensors hook, held until that micro-batch's
+    backward ends; ``peak`` the most held at once."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.held: Dict[int, int] = {}
+        self.peak = 0
+        self._seen: Dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            st = t.untyped_storage()
+        except RuntimeError:
+            return t
+        key = st.data_ptr()
+        if key not in self.params and not isinstance(t, nn.Parameter):
+            self._seen[key] = st.nbytes()
+        return t
+
+    def forward(self, mb: int) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx() -> Any:
+            self._seen = {}
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield
+            self.held[mb] = sum(self._seen.values())
+            self.peak = max(self.peak, sum(self.held.values()))
+        return ctx()
+
+    def backward_done(self, mb: int) -> None:
+        self.held.pop(mb, None)
 
 
 def keep_all_peak(name: str, **kw: Any) -> int:
