@@ -104,7 +104,16 @@ def _op_of(node: fx.Node) -> int:
 
 
 # -- the ops ------------------------------------------------------------------------------
-@torch.library.custom_op("bagualu::stash", mutates_args=())
+# Defined on the namespace's fragment with plain kernels (CompositeExplicitAutograd): a call
+# costs the dispatcher and the kernel, not torch.library.custom_op's wrapper as well
+# (measured: stash 5.1 us against 9.1, of which its handle and finalizer 4; unstash 4.4
+# against 10.4; outside a frame, on this machine).
+_lib = torch.library.Library("bagualu", "FRAGMENT")
+_lib.define("stash(Tensor t, int op) -> Tensor")
+_lib.define("unstash(Tensor h, SymInt[] size, SymInt[] stride, ScalarType dtype, "
+            "Device device) -> Tensor")
+
+
 def stash(t: torch.Tensor, op: int) -> torch.Tensor:
     """Places a saved tensor of a compiled block by the plan (module docstring); returns its
     handle."""
@@ -118,12 +127,6 @@ def stash(t: torch.Tensor, op: int) -> torch.Tensor:
     return h
 
 
-@stash.register_fake
-def _(t: torch.Tensor, op: int) -> torch.Tensor:
-    return torch.empty((), dtype=torch.int64)
-
-
-@torch.library.custom_op("bagualu::unstash", mutates_args=())
 def unstash(h: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
     """The saved tensor of handle ``h``, where and as the plan left it, brought back."""
@@ -136,7 +139,16 @@ def unstash(h: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: 
     return packed if unpack is None else unpack(packed)
 
 
-@unstash.register_fake
+_lib.impl("stash", stash, "CompositeExplicitAutograd")
+_lib.impl("unstash", unstash, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("bagualu::stash", lib=_lib)
+def _(t: torch.Tensor, op: int) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+@torch.library.register_fake("bagualu::unstash", lib=_lib)
 def _(h: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
       device: torch.device) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
