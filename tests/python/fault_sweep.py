@@ -210,13 +210,16 @@ def judge(case: Dict[str, Any], ref: Dict[str, Any], got: Dict[str, Any]) -> Dic
         if ok and absorbed:
             detail = ", ".join(f"{k} {t[k]}" for k in absorbed)
     if leak:
-        ending, ok, detail = "leak", False, "; ".join(leak) + (f" ({detail})" if detail else "")
+        # After a named error the enforcer outlives uninstall while graphs of the stopped
+        # iteration are still referenced (an open finding, docs/operations.md): told apart.
+        ending = "named+leak" if ending == "named" else "leak"
+        ok, detail = False, "; ".join(leak) + (f" ({detail})" if detail else "")
     row.update(ending=ending, ok=ok, detail=str(detail)[:300])
     return row
 
 
 def sweep(model: str, fp8: bool, overlap: bool, kinds=KINDS, sample: Optional[int] = None,
-          seed: int = 45, log=print) -> Dict[str, Any]:
+          seed: int = 45, log=print, only: Optional[List[str]] = None) -> Dict[str, Any]:
     """Runs the clean reference, then every N of every kind (or ``sample`` of them, drawn with
     ``seed``, plus each kind's first operation and a from-the-first-on case). ``overlap``: copies
     on the host backend's copy threads (a calibration whose copies overlap compute), else
@@ -238,6 +241,7 @@ def sweep(model: str, fp8: bool, overlap: bool, kinds=KINDS, sample: Optional[in
     ref = clean["result"]
     counts = {"device": ref["device_ops"], "pinned": ref["pinned_ops"], "copy": ref["copy_ops"],
               "stall": ref["copy_ops"]}
+    tol = 0.0
     if fp8:
         # FP8's tolerance: a fault may leave a tensor in full precision (a failed cast is
         # absorbed), so a case is judged against plain PyTorch, within twice the clean FP8
@@ -260,6 +264,9 @@ def sweep(model: str, fp8: bool, overlap: bool, kinds=KINDS, sample: Optional[in
             specs.append(f"{kind}:1+")
         cases += [{"model": model, "fp8": fp8, "overlap": overlap, "spec": s,
                    "rel_l2": tol if fp8 else 0.0} for s in specs]
+    if only:  # these cases only
+        cases = [{"model": model, "fp8": fp8, "overlap": overlap, "spec": s,
+                  "rel_l2": tol if fp8 else 0.0} for s in only]
     rows = []
     for case in cases:
         c0 = time.monotonic()
@@ -313,8 +320,8 @@ def rpc_sweep(daemon_factory, model: str = "mixtral", sample: Optional[int] = No
         return rpc
 
     def one(k: Optional[int], when: str) -> Dict[str, Any]:
-        calls.clear()
         d = daemon_factory()
+        calls.clear()  # the factory's own readiness probes are not the run's
         kill_at.clear()
         kill_at.update(k=k, when=when, daemon=d)
         row: Dict[str, Any] = {"model": model, "k": k, "when": when}
@@ -342,6 +349,8 @@ def rpc_sweep(daemon_factory, model: str = "mixtral", sample: Optional[int] = No
                                                (device_allocated(), "device bytes")) if n]
         if leak:
             why = (why + "; " if why else "") + "leak: " + ", ".join(leak)
+        if k is not None and kill_at.get("killed") is None:
+            why = (why + "; " if why else "") + f"the run made fewer than {k} RPCs"
         row.update(ok=why is None, detail=why or "",
                    governor=(r or {}).get("stats", {}).get("governor"))
         return row
@@ -399,6 +408,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--configs", default="plain-sync,fp8-sync,plain-overlap,fp8-overlap",
                    help="PLAN-COPIES pairs: plain or fp8, sync or overlap")
     p.add_argument("--json", default=None, help="write every case's row here")
+    p.add_argument("--specs", default=None, help="these fault specs only (comma separated)")
     p.add_argument("--rpc", action="store_true",
                    help="the daemon-kill sweep instead (needs bgl-governord: BGL_GOVERNORD or "
                         "BGL_LIB_DIR's build)")
@@ -416,7 +426,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for config in a.configs.split(","):
             plan_name, copies = config.split("-")
             results.append(sweep(model, plan_name == "fp8", copies == "overlap",
-                                 kinds=a.kinds.split(","), sample=sample, seed=a.seed))
+                                 kinds=a.kinds.split(","), sample=sample, seed=a.seed,
+                                 only=a.specs.split(",") if a.specs else None))
     rows = [r for res in results for r in res["rows"]]
     print(summary(results))
     print(f"{len(rows)} cases, {sum(1 for r in rows if not r['ok'])} bad, "
