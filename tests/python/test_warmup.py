@@ -1,5 +1,6 @@
 """The planner's warm-up in the package (issue 43 item 1): stats() and the iteration line show
-the warm-up's keys, the points its plans served and its CPU time; BGL_WARM_UP=0 turns it off;
+the warm-up's keys, the points its plans served and its CPU time (BGL_WARM_UP=1; off by
+default and with 0);
 a bad BGL_WARM_SPIKE_BOUND is refused with its name."""
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def run(iterations: int, until_warm: bool = False) -> list:
 
 def test_stats_and_the_iteration_line_show_the_warm_up(monkeypatch, caplog) -> None:
     require_libs()
-    monkeypatch.delenv("BGL_WARM_UP", raising=False)
+    monkeypatch.setenv("BGL_WARM_UP", "1")
     monkeypatch.delenv("BGL_WARM_SPIKE_BOUND", raising=False)
     caplog.set_level(logging.INFO, logger="bagualu")
     lines = run(1, until_warm=True)
@@ -65,9 +66,13 @@ def test_stats_and_the_iteration_line_show_the_warm_up(monkeypatch, caplog) -> N
     assert text and f"warm {last['warm_hits']} hit {last['warm_keys']} keys" in text[-1]
 
 
-def test_bgl_warm_up_0_turns_it_off(monkeypatch) -> None:
+@pytest.mark.parametrize("value", [None, "0"])
+def test_the_warm_up_is_off_unless_asked_for(monkeypatch, value) -> None:
     require_libs()
-    monkeypatch.setenv("BGL_WARM_UP", "0")
+    if value is None:
+        monkeypatch.delenv("BGL_WARM_UP", raising=False)
+    else:
+        monkeypatch.setenv("BGL_WARM_UP", value)
     lines = run(2)
     planning = bagualu.stats()["planning"]
     assert planning["warm_submitted"] == 0 and planning["warm_keys"] == 0
