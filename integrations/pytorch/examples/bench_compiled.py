@@ -58,7 +58,8 @@ def one_same(args: argparse.Namespace) -> Dict[str, Any]:
     if "compiled" in c:
         kw.update(compiled="in-place", compile_options={"fullgraph": True})
     if c == "memory budget compiled":
-        torch._functorch.config.activation_memory_budget = args.budget
+        import torch._functorch.config as functorch_config
+        functorch_config.activation_memory_budget = args.budget
     if c.startswith("bagualu"):
         kw["compiled_operators"] = "block" if "per block" in c else "operators"
         r = u.train("qwen3_moe", "bagualu", capacity=int(args.capacity), allow_fp8=False, **kw)
