@@ -41,10 +41,9 @@ class OperatorCalls:
         self.no_replay: Set[str] = set()         # operators whose rerun would communicate
 
     def enter(self, op: Op, fn: Callable[..., Any], args: Any, kwargs: Any,
-              defer: bool = False, replay: bool = True) -> None:
+              defer: bool = False) -> None:
         """``op`` starts running ``fn(*args, **kwargs)``: a recompute call is opened when its
-        strategy is recompute (or, ``defer``, a router inside it may make it so), unless not
-        ``replay``."""
+        strategy is recompute (or, ``defer``, a router inside it may make it so)."""
         host = self.host
         t = host.tracker
         call = None
@@ -59,7 +58,7 @@ class OperatorCalls:
                                                     set()).add(op.name)
             if ((defer and host.may_defer)
                     or host.strategy_of(op, t.micro_batch) == RECOMPUTE) \
-                    and replay and self._replayable(op, args, kwargs):
+                    and self._replayable(op, args, kwargs):
                 call = Call(op, fn, args, kwargs, t.hold, t.packs_seen, host.device, host)
                 t.calls.append(call)
         t.scope.append(op)
