@@ -83,8 +83,7 @@ bool SameShape(const StageGraph& a, const StageGraph& b) {
     const Operator &x = a.ops[i], &y = b.ops[i];
     if (x.kind != y.kind || x.forward_s != y.forward_s || x.backward_s != y.backward_s ||
         x.scales_with_load != y.scales_with_load || x.fp8_allowed != y.fp8_allowed ||
-        x.recompute_allowed != y.recompute_allowed ||
-        x.inputs != y.inputs || x.saves != y.saves) {
+        x.recompute_allowed != y.recompute_allowed || x.inputs != y.inputs || x.saves != y.saves) {
       return false;
     }
   }

@@ -406,11 +406,11 @@ Result<LayerSpec> ParseLayerGraph(const nlohmann::json& doc, const std::string& 
     OpSpec o;
     o.name = od["name"].get<std::string>();
     field += " ('" + o.name + "')";
-    BGL_RETURN_IF_ERROR(RejectUnknownKeys(od,
-                                          {"name", "kind", "forward_ms", "backward_ms", "flops",
-                                           "scales_with_load", "fp8_allowed", "recompute_allowed",
-                                           "comment"},
-                                          field));
+    BGL_RETURN_IF_ERROR(
+        RejectUnknownKeys(od,
+                          {"name", "kind", "forward_ms", "backward_ms", "flops", "scales_with_load",
+                           "fp8_allowed", "recompute_allowed", "comment"},
+                          field));
     if (!od.contains("kind") || !od["kind"].is_string()) {
       return InvalidArgument(field + ": missing field 'kind'");
     }
