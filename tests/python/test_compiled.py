@@ -252,3 +252,25 @@ def test_older_torch_plans_compiled_blocks_as_blocks(monkeypatch, caplog) -> Non
     assert ops == {"L0.block", "L1.block"}, ops
     said = [m for m in caplog.messages if "cannot place their saved tensors per operator" in m]
     assert len(said) == 1, caplog.messages
+
+
+def test_a_saved_opaque_object_is_refused_naming_it() -> None:
+    """A compiled forward that saves an opaque object for its backward (expert parallelism's
+    process group, torchtitan's DeepSeek-V3 under EP: the inlined hooks lose it and the
+    backward stopped on a StopIteration) is refused at compile time, naming the value and the
+    way out."""
+    from torch._library.fake_class_registry import FakeScriptObject
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    group = g.placeholder("primals_15")
+    group.meta["val"] = FakeScriptObject.__new__(FakeScriptObject)
+    x.meta["val"] = torch.empty(2)
+    g.output((x, group))
+    with pytest.raises(RuntimeError, match=r"saves 'primals_15', an opaque object.*"
+                                           r"compiled_operators='block'"):
+        stash._check_saved_values(g)
+    clean = torch.fx.Graph()
+    y = clean.placeholder("y")
+    y.meta["val"] = torch.empty(2)
+    clean.output((y,))
+    stash._check_saved_values(clean)  # tensors only: nothing to refuse

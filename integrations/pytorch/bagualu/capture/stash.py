@@ -162,8 +162,31 @@ def _pack(t: torch.Tensor) -> Tuple[Any, ...]:
     ctx = _get_saved_tensor_hook_context() if supported() else None
     if ctx is None:  # run as a plain hook (never pushed outside a Frame's compiled call)
         raise RuntimeError("bagualu's stash hook ran outside a compiled graph")
+    _check_saved_values(ctx["_fw_graph"])
     h = torch.ops.bagualu.stash(t, _op_of(ctx["_node"]))
     return (h, *t.size(), *t.stride())
+
+
+_checked: "weakref.WeakSet[fx.Graph]" = weakref.WeakSet()
+
+
+def _check_saved_values(graph: fx.Graph) -> None:
+    """A forward graph that saves a value other than a tensor or a symbolic size for its
+    backward (an opaque object: the process group of expert parallelism's functional
+    all-to-all) cannot take these hooks: torch 2.15's inlining leaves such values out of the
+    forward's outputs while the backward still takes them (it then stops on a StopIteration
+    taking its arguments). Refused here, naming the value and what to do."""
+    if graph in _checked:
+        return
+    _checked.add(graph)
+    for n in graph.output_node().args[0]:
+        if isinstance(n, fx.Node) and type(n.meta.get("val")).__name__ == "FakeScriptObject":
+            raise RuntimeError(
+                f"bagualu: this compiled block saves '{n.name}', an opaque object (such as a "
+                "process group), for its backward; torch inlines saved-tensor hooks without "
+                "such values, so its tensors cannot be placed per operator: "
+                "install(compiled_operators='block') (torchtitan: --bagualu.compiled_operators "
+                "block)")
 
 
 def _unpack(packed: Tuple[Any, ...]) -> torch.Tensor:

@@ -86,9 +86,9 @@ class BagualuConfig:
     compiled_operators: str = "block"
     """With --compile.enable: 'block' (each compiled block one operator) or 'operators' (each
     saved tensor placed by its own operator: install's compiled_operators). 'block' by
-    default: per operator, the backward of torchtitan's compiled DeepSeek-V3 blocks under
-    expert parallelism and FSDP2 stops in AOTAutograd (StopIteration taking its arguments;
-    docs/torchtitan.md)."""
+    default: per operator, torchtitan's compiled DeepSeek-V3 blocks under expert parallelism
+    save the process group for their backward, which torch's inlined saved-tensor hooks lose
+    (refused naming it; docs/torchtitan.md)."""
 
 
 class BagualuTrainer(Trainer):
