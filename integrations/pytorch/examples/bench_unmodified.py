@@ -53,6 +53,7 @@ import gc
 import json
 import statistics
 import sys
+import time
 from typing import Dict, List
 
 import torch
@@ -247,6 +248,36 @@ def _run(name: str, k: str, cap: int, offload_all: Dict[str, str], iterations: i
                    forced=offload_all if k == "offload-all" else None, **kw)
 
 
+def _copies_alone_ms(r: Dict, iterations: int):
+    """The time of the copies a bagualu run made, measured alone right after it in the same
+    process: its offloads and reloads per iteration (the tracker's counters over the run), each
+    as torch's copy of a fresh tensor of the run's mean size into a fresh destination (as a move
+    copies a storage it has not touched since its kernel wrote it); None for a run without
+    bagualu or without copies."""
+    c = r.get("stats", {}).get("tracker")
+    if not c or not (c["offloads"] or c["reloads"]):
+        return None
+    total = 0.0
+    for n, nbytes in ((c["offloads"], c["bytes_d2h"]), (c["reloads"], c["bytes_h2d"])):
+        per = -(-n // iterations)  # copies per iteration, rounded up
+        if per == 0:
+            continue
+        size = max(1, nbytes // n)
+        src = [torch.empty(size, dtype=torch.uint8).fill_(1) for _ in range(per)]
+        dst = [torch.empty(size, dtype=torch.uint8) for _ in range(per)]
+        t0 = time.perf_counter()
+        for a, b in zip(src, dst):
+            b.copy_(a)
+        total += time.perf_counter() - t0
+        del src, dst
+    return 1e3 * total
+
+
+def _range_cell(v) -> str:
+    """median (min-max) of ``v``, or empty."""
+    return f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" if v else ""
+
+
 def train_one(args: argparse.Namespace) -> int:
     """One run of ``--train POLICY`` on the first of ``--models`` at the same-capacity setup:
     the process to profile (py-spy attached after its warm-up; bench/python/spy_shares.py)."""
@@ -284,8 +315,8 @@ def same_capacity(args: argparse.Namespace) -> int:
     print(f"| model | policy | ms/iteration from iteration {w}, median (range) | vs plain | "
           f"vs checkpoint | warm-up: ms/iteration of iterations 0-{w - 1}, median (range) | "
           "activation peak | fits | evictions/iteration | strategies (last iteration) | "
-          "max load factor |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "max load factor | its copies alone: ms/iteration, median (range) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models.split(","):
         peak = u.keep_all_peak(name, **kw)
         cap = peak // 2
@@ -305,6 +336,7 @@ def same_capacity(args: argparse.Namespace) -> int:
         times: Dict[str, List[float]] = {k: [] for k in policies}
         warm: Dict[str, List[float]] = {k: [] for k in policies}
         info: Dict[str, Dict] = {}
+        copies_ms: Dict[str, List[float]] = {}  # _copies_alone_ms per run
         for _ in range(args.repeats):
             for k in policies:
                 if "oom" in info.get(k, {}):
@@ -318,6 +350,9 @@ def same_capacity(args: argparse.Namespace) -> int:
                 times[k].append(statistics.median(r["times_ms"][w:]))
                 warm[k].append(statistics.fmean(r["times_ms"][:w]))
                 lines = r["lines"]  # peak and evictions: every iteration, the warm-up too
+                copies = _copies_alone_ms(r, args.iterations)
+                if copies is not None:
+                    copies_ms.setdefault(k, []).append(copies)
                 if lines:
                     info[k] = {"peak": max(x["peak_bytes"] for x in lines),
                                "evictions": max(x["evictions"] for x in lines),
@@ -328,12 +363,13 @@ def same_capacity(args: argparse.Namespace) -> int:
         ckpt = meds.get("checkpoint every block", float("nan"))
         table[name] = {"capacity_bytes": cap, "keep_all_peak_bytes": peak,
                        "warmup_iterations": w,
-                       "runs": {k: {"ms": times[k], "warmup_ms": warm[k], **info.get(k, {})}
+                       "runs": {k: {"ms": times[k], "warmup_ms": warm[k],
+                                    "copies_alone_ms": copies_ms.get(k, []), **info.get(k, {})}
                                 for k in policies}}
         for k in policies:
             v, i = times[k], info.get(k, {})
             if "oom" in i:
-                print(f"| {name} | {k} | out of memory | | | | | no | | | |", flush=True)
+                print(f"| {name} | {k} | out of memory | | | | | no | | | | |", flush=True)
                 continue
             med = statistics.median(v)
             if k == "plain":
@@ -356,19 +392,20 @@ def same_capacity(args: argparse.Namespace) -> int:
                   f"| {vs_ckpt} | {statistics.median(wv):.1f} ({min(wv):.1f}-{max(wv):.1f}) | "
                   f"{peak_cell} | {fits} | {i.get('evictions', '')} | "
                   f"{i.get('strategies', '')} | "
-                  f"{format(i['max_load'], '.2f') if 'max_load' in i else ''} |", flush=True)
+                  f"{format(i['max_load'], '.2f') if 'max_load' in i else ''} | "
+                  f"{_range_cell(copies_ms.get(k))} |", flush=True)
         print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
-              f"{peak / 2**20:.2f} MiB) | | | | | | | | |", flush=True)
+              f"{peak / 2**20:.2f} MiB) | | | | | | | | | |", flush=True)
         if args.spike:
             print(f"| {name} | note | {', '.join(ALL_EXPERTS)} compute all experts (no "
                   f"bagualu to skip the other ranks'): the other rows, this rank's only, are "
-                  f"compared with {EP_BASELINE} | | | | | | | | |", flush=True)
+                  f"compared with {EP_BASELINE} | | | | | | | | | |", flush=True)
         paired = _paired(times, args.spike)
         if paired:
             table[name]["paired"] = paired
             print(f"| {name} | paired, same round | " + "; ".join(
                 f"{k} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"
-                for k, v in paired.items()) + " | | | | | | | | |", flush=True)
+                for k, v in paired.items()) + " | | | | | | | | | |", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": args.device, "width": args.width, "seq": args.seq,
