@@ -108,3 +108,15 @@ def test_train_of_an_unknown_policy_is_exit_2(capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.argv", ["bench_unmodified", "--train", "keep-most"])
     assert bench_unmodified.main() == 2
     assert "unknown --train policy 'keep-most'" in capsys.readouterr().err
+
+
+def test_copies_alone_time_the_runs_copies_and_none_without_them() -> None:
+    # A run without bagualu (no stats) or without moves has no copies to time.
+    assert bench_unmodified._copies_alone_ms({"oom": None}, 3) is None
+    still = {"offloads": 0, "reloads": 0, "bytes_d2h": 0, "bytes_h2d": 0}
+    assert bench_unmodified._copies_alone_ms({"stats": {"tracker": still}}, 3) is None
+    moved = {"offloads": 30, "reloads": 30, "bytes_d2h": 30 << 16, "bytes_h2d": 30 << 16}
+    ms = bench_unmodified._copies_alone_ms({"stats": {"tracker": moved}}, 3)
+    assert ms is not None and ms > 0
+    assert bench_unmodified._range_cell([]) == ""
+    assert bench_unmodified._range_cell([2.0, 1.0, 3.0]) == "2.0 (1.0-3.0)"
