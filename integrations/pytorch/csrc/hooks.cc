@@ -1,11 +1,13 @@
 // Hooks: the pack and unpack callables over one tracker (capture/tracker.py). The pack makes or
 // finds the record of a plain tensor's storage, keeps it or offloads it at once where its
-// producer's strategy says so; light capture, tensor subclasses, the capture micro-batch, small
-// storages, FP8, recompute and offloads left to the issue order are the tracker's _pack_py.
+// producer's strategy says so, and counts small storages in their light set; light capture of
+// new storages, tensor subclasses, the capture micro-batch, recompute and offloads left to the
+// issue order are the tracker's _pack_py.
 #include <Python.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 
@@ -454,6 +456,106 @@ int LightHolds(PyObject* tr, PyObject* unit, PyObject* key, c10::StorageImpl* im
   return out;
 }
 
+// LightSet.count (capture/light.py): counts `storage` (`nbytes` at pointer `key`) in the light
+// set `ls`, saved inside the layers or not; a dead storage counted at the same pointer is
+// forgotten first. Growing past the blocks reserved is LightSet.grow's (an allocator call, which
+// may raise OutOfMemoryError: nothing more is counted then). False with the error set.
+bool CountLight(PyObject* ls, PyObject* storage, PyObject* key, long long nbytes, bool inside) {
+  PyObject* sizes = Get(ls, names.sizes);
+  if (sizes == nullptr) return false;
+  bool ok = PyDict_Check(sizes);
+  if (!ok) PyErr_SetString(PyExc_TypeError, "light_count: the light set's sizes is no dict");
+  long long used = 0;
+  if (ok) {
+    PyObject* seen = PyDict_GetItemWithError(sizes, key);  // borrowed
+    ok = seen != nullptr || !PyErr_Occurred();
+    if (ok && seen != nullptr && PyTuple_Check(seen) && PyTuple_GET_SIZE(seen) == 2) {
+      const long long was = PyLong_AsLongLong(PyTuple_GET_ITEM(seen, 1));
+      ok = !(was == -1 && PyErr_Occurred()) && GetInt(ls, names.used, &used) &&
+           SetInt(ls, names.used, used - (was < 0 ? -was : was));  // LightSet.forget
+    }
+  }
+  long long reserved = 0;
+  ok = ok && GetInt(ls, names.used, &used) && GetInt(ls, names.reserved, &reserved);
+  if (ok && used + nbytes > reserved) {
+    PyObject* out = PyObject_CallMethod(ls, "grow", "L", nbytes);
+    ok = out != nullptr;
+    Py_XDECREF(out);
+  } else if (ok) {
+    ok = SetInt(ls, names.used, used + nbytes);
+  }
+  if (ok) {
+    PyObject* ref = PyWeakref_NewRef(storage, nullptr);
+    PyObject* entry = ref == nullptr ? nullptr : Py_BuildValue("(OL)", ref, inside ? nbytes : -nbytes);
+    ok = entry != nullptr && PyDict_SetItem(sizes, key, entry) == 0;
+    Py_XDECREF(entry);
+    Py_XDECREF(ref);
+  }
+  Py_DECREF(sizes);
+  return ok;
+}
+
+// ForwardScope.inside_layers (capture/scope.py): whether a storage saved now counts inside the
+// layers (the innermost operator is in a layer and the storage did not enter it from outside).
+// 1, 0, or -1 with the error set.
+int InsideLayers(PyObject* tr, PyObject* scope, PyObject* key, c10::StorageImpl* impl) {
+  if (!PyList_Check(scope) || PyList_GET_SIZE(scope) == 0) return 0;
+  long long layer = 0;
+  if (!GetInt(PyList_GET_ITEM(scope, PyList_GET_SIZE(scope) - 1), names.layer, &layer)) return -1;
+  if (layer < 0) return 0;
+  PyObject* ops = Get(tr, names.operators);
+  PyObject* external = ops == nullptr ? nullptr : Get(ops, names.external);
+  Py_XDECREF(ops);
+  if (external == nullptr) return -1;
+  int out = 1;
+  if (PyDict_Check(external)) {
+    PyObject* ref = PyDict_GetItemWithError(external, key);  // borrowed
+    if (ref != nullptr) {
+      out = RefersTo(ref, impl) ? 0 : 1;
+    } else if (PyErr_Occurred()) {
+      out = -1;
+    }
+  }
+  Py_DECREF(external);
+  return out;
+}
+
+// Tracker._produced_record's small storage (capture/tracker.py): outside the capture, a storage
+// of at most min_move_bytes whose producer does not recompute it is only counted, in the
+// micro-batch's light set (blocks of four times min_move_bytes, or the light grain if smaller),
+// and stays as it is. False with the error set.
+bool CountSmall(HooksObject* h, const Saved& s, PyObject* key, PyObject* unit, PyObject* scope,
+                long long min_move) {
+  PyObject* tr = h->tracker;
+  PyObject* sets = Get(tr, names.light_sets);
+  if (sets == nullptr) return false;
+  PyObject* ls = PyDict_GetItemWithError(sets, unit);  // borrowed
+  Py_XINCREF(ls);
+  Py_DECREF(sets);
+  if (ls == nullptr) {
+    if (PyErr_Occurred()) return false;
+    long long grain = 0;
+    PyObject* store = GetInt(tr, names.light_grain, &grain) ? Get(tr, names.store) : nullptr;
+    if (store == nullptr) return false;
+    PyObject* size = PyLong_FromLongLong(std::min(grain, 4 * min_move));
+    ls = size == nullptr ? nullptr
+                         : PyObject_CallMethodObjArgs(store, names.light_set, unit, size, nullptr);
+    Py_XDECREF(size);
+    Py_DECREF(store);
+    if (ls == nullptr) return false;
+  }
+  const int inside = InsideLayers(tr, scope, key, s.st->unsafeGetStorageImpl());
+  PyObject* storage = inside < 0 ? nullptr : THPStorage_Wrap(*s.st);
+  bool ok = storage != nullptr && CountLight(ls, storage, key, s.nbytes, inside == 1);
+  Py_XDECREF(storage);
+  Py_DECREF(ls);
+  if (!ok) return false;
+  PyObject* counters = Get(tr, names.counters);
+  ok = counters != nullptr && detail::AddTo(counters, names.small_kept, 1);
+  Py_XDECREF(counters);
+  return ok;
+}
+
 // Whether the tensor is a view of a tensor subclass (a parameter, FSDP2's unsharded ones):
 // discovery/sharding.py decides those.
 bool ViewOfSubclass(const at::Tensor& x) {
@@ -626,7 +728,7 @@ PyObject* Pack(PyObject* self, PyObject* t) {
     Py_DECREF(capture);
     long long min_move = 0;
     if (capturing < 0 || !GetInt(tr, names.min_move_bytes, &min_move)) goto done;
-    if (capturing || s.nbytes <= min_move) {
+    if (capturing) {
       out = PackInPython(h, t);
       goto done;
     }
@@ -635,6 +737,23 @@ PyObject* Pack(PyObject* self, PyObject* t) {
     PyObject* strategy = PyObject_CallMethodObjArgs(tr, names.strategy_of, producer, unit, nullptr);
     if (strategy == nullptr) {
       Py_DECREF(producer);
+      goto done;
+    }
+    if (s.nbytes <= min_move) {  // a small storage: counted, unless its producer recomputes it
+      const int moves = PyObject_RichCompareBool(strategy, constants.keep, Py_EQ) == 1 ||
+                        PyObject_RichCompareBool(strategy, constants.offload, Py_EQ) == 1 ||
+                        PyObject_RichCompareBool(strategy, constants.fp8, Py_EQ) == 1;
+      Py_DECREF(strategy);
+      Py_DECREF(producer);
+      if (PyErr_Occurred()) goto done;
+      if (!moves) {  // recompute: its call drops and regenerates it through a record
+        out = PackInPython(h, t);
+        goto done;
+      }
+      if (SetInt(tr, names.packs_seen, seen + 1) && CountSmall(h, s, key, unit, scope, min_move)) {
+        Py_INCREF(t);
+        out = t;
+      }
       goto done;
     }
     bool error = false;
@@ -785,6 +904,19 @@ PyMethodDef hooks_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
+
+PyObject* LightCount(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5 || !PyLong_Check(args[2]) || !PyLong_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError,
+                     "light_count(light_set, storage, key: int, nbytes: int, inside: bool)");
+    return nullptr;
+  }
+  const long long nbytes = PyLong_AsLongLong(args[3]);
+  const int inside = PyObject_IsTrue(args[4]);
+  if ((nbytes == -1 && PyErr_Occurred()) || inside < 0) return nullptr;
+  if (!CountLight(args[0], args[1], args[2], nbytes, inside == 1)) return nullptr;
+  Py_RETURN_NONE;
+}
 
 bool AddSavedTypes(PyObject* module) {
   if (!detail::InternNames() || !detail::AddRecordType(module) ||

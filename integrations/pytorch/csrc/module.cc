@@ -17,7 +17,7 @@ namespace {
 
 // The version of this binding's interface to the package (native/ext.py checks it): raised when
 // a call's arguments or results change, so a stale build is refused by name, not misused.
-constexpr int64_t kAbiVersion = 1;
+constexpr int64_t kAbiVersion = 2;
 
 int64_t AbiVersion() { return kAbiVersion; }
 
@@ -26,6 +26,9 @@ PyMethodDef module_methods[] = {
      METH_FASTCALL,
      "block_storage(ptr, nbytes, device_type, device_index, done): the enforcer's block as a "
      "torch.UntypedStorage (no copy); done() runs when torch frees it."},
+    {"light_count", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(LightCount)),
+     METH_FASTCALL,
+     "light_count(light_set, storage, key, nbytes, inside): LightSet.count (capture/light.py)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT,

@@ -68,7 +68,16 @@ bool InternNames() {
                            {&names.destroy_if_done, "_destroy_if_done"},
                            {&names.layer, "layer"},
                            {&names.fp8_casts, "fp8_casts"},
-                           {&names.fp8_uncasts, "fp8_uncasts"}};
+                           {&names.fp8_uncasts, "fp8_uncasts"},
+                           {&names.used, "used"},
+                           {&names.reserved, "reserved"},
+                           {&names.grow, "grow"},
+                           {&names.store, "store"},
+                           {&names.light_set, "light_set"},
+                           {&names.light_grain, "light_grain"},
+                           {&names.operators, "operators"},
+                           {&names.external, "external"},
+                           {&names.small_kept, "small_kept"}};
   for (const Entry& e : entries) {
     *e.slot = PyUnicode_InternFromString(e.text);
     if (*e.slot == nullptr) return false;

@@ -20,6 +20,10 @@ namespace bgl::torch_ext {
 // Adds RecordBase, Packed and Hooks to `module`; false with a Python error set on failure.
 bool AddSavedTypes(PyObject* module);
 
+// light_count(light_set, storage, key, nbytes, inside): capture/light.py's LightSet.count (its
+// one definition: the pack's small storages and light capture both count through it).
+PyObject* LightCount(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+
 }  // namespace bgl::torch_ext
 
 #endif  // BGL_TORCH_SAVED_H_

@@ -3,10 +3,13 @@ coarse blocks of the device memory (one allocator call per grain instead of two 
 Not thread-safe: the training thread."""
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+
+from ..native import ext
+
+_C = ext.load()
 
 
 class LightSet:
@@ -44,13 +47,11 @@ class LightSet:
 
     def count(self, storage: torch.UntypedStorage, key: int, nbytes: int, inside: bool) -> None:
         """Counts ``storage`` (``nbytes`` at pointer ``key``), saved inside the layers or not
-        (``inside``); a dead storage counted at the same pointer is forgotten. OutOfMemoryError
-        as grow's."""
-        seen = self.sizes.get(key)
-        if seen is not None:
-            self.forget(abs(seen[1]))
-        self.grow(nbytes)
-        self.sizes[key] = (weakref.ref(storage), nbytes if inside else -nbytes)
+        (``inside``: ``sizes`` holds ``-nbytes`` then); a dead storage counted at the same
+        pointer is forgotten first. OutOfMemoryError as grow's. The binding's ``light_count``
+        is this method's one definition: the pack hook counts small storages through it with
+        no Python frame."""
+        _C.light_count(self, storage, key, nbytes, inside)
 
     def forget(self, nbytes: int) -> None:
         """A counted storage died before backward (its blocks stay until the set is freed)."""

@@ -21,7 +21,8 @@ struct Names {
       *backward_op, *records, *current_stream, *device, *dtype, *hooks, *scheduled, *op_ids,
       *tracked, *offloads, *bytes_d2h, *reloads, *bytes_h2d, *live_blocks, *destroyed, *block_done,
       *block_died, *acquired, *retire, *enforcer, *regenerators, *closing, *destroy_if_done, *layer,
-      *fp8_casts, *fp8_uncasts;
+      *fp8_casts, *fp8_uncasts, *used, *reserved, *grow, *store, *light_set, *light_grain,
+      *operators, *external, *small_kept;
 };
 extern Names names;
 bool InternNames();
