@@ -30,11 +30,17 @@ find_python() {
   echo "setup-python: no Python >= 3.9 found" >&2; return 1
 }
 
+# .venv-torchtitan on top of the project venv (tests/python/test_torchtitan.py). Only on top of
+# .venv: another venv (the minimum torch's .venv-min) must not rebuild it on its own torch.
+torchtitan_on_top() {
+  if [[ $venv == .venv ]]; then bash scripts/setup-torchtitan.sh; fi
+}
+
 if [[ -f $venv/.bgl-stamp && $(cat $venv/.bgl-stamp) == "$stamp" ]] &&
    $venv/bin/python -c 'import torch, transformers, accelerate, matplotlib, numpy, pytest, grpc, grpc_tools, scikit_build_core, bagualu' \
      2>/dev/null; then
   echo "setup-python: $venv is up to date"
-  bash scripts/setup-torchtitan.sh  # .venv-torchtitan on top of it (tests/python/test_torchtitan.py)
+  torchtitan_on_top
   exit 0
 fi
 
@@ -68,4 +74,4 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-
 "${pip[@]}" --no-deps -e integrations/pytorch
 echo "$stamp" > $venv/.bgl-stamp
 echo "setup-python: done in $(( $(date +%s) - start )) s"
-bash scripts/setup-torchtitan.sh  # .venv-torchtitan on top of it (tests/python/test_torchtitan.py)
+torchtitan_on_top
