@@ -205,12 +205,16 @@ def test_messages_show_sizes_in_binary_units_that_parse_back() -> None:
     """Sizes in messages read as people write them (binary units), the exact count beside them
     where it matters, and what is shown parses back (within its rounding) by the one rule."""
     from bagualu.settings import show_size
-    assert show_size(12638097408, exact=True) == "11.77 GiB (12638097408 bytes)"
+    # The C++ tools' rule (units_test.cc FormatBytes.ReadsWell): the same text for the same count.
+    assert show_size(12638097408, exact=True) == "11.8 GiB (12638097408 bytes)"
     assert show_size(512) == "512 B" and show_size(512, exact=True) == "512 B"
     assert show_size(3 << 20) == "3.00 MiB"
+    assert show_size(1000) == "0.98 KiB" and show_size(999) == "999 B"
+    assert show_size(1010 << 20) == "0.99 GiB" and show_size(399 << 20) == "399 MiB"
+    assert show_size(int(12.5 * (1 << 20))) == "12.5 MiB" and show_size(20 << 30) == "20.0 GiB"
     for n in (1, 1023, 1024, 5 << 30, 12638097408, 7 << 40):
         back = bagualu.parse_size(show_size(n).replace(" ", ""))
-        assert abs(back - n) <= 0.005 * n + 1, (n, show_size(n), back)
+        assert abs(back - n) <= 0.01 * n + 1, (n, show_size(n), back)
 
 
 def test_a_plan_or_forced_strategy_naming_an_unknown_operator_is_named(caplog) -> None:

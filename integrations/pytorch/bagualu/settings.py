@@ -32,13 +32,16 @@ def parse_size(value: Any, what: str = "size") -> int:
 
 
 def show_size(n: int, exact: bool = False) -> str:
-    """A byte count as people read it, in binary units ('11.77 GiB'); ``exact`` adds the count
-    in parentheses ('11.77 GiB (12638097408 bytes)') where the exact figure matters."""
+    """A byte count as people read it, by the C++ tools' rule (bgl::FormatBytes, base/units.h):
+    binary units, at most three integer digits, three significant figures ('11.8 GiB', '0.98
+    KiB', '399 MiB'); ``exact`` adds the count in parentheses ('11.8 GiB (12638097408 bytes)')
+    where the exact figure matters."""
     units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
     v, i = float(n), 0
-    while abs(v) >= 1024 and i < len(units) - 1:
+    while abs(v) >= 1000 and i < len(units) - 1:
         v, i = v / 1024, i + 1
-    text = f"{int(n)} B" if i == 0 else f"{v:.2f} {units[i]}"
+    digits = 0 if i == 0 or abs(v) >= 100 else 1 if abs(v) >= 10 else 2
+    text = f"{v:.{digits}f} {units[i]}"
     return f"{text} ({int(n)} bytes)" if exact and i else text
 
 
