@@ -77,13 +77,13 @@ double StageGraph::KeepAllBytes(double r) const {
 double StageGraph::ForwardTime(double r) const {
   double total = 0;
   for (const auto& o : ops) total += o.ForwardTime(r);
-  return total;
+  return window_scale * total;
 }
 
 double StageGraph::BackwardTime(double r) const {
   double total = 0;
   for (const auto& o : ops) total += o.BackwardTime(r);
-  return total;
+  return window_scale * total;
 }
 
 double StageGraph::ForwardFlops(double r) const {
@@ -300,6 +300,7 @@ struct LayerSpec {
   std::vector<OpSpec> ops;
   std::vector<TensorSpec> tensors;
   int block_input = -1;
+  double forward_s = -1;  // the layer's own forward time ("forward_ms"); -1: its operators' sum
 };
 
 // The largest tensor the format accepts (1 PiB): large enough for any real activation, small
@@ -387,7 +388,8 @@ Result<int64_t> ReadTensorBytes(const nlohmann::json& v, const std::string& fiel
 
 Result<LayerSpec> ParseLayerGraph(const nlohmann::json& doc, const std::string& where) {
   if (!doc.is_object()) return InvalidArgument(where + " must be an object");
-  BGL_RETURN_IF_ERROR(RejectUnknownKeys(doc, {"operators", "tensors", "comment"}, where));
+  BGL_RETURN_IF_ERROR(
+      RejectUnknownKeys(doc, {"operators", "tensors", "forward_ms", "comment"}, where));
   if (!doc.contains("operators") || !doc["operators"].is_array() || !doc.contains("tensors") ||
       !doc["tensors"].is_array()) {
     return InvalidArgument(where + " must have 'operators' and 'tensors' arrays");
@@ -396,6 +398,15 @@ Result<LayerSpec> ParseLayerGraph(const nlohmann::json& doc, const std::string& 
     return InvalidArgument(where + ".operators: empty; a layer needs at least one operator");
   }
   LayerSpec spec;
+  if (doc.contains("forward_ms")) {
+    double forward_ms = 0;
+    BGL_RETURN_IF_ERROR(ReadMs(doc, "forward_ms", true, kMaxOperatorMs, forward_ms, where));
+    if (!(forward_ms > 0)) {
+      return InvalidArgument(where + ": field 'forward_ms' must be above 0 (the layer's own "
+                             "forward time), got 0");
+    }
+    spec.forward_s = forward_ms * 1e-3;
+  }
   std::map<std::string, int> op_index;
   for (const auto& od : doc["operators"]) {
     std::string field = where + ".operators[" + std::to_string(spec.ops.size()) + "]";
@@ -519,6 +530,11 @@ Result<StageGraph> BuildCustomGraph(const ModelConfig& config, const nlohmann::j
   const TensorSpec& input = spec.tensors[spec.block_input];
   StageGraph g;
   g.layers = static_cast<int>(config.LayersPerChunk());
+  if (spec.forward_s > 0) {
+    double sum = 0;
+    for (const OpSpec& s : spec.ops) sum += s.forward_s;
+    if (sum > 0) g.window_scale = spec.forward_s / sum;
+  }
   int previous_output = -1;
   for (int layer = 0; layer < g.layers; ++layer) {
     const std::string prefix = "L" + std::to_string(layer) + ".";

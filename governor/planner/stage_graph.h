@@ -81,13 +81,20 @@ class StageGraph {
   std::vector<Operator> ops;
   std::vector<SavedTensor> tensors;
   int layers = 0;
+  // The chunk's compute time over the sum of its operators' times, where those overlap: an
+  // explicit layer graph's operators may be nested (a module and the modules it calls, each
+  // timed whole, as the PyTorch capture times them: what rerunning it costs), so their sum
+  // counts the inner ones more than once. ForwardTime and BackwardTime (the copy windows, the
+  // issue order's forward and backward chains) are the sums times this; a recompute still costs
+  // the rerun operator's own time. 1: the operators' times add up (generated graphs).
+  double window_scale = 1;
 
   // Memory retained under full recompute (block inputs only): the paper's M0.
   double M0(double r) const;
   // Memory with every saved tensor kept on device.
   double KeepAllBytes(double r) const;
-  double ForwardTime(double r) const;
-  double BackwardTime(double r) const;
+  double ForwardTime(double r) const;   // the chunk's forward: window_scale x the operators'
+  double BackwardTime(double r) const;  // likewise
   double ForwardFlops(double r) const;
   int FindOp(const std::string& name) const;
 

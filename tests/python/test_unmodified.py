@@ -433,6 +433,32 @@ def test_fp8_with_the_others_within_one_percent(name: str) -> None:
     assert err > 0, "no gradient changed: FP8 storage was not used by the backward"
 
 
+def test_the_layer_time_counts_nested_operators_once() -> None:
+    """The capture times each operator whole, the operators it calls included (what rerunning
+    it costs), so a layer's operators add up to more than the layer takes (the block, the
+    attention around its projections, the MoE block around the experts). The layer graph's
+    forward_ms is the layer's own time, its outermost operator's, and the planner's copy
+    windows use it (issue 42: with the sum, offloads planned as hidden under a forward 2.8x
+    too long were exposed)."""
+    require_libs()
+    from bagualu import _active
+    bagualu.install(capacity="1GiB", policy="keep-all", governor="none", log_iterations=False)
+    try:
+        model = unmodified.build("qwen3_moe")
+        bagualu.instrument(model)
+        x = unmodified.batches(1)[0]
+        with bagualu.forward(0):
+            loss = unmodified.loss_of(model, x)
+        with bagualu.backward(0):
+            loss.backward()
+        lg = _active.runtime.planning.model_doc["layer_graph"]
+    finally:
+        bagualu.uninstall()
+    ops = {o["name"]: o["forward_ms"] for o in lg["operators"]}
+    assert lg["forward_ms"] == pytest.approx(ops["block"], abs=2e-4)
+    assert lg["forward_ms"] < 0.75 * sum(ops.values())
+
+
 def test_describe_lists_layers_and_operators() -> None:
     text = bagualu.describe(unmodified.build("deepseek_v3"))
     assert "layers: model.layers (4 x DeepseekV3DecoderLayer)" in text

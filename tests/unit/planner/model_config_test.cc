@@ -222,5 +222,63 @@ TEST(ModelConfig, RecomputeAllowedPerOperator) {
   EXPECT_NE(message.find("recompute_allowed"), std::string::npos) << message;
 }
 
+// A captured layer's operators nest (a module and the modules it calls, each timed whole), so
+// their times add up to more than the layer takes. The layer graph's "forward_ms" (the layer's
+// own time) sets the copy windows; a rerun still costs its operator's own time.
+TEST(ModelConfig, LayerForwardTimeSetsTheCopyWindowsNotTheReruns) {
+  auto doc = CustomGraph();
+  auto& ops = doc["layer_graph"]["operators"];
+  ops[0]["forward_ms"] = 0.5;
+  ops[0]["backward_ms"] = 1.0;
+  ops[1]["forward_ms"] = 2.0;
+  ops[1]["backward_ms"] = 4.0;
+  ops[2] = {{"name", "act"}, {"kind", "other"}, {"forward_ms", 0.5}, {"backward_ms", 1.0}};
+  doc["layer_graph"]["tensors"][1]["bytes"] = 128 << 20;
+  auto hw = HardwareProfileByName("h200");
+  ASSERT_TRUE(hw.ok());
+  auto build = [&](const nlohmann::json& d) {
+    auto config = ModelConfigFromJson(d, "custom.json");
+    EXPECT_TRUE(config.ok()) << config.status().message();
+    return BuildStageGraph(*config, *hw);
+  };
+  auto summed = build(doc);
+  ASSERT_TRUE(summed.ok()) << summed.status().message();
+  doc["layer_graph"]["forward_ms"] = 1.5;  // half the operators' sum
+  auto nested = build(doc);
+  ASSERT_TRUE(nested.ok()) << nested.status().message();
+  const double layers = static_cast<double>(nested->layers);
+  EXPECT_DOUBLE_EQ(summed->ForwardTime(1.0), 3.0e-3 * layers);
+  EXPECT_DOUBLE_EQ(nested->ForwardTime(1.0), 1.5e-3 * layers);
+  EXPECT_DOUBLE_EQ(nested->BackwardTime(1.0), 3.0e-3 * layers);
+  // Offloading fc's input (y): a copy the summed forward would hide, the layer's own does not.
+  Assignment offload(nested->ops.size(), Strategy::kKeep);
+  for (size_t o = 1; o < offload.size(); o += 3) offload[o] = Strategy::kOffload;
+  const AssignmentCost s = CostEvaluator(*summed, *hw).Evaluate(offload, 1.0);
+  const AssignmentCost n = CostEvaluator(*nested, *hw).Evaluate(offload, 1.0);
+  ASSERT_EQ(hw->copy_overlap, 1.0);
+  ASSERT_GT(n.d2h_s, nested->ForwardTime(1.0));
+  ASSERT_LT(n.d2h_s, summed->ForwardTime(1.0));
+  EXPECT_EQ(s.exposed_s, 0.0);
+  EXPECT_NEAR(n.exposed_s, n.d2h_s - nested->ForwardTime(1.0), 1e-12);
+  // Recomputing fc's input reruns norm at norm's own time in both.
+  Assignment rerun(nested->ops.size(), Strategy::kKeep);
+  for (size_t o = 1; o < rerun.size(); o += 3) rerun[o] = Strategy::kRecompute;
+  EXPECT_DOUBLE_EQ(CostEvaluator(*nested, *hw).Evaluate(rerun, 1.0).recompute_s, 0.5e-3 * layers);
+  EXPECT_DOUBLE_EQ(CostEvaluator(*summed, *hw).Evaluate(rerun, 1.0).recompute_s, 0.5e-3 * layers);
+  // A layer time that is not a positive number of milliseconds is refused by name.
+  for (const nlohmann::json& bad : {nlohmann::json(0.0), nlohmann::json(-1.0),
+                                    nlohmann::json("1ms")}) {
+    doc["layer_graph"]["forward_ms"] = bad;
+    auto config = ModelConfigFromJson(doc, "custom.json");
+    std::string message = config.ok() ? "" : config.status().message();
+    if (config.ok()) {
+      auto g = BuildStageGraph(*config, *hw);
+      ASSERT_FALSE(g.ok()) << "accepted forward_ms " << bad.dump();
+      message = g.status().message();
+    }
+    EXPECT_NE(message.find("forward_ms"), std::string::npos) << message;
+  }
+}
+
 }  // namespace
 }  // namespace bgl::plan

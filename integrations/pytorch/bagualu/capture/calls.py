@@ -38,6 +38,10 @@ class OperatorCalls:
         # Compiled blocks (capture/compiled.py): the first call of a compiled block compiles
         # it, so an operator's time is its fastest call in the capture (ms), not the mean.
         self.fastest: Optional[Dict[str, float]] = None
+        # The capture's forward time per layer (ms): its outermost operators' times. An
+        # operator's time includes the operators it calls (what rerunning it costs), so the
+        # operators' sum counts nested ones more than once (planning/graph.py).
+        self.layer_ms = 0.0
         self.no_replay: Set[str] = set()         # operators whose rerun would communicate
 
     def enter(self, op: Op, fn: Callable[..., Any], args: Any, kwargs: Any,
@@ -111,6 +115,8 @@ class OperatorCalls:
             fastest = self.fastest
             if fastest is None:
                 host.op_time(op.name, ms / max(self.layers, 1))
+                if not self.stack:
+                    self.layer_ms += ms / max(self.layers, 1)
             elif ms < fastest.get(op.name, float("inf")):
                 host.op_time(op.name, ms - fastest.get(op.name, 0.0))  # the sum stays the min
                 fastest[op.name] = ms
