@@ -94,6 +94,38 @@ def test_the_tool_writes_the_calibration_and_exits_2_on_bad_input(tmp_path: Path
         assert says in bad.stderr, bad.stderr
 
 
+def test_the_tool_scales_with_the_matmul_rate_of_the_runs_threads(monkeypatch, tmp_path: Path,
+                                                                  capsys) -> None:
+    """Without --calibration the rate the link scales with is this machine's matmul rate at
+    --threads, measured now (the fastest of several runs): a cached calibration measured under
+    load (issue 42: 0.0094 TFLOP/s at 2 threads on a busy 2-core VM, 0.17 at 1) would make the
+    link that much too slow. A lower cached rate is named; --threads below 0 is exit 2."""
+    import torch
+    threads = torch.get_num_threads()
+    seen = {}
+    monkeypatch.setattr(emulation, "_measured_here", lambda: dict(MEASURED, peak_tflops=0.002))
+    monkeypatch.setattr(emulation, "matmul_tflops",
+                        lambda reps=15: seen.setdefault("threads", torch.get_num_threads())
+                        and 0.2)
+    out = tmp_path / "gh.json"
+    try:
+        assert emulation.main(["--profile", "gh200-c2c", "--threads", "1", "-o", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert seen["threads"] == 1
+    doc = json.loads(out.read_text())
+    assert doc["peak_tflops"] == 0.2
+    assert doc == {**emulation.emulate(dict(MEASURED, peak_tflops=0.2), "gh200-c2c"),
+                   "source": doc["source"]}
+    assert "1 PyTorch thread" in doc["source"]
+    assert "under half" in capsys.readouterr().err
+    # A cached rate above the one measured now (a quieter moment) is kept.
+    monkeypatch.setattr(emulation, "_measured_here", lambda: dict(MEASURED, peak_tflops=0.3))
+    assert emulation.main(["--profile", "gh200-c2c", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["peak_tflops"] == 0.3
+    assert emulation.main(["--profile", "gh200-c2c", "--threads", "-1", "-o", str(out)]) == 2
+
+
 def test_training_with_an_emulated_link_moves_through_it_and_keeps_gradients(
         tmp_path: Path) -> None:
     """install(calibration=an emulated one): the enforcer's copies go over the emulated link
@@ -142,3 +174,109 @@ def test_training_with_an_emulated_link_moves_through_it_and_keeps_gradients(
     assert stats["emulated_link"] == "H200 over PCIe Gen5 x16", stats["emulated_link"]
     assert stats["enforcer"]["offloads"] > 0 and stats["enforcer"]["reloads"] > 0
     assert torch.equal(kept, moved)
+
+
+def test_a_static_policy_waits_for_its_own_offloads_instead_of_running_out_of_memory(
+        tmp_path: Path) -> None:
+    """Offload-all (every operator forced to offload, no planner) at a capacity below what the
+    forward saves, over a link far slower than the forward: each offload's device block stays
+    until its copy is done, so the forward runs short of room. A GPU's allocator waits for
+    those copies before it reports out of memory; so does the host backend's under every
+    policy now (issue 42: offload-all ran out of memory over the emulated GH200 link). Nothing
+    is evicted, and the gradients are keep-all's."""
+    import torch
+    from torch import nn
+    import bagualu
+
+    doc = emulation.emulate(MEASURED, "h200-pcie5")
+    for d in ("offload", "reload"):  # 256 KiB saved per step: about 13 ms a copy
+        doc["rooflines"][d]["peak_GBps"] = 0.02
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(doc))
+    steps = 8
+
+    class Block(bagualu.OpBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fcs = nn.ModuleList(nn.Linear(128, 128) for _ in range(steps))
+
+        def build_steps(self):
+            S = bagualu.Step
+            name = lambda i: "x" if i == 0 else "out" if i == steps else f"h{i}"  # noqa: E731
+            return [S(f"fc{i}", "linear", lambda x, f=f: torch.tanh(f(x)), (name(i),),
+                      (name(i + 1),)) for i, f in enumerate(self.fcs)]
+
+    def grad(strategy: str, capacity: str, calibration_path):
+        torch.manual_seed(0)
+        m, x = Block(), torch.randn(512, 128)
+        bagualu.install(capacity=capacity, policy="keep-all", governor="none",
+                        log_iterations=False, calibration=calibration_path)
+        try:
+            bagualu.instrument(m)
+            bagualu.force_strategies({f"fc{i}": strategy for i in range(steps)})
+            with bagualu.forward(0):
+                y = m(x).square().sum()
+            with bagualu.backward(0):
+                y.backward()
+            stats = bagualu.stats()
+        finally:
+            bagualu.uninstall()
+        return [f.weight.grad for f in m.fcs], stats
+
+    kept, _ = grad("keep", "64MiB", None)
+    # 8 steps of 256 KiB saved (the tanh outputs, and their inputs): room for about 3.
+    moved, stats = grad("offload", "1MiB", str(path))
+    assert stats["ooms"] == 0
+    assert stats["enforcer"]["offloads"] >= steps and stats["enforcer"]["evictions"] == 0
+    for a, b in zip(kept, moved):
+        assert torch.equal(a, b)
+
+
+def test_flushing_a_forwards_waiting_offloads_issues_them_without_waiting() -> None:
+    """When the next forward's plan needs the room of the offloads an earlier forward left for
+    this point's O chain, they are issued at once on the copy threads (later micro-batches
+    first, each in save order) and the forward starts beside them; an offload its O chain
+    issued already is left to it. Without copy threads (or on CUDA) each completes in turn
+    (offload_pending). Issue 42: waiting for every emulated copy here cost 256 ms of 1.4 s
+    per iteration."""
+    from types import SimpleNamespace as NS
+    from bagualu.planning.plans import Planning
+
+    issued: list = []
+
+    class Rec:
+        def __init__(self, mb: int, seq: int, enf: int, planned: bool = True) -> None:
+            self.micro_batch, self.seq, self.enf = mb, seq, enf
+            self.planned, self.issued = planned, False
+
+        def movable(self) -> bool:
+            return True
+
+        def tracked(self) -> int:
+            return self.enf
+
+        def offload_behind(self) -> bool:
+            issued.append((self.micro_batch, self.seq))
+            self.issued = True
+            return True
+
+        def offload(self) -> int:
+            raise AssertionError("waited for a copy")
+
+    HOST, DEVICE = 7, 1
+    on_host = {4}
+    fast = NS(state=lambda h: (0, HOST if h in on_host else DEVICE, 0, 0))
+    enforcer = NS(fast=fast, vocab=NS(place_host=HOST))
+    recs = [Rec(0, 5, 1), Rec(1, 9, 2), Rec(1, 3, 3), Rec(0, 1, 4), Rec(0, 2, 5, planned=False)]
+    counters = {"early_offloads": 0}
+    flushed = []
+    mover = NS(offload_behind=True, planned={r.enf: r for r in recs}, counters=counters,
+               offload_pending=lambda: flushed.append(True))
+    p = Planning.__new__(Planning)
+    p.tracker, p.enforcer = NS(mover=mover), enforcer
+    p._flush_pending()
+    assert issued == [(1, 3), (1, 9), (0, 5)]  # (0, 1) is on the host already; (0, 2) unplanned
+    assert counters["early_offloads"] == 3 and not flushed
+    mover.offload_behind = False
+    p._flush_pending()
+    assert flushed == [True]

@@ -84,7 +84,9 @@ class Runtime(HooksHost):
         self.chunks = settings.chunks
         bagualu = settings.policy == "bagualu"
         evict = self._evict
-        self.memory = DeviceMemory(self.device, pool, evict if bagualu else None)
+        # Other policies move nothing on pressure, but wait for the offloads they issued (a
+        # GPU's allocator waits on those copies' events before it reports out of memory).
+        self.memory = DeviceMemory(self.device, pool, evict if bagualu else self._settle_copies)
         self.enforcer = Enforcer(
             self.device, settings.pinned_capacity,
             borrowed_free_is_safe=self.device.type == "cuda" and _active.cuda_allocator_swapped,
@@ -121,6 +123,19 @@ class Runtime(HooksHost):
 
     def _evict(self, needed: int) -> int:
         return self.tracker.mover.evict(needed)
+
+    def _settle_copies(self, needed: int) -> int:
+        """An allocation failed under a policy other than bagualu's: completes the offloads
+        issued without waiting (their device blocks stay until the copy is done), oldest first,
+        until ``needed`` bytes are free; moves nothing else. Bytes freed (issue 42: offload-all
+        ran out of memory over an emulated link while its own copies held the device)."""
+        copying = self.tracker.mover.copying
+        freed = 0
+        while copying and freed < needed:
+            rec = copying.popleft()
+            if rec.issued and rec.storage is not None:
+                freed += rec.offload()
+        return freed
 
     # -- instrumentation --------------------------------------------------------------------
     @property
@@ -224,6 +239,9 @@ class Runtime(HooksHost):
                     produced[r.producer.name] = produced.get(r.producer.name, 0) + r.nbytes
             op_ms = self.auto.compiled_op_times(op_ms, produced)
         lg = graph.build_produced_graph(recs, ops, load0, op_ms, calls.readers, names)
+        layer_ms = getattr(getattr(calls, "calls", None), "layer_ms", 0.0)
+        if layer_ms > 0 and not per_op:  # the copy windows: nested operators counted once
+            lg["forward_ms"] = round(layer_ms, 4)
         if per_op:  # a compiled graph's operators cannot be rerun alone
             for o in lg["operators"]:
                 o["recompute_allowed"] = False
