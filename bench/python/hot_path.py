@@ -68,6 +68,11 @@ from bagualu.enforce.enforcer import Enforcer  # noqa: E402
 from bagualu.enforce.pool import DevicePool  # noqa: E402
 from bagualu.vocabulary import FP8, KEEP, OFFLOAD, Op  # noqa: E402
 
+try:
+    from bagualu.planning.strategies import Strategies  # noqa: E402
+except ImportError:  # a package from before it
+    Strategies = None
+
 ns = time.perf_counter_ns
 
 
@@ -97,10 +102,15 @@ class Bench:
         kwargs = ({"sync_copies": True}
                   if "sync_copies" in inspect.signature(Enforcer).parameters else {})
         self.enforcer = Enforcer(self.cpu, capacity, borrowed_free_is_safe=False, **kwargs)
-        self.strategy = KEEP
-        self.tracker = Tracker(self.memory, self.enforcer, lambda op, mb: self.strategy)
         self.op = Op("experts", "expert_linear", 0)
         self.consumer = Op("act", "expert_activation", 0)
+        # The strategies as install() has them: bagualu's, a plan per micro-batch (packages
+        # without planning/strategies.py: a function of the strategy set).
+        self.plans = Strategies("bagualu") if Strategies is not None else None
+        self._strategy = KEEP
+        self.tracker = Tracker(self.memory, self.enforcer,
+                               self.plans.of if self.plans is not None
+                               else lambda op, mb: self._strategy)
         self.tracker.scope.append(self.op)
         # Records of other micro-batches, tracked while the measured ones come and go.
         self.background: List[Any] = []
@@ -109,6 +119,19 @@ class Bench:
             for _ in range(background // 3):
                 self.background.append(self.tracker.pack(torch.empty(nbytes // 4)))
         self.tracker.begin_forward(0, capture=False)
+
+    @property
+    def strategy(self) -> str:
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, strategy: str) -> None:
+        """Every measured micro-batch's plan gives the measured operators ``strategy`` (the
+        background micro-batches keep: no plan names them)."""
+        self._strategy = strategy
+        if self.plans is not None:
+            self.plans.per_unit = {mb: {self.op.qualname: strategy,
+                                        self.consumer.qualname: strategy} for mb in range(8)}
 
     def tensors(self, n: int, nbytes: int) -> List[torch.Tensor]:
         return [torch.empty(max(nbytes // 4, 1)).uniform_() for _ in range(n)]

@@ -3,9 +3,12 @@
 // producer's strategy says so, and counts small storages in their light set; light capture of
 // new storages, tensor subclasses, the capture micro-batch, recompute and offloads left to the
 // issue order are the tracker's _pack_py.
+#include <ATen/SequenceNumber.h>
 #include <Python.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <array>
@@ -413,6 +416,52 @@ bool MoveAtOnce(HooksObject* h, RecordObject* r, bool fp8) {
   return ok;
 }
 
+// tracker.strategy_of(op, unit), a new reference. Where that is Strategies.of
+// (planning/strategies.py) under bagualu's plans with nothing forced, its plan branch is read
+// here from the plans it holds (per_unit: unit -> qualname -> strategy), with no Python frame:
+// an operator outside the layers keeps, one a plan does not name keeps. Any other policy, forced
+// strategies or another strategy_of (a test's) is called.
+PyObject* StrategyOf(PyObject* tr, PyObject* op, PyObject* unit) {
+  PyObject* of = Get(tr, names.strategy_of);
+  if (of == nullptr) return nullptr;
+  PyObject* owner = PyMethod_Check(of) ? PyMethod_GET_SELF(of) : nullptr;  // borrowed
+  PyObject* policy = owner == nullptr ? nullptr : PyObject_GetAttr(owner, names.policy);
+  PyObject* forced = policy == nullptr ? nullptr : PyObject_GetAttr(owner, names.forced);
+  PyObject* per_unit = forced == nullptr ? nullptr : PyObject_GetAttr(owner, names.per_unit);
+  PyObject* out = nullptr;
+  bool fast = per_unit != nullptr && PyDict_Check(per_unit) && forced == Py_None &&
+              PyUnicode_Check(policy) && PyUnicode_CompareWithASCIIString(policy, "bagualu") == 0;
+  PyErr_Clear();  // a strategy_of with no plans of its own (AttributeError): called below
+  if (fast) {
+    long long layer = 0;
+    PyObject* table = nullptr;
+    if (!GetInt(op, names.layer, &layer)) {
+      fast = false;
+    } else if (layer < 0) {
+      out = constants.keep;
+    } else if ((table = PyDict_GetItemWithError(per_unit, unit)) == nullptr) {  // borrowed
+      out = PyErr_Occurred() ? nullptr : constants.keep;
+    } else if (PyDict_Check(table)) {
+      PyObject* qualname = Get(op, names.qualname_slot);
+      out = qualname == nullptr ? nullptr : PyDict_GetItemWithError(table, qualname);
+      Py_XDECREF(qualname);
+      if (out == nullptr && !PyErr_Occurred()) out = constants.keep;
+    } else {
+      fast = false;
+    }
+    Py_XINCREF(out);
+  }
+  Py_XDECREF(per_unit);
+  Py_XDECREF(forced);
+  Py_XDECREF(policy);
+  if (!fast) {
+    PyErr_Clear();
+    out = PyObject_CallFunctionObjArgs(of, op, unit, nullptr);
+  }
+  Py_DECREF(of);
+  return out;
+}
+
 // The producer (a new reference) of the storage: a noted producer, else the innermost operator
 // running now (ForwardScope.producer_call, capture/scope.py).
 PyObject* ProducerOf(HooksObject* h, PyObject* key, c10::StorageImpl* impl, PyObject* op) {
@@ -644,7 +693,43 @@ PyObject* PackLight(HooksObject* h, PyObject* t, const at::Tensor& x, PyObject* 
   return t;
 }
 
+// What the pack below is given for ``t``, a new reference: ``t`` itself, or, where ``t`` is an
+// output of the node saving it now (its grad_fn is the node this thread made last: autograd saves
+// an operator's outputs after making its node), its data without that history. Kept with its
+// history, the saved output would hold its own node (node -> saved variable -> what the pack
+// gave -> tensor -> node), a cycle through autograd's C++ objects the collector cannot see: a
+// graph whose backward never runs to the end (training stopped by an error, a forward never
+// backwarded) would then keep every record, the enforcer and its blocks forever (issue 45).
+// PyTorch without hooks saves such outputs as their tensor_data for the same reason.
+PyObject* WithoutOwnNode(PyObject* t) {
+  if (THPVariable_Check(t)) {
+    const at::Tensor& x = THPVariable_Unpack(t);
+    const auto* meta = torch::autograd::impl::get_autograd_meta(x);  // no view regeneration
+    const torch::autograd::Node* fn = meta == nullptr ? nullptr : meta->grad_fn_.get();
+    if (fn != nullptr && fn->sequence_nr() + 1 == at::sequence_number::peek()) {
+      try {
+        return THPVariable_Wrap(x.tensor_data());  // shares the storage and version counter
+      } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+      }
+    }
+  }
+  Py_INCREF(t);
+  return t;
+}
+
+PyObject* PackTensor(PyObject* self, PyObject* t);
+
 PyObject* Pack(PyObject* self, PyObject* t) {
+  PyObject* saved = WithoutOwnNode(t);
+  if (saved == nullptr) return nullptr;
+  PyObject* out = PackTensor(self, saved);
+  Py_DECREF(saved);
+  return out;
+}
+
+PyObject* PackTensor(PyObject* self, PyObject* t) {
   auto* h = reinterpret_cast<HooksObject*>(self);
   PyObject* tr = h->tracker;
   // Tensor subclasses (parameters, DTensor, wrappers) and light capture: Python.
@@ -734,7 +819,7 @@ PyObject* Pack(PyObject* self, PyObject* t) {
     }
     PyObject* producer = ProducerOf(h, key, impl, op);
     if (producer == nullptr) goto done;
-    PyObject* strategy = PyObject_CallMethodObjArgs(tr, names.strategy_of, producer, unit, nullptr);
+    PyObject* strategy = StrategyOf(tr, producer, unit);
     if (strategy == nullptr) {
       Py_DECREF(producer);
       goto done;

@@ -77,7 +77,11 @@ bool InternNames() {
                            {&names.light_grain, "light_grain"},
                            {&names.operators, "operators"},
                            {&names.external, "external"},
-                           {&names.small_kept, "small_kept"}};
+                           {&names.small_kept, "small_kept"},
+                           {&names.policy, "policy"},
+                           {&names.forced, "forced"},
+                           {&names.per_unit, "per_unit"},
+                           {&names.qualname_slot, "_qualname"}};
   for (const Entry& e : entries) {
     *e.slot = PyUnicode_InternFromString(e.text);
     if (*e.slot == nullptr) return false;

@@ -26,7 +26,10 @@ class Strategies:
         self.known: Set[str] = set()
 
     def of(self, op: Op, unit: int) -> str:
-        """The strategy of ``op`` in the forward of ``unit`` (a micro-batch of a chunk)."""
+        """The strategy of ``op`` in the forward of ``unit`` (a micro-batch of a chunk). The
+        binding's pack reads the last branch (bagualu's plans, nothing forced) from ``policy``,
+        ``forced`` and ``per_unit`` with no Python frame (csrc/hooks.cc StrategyOf): keep those
+        attributes' meaning in step with it."""
         if op.layer >= 0 and self.forced is not None:
             return self.forced.get(op.name, self.forced.get(op.qualname, KEEP))
         if op.layer < 0 or self.policy == "keep-all":

@@ -22,7 +22,7 @@ struct Names {
       *tracked, *offloads, *bytes_d2h, *reloads, *bytes_h2d, *live_blocks, *destroyed, *block_done,
       *block_died, *acquired, *retire, *enforcer, *regenerators, *closing, *destroy_if_done, *layer,
       *fp8_casts, *fp8_uncasts, *used, *reserved, *grow, *store, *light_set, *light_grain,
-      *operators, *external, *small_kept;
+      *operators, *external, *small_kept, *policy, *forced, *per_unit, *qualname_slot;
 };
 extern Names names;
 bool InternNames();
