@@ -6,7 +6,7 @@
 #include <ATen/SequenceNumber.h>
 #include <Python.h>
 #include <torch/csrc/Storage.h>
-#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/function.h>  // Node (torch 2.6 has no node.h)
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
