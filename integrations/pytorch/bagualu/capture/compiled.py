@@ -64,22 +64,23 @@ class _Entry:
     """A block's ``_compiled_call_impl`` with bagualu's enter and leave around it (and, per
     operator, the compiled call inside a stash frame)."""
 
-    __slots__ = ("block", "compiled", "pre", "post", "on_stash")
+    __slots__ = ("block", "compiled", "pre", "post", "on_stash", "dynamic")
 
     def __init__(self, block: nn.Module, compiled: Callable[..., Any], pre: Hook,
-                 post: Hook, on_stash: Optional[stash.OnStash]) -> None:
+                 post: Hook, on_stash: Optional[stash.OnStash], dynamic: bool = False) -> None:
         self.block = block
         self.compiled = compiled
         self.pre = pre
         self.post = post
         self.on_stash = on_stash
+        self.dynamic = dynamic
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.pre(self.block, args, kwargs)
         if self.on_stash is None:
             out = self.compiled(*args, **kwargs)
         else:
-            with stash.Frame(self.on_stash):
+            with stash.Frame(self.on_stash, self.dynamic):
                 out = self.compiled(*args, **kwargs)
         self.post(self.block, args, out)
         return out
@@ -89,12 +90,13 @@ class _WrappedFrames:
     """The stash frames of a block wrapped by ``torch.compile`` (forward hooks on the wrapper:
     entered after bagualu's enter, left before its leave, also when the call raises)."""
 
-    def __init__(self, on_stash: stash.OnStash) -> None:
+    def __init__(self, on_stash: stash.OnStash, dynamic: bool = False) -> None:
         self.on_stash = on_stash
+        self.dynamic = dynamic
         self.open: List[stash.Frame] = []
 
     def enter(self, m: nn.Module, args: Any, kwargs: Any) -> None:
-        f = stash.Frame(self.on_stash)
+        f = stash.Frame(self.on_stash, self.dynamic)
         f.__enter__()
         self.open.append(f)
 
@@ -182,11 +184,13 @@ class CompiledBlocks:
         form = forms[0] if forms else None
         if form is None:
             return False
-        if self.simulated_ep:
+        if self.simulated_ep and self.on_stash is None:
             raise InstrumentError(
-                "instrument(expert_parallel=N) simulates expert parallelism with hooks inside "
-                "each block, and the blocks are compiled: real expert parallelism, or "
-                "local_experts= for a model that computes only its own experts")
+                "instrument(expert_parallel=N) with compiled blocks needs them planned per "
+                "operator (install(compiled_operators='operators'), torch 2.15 or later): the "
+                "routers' load is read where their saved indices are stashed; per block, use "
+                "real expert parallelism, or local_experts= for a model that computes only its "
+                "own experts")
         self.form = form
         self.drop_inner()
         if self.on_stash is not None:
@@ -198,7 +202,7 @@ class CompiledBlocks:
                 wrapper = self.found.entry(bi)
                 self.handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
                 if on_stash is not None:
-                    frames = _WrappedFrames(on_stash)
+                    frames = _WrappedFrames(on_stash, self.simulated_ep)
                     self.handles.append(wrapper.register_forward_pre_hook(frames.enter,
                                                                           with_kwargs=True))
                     self.handles.append(wrapper.register_forward_hook(frames.leave,
@@ -207,13 +211,14 @@ class CompiledBlocks:
             else:
                 block = self.found.blocks[bi]
                 compiled = block.__dict__["_compiled_call_impl"]
-                block._compiled_call_impl = _Entry(block, compiled, pre, post, on_stash)
+                block._compiled_call_impl = _Entry(block, compiled, pre, post, on_stash,
+                                                   self.simulated_ep)
                 self.entries.append((block, compiled))
         if self.per_op:
             log.info("bagualu: the %d planned blocks of %s are compiled (%s): their saved "
                      "tensors are placed per operator (torch.ops.bagualu.stash); no operator "
-                     "inside them is recomputed alone; routers' load factors are not observed "
-                     "inside them", len(forms), self.found.layers_path, form)
+                     "inside them is recomputed alone; routers' load factors are read where "
+                     "their saved indices are stashed", len(forms), self.found.layers_path, form)
         elif self.unsupported:
             log.warning("bagualu: the %d planned blocks of %s are compiled (%s) and torch %s "
                         "cannot place their saved tensors per operator (it needs torch 2.15's "
@@ -233,7 +238,8 @@ class CompiledBlocks:
             if not isinstance(impl, _Entry):
                 pre, post = self.hooks(i)
                 on_stash = self.on_stash(i) if self.on_stash is not None else None
-                block._compiled_call_impl = _Entry(block, impl, pre, post, on_stash)
+                block._compiled_call_impl = _Entry(block, impl, pre, post, on_stash,
+                                                   self.simulated_ep)
                 self.entries[i] = (block, impl)
 
     def _check_above(self) -> None:

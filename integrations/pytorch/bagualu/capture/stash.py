@@ -216,10 +216,13 @@ class Frame:
     and ``on_stash(t, operator name or None)``, which names the producer first. Not
     thread-safe: the training thread."""
 
-    __slots__ = ("on_stash", "outer", "mode")
+    __slots__ = ("on_stash", "outer", "mode", "dynamic")
 
-    def __init__(self, on_stash: Optional[OnStash]) -> None:
+    def __init__(self, on_stash: Optional[OnStash], dynamic: bool = False) -> None:
         self.on_stash = on_stash
+        # Simulated expert parallelism: the local experts' tokens are data-dependent sizes
+        # (nonzero), which dynamo captures only with capture_dynamic_output_shape_ops.
+        self.dynamic = dynamic
         self.outer: Optional[Tuple[Any, Any]] = None
         self.mode: Any = None  # the ExitStack of the config patches and the hooks
 
@@ -239,6 +242,9 @@ class Frame:
                 saved_tensors_hooks_filtering_mode="no_static"))
             stack.enter_context(_inductor_config().patch(inplace_buffers=False,
                                                          allow_buffer_reuse=False))
+            if self.dynamic:
+                stack.enter_context(torch._dynamo.config.patch(
+                    capture_dynamic_output_shape_ops=True))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(PACK, UNPACK))
         except BaseException:
             stack.close()
