@@ -21,6 +21,7 @@ from .capture import foreign
 from .capture.blocks import BlockPath
 from .capture.modules import AutoLayers, ExpertParallel
 from .capture.tracker import Tracker, param_storages
+from .describe import describe_capture
 from .discovery import find as discover
 from .discovery.opblock import OpBlock
 from .discovery.sharding import Sharding, refuse_legacy_wrappers
@@ -215,46 +216,6 @@ class Runtime(HooksHost):
         if self.auto is not None:
             self.auto.remove()
 
-    def _describe_capture(self) -> None:
-        """After the capture micro-batch: the layer graph of what PyTorch saved, to the
-        governor."""
-        # What the backward will need: records released during the forward (graph pieces
-        # that lead nowhere, e.g. a router's selection arithmetic) held memory only briefly.
-        recs = self.tracker.store.take_captured(self._capture_unit)
-        loads = self.planning.loads.get(self._capture_unit, [])
-        load0 = loads[0] if loads else 1.0
-        if self.auto is not None:
-            calls, kinds = self.auto, self.discovery.kinds
-        else:
-            calls, kinds = self.block_path, {op.name: op.kind for op in self.layer_ops[0]}
-        # Operators in the order of their first call (a block's own code first).
-        ops = [Op(n, kinds[n], 0) for n in calls.op_order(list(kinds))]
-        names = graph.TensorNames(ops)
-        op_ms = self.op_ms
-        per_op = self.auto is not None and self.auto.compiled.per_op
-        if per_op:  # compiled blocks, their operators placed apart (capture/compiled.py)
-            produced: Dict[str, int] = {}
-            for r in recs:
-                if r.producer.layer == 0:
-                    produced[r.producer.name] = produced.get(r.producer.name, 0) + r.nbytes
-            op_ms = self.auto.compiled_op_times(op_ms, produced)
-        lg = graph.build_produced_graph(recs, ops, load0, op_ms, calls.readers, names)
-        layer_ms = getattr(getattr(calls, "calls", None), "layer_ms", 0.0)
-        if layer_ms > 0 and not per_op:  # the copy windows: nested operators counted once
-            lg["forward_ms"] = round(layer_ms, 4)
-        if per_op:  # a compiled graph's operators cannot be rerun alone
-            for o in lg["operators"]:
-                o["recompute_allowed"] = False
-        outside = sum(r.nbytes for r in recs if r.consumers and not r.in_layers())
-        self.planning.register(lg, names, outside, self.model_info)
-        if self.hidden.found and not self.hidden.reported:
-            self.hidden.reported = True
-            s = self.settings
-            in_flight = max(1, min(s.micro_batches, s.pipeline_stages - s.pipeline_rank))
-            seen = graph.produced_in_layers(r for r in recs if r.storage is None or
-                                            not self.hidden.holds(r.ptr, r.storage))
-            log.warning("%s", foreign.report(self.hidden, seen, in_flight, self.capacity))
-
     # -- micro-batch contexts ---------------------------------------------------------------
     def unit_id(self, mb: int, chunk: int = 0) -> int:
         """The tracker's id of micro-batch ``mb`` of local stage ``chunk``."""
@@ -318,7 +279,7 @@ class Runtime(HooksHost):
         captured = (graph.produced_in_layers(t.by_mb.get(unit, ()))
                     + t.store.light_bytes(unit, True))
         if capture:
-            self._describe_capture()
+            describe_capture(self, self._capture_unit)
         description = self.planning.description
         if description is not None and captured > 0 and self._mitigations() == before \
                 and self.chunks == 1 and not capture:
