@@ -41,6 +41,7 @@ from torch import nn
 
 from ..discovery.find import Discovery, is_compiled_wrapper
 from ..errors import BagualuError, InstrumentError
+from ..vocabulary import SCALING_KINDS
 from . import stash
 
 log = logging.getLogger("bagualu")
@@ -194,7 +195,8 @@ class CompiledBlocks:
         self.form = form
         self.drop_inner()
         if self.on_stash is not None:
-            stash.name_operators({s.path: s.name for sites in self.found.sites for s in sites})
+            stash.name_operators({s.path: s.name for sites in self.found.sites for s in sites},
+                                 [n for n, k in self.found.kinds.items() if k in SCALING_KINDS])
         for li, bi in enumerate(self.found.planned):
             pre, post = self.hooks(li)
             on_stash = self.on_stash(li) if self.on_stash is not None else None

@@ -32,11 +32,12 @@ import contextlib
 import itertools
 import re
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 try:  # torch 2.15: the saved node while a graph-module hook is traced
     from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
@@ -48,6 +49,7 @@ OUTER = -1  # op id of a saved block input (its producer is whoever made it outs
 _names: List[str] = []                 # op id -> planner operator name (ids are in graphs)
 _ids: Dict[str, int] = {}
 _paths: Dict[str, str] = {}            # module path within a block -> operator name
+_scaling: Set[str] = set()             # operators whose saved bytes follow the router's load
 _handles: Dict[int, Tuple[Any, Optional[Callable[[Any], torch.Tensor]]]] = {}
 _next = itertools.count(1)
 _frames: List["Frame"] = []            # compiled block calls running now, innermost last
@@ -58,10 +60,13 @@ def supported() -> bool:
     return _get_saved_tensor_hook_context is not None
 
 
-def name_operators(paths: Dict[str, str]) -> None:
+def name_operators(paths: Dict[str, str], scaling: Sequence[str] = ()) -> None:
     """Module path within a planned block -> its planner operator ('' is the block's own
-    code). Read when a block's graphs are traced (the ids are baked into them)."""
+    code), and the operators whose saved bytes the planner scales with the router's load.
+    Read when a block's graphs are traced (the ids are baked into them)."""
     _paths.update(paths)
+    _scaling.clear()  # this install's (a graph traced before keeps what it baked in)
+    _scaling.update(scaling)
 
 
 def op_name(op: int) -> Optional[str]:
@@ -82,6 +87,16 @@ def module_path(stack_entry: str) -> str:
     return p.strip(".").replace("..", ".")
 
 
+def _op_of_name(name: Optional[str]) -> int:
+    """The id of operator ``name`` (OUTER for None)."""
+    if name is None:
+        return OUTER
+    if name not in _ids:
+        _ids[name] = len(_names)
+        _names.append(name)
+    return _ids[name]
+
+
 def _op_of(node: fx.Node) -> int:
     """The id of the operator that computed ``node`` (the deepest operator module on its
     module stack; the block's own code where none is; OUTER for a graph input)."""
@@ -95,12 +110,7 @@ def _op_of(node: fx.Node) -> int:
         for p, name in _paths.items():
             if p and len(p) > best_len and (path == p or path.startswith(p + ".")):
                 best, best_len = name, len(p)
-    if best is None:
-        return OUTER
-    if best not in _ids:
-        _ids[best] = len(_names)
-        _names.append(best)
-    return _ids[best]
+    return _op_of_name(best)
 
 
 # -- the ops ------------------------------------------------------------------------------
@@ -161,7 +171,17 @@ def _pack(t: torch.Tensor) -> Tuple[Any, ...]:
     if ctx is None:  # run as a plain hook (never pushed outside a Frame's compiled call)
         raise RuntimeError("bagualu's stash hook ran outside a compiled graph")
     _check_saved_values(ctx["_fw_graph"])
-    h = torch.ops.bagualu.stash(t, _op_of(ctx["_node"]))
+    node = ctx["_node"]
+    op = _op_of(node)
+    if _frames and _frames[-1].dynamic and op_name(op) in _scaling and \
+            not free_unbacked_symbols(node.meta.get("val")):
+        # Simulated expert parallelism: the tokens an operator that scales with the load
+        # saves are data-dependent (unbacked) sizes; a tensor of fixed size it saves (inductor's
+        # partition saves the MoE block's input under its module, say) does not follow the
+        # load, and is placed and counted as the block's own code (kind other), so that the
+        # planner does not scale its bytes.
+        op = _op_of_name(_paths.get(""))
+    h = torch.ops.bagualu.stash(t, op)
     return (h, *t.size(), *t.stride())
 
 
