@@ -152,5 +152,18 @@ def uninstall() -> None:
     swapped back once used)."""
     rt = runtime.active()
     if rt is not None:
+        drain_failed_backward()
         rt.close()
         _active.runtime = None
+
+
+def drain_failed_backward() -> None:
+    """Lets PyTorch drop what a failed backward left with it. When a backward stops with an
+    error (a reload that failed, an out of memory), the autograd nodes that were ready to run
+    stay in the calling thread's ready queue, each holding its part of the graph, the records
+    saved there and so the enforcer and its blocks, until that thread runs another backward
+    (PyTorch's engine; without bagualu the same graph's activations stay). An empty backward
+    here lets them go before the runtime closes (issue 45); it touches no tensor of the
+    caller's."""
+    with torch.inference_mode(False), torch.enable_grad():
+        torch.zeros((), requires_grad=True).backward()
