@@ -402,7 +402,8 @@ Result<LayerSpec> ParseLayerGraph(const nlohmann::json& doc, const std::string& 
     double forward_ms = 0;
     BGL_RETURN_IF_ERROR(ReadMs(doc, "forward_ms", true, kMaxOperatorMs, forward_ms, where));
     if (!(forward_ms > 0)) {
-      return InvalidArgument(where + ": field 'forward_ms' must be above 0 (the layer's own "
+      return InvalidArgument(where +
+                             ": field 'forward_ms' must be above 0 (the layer's own "
                              "forward time), got 0");
     }
     spec.forward_s = forward_ms * 1e-3;

@@ -266,8 +266,8 @@ TEST(ModelConfig, LayerForwardTimeSetsTheCopyWindowsNotTheReruns) {
   EXPECT_DOUBLE_EQ(CostEvaluator(*nested, *hw).Evaluate(rerun, 1.0).recompute_s, 0.5e-3 * layers);
   EXPECT_DOUBLE_EQ(CostEvaluator(*summed, *hw).Evaluate(rerun, 1.0).recompute_s, 0.5e-3 * layers);
   // A layer time that is not a positive number of milliseconds is refused by name.
-  for (const nlohmann::json& bad : {nlohmann::json(0.0), nlohmann::json(-1.0),
-                                    nlohmann::json("1ms")}) {
+  for (const nlohmann::json& bad :
+       {nlohmann::json(0.0), nlohmann::json(-1.0), nlohmann::json("1ms")}) {
     doc["layer_graph"]["forward_ms"] = bad;
     auto config = ModelConfigFromJson(doc, "custom.json");
     std::string message = config.ok() ? "" : config.status().message();
