@@ -21,6 +21,11 @@ named by the operator whose module computed it and placed by that operator's str
 micro-batch (keep, offload, FP8), the layers keeping the eager block's operators. An operator
 cannot be rerun alone inside a compiled graph, so the planner is told none of them recomputes
 (``recompute_allowed``); the operators' times are the block's, shared by the bytes each saves.
+The routers' load is read where their saved expert indices are stashed (modules.py's
+``_on_stash``): a downgrade places the rest of the running block's stashed tensors by the new
+plan. Simulated expert parallelism restricts each block's stacked experts to this rank's
+(``_local_experts_forward``), their token counts unbacked sizes in the graph (the frames turn
+``capture_dynamic_output_shape_ops`` on while the blocks compile).
 
 Per block (older torch, or ``compiled_operators="block"``): the compiled region is the operator
 ``block`` of its layer (kind ``other``): every tensor the compiled function hands autograd is

@@ -256,6 +256,9 @@ class AutoLayers:
         if self.dispatch is not None:
             self.dispatch.remove()
             self.calls.no_replay.add(BLOCK_OP)
+            log.warning("bagualu: the planned blocks are compiled: the dispatch (dispatch=) "
+                        "inside them is not seen, and the load factor stays the plan's (issue "
+                        "41: not built for real expert parallelism)")
         if self.ep.simulate:
             self._patch_compiled_experts()
 
