@@ -28,6 +28,10 @@ with its state; the alternation is what makes the ratio mean something.
     BGL_LIB_DIR=build .venv/bin/python bench/python/hot_path.py \
         --against /tmp/before/integrations/pytorch --rounds 3
 
+A version whose binding speaks another interface (native/ext.py's ABI_VERSION) needs its own
+build: ``--against-lib-dir /tmp/before/build`` (cmake with -DBGL_WITH_GRPC=OFF -DBGL_BUILD_TESTS=OFF
+-DBGL_BUILD_BENCH=OFF, target bgl_python).
+
 ``--training MODEL``: the same calls inside a training run instead (hot_path_training.py), alone
 or ``--against`` another version.
 
@@ -255,6 +259,9 @@ def main() -> int:
     ap.add_argument("--against", default="",
                     help="integrations/pytorch of another version: run both alternately")
     ap.add_argument("--rounds", type=int, default=3, help="--against: processes per version")
+    ap.add_argument("--against-lib-dir", default="",
+                    help="--against: BGL_LIB_DIR of that version (its own build, where its "
+                         "binding's interface differs from this one's); default: the same")
     ap.add_argument("--training", default="", metavar="MODEL",
                     help="the calls inside a training run of MODEL instead (qwen3_moe, mixtral)")
     ap.add_argument("--iterations", type=int, default=4, help="--training: iterations")
@@ -315,7 +322,10 @@ def compare(args: argparse.Namespace) -> int:
                        "--background", str(args.background),
                        "--per-micro-batch", str(args.per_micro_batch), "--json", out]
                 print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                env = dict(os.environ)
+                if name == "before" and args.against_lib_dir:
+                    env["BGL_LIB_DIR"] = os.path.abspath(args.against_lib_dir)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
                 with open(out) as f:
                     runs[name].append(json.load(f)["results"])
     sizes = list(runs["now"][0])
