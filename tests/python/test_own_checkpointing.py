@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import bagualu
+from bagualu.capture import foreign
 from conftest import assert_grads, require_libs
 
 unmodified = pytest.importorskip("unmodified")
@@ -90,8 +91,13 @@ def test_the_models_own_checkpointing_is_reported_and_trains(form: str, caplog) 
     if form != "forward":  # a checkpoint call inside forward() shows only when it runs
         assert "the model checkpoints its own blocks" in at_instrument, at_instrument
     after = caplog.text[len(at_instrument):]
-    assert f"hides {expected} of the tensors its planned layers save" in after, after
-    assert "Without it bagualu would plan" in after
-    assert after.count("hides") == 1, "said more than once"
+    if foreign._top_hooks is None:  # torch 2.6: nothing is counted, and instrument says so
+        assert after.count("hides") == 0, after
+        if form != "forward":
+            assert "cannot count the tensors the model's own checkpointing hides" in at_instrument
+    else:
+        assert f"hides {expected} of the tensors its planned layers save" in after, after
+        assert "Without it bagualu would plan" in after
+        assert after.count("hides") == 1, "said more than once"
     assert_grads(plain, got, sum(1 for p in model.parameters() if p.requires_grad),
                  what=f"{form} with bagualu")

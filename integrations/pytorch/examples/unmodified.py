@@ -384,8 +384,9 @@ def _checkpoint_blocks(model: nn.Module, selective: bool = False) -> None:
                                         create_selective_checkpoint_contexts)
 
     import bagualu
-    saved_ops = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-                 torch.ops.aten.addmm.default, torch.ops.aten._grouped_mm.default}
+    saved_ops = {getattr(torch.ops.aten, name).default
+                 for name in ("mm", "bmm", "addmm", "_grouped_mm")
+                 if hasattr(torch.ops.aten, name)}  # torch 2.6 has no _grouped_mm
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return CheckpointPolicy.MUST_SAVE if op in saved_ops else \

@@ -20,6 +20,7 @@ Not thread-safe: the training thread.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -29,6 +30,9 @@ from torch import nn
 from ..discovery.sharding import is_parameter
 from ..vocabulary import Op
 
+log = logging.getLogger("bagualu")
+# The innermost saved-tensor hooks; torch 2.6 has none of this call, and there the capture cannot
+# count what the model's own checkpointing hides (own_checkpointing says so).
 _top_hooks: Optional[Callable[..., Any]] = getattr(
     torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
@@ -46,6 +50,11 @@ def own_checkpointing(blocks: Sequence[nn.Module]) -> Optional[str]:
                      "blocks")
     if wrapped:
         parts.append(f"torch's checkpoint_wrapper in {wrapped} of {len(blocks)} planned blocks")
+    if parts and _top_hooks is None:
+        log.warning("bagualu: torch %s has no torch._C._autograd._top_saved_tensors_default_hooks"
+                    ": the capture cannot count the tensors the model's own checkpointing hides "
+                    "and will not report them (a newer torch does; or switch the model's "
+                    "checkpointing off)", torch.__version__)
     return "; ".join(parts) or None
 
 
