@@ -158,3 +158,21 @@ def test_examples_use_only_the_public_api() -> None:
                     isinstance(node.value.func, ast.Attribute) and \
                     node.value.func.attr == "current":
                 raise AssertionError(f"{p.name}:{node.lineno}: bagualu.current().{node.attr}")
+
+
+def test_no_class_holds_too_much() -> None:
+    """One concern per class (issue 40): no class of the package over about 300 lines or 25
+    methods; a class that grows past it splits off a concern (as Runtime's describe.py and
+    AutoLayers' stash_notes.py did)."""
+    big = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            methods = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))
+                          for b in node.body)
+            if lines > 320 or methods > 25:
+                big.append(f"{path.relative_to(PKG)}:{node.name} ({lines} lines, {methods} "
+                           "methods)")
+    assert not big, big

@@ -22,17 +22,17 @@ import types
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..discovery.find import BLOCK_OP, Discovery, expert_count, top_k_of
 from ..errors import InstrumentError
-from ..vocabulary import OUTSIDE, RECOMPUTE, Op
+from ..vocabulary import OUTSIDE, Op
 from .calls import OperatorCalls, tensors as _tensors
 from .compiled import CompiledBlocks, eager_only
 from .dispatch import Dispatches
 from .host import Host
+from .stash_notes import StashNotes, patch_compiled_experts
 
 log = logging.getLogger("bagualu")
 DEFERRABLE = frozenset({"dispatch", "combine", "expert_linear", "expert_activation",
@@ -141,32 +141,17 @@ class AutoLayers:
         self.layers = len(found.planned)
         self.calls = OperatorCalls(rt, self.layers)
         self.routers: Dict[nn.Module, _Router] = {}
-        self.router_ops: Dict[str, _Router] = {}  # operator name -> its router (compiled)
-        self.loads_read: Set[int] = set()  # compiled: layers whose load this forward read
-        self.router_layers: Set[int] = set()
-        # Compiled (stats): the strategies of every planned operator when the forward's first
-        # router load was read ((layer, name) -> strategy), the layers whose router then
-        # downgraded the plan (forward, micro-batch -> layers), the operators stashed after
-        # that under another strategy (forward, micro-batch -> "L<layer>.<name>"), and the
-        # tensors of forwards without a downgrade stashed under another strategy (none).
-        self.forwards = 0
-        self.plan_at_router: Dict[Tuple[int, str], str] = {}
-        self.downgrades: Dict[Tuple[int, int], List[int]] = {}
-        self.changed: Dict[Tuple[int, int], Set[str]] = {}
-        self.stray = 0
+        # Compiled blocks planned per operator: what each stash notes (the routers' load, the
+        # producers, the counts of stats()["compiled"]).
+        self.stashes = StashNotes(rt, found, self.calls, dispatch)
         # Whether a router's load can differ from 1 (set at install): some experts are other
         # ranks' (simulated or given local_experts) or an expert dispatch measures it. Where
         # it cannot, no deferred plan can follow a router, and the operators containing one
         # open no recompute call for it.
         self.load_varies = False
-        # Compiled per operator: (micro-batch, layer) -> the strategies its stashed tensors'
-        # operators had (stats: a block whose operators were placed differently), and the
-        # number of tensors stashed.
-        self.placements: Dict[Tuple[int, int], Set[str]] = {}
-        self.stashed = 0
         self.compiled = CompiledBlocks(model, found, self._block_hooks, self._drop_inner,
                                        ep.simulate,
-                                       self._on_stash if compiled_per_op else None)
+                                       self.stashes.on_stash if compiled_per_op else None)
         try:
             self._install(model)
         except BaseException:
@@ -196,14 +181,15 @@ class AutoLayers:
                 self.handles.append(s.module.register_forward_hook(eager_only(post)))
                 if s.kind == "router":
                     self._add_router(block, s.path, s.module)
-                    self.router_ops[s.name] = self.routers[s.module]
-                    self.router_layers.add(li)
+                    self.stashes.routers[s.name] = self.routers[s.module]
+                    self.stashes.router_layers.add(li)
             if self.dispatch is not None:
                 self.dispatch.install(li, block)
                 self.calls.no_replay.update(s.name for s in sites
                                             if self.dispatch.runs_dispatch(li, s.path))
         self.load_varies = self.dispatch is not None or any(
             r.fraction < 1.0 for r in self.routers.values())
+        self.stashes.load_varies = self.load_varies
         if self.ep.simulate:
             self._patch_expert_lists()
             self.restore_experts = _eager_experts(model)
@@ -260,38 +246,7 @@ class AutoLayers:
                         "inside them is not seen, and the load factor stays the plan's (issue "
                         "41: not built for real expert parallelism)")
         if self.ep.simulate:
-            self._patch_compiled_experts()
-
-    def _patch_compiled_experts(self) -> None:
-        """Simulated expert parallelism in compiled blocks: each block's stacked experts
-        (transformers 5) compute the routes of this rank's experts only, one expert after the
-        other (``_local_experts_forward``: the eager loop's arithmetic, over a fixed list of
-        experts instead of the data-dependent list of those hit), so that the tokens each
-        expert saves are data-dependent sizes in the compiled graph (dynamo's unbacked sizes:
-        no recompile per load) and the saved bytes follow the load as in eager."""
-        for li in range(self.layers):
-            block = self.found.blocks[self.found.planned[li]]
-            done = False
-            for path, m in block.named_modules():
-                if not all(hasattr(m, a) for a in ("gate_up_proj", "down_proj", "act_fn",
-                                                   "num_experts")):
-                    continue
-                if getattr(m, "has_bias", False) or getattr(m, "is_transposed", False) or \
-                        not getattr(m, "is_concatenated", True) or \
-                        not getattr(m, "has_gate", True):
-                    break
-                m._bagualu_local = self.ep.local_set(int(m.num_experts))
-                self.patched.append((m, m.__dict__.get("forward")))
-                m.forward = types.MethodType(_local_experts_forward, m)
-                done = True
-            if not done:
-                raise InstrumentError(
-                    f"instrument(expert_parallel={self.ep.ep}) with compiled blocks: block "
-                    f"{self.found.planned[li]} of {self.found.layers_path} has no stacked experts "
-                    "bagualu can restrict inside a compiled graph (transformers 5's "
-                    "gate_up_proj/down_proj experts, no bias); use real expert parallelism "
-                    "(dispatch=), local_experts= for a model that computes only its own "
-                    "experts, or leave the blocks uncompiled")
+            patch_compiled_experts(self.found, self.ep, self.patched)
 
     def _block_hooks(self, layer: int) -> Tuple[Any, Any]:
         """The (pre, post) hooks of layer ``layer``'s block operator."""
@@ -301,8 +256,7 @@ class AutoLayers:
     def before_forward(self) -> bool:
         """Before each forward: True when the operators of the layers changed (the planned
         blocks are compiled; each is one operator now, see ``layer_ops``)."""
-        self.loads_read.clear()
-        self.forwards += 1
+        self.stashes.begin_forward()
         if not self.compiled.refresh():
             return False
         self.calls.fastest = {}  # a compiled block's first call compiles it
@@ -316,106 +270,15 @@ class AutoLayers:
         return {li: [Op(n, self.found.kinds[n], li) for n in names]
                 for li in range(self.layers)}
 
-    def _on_stash(self, layer: int) -> Any:
-        """What a compiled block of layer ``layer`` does before its saved tensor is packed
-        (capture/stash.py): reads the router's load from its saved expert indices (deferred
-        planning, as the router hook does in eager), names the operator that computed it as
-        its producer (unless the whole block is recomputed: its call owns everything) and, in
-        the capture, orders the operators by their first saved tensor."""
-        ops = {n: Op(n, self.found.kinds[n], layer) for n in self.found.op_names}
-
-        def note(t: torch.Tensor, name: Optional[str]) -> None:
-            rt = self.rt
-            tr = rt.tracker
-            if name is None or not rt.forwarding:
-                return
-            op = ops.get(name)
-            if op is None:
-                return
-            router = self.router_ops.get(name) if self.load_varies else None
-            if router is not None and layer not in self.loads_read and \
-                    not t.is_floating_point() and t.dim() >= 1 and \
-                    t.shape[-1] == router.top_k and self.dispatch is None:
-                mb = tr.micro_batch
-                if not self.loads_read:
-                    self.plan_at_router = {
-                        (li, n): rt.strategy_of(Op(n, self.found.kinds[n], li), mb)
-                        for li in range(self.layers) for n in self.found.op_names}
-                self.loads_read.add(layer)
-                # The router's saved expert indices: its load, read here (the stash runs in
-                # eager after the compiled forward computed them). A downgrade changes the
-                # placements of the block's tensors stashed after this one; recompute cannot
-                # start inside a compiled block (recompute_allowed), so it applies to later
-                # blocks' whole-block operator only.
-                if rt.observe_router(layer, router.load(t.reshape(-1, router.top_k))):
-                    self.downgrades.setdefault((self.forwards, mb), []).append(layer)
-                    if tr.light is not None:
-                        tr.end_light()
-            if tr.light is not None:
-                return
-            if tr.calls and tr.calls[-1].op.name == BLOCK_OP:
-                return
-            mb = tr.micro_batch
-            strategy = rt.strategy_of(op, mb)
-            if strategy == RECOMPUTE:  # cannot be rerun alone: its block's strategy holds it
-                if name not in self.calls.warned:
-                    self.calls.warned.add(name)
-                    log.warning("bagualu: %s is inside a compiled block and cannot be "
-                                "recomputed alone; its tensors follow the block's strategy "
-                                "(force 'block': 'recompute' to rerun whole blocks, or "
-                                "install(compiled_operators='block'))", name)
-                return
-            if rt.capturing:
-                self.calls.order.setdefault(name, len(self.calls.order))
-            tr.note_output(t, op)
-            self.stashed += 1
-            self.placements.setdefault((mb, layer), set()).add(strategy)
-            was = self.plan_at_router.get((layer, name)) if self.loads_read else None
-            if was is not None and was != strategy:
-                if (self.forwards, mb) in self.downgrades:
-                    self.changed.setdefault((self.forwards, mb), set()).add(f"L{layer}.{name}")
-                else:
-                    self.stray += 1
-        return note
-
-    def _check_load_read(self, layer: int) -> None:
-        """After a compiled block's forward: says once when its router's load could not be
-        read (its graph saved no expert indices of the router's top-k shape: the partitioner
-        recomputes them, or the router returns no indices), so its load factor stays the
-        plan's."""
-        if not self.load_varies or self.dispatch is not None or layer in self.loads_read or \
-                layer not in self.router_layers or "load" in self.calls.warned:
-            return
-        self.calls.warned.add("load")
-        log.warning("bagualu: the router of compiled layer %d saved no expert indices of its "
-                    "top-k shape for the backward: its load cannot be read inside the compiled "
-                    "block, and its load factor stays the plan's", layer)
-
     def compiled_stats(self) -> Dict[str, Any]:
-        """How compiled blocks are planned: per operator or as blocks; per operator, the
-        tensors their graphs stashed and the (micro-batch, layer) blocks whose operators got
-        different strategies."""
-        return {"per_operator": self.compiled.per_op, "stashed": self.stashed,
-                "mixed_blocks": sum(1 for s in self.placements.values() if len(s) > 1),
-                "downgrades": [{"forward": f, "micro_batch": mb, "layers": layers,
-                                "changed": sorted(self.changed.get((f, mb), ()))}
-                               for (f, mb), layers in sorted(self.downgrades.items())],
-                "changed_without_downgrade": self.stray}
+        """stats()["compiled"]: how compiled blocks are planned (StashNotes.stats)."""
+        return self.stashes.stats(self.compiled.per_op)
 
     def compiled_op_times(self, op_ms: Dict[str, float],
                           produced: Dict[str, int]) -> Dict[str, float]:
-        """The operators' forward times when the blocks are compiled per operator: the
-        block's measured time (its compiled call) shared by the bytes each operator saves
-        (a compiled graph's operators cannot be timed apart; docs/pytorch.md)."""
-        if not self.compiled.per_op:
-            return op_ms
-        total = op_ms.get(BLOCK_OP, 0.0)
-        weight = {n: float(produced.get(n, 0)) for n in self.found.op_names}
-        s = sum(weight.values())
-        out = dict(op_ms)
-        for n, w in weight.items():
-            out[n] = total * (w / s if s > 0 else 1.0 / len(weight))
-        return out
+        """The operators' forward times: per operator in compiled blocks, the block's shared by
+        the bytes each saves (StashNotes.op_times); else as measured."""
+        return self.stashes.op_times(op_ms, produced) if self.compiled.per_op else op_ms
 
     def remove(self) -> None:
         self.compiled.remove()
@@ -503,7 +366,7 @@ class AutoLayers:
             if call is not None and self.compiled.per_op:
                 _rerun_before_backward(call, out)
             if self.compiled.per_op:
-                self._check_load_read(op.layer)
+                self.stashes.check_load_read(op.layer)
             if last and rt.tracker.light is None:
                 rt.tracker.note_output(out, OUTSIDE)  # leaves the planned layers
             return None
@@ -558,22 +421,6 @@ def _eager_experts(model: nn.Module) -> Optional[Tuple[nn.Module, str]]:
     log.info("bagualu: expert_parallel: %s's experts run transformers' eager loop (was %s), "
              "which skips the other ranks' experts", type(model).__name__, current)
     return model, current
-
-
-def _local_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
-                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                           ) -> torch.Tensor:
-    """transformers 5's eager experts loop over this rank's experts (``_bagualu_local``, a
-    fixed list: compiled without a data-dependent loop); the routes to other ranks' experts
-    are not computed (another GPU's work), as under simulated expert parallelism in eager."""
-    out = torch.zeros_like(hidden_states)
-    for e in self._bagualu_local:
-        top_k_pos, token_idx = torch.where(top_k_index.t() == e)  # the eager loop's order
-        gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
-        h = F.linear(self.act_fn(gate) * up, self.down_proj[e])
-        h = h * top_k_weights[token_idx, top_k_pos, None]
-        out.index_add_(0, token_idx, h.to(out.dtype))
-    return out
 
 
 def _zeros_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -1,0 +1,217 @@
+"""Compiled blocks planned per operator: what bagualu notes as each saved tensor of a compiled
+block is stashed (capture/stash.py runs the note in eager, after the compiled forward computed
+the tensor). The router's load is read from its saved expert indices (deferred planning, as the
+router hook does in eager), the operator that computed the tensor is named its producer, the
+capture orders the operators by their first saved tensor, and stats()["compiled"] counts the
+placements and downgrades. Under simulated expert parallelism each block's stacked experts are
+patched to compute this rank's experts only (``patch_compiled_experts``).
+
+Not thread-safe: the training thread (the stash runs there, inside the compiled call)."""
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..discovery.find import BLOCK_OP, Discovery
+from ..errors import InstrumentError
+from ..vocabulary import RECOMPUTE, Op
+from .calls import OperatorCalls
+from .host import Host
+
+log = logging.getLogger("bagualu")
+
+
+class StashNotes:
+    """The stash notes of one instrumented model's compiled blocks (see the module docstring).
+    ``routers`` (operator name -> its router), ``router_layers`` and ``load_varies`` are set by
+    capture/modules.py's AutoLayers as it installs its hooks. Not thread-safe: the training
+    thread."""
+
+    def __init__(self, rt: Host, found: Discovery, calls: OperatorCalls,
+                 dispatch: Optional[Any]) -> None:
+        self.rt = rt
+        self.found = found
+        self.calls = calls
+        self.dispatch = dispatch
+        self.layers = len(found.planned)
+        self.routers: Dict[str, Any] = {}  # operator name -> its router (modules.py's _Router)
+        self.router_layers: Set[int] = set()
+        self.load_varies = False
+        self.loads_read: Set[int] = set()  # layers whose load this forward read
+        # Stats: the strategies of every planned operator when the forward's first router load
+        # was read ((layer, name) -> strategy), the layers whose router then downgraded the
+        # plan (forward, micro-batch -> layers), the operators stashed after that under
+        # another strategy (forward, micro-batch -> "L<layer>.<name>"), and the tensors of
+        # forwards without a downgrade stashed under another strategy (none).
+        self.forwards = 0
+        self.plan_at_router: Dict[Tuple[int, str], str] = {}
+        self.downgrades: Dict[Tuple[int, int], List[int]] = {}
+        self.changed: Dict[Tuple[int, int], Set[str]] = {}
+        self.stray = 0
+        # (micro-batch, layer) -> the strategies its stashed tensors' operators had (a block
+        # whose operators were placed differently), and the number of tensors stashed.
+        self.placements: Dict[Tuple[int, int], Set[str]] = {}
+        self.stashed = 0
+
+    def begin_forward(self) -> None:
+        """A forward starts: no router load read yet."""
+        self.loads_read.clear()
+        self.forwards += 1
+
+    def on_stash(self, layer: int) -> Any:
+        """What a compiled block of layer ``layer`` does before its saved tensor is packed
+        (capture/stash.py): reads the router's load from its saved expert indices (deferred
+        planning, as the router hook does in eager), names the operator that computed it as
+        its producer (unless the whole block is recomputed: its call owns everything) and, in
+        the capture, orders the operators by their first saved tensor."""
+        ops = {n: Op(n, self.found.kinds[n], layer) for n in self.found.op_names}
+
+        def note(t: torch.Tensor, name: Optional[str]) -> None:
+            rt = self.rt
+            tr = rt.tracker
+            if name is None or not rt.forwarding:
+                return
+            op = ops.get(name)
+            if op is None:
+                return
+            self._read_load(t, name, layer)
+            if tr.light is not None:
+                return
+            if tr.calls and tr.calls[-1].op.name == BLOCK_OP:
+                return
+            mb = tr.micro_batch
+            strategy = rt.strategy_of(op, mb)
+            if strategy == RECOMPUTE:  # cannot be rerun alone: its block's strategy holds it
+                if name not in self.calls.warned:
+                    self.calls.warned.add(name)
+                    log.warning("bagualu: %s is inside a compiled block and cannot be "
+                                "recomputed alone; its tensors follow the block's strategy "
+                                "(force 'block': 'recompute' to rerun whole blocks, or "
+                                "install(compiled_operators='block'))", name)
+                return
+            if rt.capturing:
+                self.calls.order.setdefault(name, len(self.calls.order))
+            tr.note_output(t, op)
+            self.stashed += 1
+            self.placements.setdefault((mb, layer), set()).add(strategy)
+            was = self.plan_at_router.get((layer, name)) if self.loads_read else None
+            if was is not None and was != strategy:
+                if (self.forwards, mb) in self.downgrades:
+                    self.changed.setdefault((self.forwards, mb), set()).add(f"L{layer}.{name}")
+                else:
+                    self.stray += 1
+        return note
+
+    def _read_load(self, t: torch.Tensor, name: str, layer: int) -> None:
+        """The router's saved expert indices (``t``, of operator ``name``): its load, read once
+        per layer and forward. A downgrade changes the placements of the block's tensors
+        stashed after this one; recompute cannot start inside a compiled block
+        (recompute_allowed), so it applies to later blocks' whole-block operator only."""
+        rt = self.rt
+        tr = rt.tracker
+        router = self.routers.get(name) if self.load_varies else None
+        if router is None or layer in self.loads_read or t.is_floating_point() or \
+                t.dim() < 1 or t.shape[-1] != router.top_k or self.dispatch is not None:
+            return
+        mb = tr.micro_batch
+        if not self.loads_read:
+            self.plan_at_router = {
+                (li, n): rt.strategy_of(Op(n, self.found.kinds[n], li), mb)
+                for li in range(self.layers) for n in self.found.op_names}
+        self.loads_read.add(layer)
+        if rt.observe_router(layer, router.load(t.reshape(-1, router.top_k))):
+            self.downgrades.setdefault((self.forwards, mb), []).append(layer)
+            if tr.light is not None:
+                tr.end_light()
+
+    def check_load_read(self, layer: int) -> None:
+        """After a compiled block's forward: says once when its router's load could not be
+        read (its graph saved no expert indices of the router's top-k shape: the partitioner
+        recomputes them, or the router returns no indices), so its load factor stays the
+        plan's."""
+        if not self.load_varies or self.dispatch is not None or layer in self.loads_read or \
+                layer not in self.router_layers or "load" in self.calls.warned:
+            return
+        self.calls.warned.add("load")
+        log.warning("bagualu: the router of compiled layer %d saved no expert indices of its "
+                    "top-k shape for the backward: its load cannot be read inside the compiled "
+                    "block, and its load factor stays the plan's", layer)
+
+    def stats(self, per_op: bool) -> Dict[str, Any]:
+        """How compiled blocks are planned: per operator or as blocks; per operator, the
+        tensors their graphs stashed and the (micro-batch, layer) blocks whose operators got
+        different strategies."""
+        return {"per_operator": per_op, "stashed": self.stashed,
+                "mixed_blocks": sum(1 for s in self.placements.values() if len(s) > 1),
+                "downgrades": [{"forward": f, "micro_batch": mb, "layers": layers,
+                                "changed": sorted(self.changed.get((f, mb), ()))}
+                               for (f, mb), layers in sorted(self.downgrades.items())],
+                "changed_without_downgrade": self.stray}
+
+    def op_times(self, op_ms: Dict[str, float], produced: Dict[str, int]) -> Dict[str, float]:
+        """The operators' forward times when the blocks are compiled per operator: the
+        block's measured time (its compiled call) shared by the bytes each operator saves
+        (a compiled graph's operators cannot be timed apart; docs/pytorch.md)."""
+        total = op_ms.get(BLOCK_OP, 0.0)
+        weight = {n: float(produced.get(n, 0)) for n in self.found.op_names}
+        s = sum(weight.values())
+        out = dict(op_ms)
+        for n, w in weight.items():
+            out[n] = total * (w / s if s > 0 else 1.0 / len(weight))
+        return out
+
+
+def patch_compiled_experts(found: Discovery, ep: Any,
+                           patched: List[Tuple[nn.Module, Any]]) -> None:
+    """Simulated expert parallelism in compiled blocks: each block's stacked experts
+    (transformers 5) compute the routes of this rank's experts only, one expert after the
+    other (``_local_experts_forward``: the eager loop's arithmetic, over a fixed list of
+    experts instead of the data-dependent list of those hit), so that the tokens each
+    expert saves are data-dependent sizes in the compiled graph (dynamo's unbacked sizes:
+    no recompile per load) and the saved bytes follow the load as in eager. ``ep``:
+    modules.py's ExpertParallel; each patched module and its old forward go to ``patched``
+    (restored at removal)."""
+    for li in range(len(found.planned)):
+        block = found.blocks[found.planned[li]]
+        done = False
+        for path, m in block.named_modules():
+            if not all(hasattr(m, a) for a in ("gate_up_proj", "down_proj", "act_fn",
+                                               "num_experts")):
+                continue
+            if getattr(m, "has_bias", False) or getattr(m, "is_transposed", False) or \
+                    not getattr(m, "is_concatenated", True) or \
+                    not getattr(m, "has_gate", True):
+                break
+            m._bagualu_local = ep.local_set(int(m.num_experts))
+            patched.append((m, m.__dict__.get("forward")))
+            m.forward = types.MethodType(_local_experts_forward, m)
+            done = True
+        if not done:
+            raise InstrumentError(
+                f"instrument(expert_parallel={ep.ep}) with compiled blocks: block "
+                f"{found.planned[li]} of {found.layers_path} has no stacked experts "
+                "bagualu can restrict inside a compiled graph (transformers 5's "
+                "gate_up_proj/down_proj experts, no bias); use real expert parallelism "
+                "(dispatch=), local_experts= for a model that computes only its own "
+                "experts, or leave the blocks uncompiled")
+
+
+def _local_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
+                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                           ) -> torch.Tensor:
+    """transformers 5's eager experts loop over this rank's experts (``_bagualu_local``, a
+    fixed list: compiled without a data-dependent loop); the routes to other ranks' experts
+    are not computed (another GPU's work), as under simulated expert parallelism in eager."""
+    out = torch.zeros_like(hidden_states)
+    for e in self._bagualu_local:
+        top_k_pos, token_idx = torch.where(top_k_index.t() == e)  # the eager loop's order
+        gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+        h = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        h = h * top_k_weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
