@@ -292,7 +292,7 @@ class Runtime(HooksHost):
             stats = (self.memory.report_stats(t.store.device_bytes(),
                                               self.enforcer.stats().get("pinned_in_use", 0))
                      if getattr(self.governor, "remote", None) is not None else None)
-            self.planning.report(unit, t.store.planned_bytes(unit), stats)
+            self.planning.report(unit, t.store.layer_bytes(unit), stats)
 
     @contextmanager
     def backward(self, mb: int, chunk: int = 0) -> Iterator[None]:

@@ -40,7 +40,7 @@ class Recording:
     - ``actual_bytes``: activation bytes the allocator holds (every saved activation on the
       device: the layers', those outside them, offloads still copying, FP8 copies);
     - ``layer_bytes``: in-layer device bytes the live micro-batches hold once their plans are
-      carried out (what the planner counts: ``Tracker.planned_bytes``);
+      carried out (what the planner counts: ``Tracker.layer_bytes``);
     - ``planned_bytes``: the same as the plans say: a finished forward that was planned counts
       its plan's ``predicted_bytes`` (after a downgrade, the replan's) until its backward
       ends; a forward nobody planned (the capture, other policies) or one still running
@@ -174,11 +174,11 @@ class Recorder:
         t = self.rt.tracker
         planned = 0
         for u, contribution in self._live.items():
-            planned += t.planned_bytes(u) if contribution is None else contribution
+            planned += t.layer_bytes(u) if contribution is None else contribution
         s: Dict[str, Any] = {"t_ms": (time.perf_counter() - self._t0) * 1e3, "event": event,
                              "micro_batch": None, "chunk": None,
                              "actual_bytes": self._allocator_bytes(),
-                             "layer_bytes": int(t.planned_bytes()), "planned_bytes": int(planned),
+                             "layer_bytes": int(t.layer_bytes()), "planned_bytes": int(planned),
                              "evictions": t.counters.get("evictions", 0) - self._evictions0}
         if unit is not None:
             s["micro_batch"], s["chunk"] = unit % _UNIT_STRIDE, unit // _UNIT_STRIDE
@@ -236,7 +236,7 @@ class Recorder:
             start = self.sample("forward_begin", unit)["t_ms"]
             with orig["forward"](mb, chunk):
                 yield
-            held = int(rt.tracker.planned_bytes(unit))
+            held = int(rt.tracker.layer_bytes(unit))
             loads = rt.planning.loads.get(unit) or []
             m.update(actual_bytes=held,
                      load_factor=sum(loads) / len(loads) if loads else None,

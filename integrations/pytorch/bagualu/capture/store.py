@@ -114,7 +114,7 @@ class RecordStore:
         return (sum(r.pool_bytes for r in self.by_mb.get(micro_batch, ()))
                 + (ls.reserved if ls is not None else 0))
 
-    def planned_bytes(self, micro_batch: Optional[int] = None) -> int:
+    def layer_bytes(self, micro_batch: Optional[int] = None) -> int:
         """In-layer device bytes the live micro-batches (or ``micro_batch``) hold once their
         plans are carried out: what Algorithm 1 counts as used. Planned offloads still waiting
         for their point's O chain are not counted (the plan moves them), nor are bytes outside

@@ -92,7 +92,7 @@ class Tracker:
         self.add_consumer = mover.add_consumer
         self._move_outcome = mover.move_outcome
         self.acquired = mover.acquired
-        self.planned_bytes = store.planned_bytes  # (what timeline.py samples)
+        self.layer_bytes = store.layer_bytes  # (what timeline.py samples)
         # The saved-tensor hooks: the binding's pack makes and finds the records of plain
         # tensors whose producers keep them or move them at once (offload, FP8), its unpack
         # reloads and uncasts, its Packed releases (no Python frame); every other branch is

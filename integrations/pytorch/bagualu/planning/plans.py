@@ -139,7 +139,7 @@ class Planning:
         # out (docs/algorithms.md sec. 3: a planned offload waiting for its O chain is gone;
         # the bytes outside the layers were set aside from the capacity at register) and what
         # R chains brought back, or this point's brings back, ahead of a backward.
-        in_use = memory.planned_bytes() + sum(memory.host_bytes(u) for u in self.reloaded_ahead)
+        in_use = memory.layer_bytes() + sum(memory.host_bytes(u) for u in self.reloaded_ahead)
         if backward is not None and unit_id(*backward) not in self.reloaded_ahead:
             # This point's backward runs after the forward planned here, and brings its
             # offloaded and dropped activations back while it runs: their room at once (the
@@ -296,7 +296,7 @@ class Planning:
         store = self.tracker.store
         return {"micro_batches": len(units),
                 "planned_bytes": int(sum(p.get("predicted_bytes", 0) for p in served)),
-                "actual_bytes": int(sum(store.planned_bytes(u) for u in units)),
+                "actual_bytes": int(sum(store.layer_bytes(u) for u in units)),
                 "planned_host_bytes": int(sum(p.get("host_bytes", 0) for p in served)),
                 "actual_host_bytes": int(sum(store.host_bytes(u) for u in units)),
                 "strategy_counts": self.strategies.in_effect(units)}
