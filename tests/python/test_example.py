@@ -111,6 +111,15 @@ def test_spike_ooms_static_under_but_not_bagualu(caplog) -> None:
     assert ours["stats"]["ooms"] == 0
     assert sum(ln["deferred"] for ln in ours["lines"]) > 0, "deferred planning after the router"
     assert sum("bagualu: iter" in rec.getMessage() for rec in caplog.records) == RUN["iterations"]
+    # How each spiked micro-batch was downgraded: in its iteration's line and logged.
+    downgrades = [d for ln in ours["lines"] for d in ln["downgrades"]]
+    assert len(downgrades) == sum(ln["deferred"] for ln in ours["lines"])
+    for d in downgrades:
+        assert d["load_factor"] > 1.0, d
+        assert sum(d["before"].values()) == sum(d["after"].values()), d  # the same operators
+    assert any(d["before"] != d["after"] for d in downgrades), downgrades
+    said = [rec.getMessage() for rec in caplog.records if "bagualu: downgrade" in rec.getMessage()]
+    assert len(said) == len(downgrades) and "->" in said[0], said
     gc.collect()
     over = _run("static-over", **kw)
     assert over["oom"] is None and over["finished"] == RUN["iterations"]

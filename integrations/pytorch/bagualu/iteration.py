@@ -30,6 +30,8 @@ class IterationLog:
         # it held, so that a gap between plan and reality shows; and what planning cost.
         self.points: List[Dict[str, Any]] = []
         self._point_of: Dict[int, Dict[str, Any]] = {}
+        # The iteration's downgrades after a router (note_downgrade).
+        self.downgrades: List[Dict[str, Any]] = []
         self.plan_ms = 0.0
         self.cache_hits = 0
         self.cache_misses = 0
@@ -43,6 +45,7 @@ class IterationLog:
         self.recompute_ops = 0
         self.points = []
         self._point_of = {}
+        self.downgrades = []
         self.plan_ms = 0.0
         self.cache_hits = self.cache_misses = 0
         self._t0 = time.perf_counter()
@@ -78,6 +81,15 @@ class IterationLog:
             point["actual_bytes"] = int(actual)
             point["evictions"] = evictions - point.pop("_evictions0")
 
+    def note_downgrade(self, unit: int, layer: int, load: float, before: Dict[str, int],
+                       after: Dict[str, int]) -> None:
+        """The router of ``layer`` in ``unit``'s forward saw ``load``, above its plan's: the
+        planner revised the rest of the forward (the deferred replan), from the strategy mix
+        ``before`` (operator count per strategy over the forward's planned operators) to
+        ``after``."""
+        self.downgrades.append({"unit": unit, "layer": layer, "load_factor": load,
+                                "before": dict(before), "after": dict(after)})
+
     def note_recompute(self, ms: float, ops: int) -> None:
         """A recompute call reran ``ops`` operators' forward in ``ms``."""
         self.recompute_ms += ms
@@ -109,7 +121,8 @@ class IterationLog:
             "warm_keys": int((planner or {}).get("warm_keys", 0)),
             "points": [{k: v for k, v in p.items() if not k.startswith("_")}
                        for p in self.points],
-            "deferred": deferred, "overhead_ms": self.recompute_ms, "iteration_ms": elapsed,
+            "deferred": deferred, "downgrades": list(self.downgrades),
+            "overhead_ms": self.recompute_ms, "iteration_ms": elapsed,
             "ooms": ooms - self._ooms0,
         }
         self.history.append(line)
@@ -128,6 +141,10 @@ class IterationLog:
                      line["overhead_ms"], 100 * line["overhead_ms"] / max(elapsed, 1e-9),
                      self.cache_hits, self.cache_misses, self.plan_ms,
                      line["warm_hits"], line["warm_keys"])
+            for d in line["downgrades"]:
+                log.info("bagualu: downgrade in iteration %d: micro-batch %d after the router "
+                         "of layer %d (load %.2f): %s", line["iteration"], d["unit"], d["layer"],
+                         d["load_factor"], _mix_change(d["before"], d["after"]))
         self.iteration += 1
         return line
 
@@ -138,6 +155,15 @@ class IterationLog:
         errs = [abs(p - c) / c for _, p, c in self.accuracy if c > 0]
         return {"samples": len(errs), "mean_error": sum(errs) / len(errs),
                 "worst_error": max(errs), "points": list(self.accuracy)}
+
+
+def _mix_change(before: Dict[str, int], after: Dict[str, int]) -> str:
+    """'offload 12->20 recompute 0->4' over the strategies whose count changed."""
+    keys = [k for k in ("keep", "offload", "fp8", "recompute") if k in before or k in after]
+    keys += sorted(k for k in set(before) | set(after) if k not in keys)
+    out = [f"{k} {before.get(k, 0)}->{after.get(k, 0)}" for k in keys
+           if before.get(k, 0) != after.get(k, 0)]
+    return " ".join(out) or "same mix"
 
 
 def _mib(n: Optional[int]) -> str:

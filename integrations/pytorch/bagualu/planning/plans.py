@@ -272,11 +272,14 @@ class Planning:
                                              layer % max(self.layer_count // chunks, 1), load)
         if not plan or not plan.get("deferred"):
             return False
+        before = self.strategies.in_effect([unit])
         if not self.strategies.set_plan(unit, {o["name"]: o["strategy"]
                                                for o in plan["operators"]}):
             return False
         self.served[unit] = plan
         self.deferred += 1
+        if self.log is not None:
+            self.log.note_downgrade(unit, layer, load, before, self.strategies.in_effect([unit]))
         return True
 
     def forward_ended(self, unit: int) -> float:
