@@ -15,6 +15,10 @@ using Stream = void*;
 struct Event {
   void* handle = nullptr;  // backend-specific (cudaEvent_t, HostStream*)
   std::uint64_t value = 0;
+  // Host backend: the stream's serial (HostStream::serial_of), so that an event whose stream
+  // was destroyed since (its work all ran first) reads as complete, never through the freed
+  // stream.
+  std::uint64_t serial = 0;
 };
 
 // Device memory and stream ordering for one device. Two growth modes:

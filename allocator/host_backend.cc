@@ -68,23 +68,27 @@ void HostBackend::free_segment(void* ptr, std::size_t bytes) {
 }
 
 Event HostBackend::record(Stream stream) {
-  if (!HostStream::is_live(stream)) return Event{};  // idle stream: complete at once
+  const std::uint64_t serial = HostStream::serial_of(stream);
+  if (serial == 0) return Event{};  // idle stream: complete at once
   auto* s = static_cast<HostStream*>(stream);
-  return Event{s, s->enqueued()};
+  return Event{s, s->enqueued(), serial};
 }
 
+// An event whose stream was destroyed since it was recorded is complete (the destructor ran
+// every queued item); it is never read through the freed stream (issue 45: the pool queried a
+// free's event on an enforcer's copy stream after bgl_enf_destroy; enforcer_capi_fuzz).
 bool HostBackend::query(const Event& event) {
   if (event.handle == nullptr) return true;
-  return static_cast<HostStream*>(event.handle)->done(event.value);
+  return HostStream::done_if_live(event.handle, event.serial, event.value);
 }
 
 void HostBackend::wait(const Event& event) {
-  if (event.handle == nullptr) return;
+  if (event.handle == nullptr || !HostStream::same_stream(event.handle, event.serial)) return;
   static_cast<HostStream*>(event.handle)->wait(event.value);
 }
 
 bool HostBackend::wait_for(const Event& event, std::chrono::milliseconds timeout) {
-  return event.handle == nullptr ||
+  return event.handle == nullptr || !HostStream::same_stream(event.handle, event.serial) ||
          static_cast<HostStream*>(event.handle)->wait_for(event.value, timeout);
 }
 

@@ -1,10 +1,11 @@
 #include "allocator/host_stream.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <random>
-#include <unordered_set>
+#include <unordered_map>
 
 namespace bgl::alloc {
 namespace {
@@ -13,10 +14,12 @@ std::mutex& registry_mu() {
   static std::mutex mu;
   return mu;
 }
-std::unordered_set<const void*>& registry() {
-  static auto* set = new std::unordered_set<const void*>();
-  return *set;
+// Live streams and their serials (a new stream may reuse a destroyed one's address).
+std::unordered_map<const void*, std::uint64_t>& registry() {
+  static auto* map = new std::unordered_map<const void*, std::uint64_t>();
+  return *map;
 }
+std::atomic<std::uint64_t> next_serial{1};
 
 // BGL_HOST_STREAM_JITTER_US=N: every item waits a random 0..N microseconds before it runs, so
 // tests can shake out races between streams that a quiet machine never shows (0: off).
@@ -37,10 +40,10 @@ void jitter() {
 
 }  // namespace
 
-HostStream::HostStream() {
+HostStream::HostStream() : serial_(next_serial.fetch_add(1)) {
   {
     std::lock_guard<std::mutex> lock(registry_mu());
-    registry().insert(this);
+    registry()[this] = serial_;
   }
   worker_ = std::thread([this] { run(); });
 }
@@ -60,6 +63,26 @@ bool HostStream::is_live(const void* p) {
   if (p == nullptr) return false;
   std::lock_guard<std::mutex> lock(registry_mu());
   return registry().count(p) != 0;
+}
+
+std::uint64_t HostStream::serial_of(const void* p) {
+  if (p == nullptr) return 0;
+  std::lock_guard<std::mutex> lock(registry_mu());
+  const auto it = registry().find(p);
+  return it == registry().end() ? 0 : it->second;
+}
+
+bool HostStream::done_if_live(const void* p, std::uint64_t serial, std::uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(registry_mu());  // the stream cannot go while it is held
+  const auto it = registry().find(p);
+  if (it == registry().end() || (serial != 0 && it->second != serial)) return true;
+  return static_cast<const HostStream*>(p)->done(ticket);
+}
+
+bool HostStream::same_stream(const void* p, std::uint64_t serial) {
+  std::lock_guard<std::mutex> lock(registry_mu());
+  const auto it = registry().find(p);
+  return it != registry().end() && (serial == 0 || it->second == serial);
 }
 
 std::uint64_t HostStream::enqueue(std::function<void()> work) {

@@ -44,6 +44,14 @@ class BGL_ALLOC_INTERNAL HostStream {
 
   // True when `p` points to a live HostStream (so foreign handles can be told apart).
   static bool is_live(const void* p);
+  // The process-unique serial of the live HostStream at `p` (never 0), or 0.
+  static std::uint64_t serial_of(const void* p);
+  // done(ticket) of the stream at `p` if it is still the one with `serial` (0: any live one);
+  // true when that stream was destroyed (its destructor ran every item first), without
+  // touching it.
+  static bool done_if_live(const void* p, std::uint64_t serial, std::uint64_t ticket);
+  // Whether the stream at `p` with `serial` is still alive (else an event on it is complete).
+  static bool same_stream(const void* p, std::uint64_t serial);
 
  private:
   void run();
@@ -65,6 +73,7 @@ class BGL_ALLOC_INTERNAL HostStream {
   mutable std::uint64_t completed_ = 0;
   mutable bool running_ = false;  // an item is running (on the worker or a waiter)
   bool stop_ = false;
+  const std::uint64_t serial_;
   std::thread worker_;
 };
 

@@ -50,4 +50,35 @@ struct ScratchRemover {
   std::string path;
 };
 
+// Reads the fuzzer's bytes as the choices of a call sequence (the C ABI targets): each read
+// takes the next bytes, and zeros once the input is used up (so every input is a whole
+// sequence). Not thread-safe: one per input.
+class Choices {
+ public:
+  Choices(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  bool more() const { return at_ < size_; }
+  uint8_t Byte() { return at_ < size_ ? data_[at_++] : 0; }
+  uint32_t U32() {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v = (v << 8) | Byte();
+    return v;
+  }
+  // A value in [lo, hi] (lo <= hi, a span below 2^32).
+  int64_t In(int64_t lo, int64_t hi) {
+    const uint64_t span = static_cast<uint64_t>(hi - lo) + 1;
+    return lo + static_cast<int64_t>((span > 0xff ? U32() : Byte()) % span);
+  }
+  // Mostly a small valid value in [lo, hi], sometimes one of the edges a caller might pass.
+  int64_t Mostly(int64_t lo, int64_t hi) {
+    static constexpr int64_t kEdges[] = {-1, 0, 1, INT32_MAX, INT64_MIN, INT64_MAX};
+    const uint8_t b = Byte();
+    return b < 240 ? In(lo, hi) : kEdges[b % 6];
+  }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t at_ = 0;
+};
+
 }  // namespace bgl::fuzz

@@ -17,7 +17,8 @@ seconds=${1:-60}
 dir=${BGL_FUZZ_BUILD:-build-fuzz}
 jobs=${BGL_JOBS:-$(nproc)}
 per_input_timeout=${BGL_FUZZ_TIMEOUT:-10}
-all_targets=(model_json_fuzz model_yaml_fuzz calibration_fuzz alloc_conf_fuzz bytes_fuzz trace_fuzz)
+all_targets=(model_json_fuzz model_yaml_fuzz calibration_fuzz alloc_conf_fuzz bytes_fuzz trace_fuzz
+  governor_rpc_fuzz planner_capi_fuzz enforcer_capi_fuzz)
 # shellcheck disable=SC2206  # a word list on purpose
 targets=(${BGL_FUZZ_TARGETS:-${all_targets[@]}})
 
@@ -84,6 +85,24 @@ for path in sys.argv[2:]:
     snap["device_traces"] = [events[:40] for events in snap["device_traces"]]
     with open(os.path.join(out, os.path.basename(path)), "w") as f:
         json.dump(snap, f)
+EOF
+
+# Every RPC's request (governor_rpc_fuzz): the target writes, per model file, a call sequence
+# of real messages (Register with that model, Plan, Report, ListSessions, Snapshot, Watch,
+# Unregister) in its input format. The C ABI targets' inputs are call choices, not files: their
+# seeds are fuzz/corpus/<target>/ and a few seeded random sequences.
+if [[ " ${targets[*]} " == *" governor_rpc_fuzz "* ]]; then
+  BGL_FUZZ_WRITE_SEEDS=$scratch/corpus/governor_rpc_fuzz \
+    BGL_FUZZ_SEED_MODELS="models/tiny-moe.json $(echo tests/unit/planner/data/*.json)" \
+    "$dir/fuzz/governor_rpc_fuzz" 2>/dev/null
+fi
+python3 - "$scratch/corpus" <<'EOF'
+import os, random, sys
+rng = random.Random(45)
+for t in ("planner_capi_fuzz", "enforcer_capi_fuzz"):
+    for i in range(8):
+        with open(os.path.join(sys.argv[1], t, f"random-{i}"), "wb") as f:
+            f.write(bytes(rng.randrange(256) for _ in range(64 * (i + 1))))
 EOF
 
 # Symbolized stacks where an llvm-symbolizer is installed (Debian's llvm-16 or clang-14 bring one).

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <thread>
 
 #include "allocator/host_stream.h"
@@ -99,6 +100,32 @@ TEST(StreamTest, RecordStreamKeepsBlockPendingUntilThatStreamsWorkCompletes) {
   EXPECT_EQ(p->stats().active_bytes.current, static_cast<std::int64_t>(2 * kMiB));
   p->deallocate(y, kMiB, &a);
   p->deallocate(z, kMiB, &a);
+  std::string why;
+  EXPECT_TRUE(p->check_invariants(&why)) << why;
+}
+
+// Issue 45 (enforcer_capi_fuzz): a block freed while an enforcer's copy stream still used it
+// waits for an event on that stream; the enforcer was destroyed (its streams with it) and the
+// next allocation queried the event through the freed stream: a use after free (under ASan the
+// freed stream's mutex read as locked, a hang; in a release build a new stream at the same
+// address, its count restarted, kept the block pending for good). Such an event is complete.
+TEST(StreamTest, AnEventOnAStreamDestroyedSinceIsCompleteAndNeverReadThroughIt) {
+  auto p = make_pool(64 * kMiB);
+  HostStream a;
+  auto side = std::make_unique<HostStream>();
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  void* x = p->allocate(kMiB, &a);
+  ASSERT_EQ(p->record_stream(x, side.get()), Status::kOk);
+  side->enqueue([opened] { opened.wait(); });
+  p->deallocate(x, kMiB, &a);  // pending on the side stream's event
+  gate.set_value();
+  side.reset();                     // drains its queue, then goes
+  HostStream again;                 // may take the freed stream's address, its count starting at 0
+  void* y = p->allocate(kMiB, &a);  // polls the pending event
+  EXPECT_EQ(y, x);                  // the block came back: the event read as complete
+  EXPECT_EQ(p->stats().active_bytes.current, static_cast<std::int64_t>(kMiB));
+  p->deallocate(y, kMiB, &a);
   std::string why;
   EXPECT_TRUE(p->check_invariants(&why)) << why;
 }
