@@ -173,7 +173,7 @@ class Planning:
         if pending and in_use + pending + plan["predicted_bytes"] > self.plan_capacity:
             # The earlier forward's offloads were to run under this one, but this forward's
             # plan needs their room: they go first.
-            self._flush_pending()
+            self.tracker.mover.flush_pending()
             pending = 0
         # This forward's own offloads may wait for the next point's O chain while it holds
         # them beside its plan's prediction (the next point flushes them if its forward needs
@@ -184,28 +184,6 @@ class Planning:
             self.reloaded_ahead.add(unit_id(*recover))  # only once an R chain is issued
         self._issue(plan, forward, backward, recover, defer)
         return plan
-
-    def _flush_pending(self) -> None:
-        """Issues now the planned offloads still waiting for their O chain (early offloads).
-        Where the host backend's copy threads run them (Mover.offload_behind) they are issued
-        without waiting, as a GPU's copy stream takes them: the forward starts beside the
-        copies, and an allocation that finds no room waits for as many of them as it needs
-        (pressure eviction completes issued offloads first). Elsewhere each completes before
-        the next (Mover.offload_pending). Issue 42: over an emulated link, waiting for every
-        copy here cost bagualu 256 ms of 1.4 s per iteration of the unmodified Qwen3-MoE."""
-        mover = self.tracker.mover
-        if not mover.offload_behind:
-            mover.offload_pending()
-            return
-        enf = self.enforcer
-        for rec in sorted(mover.planned.values(), key=lambda r: (-r.micro_batch, r.seq)):
-            if not rec.planned or rec.issued or not rec.movable() or not rec.tracked():
-                continue
-            rc, placement, _, _ = enf.fast.state(rec.enf)
-            if rc == 0 and placement == enf.vocab.place_host:
-                continue  # its O chain issued it already: collect_offloaded lets it go
-            if rec.offload_behind() or rec.offload():
-                mover.counters["early_offloads"] += 1
 
     def _reload_ahead(self, backward: Optional[Tuple[int, int]], load: float,
                       in_use: int) -> Optional[Tuple[int, int]]:
