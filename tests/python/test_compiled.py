@@ -430,3 +430,152 @@ def test_a_spike_under_inductor() -> None:
     assert compiled["changed_without_downgrade"] == 0, compiled
     assert r["losses"] == full["losses"]
     assert_grads(full["grads"], r["grads"], parameters(), what="inductor with spikes")
+
+
+# -- Bad input (issue 41): CUDA graphs, dynamic shapes, a user's own joint-graph passes -------
+def test_cuda_graphs_are_refused_naming_what_to_change() -> None:
+    """Blocks compiled with CUDA graphs (mode="reduce-overhead" or "max-autotune", inductor's
+    triton.cudagraphs, dynamo's cudagraphs backend) are refused, per operator and per block:
+    at instrument where they were compiled before it, else at the first forward, naming the
+    blocks, the setting and what to compile with instead (docs/pytorch.md, "Compiled blocks":
+    a replayed graph reruns no stash, and its saved tensors stay in its own memory pool).
+    Nothing is compiled: the refusal comes first. Compiled without CUDA graphs
+    (mode="max-autotune-no-cudagraphs") they are not refused."""
+    require_libs()
+    fix = (r"compile the blocks without CUDA graphs: mode='default' or "
+           r"'max-autotune-no-cudagraphs', or options=\{'triton.cudagraphs': False\}")
+
+    def compiled(form: str, **options: Any) -> torch.nn.Module:
+        model = unmodified.build("qwen3_moe", layers=2)
+        unmodified.compile_blocks(model, form, fullgraph=True, **options)
+        return model
+
+    model = compiled("in-place", mode="reduce-overhead")
+    bagualu.install(capacity="64MiB", governor="none", pipeline_stages=1, micro_batches=1,
+                    log_iterations=False)
+    with pytest.raises(bagualu.InstrumentError, match=r"blocks 0, 1 of model.layers are "
+                       r"compiled with CUDA graphs \(mode='reduce-overhead' or options=.*"
+                       + fix):
+        bagualu.instrument(model)
+    bagualu.uninstall()
+
+    model = compiled("wrapped", mode="max-autotune")
+    bagualu.install(capacity="64MiB", governor="none", pipeline_stages=1, micro_batches=1,
+                    log_iterations=False, compiled_operators="block")
+    with pytest.raises(bagualu.InstrumentError, match=r"\(mode='max-autotune', which captures "
+                       r"CUDA graphs\).*nor with install\(compiled_operators='block'\).*" + fix):
+        bagualu.instrument(model)
+    bagualu.uninstall()
+
+    # Wrapped after instrument, dynamo's cudagraphs backend: refused at the first forward.
+    model = unmodified.build("qwen3_moe", layers=2)
+    _install(model)
+    unmodified.compile_blocks(model, "wrapped", fullgraph=True, backend="cudagraphs")
+    with pytest.raises(bagualu.InstrumentError, match=r"blocks 0, 1 of model.layers are "
+                       r"compiled with CUDA graphs \(backend='cudagraphs'\).*another backend"):
+        _forward(model)
+    bagualu.uninstall()
+
+    # Inductor's global config asks for them (the mode leaves it alone).
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        model = compiled("in-place", backend="inductor")
+        bagualu.install(capacity="64MiB", governor="none", pipeline_stages=1, micro_batches=1,
+                        log_iterations=False)
+        with pytest.raises(bagualu.InstrumentError,
+                           match=r"torch._inductor.config.triton.cudagraphs = True"):
+            bagualu.instrument(model)
+    bagualu.uninstall()
+
+    model = compiled("in-place", mode="max-autotune-no-cudagraphs")
+    _install(model)  # not refused (not run: inductor's max-autotune compile takes minutes)
+    bagualu.uninstall()
+
+
+@per_operator
+@pytest.mark.parametrize("form,dynamic", [("in-place", None), ("wrapped", True)])
+def test_dynamic_shapes_per_operator(form: str, dynamic: Any) -> None:
+    """The sequence length changes between iterations (32, 48, 40): with torch's automatic
+    dynamic (``dynamic=None``, in place: a recompile with the length symbolic after the first
+    change) and ``torch.compile(block, dynamic=True)`` (wrapped: symbolic from the start),
+    per operator with a forced mix (an operator offloaded inside each block, the rest kept):
+    as many graphs as plain compile and no break (no recompile beyond plain compile's: the
+    stash's sizes and strides are graph values, symbolic in the unstash), plain compiled
+    gradients and losses bit for bit (one graph serves 48 and 40: sizes baked into the
+    unstash would have failed the backward)."""
+    require_libs()
+    options = OPTIONS if dynamic is None else {**OPTIONS, "dynamic": dynamic}
+    kw: Dict[str, Any] = dict(form=form, options=options, iterations=3, seqs=[32, 48, 40])
+    plain = run(None, fresh=True, **kw)
+    assert plain["dynamo"] == (2 if dynamic is None else 1, 0), plain["dynamo"]
+    forced = {"mlp.experts": "offload", "self_attn.q_proj": "offload", "block": "keep"}
+    r = run("bagualu", fresh=True, capacity="64MiB", forced=forced, allow_fp8=False, **kw)
+    assert r["oom"] is None and r["dynamo"] == plain["dynamo"], (r["dynamo"], plain["dynamo"])
+    compiled = r["stats"]["compiled"]
+    assert compiled["per_operator"] and compiled["mixed_blocks"] > 0, compiled
+    assert r["stats"]["tracker"]["offloads"] > 0, r["stats"]["tracker"]
+    assert r["losses"] == plain["losses"]
+    assert_grads(plain["grads"], r["grads"], parameters(), what=f"{form}, dynamic={dynamic}")
+
+
+class _CountingPass:
+    """A user's joint-graph pass: the node count of every graph it sees (inductor's
+    CustomGraphPass interface: a call on the fx.Graph, a uuid for its caches)."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.seen.append(len(graph.nodes))
+
+    def uuid(self) -> str:
+        return "bagualu-test-counting-pass"
+
+
+def _inductor_joint_passes_backend() -> Any:
+    """AOTAutograd with inductor's decompositions, joint-graph passes (the user's pre and post
+    passes among them) and partitioner (``compile_fx.partition_fn``), and no kernel compile."""
+    import torch._inductor.compile_fx as compile_fx
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    if not callable(getattr(compile_fx, "partition_fn", None)):
+        pytest.skip(f"torch {torch.__version__}: no inductor partition_fn to run its passes")
+    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                        decompositions=compile_fx.select_decomp_table,
+                        partition_fn=compile_fx.partition_fn)
+
+
+@per_operator
+def test_a_users_joint_graph_passes_still_run() -> None:
+    """A user's own torch._functorch.config.joint_custom_pass and inductor's
+    joint_custom_pre_pass / joint_custom_post_pass, each counting the graphs it sees, under a
+    backend that runs inductor's joint-graph passes and partitioner without its kernel compile
+    (minutes on 2 cores): bagualu sets none of them (its stash ops come from saved-tensor
+    hooks inlined after the partitioner), so from a fresh dynamo each runs on as many joint
+    graphs of as many nodes as under plain compile, and per operator with a forced mix the
+    gradients and losses are plain compile's bit for bit."""
+    require_libs()
+    import torch._inductor.config as inductor_config
+    options = {"fullgraph": True, "backend": _inductor_joint_passes_backend()}
+    joint, pre, post = _CountingPass(), _CountingPass(), _CountingPass()
+
+    def functorch_pass(gm: torch.fx.GraphModule, inputs: Any) -> torch.fx.GraphModule:
+        joint(gm.graph)
+        return gm
+
+    with torch._functorch.config.patch(joint_custom_pass=functorch_pass), \
+            inductor_config.patch(joint_custom_pre_pass=pre, joint_custom_post_pass=post):
+        plain = run(None, fresh=True, options=options)
+        seen = [list(p.seen) for p in (joint, pre, post)]
+        assert all(seen), seen
+        for p in (joint, pre, post):
+            p.seen.clear()
+        forced = {"mlp.experts": "offload", "self_attn.q_proj": "offload", "block": "keep"}
+        r = run("bagualu", fresh=True, options=options, capacity="64MiB", forced=forced,
+                allow_fp8=False)
+    assert [p.seen for p in (joint, pre, post)] == seen
+    assert r["oom"] is None and r["dynamo"] == plain["dynamo"], (r["dynamo"], plain["dynamo"])
+    assert r["stats"]["compiled"]["mixed_blocks"] > 0, r["stats"]["compiled"]
+    assert r["stats"]["tracker"]["offloads"] > 0, r["stats"]["tracker"]
+    assert r["losses"] == plain["losses"]
+    assert_grads(plain["grads"], r["grads"], parameters(), what="a user's joint passes")

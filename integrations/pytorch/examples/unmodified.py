@@ -233,7 +233,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           compile_after: bool = False, allow_fp8: bool = True,
           spike_on_rank: bool = False,
           compiled_operators: str = "operators", selective: bool = False,
-          measure_saved: bool = False) -> Dict[str, Any]:
+          measure_saved: bool = False,
+          seqs: Optional[Sequence[int]] = None) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
@@ -250,7 +251,9 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     few random tokens. ``compiled_operators``: bagualu's install option. ``selective`` (with
     ``checkpoint_layers``): torch's selective checkpointing (matmul outputs saved, the rest
     recomputed). ``measure_saved`` (plain PyTorch): ``saved_peak``, the most bytes of saved
-    activations (storages, parameters left out) held at once over the schedule."""
+    activations (storages, parameters left out) held at once over the schedule. ``seqs``:
+    the micro-batches' sequence length in each iteration (a shape change between iterations:
+    dynamic shapes), in place of ``seq``."""
     import bagualu
     one_f_one_b = bagualu.schedule.one_f_one_b
     cuda = device.startswith("cuda")
@@ -265,8 +268,15 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     if spike_on_rank and ep and spike_every and name != "fused":
         rank, tokens, _ = spike_rank(name, model, seed, width, seq)
         ep_kwargs["ep_rank"] = rank
-    xs = [x.to(device) for x in batches(micro_batches * iterations, spike_every=spike_every,
-                                        seq=seq, spike_tokens=tokens)]
+    if seqs is None:
+        xs = [x.to(device) for x in batches(micro_batches * iterations,
+                                            spike_every=spike_every, seq=seq,
+                                            spike_tokens=tokens)]
+    else:
+        if len(seqs) != iterations or tokens is not None:
+            raise ValueError("seqs: one sequence length per iteration, without spike_on_rank")
+        xs = [x.to(device) for it, n in enumerate(seqs)
+              for x in batches(micro_batches, seed=1 + it, spike_every=spike_every, seq=n)]
     out: Dict[str, Any] = {"losses": [], "oom": None, "lines": [], "times_ms": [],
                            "cpu_ms": []}
     if compiled is not None and not (compile_after and policy is not None):

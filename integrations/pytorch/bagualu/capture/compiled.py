@@ -34,7 +34,9 @@ region; they run on the compiled function's saved tensors), and its strategy app
 them: offload and FP8 move them after the forward, recompute reruns the compiled block
 (recompute.py, RNG restored). Hooks that still run inside a
 compiled region (a block compiled after the capture, a compiled module above the blocks) return
-at once: ``eager_only``. Not thread-safe: the training thread.
+at once: ``eager_only``. Blocks compiled with CUDA graphs (``cuda_graphs``: mode
+"reduce-overhead" or "max-autotune", inductor's triton.cudagraphs, the cudagraphs backend) are
+refused in both forms (``refuse_cuda_graphs``). Not thread-safe: the training thread.
 """
 from __future__ import annotations
 
@@ -115,6 +117,67 @@ def _is_compiled(m: nn.Module) -> bool:
     return is_compiled_wrapper(m) or m.__dict__.get("_compiled_call_impl") is not None
 
 
+_LINKS = ("_torchdynamo_orig_backend", "_torchdynamo_orig_callable", "_inner_convert")
+
+
+def _backends(compiled: Any) -> List[Any]:
+    """The backend objects behind ``compiled`` (an OptimizedModule, or the function
+    ``block.compile()`` sets as ``_compiled_call_impl``): dynamo's callback chain, read through
+    its links (``_LINKS``: torch 2.15's and 2.6's)."""
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if ctx is None:  # the function: its get_compiler_config closes over the dynamo context
+        get = getattr(compiled, "get_compiler_config", None)
+        for cell in getattr(get, "__closure__", None) or ():
+            try:
+                if hasattr(cell.cell_contents, "callback"):
+                    ctx = cell.cell_contents
+                    break
+            except ValueError:  # an empty cell
+                continue
+    out: List[Any] = []
+    b = getattr(ctx, "callback", None)
+    while b is not None and len(out) < 16 and all(b is not o for o in out):
+        out.append(b)
+        b = next((getattr(b, a) for a in _LINKS if getattr(b, a, None) is not None), None)
+    return out
+
+
+def cuda_graphs(compiled: Any) -> Optional[Tuple[str, str]]:
+    """(the setting that asks for them, what to use instead) where ``compiled`` captures CUDA
+    graphs, else None: inductor's ``triton.cudagraphs`` (``mode="reduce-overhead"`` or
+    ``"max-autotune"``, the option, or inductor's global config) or dynamo's ``cudagraphs``
+    backend."""
+    inductor = None
+    for b in _backends(compiled):
+        name = getattr(b, "compiler_name", None)
+        if name == "cudagraphs":
+            return ("backend='cudagraphs'", "another backend (inductor's default mode, "
+                    "aot_eager)")
+        if name == "inductor" and isinstance(getattr(b, "config", None), dict):
+            inductor = b.config  # the mode's and options' patches of inductor's config
+    fix = ("mode='default' or 'max-autotune-no-cudagraphs', or "
+           "options={'triton.cudagraphs': False}")
+    if inductor is None:  # no inductor wrapper found: what the compiled object reports
+        get = getattr(compiled, "get_compiler_config", None)
+        try:
+            config = get() if callable(get) else None
+        except Exception:  # noqa: BLE001 - an unknown backend's: nothing to say
+            config = None
+        if isinstance(config, dict) and config.get("triton.cudagraphs"):
+            return "inductor's triton.cudagraphs", fix
+        return None
+    if "triton.cudagraphs" not in inductor:
+        import torch._inductor.config as inductor_config
+        if inductor_config.triton.cudagraphs:
+            return "torch._inductor.config.triton.cudagraphs = True", fix
+        return None
+    if not inductor["triton.cudagraphs"]:
+        return None
+    if inductor.get("max_autotune"):
+        return "mode='max-autotune', which captures CUDA graphs", fix
+    return "mode='reduce-overhead' or options={'triton.cudagraphs': True}", fix
+
+
 class CompiledBlocks:
     """The compiled form of one instrumented model's planned blocks (see the module
     docstring). ``hooks(layer, module)`` gives the (pre, post) of a layer's block operator;
@@ -161,6 +224,40 @@ class CompiledBlocks:
                 out.append(None)
         return out
 
+    def refuse_cuda_graphs(self) -> None:
+        """InstrumentError when a planned block is compiled with CUDA graphs (at instrument for
+        blocks compiled before it, else at the first forward): the activations a replayed
+        graph saves stay at the addresses its capture gave them, in its own memory pool, so
+        neither a stash (per operator) nor the block's placement (per block) can offload, cast
+        or rerun them, and bagualu's CUDA allocator (a CUDAPluggableAllocator) has no graph
+        pools for cudagraph trees. Refused on every device (on CPU inductor skips CUDA graphs,
+        but a CPU dry run should refuse what the GPU run would)."""
+        using: List[Tuple[int, Tuple[str, str]]] = []
+        for bi in self.found.planned:
+            entry = self.found.entry(bi)
+            block = self.found.blocks[bi]
+            if entry is not block and is_compiled_wrapper(entry):
+                compiled: Any = entry
+            else:
+                compiled = block.__dict__.get("_compiled_call_impl")
+                if isinstance(compiled, _Entry):
+                    compiled = compiled.compiled
+            how = cuda_graphs(compiled) if compiled is not None else None
+            if how is not None:
+                using.append((bi, how))
+        if not using:
+            return
+        blocks = [bi for bi, _ in using]
+        how, fix = using[0][1]
+        raise InstrumentError(
+            f"block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))} of "
+            f"{self.found.layers_path} {'are' if len(blocks) > 1 else 'is'} compiled with CUDA "
+            f"graphs ({how}): bagualu cannot place the activations of a graph that CUDA "
+            "replays (a replay reruns no stash, and its saved tensors stay where the capture "
+            "put them, in a graph memory pool bagualu's CUDA allocator does not provide), "
+            "neither per operator nor with install(compiled_operators='block'); compile the "
+            f"blocks without CUDA graphs: {fix}")
+
     def refresh(self) -> bool:
         """Before every forward: the first (the capture) installs the entries of compiled
         blocks and says whether they are (True: each block is one operator now); later the
@@ -179,6 +276,7 @@ class CompiledBlocks:
                 self._rewrap()
             return False
         self._check_above()
+        self.refuse_cuda_graphs()
         self.seen = forms
         kinds = set(forms)
         if len(kinds) > 1:

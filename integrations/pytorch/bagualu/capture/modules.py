@@ -153,6 +153,7 @@ class AutoLayers:
                                        ep.simulate,
                                        self.stashes.on_stash if compiled_per_op else None)
         try:
+            self.compiled.refuse_cuda_graphs()  # blocks compiled before instrument
             self._install(model)
         except BaseException:
             self.remove()
