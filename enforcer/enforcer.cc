@@ -619,7 +619,13 @@ Status Enforcer::release(std::uint64_t handle, int consumer_op, Stream stream) {
 void Enforcer::retire_locked(TrackedTensor& t, Stream s) {
   if (t.ptr != nullptr && t.owned) pool_->deallocate(t.ptr, 0, s);
   if (t.fp8 != nullptr) pool_->deallocate(t.fp8, 0, s);
-  if (t.host != nullptr) pinned_->free_after(t.host, ops_->record(options_.d2h));
+  if (t.host != nullptr) {
+    // After every copy that may still touch the pinned block: the offload writes it on d2h, a
+    // reload reads it on h2d. An event on d2h alone let a retire during a reload cache the
+    // block while the reload still read it, and a smaller pinned capacity then freed it under
+    // the copy (issue 45, enforcer_capi_fuzz).
+    pinned_->free_after_both(t.host, ops_->record(options_.d2h), ops_->record(options_.h2d));
+  }
   if (t.has_ready) ops_->release(t.ready);
   if (t.has_offload) ops_->release(t.offload_done);
   tracker_.remove(t.handle);  // t is gone after this

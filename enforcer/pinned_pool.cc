@@ -38,9 +38,13 @@ void PinnedPool::reap(bool wait) {
   std::size_t kept = 0;
   for (auto& pe : pending_) {
     // A wait that timed out (a stalled copy) leaves the block pending: it is not reused.
-    const bool waited = wait && ops_->wait(pe.event) == Status::kOk;
-    if (waited || ops_->query(pe.event)) {
-      ops_->release(pe.event);
+    // A null event (a stream with nothing queued) is complete.
+    auto done = [&](const Event& e) {
+      return e.handle == nullptr || (wait && ops_->wait(e) == Status::kOk) || ops_->query(e);
+    };
+    if (done(pe.event) && done(pe.also)) {
+      if (pe.event.handle != nullptr) ops_->release(pe.event);
+      if (pe.also.handle != nullptr) ops_->release(pe.also);
       cache(pe.p);
     } else {
       pending_[kept++] = pe;
@@ -128,8 +132,15 @@ void PinnedPool::free_after(void* p, const Event& after) {
     ops_->release(after);
     cache(p);
   } else {
-    pending_.push_back({p, after});
+    pending_.push_back({p, after, Event{}});
   }
+}
+
+void PinnedPool::free_after_both(void* p, const Event& first, const Event& second) {
+  if (p == nullptr) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.push_back({p, first, second});
+  reap(/*wait=*/false);
 }
 
 std::size_t PinnedPool::trim() {

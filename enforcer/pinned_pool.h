@@ -36,6 +36,8 @@ class PinnedPool {
   Status allocate(std::size_t bytes, void** out, std::string* error);
   // Returns `p` once `after` has completed (a null event: now). `after` is released by the pool.
   void free_after(void* p, const Event& after);
+  // As free_after, after both events (a block two streams' copies may still use).
+  void free_after_both(void* p, const Event& first, const Event& second);
   // Frees every cached block; returns the bytes released.
   std::size_t trim();
   // A new capacity (the node's grant changed): cached blocks beyond it are freed at once; blocks
@@ -49,6 +51,7 @@ class PinnedPool {
   struct Pending {
     void* p;
     Event event;
+    Event also;  // a second event the block waits for (null handle: none)
   };
   void reap(bool wait);
   void cache(void* p);
