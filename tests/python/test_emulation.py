@@ -24,6 +24,24 @@ MEASURED = {"gpu": "host", "peak_tflops": 0.05, "matmul_efficiency": 1, "hbm_GBp
             "copy_overlap": 0}
 
 
+def _one_step(m, x, forced, capacity: str, calibration_path) -> dict:
+    """One forward and backward of OpBlock model ``m`` on ``x`` under bagualu (keep-all with
+    ``forced`` strategies, the calibration at ``calibration_path``); its stats()."""
+    import bagualu
+    bagualu.install(capacity=capacity, policy="keep-all", governor="none",
+                    log_iterations=False, calibration=calibration_path)
+    try:
+        bagualu.instrument(m)
+        bagualu.force_strategies(forced)
+        with bagualu.forward(0):
+            y = m(x).square().sum()
+        with bagualu.backward(0):
+            y.backward()
+        return bagualu.stats()
+    finally:
+        bagualu.uninstall()
+
+
 def test_the_link_runs_at_the_gpus_ratio_of_link_to_compute() -> None:
     doc = emulation.emulate(MEASURED, "h200-pcie5")
     gpu = calibration.resolve({"gpu": "h200"}, "h200")
@@ -154,18 +172,8 @@ def test_training_with_an_emulated_link_moves_through_it_and_keeps_gradients(
     def grad(strategy: str, calibration_path):
         torch.manual_seed(0)
         m, x = Block(), torch.randn(256, 64)
-        bagualu.install(capacity="16MiB", policy="keep-all", governor="none",
-                        log_iterations=False, calibration=calibration_path)
-        try:
-            bagualu.instrument(m)
-            bagualu.force_strategies({"up_proj": strategy, "down_proj": strategy})
-            with bagualu.forward(0):
-                y = m(x).square().sum()
-            with bagualu.backward(0):
-                y.backward()
-            stats = bagualu.stats()
-        finally:
-            bagualu.uninstall()
+        stats = _one_step(m, x, {"up_proj": strategy, "down_proj": strategy}, "16MiB",
+                          calibration_path)
         return m.a.weight.grad, stats
 
     kept, plain_stats = grad("keep", None)
@@ -209,18 +217,8 @@ def test_a_static_policy_waits_for_its_own_offloads_instead_of_running_out_of_me
     def grad(strategy: str, capacity: str, calibration_path):
         torch.manual_seed(0)
         m, x = Block(), torch.randn(512, 128)
-        bagualu.install(capacity=capacity, policy="keep-all", governor="none",
-                        log_iterations=False, calibration=calibration_path)
-        try:
-            bagualu.instrument(m)
-            bagualu.force_strategies({f"fc{i}": strategy for i in range(steps)})
-            with bagualu.forward(0):
-                y = m(x).square().sum()
-            with bagualu.backward(0):
-                y.backward()
-            stats = bagualu.stats()
-        finally:
-            bagualu.uninstall()
+        stats = _one_step(m, x, {f"fc{i}": strategy for i in range(steps)}, capacity,
+                          calibration_path)
         return [f.weight.grad for f in m.fcs], stats
 
     kept, _ = grad("keep", "64MiB", None)
