@@ -170,7 +170,7 @@ def batches(n: int, seed: int = 1, batch: int = 2, seq: int = 32, vocab: int = 1
     return out
 
 
-_SPIKES: Dict[Tuple[str, int, int, int], Tuple[int, List[int], List[float]]] = {}
+_SPIKES: Dict[Tuple[str, int, int, int, int], Tuple[int, List[int], List[float]]] = {}
 
 
 def spike_rank(name: str, model: nn.Module, seed: int, width: int, seq: int,
@@ -180,8 +180,9 @@ def spike_rank(name: str, model: nn.Module, seed: int, width: int, seq: int,
     send the most of their top-k choices to that rank's experts, summed over the layers; and
     the load factor per layer of a batch of them (1.0: balance). Measured on the model itself
     (every token alone through it, its routers' top-k), so the spike is what this model does
-    with such a batch, not a number set here. Cached per model."""
-    key = (name, seed, width, seq)
+    with such a batch, not a number set here. Cached per model (its name, seed, width and
+    number of layers: a model of other layers routes otherwise) and sequence length."""
+    key = (name, seed, width, seq, model.config.num_hidden_layers)
     if key in _SPIKES:
         return _SPIKES[key]
     top_k = model.config.num_experts_per_tok
