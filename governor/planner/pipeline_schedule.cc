@@ -38,6 +38,16 @@ Result<std::vector<Step>> BuildSchedule(int pp, int rank, int micro_batches, int
     return InvalidArgument("micro_batches must be positive, got " + std::to_string(micro_batches));
   }
   if (chunks < 1) return InvalidArgument("chunks must be positive, got " + std::to_string(chunks));
+  // Every (micro-batch, chunk) has a forward and a backward step: a count past this bound is
+  // an error, not gigabytes of steps (planner_capi_fuzz's finding).
+  constexpr long long kMaxUnits = 1 << 20;
+  if (static_cast<long long>(micro_batches) * chunks > kMaxUnits ||
+      static_cast<long long>(pp) * chunks > kMaxUnits) {
+    return InvalidArgument("micro_batches x chunks and pp x chunks must be at most " +
+                           std::to_string(kMaxUnits) + ", got " + std::to_string(micro_batches) +
+                           " x " + std::to_string(chunks) + " and " + std::to_string(pp) +
+                           " x " + std::to_string(chunks));
+  }
   if (chunks > 1 && micro_batches % pp != 0) {
     return InvalidArgument("interleaved 1F1B needs micro_batches divisible by pp");
   }

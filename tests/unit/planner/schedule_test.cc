@@ -2,6 +2,7 @@
 
 #include <map>
 #include <set>
+#include <string>
 
 #include "governor/planner/pipeline_schedule.h"
 
@@ -72,6 +73,12 @@ TEST(Schedule, BadArguments) {
   EXPECT_FALSE(BuildSchedule(4, 0, 0, 1).ok());
   EXPECT_FALSE(BuildSchedule(4, 0, 6, 2).ok());  // interleaving needs B % P == 0
   EXPECT_FALSE(ParsePhase("middle").ok());
+  // Counts past the bound are an error naming it, not gigabytes of steps (planner_capi_fuzz).
+  auto huge = BuildSchedule(4, 0, 1 << 30, 2);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_NE(huge.status().message().find("at most"), std::string::npos);
+  EXPECT_FALSE(BuildSchedule(1 << 30, 0, 4, 4).ok());
+  EXPECT_TRUE(BuildSchedule(4, 0, 1 << 10, 2).ok());
 }
 
 }  // namespace
