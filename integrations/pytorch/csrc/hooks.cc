@@ -512,30 +512,33 @@ int LightHolds(PyObject* tr, PyObject* unit, PyObject* key, c10::StorageImpl* im
 bool CountLight(PyObject* ls, PyObject* storage, PyObject* key, long long nbytes, bool inside) {
   PyObject* sizes = Get(ls, names.sizes);
   if (sizes == nullptr) return false;
-  bool ok = PyDict_Check(sizes);
-  if (!ok) PyErr_SetString(PyExc_TypeError, "light_count: the light set's sizes is no dict");
-  long long used = 0;
-  if (ok) {
-    PyObject* seen = PyDict_GetItemWithError(sizes, key);  // borrowed
-    ok = seen != nullptr || !PyErr_Occurred();
-    if (ok && seen != nullptr && PyTuple_Check(seen) && PyTuple_GET_SIZE(seen) == 2) {
-      const long long was = PyLong_AsLongLong(PyTuple_GET_ITEM(seen, 1));
-      ok = !(was == -1 && PyErr_Occurred()) && GetInt(ls, names.used, &used) &&
-           SetInt(ls, names.used, used - (was < 0 ? -was : was));  // LightSet.forget
-    }
+  long long used = 0, reserved = 0;
+  bool ok = PyDict_Check(sizes) && GetInt(ls, names.used, &used) &&
+            GetInt(ls, names.reserved, &reserved);
+  if (!ok && !PyErr_Occurred()) {
+    PyErr_SetString(PyExc_TypeError, "light_count: the light set's sizes is no dict");
   }
-  long long reserved = 0;
-  ok = ok && GetInt(ls, names.used, &used) && GetInt(ls, names.reserved, &reserved);
+  PyObject* seen = ok ? PyDict_GetItemWithError(sizes, key) : nullptr;  // borrowed
+  ok = ok && (seen != nullptr || !PyErr_Occurred());
+  if (ok && seen != nullptr && PyTuple_Check(seen) && PyTuple_GET_SIZE(seen) == 2) {
+    const long long was = PyLong_AsLongLong(PyTuple_GET_ITEM(seen, 1));  // LightSet.forget
+    ok = !(was == -1 && PyErr_Occurred());
+    used -= was < 0 ? -was : was;
+    ok = ok && SetInt(ls, names.used, used);
+  }
   if (ok && used + nbytes > reserved) {
-    PyObject* out = PyObject_CallMethod(ls, "grow", "L", nbytes);
+    PyObject* n = PyLong_FromLongLong(nbytes);
+    PyObject* out = n == nullptr ? nullptr : PyObject_CallMethodObjArgs(ls, names.grow, n, nullptr);
     ok = out != nullptr;
     Py_XDECREF(out);
+    Py_XDECREF(n);
   } else if (ok) {
     ok = SetInt(ls, names.used, used + nbytes);
   }
   if (ok) {
     PyObject* ref = PyWeakref_NewRef(storage, nullptr);
-    PyObject* entry = ref == nullptr ? nullptr : Py_BuildValue("(OL)", ref, inside ? nbytes : -nbytes);
+    PyObject* entry =
+        ref == nullptr ? nullptr : Py_BuildValue("(OL)", ref, inside ? nbytes : -nbytes);
     ok = entry != nullptr && PyDict_SetItem(sizes, key, entry) == 0;
     Py_XDECREF(entry);
     Py_XDECREF(ref);
