@@ -226,7 +226,7 @@ Chains BuildChains(const CostEvaluator& eval, const PointUnits& u) {
     for (int o = 0; o < n; ++o) {
       const Operator& op = g.ops[o];
       Append(chains[0], op.IsComm() ? Resource::kComm : Resource::kCompute,
-             g.window_scale * op.ForwardTime(u.forward_r), o);
+             g.forward_window_scale * op.ForwardTime(u.forward_r), o);
       Append(chains[0], Resource::kCompute, cast[o], o);
     }
   }
@@ -236,7 +236,7 @@ Chains BuildChains(const CostEvaluator& eval, const PointUnits& u) {
       const Operator& op = g.ops[o];
       Append(chains[1], Resource::kCompute, uncast[o], o);
       Append(chains[1], op.IsComm() ? Resource::kComm : Resource::kCompute,
-             g.window_scale * op.BackwardTime(u.backward_r), o);
+             g.backward_window_scale * op.BackwardTime(u.backward_r), o);
     }
   }
   if (u.offload) {

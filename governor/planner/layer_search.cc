@@ -55,7 +55,8 @@ StageGraph Subgraph(const StageGraph& g, const std::vector<int>& ops) {
   std::vector<int> tensor_map(g.tensors.size(), -1);
   StageGraph sub;
   sub.layers = 1;
-  sub.window_scale = g.window_scale;
+  sub.forward_window_scale = g.forward_window_scale;
+  sub.backward_window_scale = g.backward_window_scale;
   auto map_tensor = [&](int t) {
     if (tensor_map[t] < 0) {
       SavedTensor copy = g.tensors[t];

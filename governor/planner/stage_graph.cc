@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <initializer_list>
 #include <map>
+#include <tuple>
 
 #include "base/units.h"
 
@@ -77,13 +78,13 @@ double StageGraph::KeepAllBytes(double r) const {
 double StageGraph::ForwardTime(double r) const {
   double total = 0;
   for (const auto& o : ops) total += o.ForwardTime(r);
-  return window_scale * total;
+  return forward_window_scale * total;
 }
 
 double StageGraph::BackwardTime(double r) const {
   double total = 0;
   for (const auto& o : ops) total += o.BackwardTime(r);
-  return window_scale * total;
+  return backward_window_scale * total;
 }
 
 double StageGraph::ForwardFlops(double r) const {
@@ -300,7 +301,8 @@ struct LayerSpec {
   std::vector<OpSpec> ops;
   std::vector<TensorSpec> tensors;
   int block_input = -1;
-  double forward_s = -1;  // the layer's own forward time ("forward_ms"); -1: its operators' sum
+  double forward_s = -1;   // the layer's own forward time ("forward_ms"); -1: its operators' sum
+  double backward_s = -1;  // its own backward time ("backward_ms"); -1: as its forward scales
 };
 
 // The largest tensor the format accepts (1 PiB): large enough for any real activation, small
@@ -388,8 +390,8 @@ Result<int64_t> ReadTensorBytes(const nlohmann::json& v, const std::string& fiel
 
 Result<LayerSpec> ParseLayerGraph(const nlohmann::json& doc, const std::string& where) {
   if (!doc.is_object()) return InvalidArgument(where + " must be an object");
-  BGL_RETURN_IF_ERROR(
-      RejectUnknownKeys(doc, {"operators", "tensors", "forward_ms", "comment"}, where));
+  BGL_RETURN_IF_ERROR(RejectUnknownKeys(
+      doc, {"operators", "tensors", "forward_ms", "backward_ms", "comment"}, where));
   if (!doc.contains("operators") || !doc["operators"].is_array() || !doc.contains("tensors") ||
       !doc["tensors"].is_array()) {
     return InvalidArgument(where + " must have 'operators' and 'tensors' arrays");
@@ -398,15 +400,18 @@ Result<LayerSpec> ParseLayerGraph(const nlohmann::json& doc, const std::string& 
     return InvalidArgument(where + ".operators: empty; a layer needs at least one operator");
   }
   LayerSpec spec;
-  if (doc.contains("forward_ms")) {
-    double forward_ms = 0;
-    BGL_RETURN_IF_ERROR(ReadMs(doc, "forward_ms", true, kMaxOperatorMs, forward_ms, where));
-    if (!(forward_ms > 0)) {
-      return InvalidArgument(where +
-                             ": field 'forward_ms' must be above 0 (the layer's own "
-                             "forward time), got 0");
+  // The layer's own times (nested operators counted once): each must be above 0.
+  for (const auto& [key, what, out] :
+       {std::tuple<const char*, const char*, double*>{"forward_ms", "forward", &spec.forward_s},
+        {"backward_ms", "backward", &spec.backward_s}}) {
+    if (!doc.contains(key)) continue;
+    double ms = 0;
+    BGL_RETURN_IF_ERROR(ReadMs(doc, key, true, kMaxOperatorMs, ms, where));
+    if (!(ms > 0)) {
+      return InvalidArgument(where + ": field '" + key + "' must be above 0 (the layer's own " +
+                             what + " time), got 0");
     }
-    spec.forward_s = forward_ms * 1e-3;
+    *out = ms * 1e-3;
   }
   std::map<std::string, int> op_index;
   for (const auto& od : doc["operators"]) {
@@ -534,7 +539,12 @@ Result<StageGraph> BuildCustomGraph(const ModelConfig& config, const nlohmann::j
   if (spec.forward_s > 0) {
     double sum = 0;
     for (const OpSpec& s : spec.ops) sum += s.forward_s;
-    if (sum > 0) g.window_scale = spec.forward_s / sum;
+    if (sum > 0) g.forward_window_scale = g.backward_window_scale = spec.forward_s / sum;
+  }
+  if (spec.backward_s > 0) {
+    double sum = 0;
+    for (const OpSpec& s : spec.ops) sum += s.backward_s;
+    if (sum > 0) g.backward_window_scale = spec.backward_s / sum;
   }
   int previous_output = -1;
   for (int layer = 0; layer < g.layers; ++layer) {

@@ -84,17 +84,22 @@ class StageGraph {
   // The chunk's compute time over the sum of its operators' times, where those overlap: an
   // explicit layer graph's operators may be nested (a module and the modules it calls, each
   // timed whole, as the PyTorch capture times them: what rerunning it costs), so their sum
-  // counts the inner ones more than once. ForwardTime and BackwardTime (the copy windows, the
-  // issue order's forward and backward chains) are the sums times this; a recompute still costs
-  // the rerun operator's own time. 1: the operators' times add up (generated graphs).
-  double window_scale = 1;
+  // counts the inner ones more than once. ForwardTime (the forward copy window, the issue
+  // order's forward chain) is the operators' sum times forward_window_scale, BackwardTime (the
+  // backward window, the backward chain) times backward_window_scale; a recompute still costs
+  // the rerun operator's own time. The layer graph's "forward_ms" sets both (its operators'
+  // backward times stay in proportion to their forward times, twice them as the capture
+  // states them); its "backward_ms", the layer's own measured backward, sets the backward one
+  // alone. 1: the operators' times add up (generated graphs).
+  double forward_window_scale = 1;
+  double backward_window_scale = 1;
 
   // Memory retained under full recompute (block inputs only): the paper's M0.
   double M0(double r) const;
   // Memory with every saved tensor kept on device.
   double KeepAllBytes(double r) const;
-  double ForwardTime(double r) const;   // the chunk's forward: window_scale x the operators'
-  double BackwardTime(double r) const;  // likewise
+  double ForwardTime(double r) const;   // the chunk's forward: forward_window_scale x the ops'
+  double BackwardTime(double r) const;  // likewise, backward_window_scale x the operators'
   double ForwardFlops(double r) const;
   int FindOp(const std::string& name) const;
 

@@ -2,10 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "base/utf8.h"
 #include "governor/planner/assignment.h"
+#include "governor/planner/dual_batch.h"
 #include "governor/planner/mitigation.h"
 #include "governor/planner/planner.h"
 
@@ -277,6 +280,84 @@ TEST(ModelConfig, LayerForwardTimeSetsTheCopyWindowsNotTheReruns) {
       message = g.status().message();
     }
     EXPECT_NE(message.find("forward_ms"), std::string::npos) << message;
+  }
+}
+
+// The layer graph's "backward_ms" (the layer's own backward, measured by the capture) sets the
+// backward window and the issue order's backward chain; without it the backward stays in
+// proportion to the forward (the operators' backward times, twice their forward ones). A rerun
+// still costs its operator's forward time.
+TEST(ModelConfig, LayerBackwardTimeSetsTheBackwardWindowAndChain) {
+  auto doc = CustomGraph();
+  auto& ops = doc["layer_graph"]["operators"];
+  ops[0]["forward_ms"] = 0.5;
+  ops[0]["backward_ms"] = 1.0;
+  ops[1]["forward_ms"] = 2.0;
+  ops[1]["backward_ms"] = 4.0;
+  ops[2] = {{"name", "act"}, {"kind", "other"}, {"forward_ms", 0.5}, {"backward_ms", 1.0}};
+  doc["layer_graph"]["tensors"][1]["bytes"] = 128 << 20;
+  doc["layer_graph"]["forward_ms"] = 1.5;  // half the operators' sum
+  auto hw = HardwareProfileByName("h200");
+  ASSERT_TRUE(hw.ok());
+  auto build = [&](const nlohmann::json& d) {
+    auto config = ModelConfigFromJson(d, "custom.json");
+    EXPECT_TRUE(config.ok()) << config.status().message();
+    return BuildStageGraph(*config, *hw);
+  };
+  auto twice = build(doc);
+  ASSERT_TRUE(twice.ok()) << twice.status().message();
+  doc["layer_graph"]["backward_ms"] = 2.25;  // 1.5x the layer's forward, not 2x
+  auto measured = build(doc);
+  ASSERT_TRUE(measured.ok()) << measured.status().message();
+  const double layers = static_cast<double>(measured->layers);
+  EXPECT_DOUBLE_EQ(twice->BackwardTime(1.0), 3.0e-3 * layers);
+  EXPECT_DOUBLE_EQ(measured->ForwardTime(1.0), 1.5e-3 * layers);
+  EXPECT_DOUBLE_EQ(measured->BackwardTime(1.0), 2.25e-3 * layers);
+  // Offloading fc's input (y): its reload hides under a backward of 2x the forward, not under
+  // the measured one.
+  Assignment offload(measured->ops.size(), Strategy::kKeep);
+  for (size_t o = 1; o < offload.size(); o += 3) offload[o] = Strategy::kOffload;
+  const AssignmentCost t = CostEvaluator(*twice, *hw).Evaluate(offload, 1.0);
+  const AssignmentCost m = CostEvaluator(*measured, *hw).Evaluate(offload, 1.0);
+  ASSERT_EQ(hw->copy_overlap, 1.0);
+  ASSERT_GT(m.h2d_s, measured->BackwardTime(1.0));
+  EXPECT_NEAR(
+      t.exposed_s - m.exposed_s,
+      std::max(0.0, m.h2d_s - twice->BackwardTime(1.0)) - (m.h2d_s - measured->BackwardTime(1.0)),
+      1e-12);
+  EXPECT_LT(t.exposed_s, m.exposed_s);
+  // The issue order's chains: F at the layer's forward, B at its measured backward.
+  Assignment keep(measured->ops.size(), Strategy::kKeep);
+  PointUnits u;
+  u.forward = &keep;
+  u.backward = &keep;
+  const CostEvaluator eval(*measured, *hw);
+  const Chains chains = BuildChains(eval, u);
+  auto total = [](const std::vector<ChainStage>& chain) {
+    double s = 0;
+    for (const ChainStage& c : chain) s += c.duration_s;
+    return s;
+  };
+  EXPECT_NEAR(total(chains[0]), 1.5e-3 * layers, 1e-12);
+  EXPECT_NEAR(total(chains[1]), 2.25e-3 * layers, 1e-12);
+  // Recomputing fc's input reruns norm at norm's own forward time.
+  Assignment rerun(measured->ops.size(), Strategy::kKeep);
+  for (size_t o = 1; o < rerun.size(); o += 3) rerun[o] = Strategy::kRecompute;
+  EXPECT_DOUBLE_EQ(eval.Evaluate(rerun, 1.0).recompute_s, 0.5e-3 * layers);
+  // A backward time that is not a positive number of milliseconds, or is absurd, is refused by
+  // name.
+  for (const nlohmann::json& bad :
+       {nlohmann::json(0.0), nlohmann::json(-1.0), nlohmann::json("1ms"), nlohmann::json(1e12),
+        nlohmann::json(std::nan("")), nlohmann::json(nullptr)}) {
+    doc["layer_graph"]["backward_ms"] = bad;
+    auto config = ModelConfigFromJson(doc, "custom.json");
+    std::string message = config.ok() ? "" : config.status().message();
+    if (config.ok()) {
+      auto g = BuildStageGraph(*config, *hw);
+      ASSERT_FALSE(g.ok()) << "accepted backward_ms " << bad.dump();
+      message = g.status().message();
+    }
+    EXPECT_NE(message.find("backward_ms"), std::string::npos) << message;
   }
 }
 
