@@ -12,9 +12,9 @@ inline constexpr uint32_t kUnauthenticatedUid = 0xfffffffeu;
 
 struct Caller {
   uint32_t uid = kUnauthenticatedUid;
-  int32_t pid = -1;     // -1: unknown (TCP); sessions without a pid are never reaped
-  bool admin = false;   // root or the configured admin group: may read every session
-  std::string user;     // login name, for dashboards ("" when unknown)
+  int32_t pid = -1;    // -1: unknown (TCP); sessions without a pid are never reaped
+  bool admin = false;  // root, the daemon's uid or the admin group: may read every session
+  std::string user;    // login name, for dashboards ("" when unknown)
 };
 
 }  // namespace bgl::gov

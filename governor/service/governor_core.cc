@@ -180,18 +180,22 @@ grpc::Status GovernorCore::Find(const Caller& caller, const std::string& id, boo
   }
   if (id.empty()) return Invalid("session_id: required");
   auto it = sessions_.find(id);
-  // Another uid's session looks exactly like a missing one: its existence is not disclosed.
-  if (it == sessions_.end() || !(Visible(caller, *it->second))) {
-    return {StatusCode::NOT_FOUND, "session_id: unknown session"};
-  }
+  if (it == sessions_.end()) return {StatusCode::NOT_FOUND, "session_id: unknown session"};
   const Session& s = *it->second;
+  // Another uid's session: refused naming the id the caller sent (128 random bits it already
+  // holds) and nothing else of the session: not its pid, uid, job or GPU.
+  if (!Visible(caller, s)) {
+    return {StatusCode::PERMISSION_DENIED,
+            "session_id '" + id + "': belongs to another user; only its owner may use it"};
+  }
   if (!read_only) {
     const bool owner = caller.uid == s.info.uid() &&
                        (caller.pid < 0 || s.info.pid() <= 0 || caller.pid == s.info.pid());
     if (!owner) {
-      return {StatusCode::PERMISSION_DENIED, "session_id: belongs to process " +
-                                                 std::to_string(s.info.pid()) +
-                                                 "; only that process may change it"};
+      return {StatusCode::PERMISSION_DENIED,
+              "session_id '" + id + "': belongs to " +
+                  (caller.uid == s.info.uid() ? "" : "another user's ") + "process " +
+                  std::to_string(s.info.pid()) + "; only that process may change it"};
     }
   }
   *out = it->second;

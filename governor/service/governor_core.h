@@ -72,7 +72,8 @@ class GovernorCore {
 
  private:
   // The session `id` names, if `caller` may change it (owner uid and pid) or, with
-  // `read_only`, read it (owner uid, or admin).
+  // `read_only`, read it (owner uid, or admin). NOT_FOUND when there is none; PERMISSION_DENIED
+  // naming the id when it is another user's (or, to change it, another process's).
   grpc::Status Find(const Caller& caller, const std::string& id, bool read_only,
                     std::shared_ptr<Session>* out) const;
   grpc::Status Reject(const char* method, grpc::Status status);

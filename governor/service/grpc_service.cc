@@ -1,5 +1,7 @@
 #include "governor/service/grpc_service.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <thread>
@@ -18,7 +20,9 @@ bool GovernorService::Resolve(grpc::ServerContext* ctx, Caller* caller,
     caller->pid = creds->pid;
     caller->user = creds->user;
     const int64_t admin = admin_gid_.load();
-    caller->admin = creds->uid == 0 ||
+    // Privileged readers: root, the daemon's own uid (the admin tools run as the service's
+    // user; it can read the daemon's memory anyway) and the admin group.
+    caller->admin = creds->uid == 0 || creds->uid == static_cast<uint32_t>(geteuid()) ||
                     (admin >= 0 && (creds->gid == static_cast<uint32_t>(admin) ||
                                     std::find(creds->groups.begin(), creds->groups.end(),
                                               static_cast<gid_t>(admin)) != creds->groups.end()));

@@ -15,6 +15,7 @@
 namespace bgl::gov {
 namespace {
 
+namespace pb = bagualu::v1;
 using testing::DaemonProcess;
 using testing::TinyModelJson;
 
@@ -159,7 +160,6 @@ TEST(GovernorDaemon, ManyClientsAtOnce) {
 }
 
 TEST(GovernorDaemon, OtherProcessesCannotTouchASession) {
-  const bool root = geteuid() == 0;
   DaemonProcess daemon({"--socket-mode", "0666"});
   ASSERT_TRUE(daemon.Start());
   RemoteGovernor gov(Options(daemon));
@@ -179,33 +179,129 @@ TEST(GovernorDaemon, OtherProcessesCannotTouchASession) {
   EXPECT_NE(out.find("unregister=7"), std::string::npos) << out;
   EXPECT_TRUE(gov.Plan(info->session_id, Forward(0)).ok());
 
-  if (!root) GTEST_SKIP() << "the second-uid half needs root (to create a user and setuid)";
+  // Another uid: AnotherUserCannotReadChangeOrEndASessionThroughAnyRpc.
+}
+
+// The value of `key=` in a probe's output: the rest of that line ("" when absent).
+std::string Line(const std::string& out, const std::string& key) {
+  const std::string text = "\n" + out;
+  const size_t at = text.find("\n" + key + "=");
+  if (at == std::string::npos) return "";
+  const size_t from = at + key.size() + 2;
+  return text.substr(from, text.find('\n', from) - from);
+}
+
+// Issue 45 item 4: a second uid cannot read, change or end another uid's session through any
+// RPC of the Governor service (Register, Plan with and without a gate, Report, Unregister,
+// ListSessions, Watch, Snapshot by id and of all), each refusal PERMISSION_DENIED naming the
+// session id and nothing else of it; the owner keeps using it; root reads it but cannot change
+// it. Two unprivileged uids: the owner (nobody, 65534) and the intruder (bgl-test-other).
+TEST(GovernorDaemon, AnotherUserCannotReadChangeOrEndASessionThroughAnyRpc) {
+  if (geteuid() != 0) {
+    GTEST_SKIP() << "needs root: the test runs its two clients under two other uids (setuid)";
+  }
   (void)std::system("id bgl-test-other >/dev/null 2>&1 || useradd -M -r bgl-test-other");
-  struct passwd* pw = getpwnam("bgl-test-other");
-  ASSERT_NE(pw, nullptr);
-  out.clear();
-  ASSERT_EQ(testing::RunProgram({BGL_PROBE, "intrude", daemon.address(), info->session_id, model},
-                                &out, static_cast<int>(pw->pw_uid), static_cast<int>(pw->pw_gid)),
-            0)
+  const struct passwd* other = getpwnam("bgl-test-other");
+  ASSERT_NE(other, nullptr) << "useradd bgl-test-other failed";
+  const int intruder_uid = static_cast<int>(other->pw_uid);
+  const int intruder_gid = static_cast<int>(other->pw_gid);
+  constexpr int kOwnerUid = 65534;
+  DaemonProcess daemon({"--socket-mode", "0666"});
+  ASSERT_TRUE(daemon.Start());
+  RemoteGovernor root(Options(daemon));
+  auto root_session = root.Register(TinyRegistration());  // a third user's (root's) session
+  ASSERT_TRUE(root_session.ok());
+  const std::string model = std::string(BGL_MODELS_DIR) + "/tiny-moe.json";
+  const std::string done = daemon.dir() + "/intruder-done";
+
+  std::string owner_out;
+  int owner_rc = -1;
+  std::thread owner([&] {
+    owner_rc = testing::RunProgram({BGL_PROBE, "own", daemon.address(), model, done}, &owner_out,
+                                   kOwnerUid, kOwnerUid);
+  });
+  // Root (privileged reader) finds the owner's session and its reported snapshot.
+  std::string victim;
+  const bool found = WaitFor([&] {
+    auto snaps = root.Snapshot("");
+    auto list = root.ListSessions();
+    if (!snaps.ok() || !list.ok()) return false;
+    for (const auto& s : list->sessions()) {
+      if (s.uid() != static_cast<uint32_t>(kOwnerUid)) continue;
+      for (const auto& snap : snaps->snapshots()) {
+        if (snap.session_id() == s.session_id()) victim = s.session_id();
+      }
+    }
+    return !victim.empty();
+  });
+  if (!found) {
+    std::ofstream(done).put('\n');
+    owner.join();
+  }
+  ASSERT_TRUE(found) << owner_out;
+
+  std::string out;
+  const int rc = testing::RunProgram({BGL_PROBE, "intrude-all", daemon.address(), victim, model},
+                                     &out, intruder_uid, intruder_gid);
+  // Root may read the owner's session but not change or end it (only its process may).
+  auto snap = root.Snapshot(victim);
+  pb::PlanRequest plan;
+  plan.set_session_id(victim);
+  plan.set_forward_micro_batch(2);
+  plan.set_load_factor(1.2);
+  pb::PlanResponse planned;
+  grpc::ClientContext ctx;
+  const grpc::Status root_plan = root.stub().Plan(&ctx, plan, &planned);
+  std::ofstream(done).put('\n');
+  owner.join();
+  ASSERT_EQ(rc, 0) << out;
+  ASSERT_EQ(owner_rc, 0) << owner_out;
+
+  // Every call on the owner's session: PERMISSION_DENIED naming it, nothing else of it.
+  for (const char* call : {"plan", "plan_gate", "report", "snapshot", "unregister"}) {
+    const std::string line = Line(out, call);
+    EXPECT_EQ(line.rfind("7 ", 0), 0u) << call << ": " << line;
+    EXPECT_NE(line.find("session_id '" + victim + "'"), std::string::npos) << call << ": " << line;
+    EXPECT_NE(line.find("belongs to another user"), std::string::npos) << call << ": " << line;
+    EXPECT_EQ(line.find("65534"), std::string::npos) << call << ": " << line;
+    EXPECT_EQ(line.find("probe-job"), std::string::npos) << call << ": " << line;
+    EXPECT_EQ(line.find("nobody"), std::string::npos) << call << ": " << line;
+  }
+  EXPECT_EQ(Line(out, "snapshot_rows"), "0") << out;
+  EXPECT_EQ(Line(out, "unregister_unknown").rfind("5 ", 0), 0u) << out;  // NOT_FOUND
+  // Its surveys (before and after registering its own session) show none of the other users'
+  // sessions, snapshots, GPUs or grants; its own session works.
+  EXPECT_NE(out.find("list=0 others=0 mine=0\nwatch=0 others=0 mine=0 gpus=0\n"
+                     "snapshot_all=0 others=0"),
+            std::string::npos)
       << out;
-  EXPECT_NE(out.find("list=OK seen=0"), std::string::npos) << out;
-  EXPECT_NE(out.find("plan=5"), std::string::npos) << out;  // NOT_FOUND: existence not disclosed
-  EXPECT_NE(out.find("report=5"), std::string::npos) << out;
-  EXPECT_NE(out.find("snapshot=5"), std::string::npos) << out;
-  EXPECT_NE(out.find("unregister=5"), std::string::npos) << out;
-  EXPECT_NE(out.find("own_register=OK"), std::string::npos) << out;
-  // The first session is untouched; root (admin) sees the other user's session too.
-  EXPECT_TRUE(gov.Plan(info->session_id, Forward(1)).ok());
-  auto list = gov.ListSessions();
-  ASSERT_TRUE(list.ok());
-  bool other_seen = false;
-  for (const auto& s : list->sessions()) other_seen |= s.uid() == pw->pw_uid;
-  // The other user's probe exited, so its session may already be reaped: both are fine, but
-  // the victim session must still be there.
-  bool victim = false;
-  for (const auto& s : list->sessions()) victim |= s.session_id() == info->session_id;
-  EXPECT_TRUE(victim);
-  (void)other_seen;
+  EXPECT_EQ(Line(out, "own_register").rfind("0 ", 0), 0u) << out;
+  EXPECT_EQ(Line(out, "own_plan").rfind("0 ", 0), 0u) << out;
+  EXPECT_EQ(Line(out, "own_report").rfind("0 ", 0), 0u) << out;
+  EXPECT_NE(out.find("list=0 others=0 mine=1\nwatch=0 others=0 mine=1 gpus=1\n"
+                     "snapshot_all=0 others=0"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(Line(out, "own_unregister").rfind("0 ", 0), 0u) << out;
+
+  // The owner's session is whole: its plans, its snapshot (not the forged one), its end; it
+  // too sees only its own session (not root's).
+  EXPECT_EQ(Line(owner_out, "after_plan").rfind("0 ", 0), 0u) << owner_out;
+  EXPECT_EQ(Line(owner_out, "after_snapshot").rfind("0 ", 0), 0u) << owner_out;
+  EXPECT_EQ(Line(owner_out, "after_snapshot_json"), "{\"segments\": []}") << owner_out;
+  EXPECT_NE(owner_out.find("list=0 others=0 mine=1\nwatch=0 others=0 mine=1 gpus=1"),
+            std::string::npos)
+      << owner_out;
+  EXPECT_EQ(Line(owner_out, "after_unregister").rfind("0 ", 0), 0u) << owner_out;
+
+  // Root read it (privileged reader) but could not plan on it.
+  ASSERT_TRUE(snap.ok());
+  ASSERT_EQ(snap->snapshots_size(), 1);
+  EXPECT_EQ(snap->snapshots(0).allocator_snapshot_json(), "{\"segments\": []}");
+  EXPECT_EQ(root_plan.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(root_plan.error_message().find("another user's process"), std::string::npos)
+      << root_plan.error_message();
+  EXPECT_TRUE(root.Plan(root_session->session_id, Forward(0)).ok());
 }
 
 // While the daemon is gone the remote client fails fast (the caller, the Python package, plans
