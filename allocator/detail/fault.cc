@@ -26,6 +26,9 @@ struct State {
   std::mutex stall_mu;
   std::condition_variable stall_cv;
   std::uint64_t stall_generation = 0;  // bumped by release_stalls
+  // stall_generation when the stall fired (fault_point, the copy's caller): a release between
+  // that and the stream reaching stall() still releases it. Guarded by stall_mu.
+  std::uint64_t armed_generation = 0;
 };
 
 State& state() {
@@ -83,6 +86,8 @@ FaultAction fault_point(FaultKind kind) {
     action = FaultAction::kFail;
   } else if (kind == FaultKind::kCopy && n == s.stall_at.load()) {
     action = FaultAction::kStall;
+    std::lock_guard<std::mutex> lock(s.stall_mu);
+    s.armed_generation = s.stall_generation;
   }
   if (action != FaultAction::kNone) {
     s.fired.fetch_add(1);
@@ -203,7 +208,7 @@ void stall() {
   State& s = state();
   const auto until = std::chrono::steady_clock::now() + stall_duration();
   std::unique_lock<std::mutex> lock(s.stall_mu);
-  const std::uint64_t generation = s.stall_generation;
+  const std::uint64_t generation = s.armed_generation;
   s.stall_cv.wait_until(lock, until, [&] { return s.stall_generation != generation; });
 }
 

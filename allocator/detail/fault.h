@@ -50,7 +50,8 @@ BGL_ALLOC_INTERNAL void set_wait_timeout(std::chrono::milliseconds timeout);
 BGL_ALLOC_INTERNAL std::chrono::milliseconds stall_duration();
 BGL_ALLOC_INTERNAL void set_stall_duration(std::chrono::milliseconds stall);
 // A stalled copy's wait: returns after stall_duration() or at release_stalls(), which comes
-// first (tests release it when they have seen the bounded wait give up).
+// first (tests release it when they have seen the bounded wait give up). A release after the
+// stall fired in fault_point counts even when it comes before the stream reaches stall().
 BGL_ALLOC_INTERNAL void stall();
 BGL_ALLOC_INTERNAL void release_stalls();
 

@@ -26,17 +26,27 @@ class FaultInjectingOps final : public ForwardingOps {
 
   Status copy(void* dst, const void* src, std::size_t n, Stream s) override {
     if (Status st = before_copy(s, "copy"); st != Status::kOk) return st;
-    return upstream().copy(dst, src, n, s);
+    return upstream_result(upstream().copy(dst, src, n, s));
   }
   Status cast_to_fp8(const void* src, kern::DType t, std::size_t n, std::uint8_t* dst,
                      float* scales, std::size_t block, Stream s) override {
     if (Status st = before_copy(s, "FP8 cast"); st != Status::kOk) return st;
-    return upstream().cast_to_fp8(src, t, n, dst, scales, block, s);
+    return upstream_result(upstream().cast_to_fp8(src, t, n, dst, scales, block, s));
   }
   Status cast_from_fp8(const std::uint8_t* src, const float* scales, std::size_t n,
                        std::size_t block, kern::DType t, void* dst, Stream s) override {
     if (Status st = before_copy(s, "FP8 uncast"); st != Status::kOk) return st;
-    return upstream().cast_from_fp8(src, scales, n, block, t, dst, s);
+    return upstream_result(upstream().cast_from_fp8(src, scales, n, block, t, dst, s));
+  }
+  // The upstream's calls that can fail: their error is the thread's latest, not an injected
+  // failure that was absorbed (a retried pinned allocation) and never read.
+  Status create_stream(Stream* out) override {
+    return upstream_result(upstream().create_stream(out));
+  }
+  Status synchronize(Stream s) override { return upstream_result(upstream().synchronize(s)); }
+  Status wait(const Event& e) override { return upstream_result(upstream().wait(e)); }
+  Status stream_wait(Stream s, const Event& e) override {
+    return upstream_result(upstream().stream_wait(s, e));
   }
   void* host_alloc(std::size_t bytes) override {
     if (alloc::detail::fault_point(alloc::detail::FaultKind::kPinned) ==
@@ -48,7 +58,11 @@ class FaultInjectingOps final : public ForwardingOps {
       return nullptr;
     }
     void* p = upstream().host_alloc(bytes);
-    if (p != nullptr) alloc::detail::count_pinned_blocks(1);
+    if (p != nullptr) {
+      alloc::detail::count_pinned_blocks(1);
+    } else {
+      injected().clear();
+    }
     return p;
   }
   void host_free(void* p) override {
@@ -67,6 +81,10 @@ class FaultInjectingOps final : public ForwardingOps {
   static std::string& injected() {
     thread_local std::string e;
     return e;
+  }
+  static Status upstream_result(Status st) {
+    if (st != Status::kOk) injected().clear();
+    return st;
   }
 
   Status before_copy(Stream s, const char* what) {

@@ -332,6 +332,29 @@ TEST_F(Faults, AnEnforcerDestroyedWhileACopyStallsWaitsForItBeforeFreeingItsMemo
   t.join();
 }
 
+TEST_F(Faults, ARetireDuringAStalledReloadKeepsThePinnedBlockUntilTheReloadHasReadIt) {
+  // Issue 45 (enforcer_capi_fuzz): the retire gave the pinned block back after an event on the
+  // offload stream only, so while the reload still read it on the H2D stream it was cached, and
+  // a smaller pinned capacity freed it under the copy (ASan: a read after free). Regression
+  // input fuzz/regressions/enforcer_capi_fuzz/retire-during-reload-then-smaller-pinned-capacity.
+  // (The release below may come before the H2D worker reaches the stall: the stall counts
+  // releases from when it fired, so this does not wait the hour.)
+  auto e = env();
+  fault::set_stall_duration(milliseconds(3600 * 1000));  // until released below
+  std::vector<std::uint8_t> data;
+  const std::uint64_t h = e->make(300000, &data);
+  ASSERT_EQ(e->enf->offload(h), Status::kOk) << alloc::last_error();
+  ASSERT_EQ(e->enf->wait_tensor(h), Status::kOk) << alloc::last_error();
+  configure("stall:1");  // the reload's copy
+  ASSERT_EQ(e->enf->reload(h), Status::kOk) << alloc::last_error();
+  ASSERT_EQ(e->enf->release(h, -1, &e->compute), Status::kOk) << alloc::last_error();
+  ASSERT_EQ(e->enf->set_pinned_capacity(0), Status::kOk);  // frees every cached block
+  EXPECT_GE(e->enf->stats().pinned_in_use, 300000u);       // still the reload's
+  EXPECT_EQ(fault::faults_fired(), 1u);
+  fault::release_stalls();
+  EXPECT_EQ(pinned_in_use(*e), 0u);
+}
+
 TEST_F(Faults, AFailedDeviceGrowthIsRetriedByThePoolAndEveryFailureIsAnOutOfMemory) {
   auto e = env();
   configure("device:1");
