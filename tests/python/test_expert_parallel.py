@@ -66,6 +66,56 @@ def test_two_ranks_with_an_all_to_all_dispatch(tmp_path) -> None:
     assert set(replans(other)) <= {3}, other["deferred_after"]
 
 
+def test_two_ranks_with_an_all_to_all_dispatch_in_compiled_blocks(tmp_path) -> None:
+    """Issue 41: real expert parallelism inside compiled blocks planned per operator
+    (ep_compiled_worker.py: every block compiled with fullgraph=True, aot_eager). The load
+    factor is the rows of the first saved tensor the size of what the dispatch module
+    delivered (capture/stash.py's stash_received), read in eager at its stash; a spike
+    downgrades the rest of the running block."""
+    require_libs()
+    from bagualu.capture import stash
+    if not stash.supported():
+        pytest.skip(f"torch {torch.__version__}: compiled blocks are planned per block")
+    env = dict(os.environ, OMP_NUM_THREADS="1", BGL_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(ROOT / "integrations" / "pytorch"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(ROOT / "tests" / "python" / "ep_compiled_worker.py"), str(tmp_path)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    check_torchrun(out.returncode, out.stdout + out.stderr)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in res:
+        # No graph of bagualu's and no break: from a fresh dynamo as many graphs as plain
+        # compile (keep-all), and the run at half the peak compiles nothing new.
+        assert r["plain_dynamo"] == [1, 0] and r["keep_all_dynamo"] == [1, 0], r
+        assert r["bagualu_dynamo"] == [0, 0], r
+        assert r["per_operator"] and r["stashed"] > 0
+        # The loads planned with are the tokens the all-to-all delivered, layer by layer and
+        # micro-batch by micro-batch (counted apart on the same model uncompiled).
+        assert len(r["received"]) == 8 and all(len(x) == 2 for x in r["received"])
+        assert r["bagualu_loads"] == r["received"], (r["bagualu_loads"], r["received"])
+        assert r["keep_all_loads"] == r["received"]
+        assert all(line["ooms"] == 0 and line["recomputed_ops"] == 0 for line in r["lines"])
+        assert sum(line["offloads"] for line in r["lines"]) > 0
+        assert r["grads_plain_vs_keep_all"] and r["grads_plain_vs_bagualu"], r
+        assert r["grads"] == 17 and r["losses_equal"] and r["live_handles"] == 0
+        assert r["changed_without_downgrade"] == 0
+    spiked, other = res
+    for i, f in enumerate(spiked["micro_batches"]):
+        assert set(spiked["received"][i]) == {1.75 if f == 2 else 1.0}
+        assert set(other["received"][i]) == {0.25 if f == 2 else 1.0}
+
+    def replans(r):
+        return [f for i, (f, d) in enumerate(zip(r["micro_batches"], r["deferred_after"]))
+                if d > (r["deferred_after"][i - 1] if f else 0)]
+    # The spiked rank replans at the dispatch of micro-batch 2, inside layer 0's compiled
+    # block, and the rest of that block (its experts, stashed after the received tokens) is
+    # placed by the new plan; the other rank does not replan there.
+    assert replans(spiked) == [2, 2], spiked["deferred_after"]
+    assert [d["micro_batch"] for d in spiked["downgrades"]] == [2, 2], spiked["downgrades"]
+    assert any("L0.moe.experts" in d["changed"] for d in spiked["downgrades"]), spiked
+    assert set(replans(other)) <= {3}, other["deferred_after"]
+
+
 class LocalDispatcher:
     """A dispatcher that is no module (torchtitan's style): sorts the routed slots by expert."""
 

@@ -139,6 +139,7 @@ class Dispatches:
         self.handles: List[Any] = []
         self.wrapped: List[Tuple[Any, str, bool, Any]] = []
         self.holders: Dict[int, Set[str]] = {}  # layer -> paths of the modules running it
+        self.module_paths: Set[str] = set()  # the dispatch modules' paths within a block
         self._owners: Set[Tuple[int, str]] = set()
         self._warned = False
 
@@ -148,6 +149,7 @@ class Dispatches:
         for path, owner, what in _targets(block, self.patterns):
             if owner is None:
                 self.handles.append(what.register_forward_hook(self._module_hook(layer)))
+                self.module_paths.add(path)
             else:
                 self._wrap(owner, what, layer)
             paths.add(path)

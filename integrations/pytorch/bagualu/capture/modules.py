@@ -30,6 +30,7 @@ from ..errors import InstrumentError
 from ..vocabulary import OUTSIDE, Op
 from .calls import OperatorCalls, tensors as _tensors
 from .compiled import CompiledBlocks, eager_only
+from . import stash
 from .dispatch import Dispatches
 from .host import Host
 from .stash_notes import StashNotes, patch_compiled_experts
@@ -240,12 +241,23 @@ class AutoLayers:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        stash.name_dispatches([])  # an earlier install's
         if self.dispatch is not None:
+            modules = sorted(self.dispatch.module_paths)
             self.dispatch.remove()
             self.calls.no_replay.add(BLOCK_OP)
-            log.warning("bagualu: the planned blocks are compiled: the dispatch (dispatch=) "
-                        "inside them is not seen, and the load factor stays the plan's (issue "
-                        "41: not built for real expert parallelism)")
+            if self.compiled.per_op and modules:
+                stash.name_dispatches(modules)  # read where their received rows are stashed
+            elif self.compiled.per_op:
+                log.warning("bagualu: the planned blocks are compiled: a dispatch (dispatch=) "
+                            "that is a method, not a module of the block, is not seen inside "
+                            "them (a compiled graph names only modules), and the load factor "
+                            "stays the plan's; name a module that runs the all-to-all")
+            else:
+                log.warning("bagualu: the planned blocks are compiled, each one operator: the "
+                            "dispatch (dispatch=) inside them is not seen, and the load factor "
+                            "stays the plan's (install(compiled_operators='operators') reads "
+                            "it)")
         if self.ep.simulate:
             patch_compiled_experts(self.found, self.ep, self.patched)
 
@@ -334,6 +346,8 @@ class AutoLayers:
                         t.note_external(v)
                         if t.light is None:
                             t.note_output(v, OUTSIDE, overwrite=False)
+            if tensors and self.dispatch is not None and self.compiled.per_op:
+                self.stashes.balance(layer, tensors[0])
             self.calls.enter(op, m, args, kwargs, False)
             return None
         return hook

@@ -19,6 +19,11 @@ the block (the runtime's pack, or a rerun's collecting hook), after naming its p
 keep, offload or FP8, with no recompile. ``unstash`` gives back what the outer unpack returns.
 A handle is a 0-d int64 tensor whose entry lives as long as autograd holds the handle.
 
+Real expert parallelism (``dispatch=``, a module of the block): the first saved tensor whose
+leading size is that of the dispatch module's output (the tokens the all-to-all delivered, a
+data-dependent size in the graph) is stashed through ``stash_received`` instead, which also
+hands its rows to ``on_stash`` (the layer's load factor, read in eager as the router's is).
+
 Each planned block runs its compiled call inside ``Frame`` (capture/compiled.py), which pushes
 these hooks (one pair for the process: dynamo guards on their identity), the filtering mode
 "no_static" (every saved tensor but parameters and buffers, the block's input included) and,
@@ -50,6 +55,7 @@ _names: List[str] = []                 # op id -> planner operator name (ids are
 _ids: Dict[str, int] = {}
 _paths: Dict[str, str] = {}            # module path within a block -> operator name
 _scaling: Set[str] = set()             # operators whose saved bytes follow the router's load
+_dispatches: Set[str] = set()          # module paths (within a block) of real EP dispatches
 _handles: Dict[int, Tuple[Any, Optional[Callable[[Any], torch.Tensor]]]] = {}
 _next = itertools.count(1)
 _frames: List["Frame"] = []            # compiled block calls running now, innermost last
@@ -67,6 +73,14 @@ def name_operators(paths: Dict[str, str], scaling: Sequence[str] = ()) -> None:
     _paths.update(paths)
     _scaling.clear()  # this install's (a graph traced before keeps what it baked in)
     _scaling.update(scaling)
+
+
+def name_dispatches(paths: Sequence[str]) -> None:
+    """The module paths within a planned block of real expert parallelism's dispatches
+    (``dispatch=``): their output's rows are the tokens this rank's experts receive. Read when
+    a block's graphs are traced."""
+    _dispatches.clear()
+    _dispatches.update(paths)
 
 
 def op_name(op: int) -> Optional[str]:
@@ -118,16 +132,20 @@ def _op_of(node: fx.Node) -> int:
 # costs the dispatcher and the kernel, not torch.library.custom_op's Python wrapper as well.
 _lib = torch.library.Library("bagualu", "FRAGMENT")
 _lib.define("stash(Tensor t, int op) -> Tensor")
+_lib.define("stash_received(Tensor t, int op) -> Tensor")
 _lib.define("unstash(Tensor h, SymInt[] size, SymInt[] stride, ScalarType dtype, "
             "Device device) -> Tensor")
 
 
-def stash(t: torch.Tensor, op: int) -> torch.Tensor:
+def stash(t: torch.Tensor, op: int, received: bool = False) -> torch.Tensor:
     """Places a saved tensor of a compiled block by the plan (module docstring); returns its
-    handle."""
+    handle. ``received``: its rows are the tokens the block's dispatch delivered."""
     frame = _frames[-1] if _frames else None
     entry: Tuple[Any, Optional[Callable[[Any], torch.Tensor]]]
-    entry = (t, None) if frame is None else frame.pack(t, op)
+    if frame is None:
+        entry = (t, None)
+    else:
+        entry = frame.pack(t, op, True) if received else frame.pack(t, op)
     hid = next(_next)
     _handles[hid] = entry
     h = torch.tensor(hid, dtype=torch.int64)
@@ -147,11 +165,22 @@ def unstash(h: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: 
     return packed if unpack is None else unpack(packed)
 
 
+def stash_received(t: torch.Tensor, op: int) -> torch.Tensor:
+    """``stash`` of a tensor whose rows are the tokens a real EP dispatch delivered."""
+    return stash(t, op, True)
+
+
 _lib.impl("stash", stash, "CompositeExplicitAutograd")
+_lib.impl("stash_received", stash_received, "CompositeExplicitAutograd")
 _lib.impl("unstash", unstash, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("bagualu::stash", lib=_lib)
+def _(t: torch.Tensor, op: int) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+@torch.library.register_fake("bagualu::stash_received", lib=_lib)
 def _(t: torch.Tensor, op: int) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64)
 
@@ -181,8 +210,47 @@ def _pack(t: torch.Tensor) -> Tuple[Any, ...]:
         # load, and is placed and counted as the block's own code (kind other), so that the
         # planner does not scale its bytes.
         op = _op_of_name(_paths.get(""))
-    h = torch.ops.bagualu.stash(t, op)
+    v = node.meta.get("val")
+    if _dispatches and isinstance(v, torch.Tensor) and v.dim() >= 1 and \
+            isinstance(v.shape[0], torch.SymInt) and \
+            v.shape[0].node.expr in _received_rows(ctx["_fw_graph"]):
+        h = torch.ops.bagualu.stash_received(t, op)
+    else:
+        h = torch.ops.bagualu.stash(t, op)
     return (h, *t.size(), *t.stride())
+
+
+_rows: "weakref.WeakKeyDictionary[fx.Graph, Set[Any]]" = weakref.WeakKeyDictionary()
+
+
+def _within(stack: Any, paths: Set[str]) -> bool:
+    """Whether a node's nn_module_stack runs inside one of the module ``paths``."""
+    for entry in (stack or {}).values():
+        p = module_path(entry[0] if isinstance(entry, tuple) else str(entry))
+        if any(p == d or p.startswith(d + ".") for d in paths):
+            return True
+    return False
+
+
+def _received_rows(graph: fx.Graph) -> Set[Any]:
+    """The symbolic leading sizes of what the dispatch modules of a forward graph hand the
+    rest of the block (a node inside a dispatch read by one outside it): the rows of the
+    tokens received. Sizes known at trace time are left out (a fixed count is no load)."""
+    got = _rows.get(graph)
+    if got is not None:
+        return got
+    got = set()
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(v, torch.Tensor) or v.dim() < 1 or \
+                not isinstance(v.shape[0], torch.SymInt) or \
+                not _within(n.meta.get("nn_module_stack"), _dispatches):
+            continue
+        if any(u.op == "output" or not _within(u.meta.get("nn_module_stack"), _dispatches)
+               for u in n.users):
+            got.add(v.shape[0].node.expr)
+    _rows[graph] = got
+    return got
 
 
 _checked: "weakref.WeakSet[fx.Graph]" = weakref.WeakSet()
@@ -227,13 +295,14 @@ def _graph_module(fn: Callable[[Any], Any]) -> fx.GraphModule:
 PACK = _graph_module(_pack)
 UNPACK = _graph_module(_unpack)
 
-OnStash = Callable[[torch.Tensor, Optional[str]], None]
+OnStash = Callable[..., None]  # (tensor, operator name or None[, received: bool])
 
 
 class Frame:
     """One compiled block call with the stash hooks pushed (``with Frame(on_stash):``):
     remembers the saved-tensor hooks in effect outside it, which place what ``stash`` gets,
-    and ``on_stash(t, operator name or None)``, which names the producer first. Not
+    and ``on_stash(t, operator name or None)``, which names the producer first
+    (``on_stash(t, name, True)`` for the tensor whose rows a real EP dispatch received). Not
     thread-safe: the training thread."""
 
     __slots__ = ("on_stash", "outer", "mode", "dynamic")
@@ -246,11 +315,15 @@ class Frame:
         self.outer: Optional[Tuple[Any, Any]] = None
         self.mode: Any = None  # the ExitStack of the config patches and the hooks
 
-    def pack(self, t: torch.Tensor, op: int) -> Tuple[Any, Optional[Callable[[Any], Any]]]:
+    def pack(self, t: torch.Tensor, op: int, received: bool = False
+             ) -> Tuple[Any, Optional[Callable[[Any], Any]]]:
         if self.outer is None:
             return t, None
         if self.on_stash is not None:
-            self.on_stash(t, op_name(op))
+            if received:
+                self.on_stash(t, op_name(op), True)
+            else:
+                self.on_stash(t, op_name(op))
         pack, unpack = self.outer
         return pack(t), unpack
 

@@ -3,7 +3,9 @@ block is stashed (capture/stash.py runs the note in eager, after the compiled fo
 the tensor). The router's load is read from its saved expert indices (deferred planning, as the
 router hook does in eager), the operator that computed the tensor is named its producer, the
 capture orders the operators by their first saved tensor, and stats()["compiled"] counts the
-placements and downgrades. Under simulated expert parallelism each block's stacked experts are
+placements and downgrades; under real expert parallelism (``dispatch=``) the load is the rows
+of the tokens the dispatch delivered, read from the first saved tensor of that size. Under
+simulated expert parallelism each block's stacked experts are
 patched to compute this rank's experts only (``patch_compiled_experts``).
 
 Not thread-safe: the training thread (the stash runs there, inside the compiled call)."""
@@ -71,10 +73,14 @@ class StashNotes:
         the capture, orders the operators by their first saved tensor."""
         ops = {n: Op(n, self.found.kinds[n], layer) for n in self.found.op_names}
 
-        def note(t: torch.Tensor, name: Optional[str]) -> None:
+        def note(t: torch.Tensor, name: Optional[str], received: bool = False) -> None:
             rt = self.rt
             tr = rt.tracker
-            if name is None or not rt.forwarding:
+            if not rt.forwarding:
+                return
+            if received:
+                self._read_received(t, layer)
+            if name is None:
                 return
             op = ops.get(name)
             if op is None:
@@ -112,19 +118,45 @@ class StashNotes:
         per layer and forward. A downgrade changes the placements of the block's tensors
         stashed after this one; recompute cannot start inside a compiled block
         (recompute_allowed), so it applies to later blocks' whole-block operator only."""
-        rt = self.rt
-        tr = rt.tracker
         router = self.routers.get(name) if self.load_varies else None
         if router is None or layer in self.loads_read or t.is_floating_point() or \
                 t.dim() < 1 or t.shape[-1] != router.top_k or self.dispatch is not None:
             return
+        self._observe(layer, router.load(t.reshape(-1, router.top_k)))
+
+    def balance(self, layer: int, x: torch.Tensor) -> None:
+        """A compiled block of ``layer`` starts on ``x`` under real expert parallelism: the
+        balanced count of its dispatch is this rank's tokens times the router's top-k (what
+        the router hook counts in eager, whose hooks do not run inside the block)."""
+        router = next(iter(self.routers.values()), None)
+        if self.dispatch is not None and router is not None and x.dim() >= 1 and \
+                x.shape[-1] > 0:
+            self.dispatch.slots[layer] = (x.numel() // x.shape[-1]) * router.top_k
+
+    def _read_received(self, t: torch.Tensor, layer: int) -> None:
+        """The first saved tensor of a compiled block whose rows are the tokens its real EP
+        dispatch delivered (capture/stash.py's ``stash_received``): the layer's load factor,
+        read once per layer and forward, as the dispatch hook does in eager."""
+        if self.dispatch is None or layer in self.loads_read:
+            return
+        balanced = self.dispatch.slots.pop(layer, None)
+        if not balanced:
+            return
+        self._observe(layer, t.shape[0] / balanced)
+
+    def _observe(self, layer: int, load: float) -> None:
+        """``load``, the load factor of ``layer`` read inside its compiled block, to the
+        planner (deferred planning; a downgrade places the rest of the block's stashed
+        tensors by the new plan)."""
+        rt = self.rt
+        tr = rt.tracker
         mb = tr.micro_batch
         if not self.loads_read:
             self.plan_at_router = {
                 (li, n): rt.strategy_of(Op(n, self.found.kinds[n], li), mb)
                 for li in range(self.layers) for n in self.found.op_names}
         self.loads_read.add(layer)
-        if rt.observe_router(layer, router.load(t.reshape(-1, router.top_k))):
+        if rt.observe_router(layer, load):
             self.downgrades.setdefault((self.forwards, mb), []).append(layer)
             if tr.light is not None:
                 tr.end_light()
@@ -134,10 +166,16 @@ class StashNotes:
         read (its graph saved no expert indices of the router's top-k shape: the partitioner
         recomputes them, or the router returns no indices), so its load factor stays the
         plan's."""
-        if not self.load_varies or self.dispatch is not None or layer in self.loads_read or \
+        if not self.load_varies or layer in self.loads_read or \
                 layer not in self.router_layers or "load" in self.calls.warned:
             return
         self.calls.warned.add("load")
+        if self.dispatch is not None:
+            log.warning("bagualu: compiled layer %d saved no tensor of the rows its dispatch "
+                        "(dispatch=) received for the backward (or the dispatch is no module "
+                        "of the block): its load cannot be read inside the compiled block, and "
+                        "its load factor stays the plan's", layer)
+            return
         log.warning("bagualu: the router of compiled layer %d saved no expert indices of its "
                     "top-k shape for the backward: its load cannot be read inside the compiled "
                     "block, and its load factor stays the plan's", layer)
