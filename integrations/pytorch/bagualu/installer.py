@@ -17,8 +17,8 @@ from .errors import InstallError
 from .native import libs as _lib
 from .planning import calibration as calibrations
 from .planning.governor import Governor
-from .settings import (Settings, check_compiled_operators, check_issue_order, check_policy,
-                       parse_size)
+from .settings import (Settings, check_compiled_operators, check_governor_address,
+                       check_issue_order, check_policy, parse_size)
 
 log = logging.getLogger("bagualu")
 
@@ -91,6 +91,10 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
     check_policy(policy)
     check_issue_order(issue_order)
     check_compiled_operators(compiled_operators)
+    if governor is not None:
+        check_governor_address(governor, "governor")
+    else:
+        check_governor_address(os.environ.get("BGL_GOVERNOR", ""), "BGL_GOVERNOR")
     if runtime.active() is not None:
         uninstall()
     dev = torch.device(device) if device is not None else (

@@ -59,6 +59,26 @@ def check_issue_order(order: str) -> str:
     return order
 
 
+GOVERNOR_OFF = ("none", "embedded", "off")  # the embedded planner only (planning/governor.py)
+
+
+def check_governor_address(address: str, what: str = "governor") -> str:
+    """Returns ``address`` (a gRPC target: 'unix:///run/bagualu/governor.sock', 'host:port',
+    or one of GOVERNOR_OFF; '' is the default) or raises ValueError naming ``what``: an address
+    with spaces or control characters, or a unix address without a path, would only be found
+    wrong at the first plan, then silently planned in-process."""
+    if not isinstance(address, str):
+        raise ValueError(f"{what}: {address!r} is not an address")
+    if address == "" or address.lower() in GOVERNOR_OFF:
+        return address
+    if any(c.isspace() or not c.isprintable() for c in address):
+        raise ValueError(f"{what}: {address!r} has spaces or control characters (an address is "
+                         "unix:///PATH or HOST:PORT; 'none' plans in-process)")
+    if address.startswith("unix:") and not address[len("unix:"):].lstrip("/"):
+        raise ValueError(f"{what}: {address!r} names no socket path (unix:///PATH)")
+    return address
+
+
 COMPILED_OPERATORS = ("operators", "block")  # how compiled blocks are planned
 
 

@@ -37,11 +37,12 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torchtitan.trainer import Trainer
 from .. import api as bagualu
+from .. import errors
 from . import pipelining
 from .accumulate import micro_batches
 
@@ -91,6 +92,28 @@ class BagualuConfig:
     (refused naming it; docs/torchtitan.md)."""
 
 
+def check_config(cfg: BagualuConfig) -> None:
+    """Refuses a bad ``[bagualu]`` value before anything is built, naming its flag
+    (``--bagualu.capacity: ...``); torchtitan's parser (tyro) already refuses unknown keys and
+    values of the wrong type. ValueError (PolicyError for the named choices)."""
+    from .. import settings
+    if not cfg.capacity:
+        raise ValueError("--bagualu.capacity: required (the activation memory per rank, e.g. "
+                         "512MiB)")
+    if settings.parse_size(cfg.capacity, "--bagualu.capacity") <= 0:
+        raise ValueError(f"--bagualu.capacity: must be above 0, got {cfg.capacity!r}")
+    checks: List[Tuple[str, Callable[[str], str], str]] = [
+        ("policy", settings.check_policy, cfg.policy),
+        ("issue_order", settings.check_issue_order, cfg.issue_order),
+        ("compiled_operators", settings.check_compiled_operators, cfg.compiled_operators)]
+    for key, check, value in checks:
+        try:
+            check(value)
+        except errors.PolicyError as e:
+            raise errors.PolicyError(f"--bagualu.{key}: {e}") from None
+    settings.check_governor_address(cfg.governor, "--bagualu.governor")
+
+
 class BagualuTrainer(Trainer):
     """torchtitan's Trainer with bagualu managing activation memory (module docstring)."""
 
@@ -133,11 +156,9 @@ class BagualuTrainer(Trainer):
 
     # -- before the model is built ----------------------------------------------------------
     def init_distributed(self) -> Any:
-        parallel_dims = super().init_distributed()
         cfg: BagualuConfig = self.config.bagualu
-        if not cfg.capacity:
-            raise bagualu.BagualuError("bagualu.torchtitan: give --bagualu.capacity (the "
-                                       "activation memory per rank, e.g. 512MiB)")
+        check_config(cfg)  # before torchtitan starts the process group
+        parallel_dims = super().init_distributed()
         training, parallelism = self.config.training, self.config.parallelism
         chunks = 1
         if parallel_dims.pp_enabled:

@@ -36,6 +36,12 @@ def _candidate_dirs() -> List[Path]:
     dirs: List[Path] = []
     env = os.environ.get("BGL_LIB_DIR")
     if env:
+        for p in env.split(os.pathsep):
+            # A path that is not there would leave the search to the checkout's build folders:
+            # another build than the one named, loaded without a word.
+            if p and not Path(p).exists():
+                raise LibraryNotFound(f"BGL_LIB_DIR: '{p}' does not exist (a CMake build "
+                                      "directory, or the folder or file of the libraries)")
         dirs.extend(Path(p) for p in env.split(os.pathsep) if p)
     installed = Path(__file__).resolve().parents[1] / "lib"
     if installed.is_dir():

@@ -128,11 +128,17 @@ def for_machine(device: torch.device, enforcer: Callable[[], Any], capacity: int
     """The calibration to plan with (see the module docstring); None: the built-in profile.
     ``enforcer(sync_copies=False)`` makes an enforcer a measurement uses (over an empty device
     pool of ``capacity`` bytes), and is called only when one is needed; each is closed after."""
+    from_env = not path and bool(os.environ.get(ENV))
     path = path or os.environ.get(ENV) or None
     if path == PROFILE_ONLY:
         return None
     if path is not None:
-        return load_file(path)
+        try:
+            return load_file(path)
+        except CalibrationError as e:
+            if from_env:  # name the variable: the user may not know it is set
+                raise CalibrationError(f"{ENV}: {e}") from None
+            raise
     cached = cache_dir() / f"calibration-{machine_key(device)}.json"
     if cached.is_file():
         try:
