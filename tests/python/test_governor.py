@@ -323,7 +323,14 @@ def test_daemon_killed_mid_training_comes_back_with_the_same_model(
         t = Trainer(restartable.address, monkeypatch)
         t.gov.clock = clock
         t.run(8)  # capture, registration, one iteration with the daemon
-        assert t.gov.kind == "remote" and len(registered) == 1
+        # Registered at the capture's forward, then again with its measured backward time
+        # (the layer graph's backward_ms) after its backward: the daemon takes it, and the
+        # first session is ended.
+        assert t.gov.kind == "remote" and len(registered) == 2
+        graphs = [json.loads(r[0])["layer_graph"] for r in registered]
+        assert "backward_ms" not in graphs[0] and graphs[1]["backward_ms"] > 0
+        assert dict(graphs[1], backward_ms=None) == dict(graphs[0], backward_ms=None)
+        assert [s.session_id for s in restartable.sessions()] == [registered[1][4]]
         first = t.gov.remote.session_id
         down_at, up_at = t.points + 1, t.points + 9  # after F0 (planned remotely), before B0
         restarted_after: List[int] = []  # plans made before the restart
@@ -337,7 +344,7 @@ def test_daemon_killed_mid_training_comes_back_with_the_same_model(
                 restarted_after.append(len(t.plans))
 
         t.run(8, on_point)  # 2 iterations: the kill, the outage
-        assert t.gov.kind == "embedded" and len(registered) == 1
+        assert t.gov.kind == "embedded" and len(registered) == 2
         t.run(12, on_point)  # the restart at the first point, then 3 iterations
     kinds = [k for k, _, _ in t.plans]
     # Planned by the daemon, in-process during the outage, by the daemon again.
@@ -348,12 +355,12 @@ def test_daemon_killed_mid_training_comes_back_with_the_same_model(
     # the new daemon may time out, so only the order is checked), and for good.
     assert restarted_after[0] <= switch_back, kinds
     # The same registration as the first, with a new session, which the new daemon has.
-    assert len(registered) == 2, registered
-    assert registered[1][:4] == registered[0][:4]
+    assert len(registered) == 3, registered
+    assert registered[2][:4] == registered[1][:4]
     second = t.gov.remote.session_id
-    assert registered[1][4] == second != first
+    assert registered[2][4] == second != first
     assert [(s.session_id, s.capacity_bytes) for s in restartable.sessions()] == [
-        (second, registered[0][1])]
+        (second, registered[1][1])]
     assert bagualu.stats()["governor"] == "remote"
     # One line each way.
     down = _messages(caplog, "governor unreachable")

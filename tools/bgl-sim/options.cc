@@ -36,7 +36,10 @@ the planner library the daemon runs, and prints a summary per policy and the abl
   --restart-cost S     seconds an OOM restart costs (default 284)
   --cooldown N         iterations after an OOM before restarting under-provisioned (0: never)
   --capacity SIZE      device memory (default: the GPU profile's), e.g. 64GB, 80GiB
-  --gpu NAME           hardware profile: paper, h100, h200 (default: the model file's)
+  --gpu NAME           hardware profile: paper, h100, h200, host (default: the model file's)
+  --calibration FILE   a calibration document applied on top of that profile (the planner's
+                       format, docs/planner.md "Calibration"; an emulated link's file from
+                       python -m bagualu.planning.emulation: the rates the run's copies take)
   --seq-len N          override the sequence length
   --top-k N            override the experts per token (activated parameters)
   --micro-batches N    override the micro-batches per iteration
@@ -143,6 +146,8 @@ Result<SimOptions> ParseOptions(const std::vector<std::string>& args) {
       o.loads_path = v;
     } else if (a == "--gpu") {
       o.gpu = v;
+    } else if (a == "--calibration") {
+      o.calibration_path = v;
     } else if (a == "--capacity") {
       auto bytes = ParseBytes(v, "--capacity");
       if (!bytes.ok()) return bytes.status();
@@ -222,6 +227,9 @@ Result<SimConfig> BuildConfig(const SimOptions& o) {
   auto hw = plan::HardwareProfileByName(c.model.gpu);
   if (!hw.ok()) return hw.status();
   c.hw = std::move(*hw);
+  if (!o.calibration_path.empty()) {
+    BGL_RETURN_IF_ERROR(plan::ApplyCalibrationFile(o.calibration_path, c.hw));
+  }
   c.capacity_bytes = o.capacity_bytes;
   c.ranks = o.ranks;
   c.design_load = o.design_load;

@@ -24,6 +24,7 @@ struct SimOptions {
   std::string out_dir;
   std::string loads_path;
   std::string gpu;
+  std::string calibration_path;  // --calibration: applied on top of the GPU profile
   int64_t capacity_bytes = 0;
   int64_t seq_len = 0;  // 0: the model file's
   int64_t top_k = 0;    // 0: the model file's

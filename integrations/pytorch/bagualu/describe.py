@@ -1,7 +1,8 @@
 """The capture micro-batch described to the planner: after its forward, the layer graph of
 what PyTorch saved (its operators in the order of their first call, what each produced and who
 read it, the operators' times, the layer's own time), the bytes saved outside the layers, and
-the warning about saved tensors a model's own checkpointing hides.
+the warning about saved tensors a model's own checkpointing hides; after its backward, the
+layer's own backward time.
 
 Not thread-safe: the training thread, at the end of the capture's forward (runtime.py)."""
 from __future__ import annotations
@@ -57,3 +58,27 @@ def describe_capture(rt: Any, unit: int) -> None:
                                         not rt.hidden.holds(r.ptr, r.storage))
         log.warning("%s", foreign.report(rt.hidden, seen, in_flight, rt.capacity))
 
+
+
+def describe_backward(rt: Any, at_backward: bool = False) -> None:
+    """After the capture's backward: its layer's own backward time (capture/calls.py),
+    registered with the planner as the layer graph's backward_ms (the backward window; without
+    it the planner takes twice the forward). Registering again starts new planners, so it
+    happens where no forward is planned and not yet run back: at the end of the capture's
+    backward when that is so (``at_backward``: one micro-batch at a time, as in gradient
+    accumulation), else at the next iteration's start. Not when the capture's backward reran
+    or reloaded what a static policy forced (its time is then not the layer's own backward),
+    nor for compiled blocks planned per operator."""
+    calls = getattr(rt.auto if rt.auto is not None else rt.block_path, "calls", None)
+    planning = rt.planning
+    if calls is None or calls.backward_ms <= 0 or planning.model_doc is None:
+        return
+    if at_backward and planning.plans:
+        return  # forwards planned by the planners of now: at the next iteration's start
+    backward_ms, calls.backward_ms = calls.backward_ms, 0.0
+    lg = planning.model_doc["layer_graph"]
+    if calls.rerun_in_capture or rt.strategies.forced is not None or "forward_ms" not in lg:
+        return
+    log.info("bagualu: the capture's backward took %.3f ms per layer (%.2fx its forward); "
+             "planning with it from now on", backward_ms, backward_ms / lg["forward_ms"])
+    planning.register_backward(round(backward_ms, 4))

@@ -21,7 +21,7 @@ from .capture import foreign
 from .capture.blocks import BlockPath
 from .capture.modules import AutoLayers, ExpertParallel
 from .capture.tracker import Tracker, param_storages
-from .describe import describe_capture
+from .describe import describe_backward, describe_capture
 from .discovery import find as discover
 from .discovery.opblock import OpBlock
 from .discovery.sharding import Sharding, refuse_legacy_wrappers
@@ -305,9 +305,12 @@ class Runtime(HooksHost):
         finally:
             self.tracker.end_backward(unit)
             self.planning.backward_ended(unit)
+            if unit == self._capture_unit:
+                describe_backward(self, at_backward=True)
 
     # -- iterations and observability -------------------------------------------------------
     def begin_iteration(self) -> None:
+        describe_backward(self)  # once, after the capture's backward
         self.log.begin(self.tracker.counters, self.memory.oom_count)
         self.memory.reset_peak()
         self.planning.begin_iteration()

@@ -63,6 +63,27 @@ TEST(OptionsTest, BadInputIsAClearError) {
   EXPECT_NE(message(Build({})).find("--model is required"), std::string::npos);
 }
 
+// --calibration applies a calibration document on top of the GPU profile (the rates a run's
+// copies took, as the planner reads them); a missing or bad file is named.
+TEST(OptionsTest, CalibrationFileSetsTheRates) {
+  const std::string tiny = kModels + "/tiny-moe.json";
+  const std::string path = ::testing::TempDir() + "/sim-calibration.json";
+  std::ofstream(path) << R"({"copy_overlap": 1, "rooflines": {"offload": {"peak_GBps": 0.5,
+      "launch_floor_us": 2}, "reload": {"peak_GBps": 0.25, "launch_floor_us": 2}}})";
+  auto o = ParseOptions({"--model", tiny, "--gpu", "h200", "--calibration", path});
+  ASSERT_TRUE(o.ok()) << o.status().message();
+  auto config = BuildConfig(*o);
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  EXPECT_DOUBLE_EQ(config->hw.offload.peak_bytes_per_s, 0.5e9);
+  EXPECT_DOUBLE_EQ(config->hw.reload.peak_bytes_per_s, 0.25e9);
+  EXPECT_NE(Build({"--model", tiny, "--calibration", path + ".nope"}).message().find(".nope"),
+            std::string::npos);
+  const std::string bad = ::testing::TempDir() + "/sim-calibration-bad.json";
+  std::ofstream(bad) << R"({"rooflines": {"offload": {"peak_GBps": -1}}})";
+  EXPECT_NE(Build({"--model", tiny, "--calibration", bad}).message().find("peak_GBps"),
+            std::string::npos);
+}
+
 TEST(OptionsTest, ImpossibleLayoutsAndCapacity) {
   const Status gpus = Build({"--model", Variant("gpus", "gpus", 500)});
   EXPECT_NE(gpus.message().find("impossible parallel degrees"), std::string::npos)

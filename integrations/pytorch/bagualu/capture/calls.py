@@ -42,7 +42,15 @@ class OperatorCalls:
         # operator's time includes the operators it calls (what rerunning it costs), so the
         # operators' sum counts nested ones more than once (planning/graph.py).
         self.layer_ms = 0.0
+        # The capture's backward time per layer (ms), likewise its outermost operators': each
+        # call's backward runs from the gradient of its first output to the gradient of its
+        # input (autograd hooks on those tensors, set at the call's end). 0: not measured (yet).
+        self.backward_ms = 0.0
+        # Whether the capture's forward opened a recompute call (its backward then reruns, so
+        # its time is not the layer's own backward).
+        self.rerun_in_capture = False
         self.no_replay: Set[str] = set()         # operators whose rerun would communicate
+        self._inputs: List[torch.Tensor] = []    # the outermost call's inputs (capture)
 
     def enter(self, op: Op, fn: Callable[..., Any], args: Any, kwargs: Any,
               defer: bool = False) -> None:
@@ -65,11 +73,14 @@ class OperatorCalls:
                     and self._replayable(op, args, kwargs):
                 call = Call(op, fn, args, kwargs, t.hold, t.packs_seen, host.device, host)
                 t.calls.append(call)
+                self.rerun_in_capture |= host.capturing
         t.scope.append(op)
         issuer = t.issuer
         if issuer is not None and issuer.active:
             issuer.forward_op(t.micro_batch, op)
         self.stack.append((op, call, time.perf_counter() if host.capturing else 0.0))
+        if host.capturing and len(self.stack) == 1 and self.fastest is None:
+            self._inputs = [v for v in tensors((args, kwargs)) if v.requires_grad]
 
     def _replayable(self, op: Op, args: Any, kwargs: Any) -> bool:
         """A call that receives a KV cache changes it: rerunning it would not reproduce the
@@ -117,10 +128,36 @@ class OperatorCalls:
                 host.op_time(op.name, ms / max(self.layers, 1))
                 if not self.stack:
                     self.layer_ms += ms / max(self.layers, 1)
+                    self._time_backward(out)
             elif ms < fastest.get(op.name, float("inf")):
                 host.op_time(op.name, ms - fastest.get(op.name, 0.0))  # the sum stays the min
                 fastest[op.name] = ms
         return True
+
+    def _time_backward(self, out: Any) -> None:
+        """Times the backward of the outermost call that returned ``out`` (from the inputs
+        saved at its start): from the gradient of its first output to the first gradient of an
+        input (the layer's input: its gradient is whole once the call's backward is done; an
+        input other layers share would be whole only later)."""
+        inputs, self._inputs = self._inputs, []
+        outputs = [v for v in tensors(out) if v.requires_grad and v.grad_fn is not None]
+        if not inputs or not outputs:
+            return
+        span: List[Optional[float]] = [None, None]  # [start, end] of this call's backward
+
+        def started(_: torch.Tensor) -> None:
+            if span[0] is None:
+                span[0] = time.perf_counter()
+
+        def ended(_: torch.Tensor) -> None:
+            if span[0] is not None and span[1] is None:
+                span[1] = time.perf_counter()
+                self.backward_ms += (span[1] - span[0]) * 1e3 / max(self.layers, 1)
+
+        for v in outputs:
+            v.register_hook(started)
+        for v in inputs:
+            v.register_hook(ended)
 
     def op_order(self, names: Sequence[str]) -> List[str]:
         """Operator names in the order of their first call in the capture (never-called

@@ -180,7 +180,11 @@ class Governor:
 
         Both planners get the same plan-cache budget step (budget_step_bytes), sized from the
         capacity, so that every byte count they see and return is real. The model and the
-        options are kept: a retry registers exactly the same with a restarted daemon."""
+        options are kept: a retry registers exactly the same with a restarted daemon. Called
+        again (plans.py register_backward), it ends the session and the embedded planner it
+        had and registers anew."""
+        if self.embedded is not None:  # registered again (the capture's backward measured)
+            self.close()
         step = budget_step_bytes(capacity_bytes)
         self._model = model
         self._options = {"capacity_bytes": int(capacity_bytes), "pipeline_rank": pipeline_rank,

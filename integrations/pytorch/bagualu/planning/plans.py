@@ -42,6 +42,7 @@ class Planning:
         self.enforcer = enforcer
         self.log = log  # the iteration log the points are noted in
         self.layer_count = 0               # planned layers of this rank (all chunks)
+        self._registered: Tuple[Any, ...] = ()  # register's arguments (register_backward)
         self.model_doc: Optional[Dict[str, Any]] = None    # what was registered
         self.description: Optional[Dict[str, Any]] = None  # the planner's stage graph
         self.tensor_names: Optional[graph.TensorNames] = None
@@ -89,6 +90,7 @@ class Planning:
                 f"at least {outside_bytes * in_flight / 0.95 / mib:.2f} MiB plus the layers' "
                 f"own room")
         self.model_doc = doc
+        self._registered = (layer_graph, names, outside_bytes, model_info)
         self.plan_capacity = plan_capacity
         self.tensor_names = names
         bagualu = s.policy == "bagualu"
@@ -106,6 +108,14 @@ class Planning:
         if s.policy == "static-under":
             self.strategies.static = self.governor.static_plan(
                 (self.description or {}).get("steps", []))
+
+    def register_backward(self, backward_ms: float) -> None:
+        """The capture's layer graph again with the layer's measured backward time (ms, its
+        backward_ms): the governor plans with it from the next point on (describe.py's
+        describe_backward says when: where no forward is planned and not yet run back)."""
+        layer_graph, names, outside_bytes, model_info = self._registered
+        self.register(dict(layer_graph, backward_ms=backward_ms), names, outside_bytes,
+                      model_info)
 
     def locate(self, rec: Record) -> Tuple[int, int]:
         """(producer operator, graph tensor) of a record in the planner's stage graph."""
