@@ -94,7 +94,19 @@ void PlanToProto(const plan::Plan& p, const plan::StageGraph* graph, pb::Plan* o
   out->set_cache_hit(p.cache_hit);
   out->set_first_answer(p.first_answer);
   out->set_refined(p.refined);
+  out->set_warm(p.warm);
   out->set_bandwidth_share(p.bandwidth_share);
+}
+
+void WarmUpStatsToProto(const plan::PlannerCacheStats& stats, pb::WarmUpStats* out) {
+  out->set_keys(stats.warm_keys);
+  out->set_hits(stats.warm_hits);
+  out->set_shared_hits(stats.warm_shared_hits);
+  out->set_submitted(stats.warm_submitted);
+  out->set_done(stats.warm_done);
+  out->set_complete(stats.warm_complete);
+  out->set_cpu_s(stats.warm_cpu_s);
+  out->set_shared_keys(stats.warm_shared_keys);
 }
 
 plan::Plan PlanFromProto(const pb::Plan& in) {
@@ -133,6 +145,7 @@ plan::Plan PlanFromProto(const pb::Plan& in) {
   p.cache_hit = in.cache_hit();
   p.first_answer = in.first_answer();
   p.refined = in.refined();
+  p.warm = in.warm();
   p.bandwidth_share = in.bandwidth_share() > 0 ? in.bandwidth_share() : 1.0;
   return p;
 }

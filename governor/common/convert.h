@@ -14,6 +14,8 @@ namespace bgl::gov {
 void PlanToProto(const plan::Plan& plan, const plan::StageGraph* graph, bagualu::v1::Plan* out);
 // Wire -> Plan. Unknown enum values become the closest safe value (keep / steady).
 plan::Plan PlanFromProto(const bagualu::v1::Plan& in);
+// The planner's warm-up counters -> wire (PlanResponse.warm_up, ProcessRow.warm_up).
+void WarmUpStatsToProto(const plan::PlannerCacheStats& stats, bagualu::v1::WarmUpStats* out);
 
 // A scheduling point -> the fields of a PlanRequest (session_id and gate are left alone).
 void PointToProto(const plan::SchedulePoint& point, bagualu::v1::PlanRequest* out);

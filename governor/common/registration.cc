@@ -143,6 +143,15 @@ Status ValidateRegisterRequest(const pb::RegisterRequest& req, const RequestLimi
                            std::to_string(kMinBudgetStepBytes) + ", 2^50], got " +
                            std::to_string(req.budget_step_bytes()));
   }
+  if (req.has_warm_up()) {
+    const double bound = req.warm_up().spike_bound();
+    if (bound != 0 && (!std::isfinite(bound) || bound < 1 || bound > 64)) {
+      return InvalidArgument(
+          "warm_up.spike_bound: the highest load factor the warm-up plans for must be 0 (the "
+          "default, 3.0) or in [1, 64], got " +
+          std::to_string(bound));
+    }
+  }
   if (req.model_json().size() > limits.max_model_json_bytes) {
     return Exhausted(
         "model_json: " + FormatBytes(static_cast<double>(req.model_json().size()), true) +
@@ -240,6 +249,10 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(
       req.disable_dual_batch() ? plan::IssuePolicy::kSerial : plan::IssuePolicy::kDualBatch;
   options.mitigation.allow_offload = !req.disallow_offload();
   options.mitigation.allow_fp8 = !req.disallow_fp8();
+  if (req.has_warm_up()) {
+    options.warm_up = true;
+    if (req.warm_up().spike_bound() != 0) options.warm_spike_bound = req.warm_up().spike_bound();
+  }
   try {
     auto planner = plan::StagePlanner::Create(*config, profile, options);
     if (!planner.ok()) {

@@ -111,6 +111,43 @@ StagePlanner::StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOption
   });
 }
 
+StagePlanner::~StagePlanner() {
+  refiner_.reset();  // joined: no job lands after this
+  warm_refiner_.reset();
+  ShareWarmPlans(nullptr);  // the keys this planner claimed and never landed go back
+}
+
+void StagePlanner::ShareWarmPlans(std::shared_ptr<SharedPlans> shared) {
+  if (shared_) {
+    for (const auto& [key, landed] : warm_submitted_) {
+      if (!landed) shared_->Release(key);
+    }
+  }
+  shared_ = std::move(shared);
+}
+
+bool StagePlanner::ClaimWarm(const MitigationKey& key) {
+  if (warm_submitted_.count(key) > 0) return false;
+  if (shared_ && !shared_->Claim(key)) {
+    warm_submitted_.emplace(key, true);  // another planner's: never searched here
+    return false;
+  }
+  warm_submitted_.emplace(key, false);
+  return true;
+}
+
+const StagePlanner::CachedAssignment* StagePlanner::FromShared(const MitigationKey& key) {
+  if (!shared_) return nullptr;
+  std::optional<SharedPlans::Entry> entry = shared_->Find(key);
+  if (!entry) return nullptr;
+  CachedAssignment cached;
+  cached.id = Intern(std::move(entry->assignment), entry->planned_r, entry->fallback);
+  cached.warm = true;
+  cached.shared = true;
+  ++warm_live_;
+  return &mitigation_cache_.Insert(key, cached);
+}
+
 PlannerCacheStats StagePlanner::cache_stats() const {
   PlannerCacheStats stats{mitigation_cache_.counters(), schedule_cache_.counters()};
   stats.first_answers = first_answers_;
@@ -126,6 +163,8 @@ PlannerCacheStats StagePlanner::cache_stats() const {
   stats.warm_complete = warm_complete_;
   stats.warm_cpu_s = warm_cpu_s_;
   stats.refine_cpu_s = refine_cpu_s_;
+  stats.warm_shared_hits = warm_shared_hits_;
+  stats.warm_shared_keys = shared_ ? shared_->size() : 0;
   return stats;
 }
 
@@ -165,7 +204,7 @@ void StagePlanner::WarmObserved() {
       MitigationKey key = met;
       key.load_bucket = bucket;
       warm_found_.insert(key);
-      if (!warm_submitted_.emplace(key, false).second) continue;
+      if (!ClaimWarm(key)) continue;
       RefineJob job = JobFor(key);
       job.warm = true;
       warm_refiner_->Submit(std::move(job), /*ahead=*/true);
@@ -208,11 +247,18 @@ void StagePlanner::LandWarm(RefineDone& done) {
   ++warm_done_;
   warm_cpu_s_ += done.cpu_s;
   warm_submitted_[done.key] = true;
-  if (done.expired || !done.improved) return;  // a miss plans it as before
+  if (done.expired || !done.improved) {  // a miss plans it as before
+    if (shared_) shared_->Release(done.key);
+    return;
+  }
+  const double r = static_cast<double>(done.key.load_bucket) * options_.load_bucket;
+  if (shared_) {
+    shared_->Publish(done.key,
+                     SharedPlans::Entry{done.assignment, r, done.fallback_full_recompute});
+  }
   CachedAssignment* entry = mitigation_cache_.Peek(done.key);
   // A miss met the key first and its full search (or refinement) already stands.
   if (entry != nullptr && !entry->first_answer) return;
-  const double r = static_cast<double>(done.key.load_bucket) * options_.load_bucket;
   const int id = Intern(std::move(done.assignment), r, done.fallback_full_recompute);
   if (entry != nullptr) {  // a first answer: the warm plan if it is not costlier
     if (ExposedAt(id, done.key.share_bucket) > ExposedAt(entry->id, done.key.share_bucket)) return;
@@ -271,7 +317,7 @@ void StagePlanner::WarmRound() {
   size_t submitted = 0;
   for (const MitigationKey& key : keys) {
     if (warm_submitted_.size() >= cap) break;
-    if (!warm_submitted_.emplace(key, false).second) continue;
+    if (!ClaimWarm(key)) continue;
     RefineJob job = JobFor(key);
     job.warm = true;
     warm_refiner_->Submit(std::move(job));
@@ -294,6 +340,7 @@ void StagePlanner::ClearCaches() {
   ++generation_;
   if (refiner_) refiner_->DropQueued();  // their keys are gone
   if (warm_refiner_) warm_refiner_->DropQueued();
+  ShareWarmPlans(nullptr);  // the plans may no longer hold (a calibration change)
   mitigation_cache_.Clear();
   schedule_cache_.Clear();
   // The warm-up starts again at the next point (options_.warm_up).
@@ -376,6 +423,10 @@ const StagePlanner::CachedAssignment& StagePlanner::AssignmentFor(const Mitigati
     hit = true;
     return *cached;
   }
+  if (const CachedAssignment* cached = FromShared(key)) {
+    hit = true;  // a hit of the shared cache
+    return *cached;
+  }
   hit = false;
   RefineJob job = JobFor(key);
   // The anytime path: the first answer now, the full search on the refiner's thread.
@@ -422,7 +473,8 @@ std::vector<MitigationKey> StagePlanner::WarmKeys(int64_t host_limit_bytes,
       static_cast<int>(std::floor(bandwidth_share * kShareSteps + 1e-9)), 1, kShareSteps);
   const int64_t host_bucket =
       host_limit_bytes < 0 ? -1 : host_limit_bytes / options_.budget_step_bytes;
-  const Interned& keep_all = interned_[keep_all_];
+  // A copy: the replay may intern shared plans (FromShared), which moves interned_.
+  const Interned keep_all = interned_[keep_all_];
   std::vector<MitigationKey> out;
   std::map<MitigationKey, bool> seen;
   // One iteration with micro-batch `spiked` at load `spike` (-1: none), the others at 1: the
@@ -449,7 +501,9 @@ std::vector<MitigationKey> StagePlanner::WarmKeys(int64_t host_limit_bytes,
         key.host_bucket = host_bucket;
         key.share_bucket = share_bucket;
         if (seen.emplace(key, true).second) out.push_back(key);
-        if (const CachedAssignment* cached = mitigation_cache_.Peek(key)) {
+        const CachedAssignment* cached = mitigation_cache_.Peek(key);
+        if (cached == nullptr) cached = FromShared(key);
+        if (cached != nullptr) {
           const Interned& a = interned_[cached->id];
           retained = a.device_fixed + a.device_per_load * r;
         } else {
@@ -586,6 +640,7 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
       plan.refined = cached.refined;
       plan.warm = cached.warm;
       if (hit_mitigation && cached.warm) ++warm_hits_;
+      if (hit_mitigation && cached.shared) ++warm_shared_hits_;
     }
     const Interned& a = interned_[id];
     plan.strategies = a.assignment;

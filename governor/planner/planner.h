@@ -23,6 +23,7 @@
 #include "governor/planner/pipeline_schedule.h"
 #include "governor/planner/plan_cache.h"
 #include "governor/planner/refiner.h"
+#include "governor/planner/shared_plans.h"
 #include "governor/planner/stage_graph.h"
 
 namespace bgl::plan {
@@ -147,6 +148,10 @@ struct PlannerCacheStats {
   bool warm_complete = false;    // every round ran and every job landed
   double warm_cpu_s = 0;         // the warm-up worker thread's CPU time on its jobs
   double refine_cpu_s = 0;       // the anytime worker's on the misses' refinements
+  // Sharing (ShareWarmPlans): of warm_hits, the points served by another planner's warm-up
+  // plan; and the plans the shared store holds now (0: not sharing).
+  uint64_t warm_shared_hits = 0;
+  uint64_t warm_shared_keys = 0;
 };
 
 class StagePlanner {
@@ -154,6 +159,9 @@ class StagePlanner {
   static Result<std::unique_ptr<StagePlanner>> Create(const ModelConfig& config,
                                                       const HardwareProfile& hw,
                                                       const PlannerOptions& options);
+  ~StagePlanner();
+  StagePlanner(const StagePlanner&) = delete;
+  StagePlanner& operator=(const StagePlanner&) = delete;
 
   // Plans the point. Errors name the offending field; the planner's state is then unchanged.
   // A budget at or above the micro-batch's keep-all bytes plans keep-all whatever the budget
@@ -189,6 +197,12 @@ class StagePlanner {
   // The keys the warm-up would search now, in its order (the cache's plans give the bytes of the
   // forwards they serve; the rest are estimated at min(budget, keep-all)); uncapped.
   std::vector<MitigationKey> WarmKeys(int64_t host_limit_bytes = -1, double bandwidth_share = 1.0);
+  // Shares the warm-up with other planners of equal graph, hardware and options (the daemon's
+  // sessions of one job): keys another planner claimed or published are not searched here, this
+  // planner's warm plans are published as they land, and a point whose key misses this planner's
+  // cache is served the shared plan (a warm hit). Call before the first point; null: stop
+  // sharing (claims not landed are released). ClearCaches stops sharing too.
+  void ShareWarmPlans(std::shared_ptr<SharedPlans> shared);
 
   const ModelConfig& config() const { return config_; }
   const HardwareProfile& hardware() const { return hw_; }
@@ -236,7 +250,8 @@ class StagePlanner {
     int id = -1;
     bool first_answer = false;
     bool refined = false;
-    bool warm = false;  // the warm-up's plan
+    bool warm = false;    // the warm-up's plan
+    bool shared = false;  // another planner's warm-up plan (ShareWarmPlans)
   };
 
   StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOptions options, StageGraph graph,
@@ -303,6 +318,13 @@ class StagePlanner {
   uint64_t warm_in_flight_ = 0, warm_done_ = 0, warm_hits_ = 0;
   uint64_t warm_live_ = 0, warm_rounds_ = 0;
   double warm_cpu_s_ = 0, refine_cpu_s_ = 0;
+  std::shared_ptr<SharedPlans> shared_;  // null: not sharing
+  uint64_t warm_shared_hits_ = 0;
+  // Claims the warm-up's keys in shared_ (true: searched here) or skips them (false: another
+  // planner's); without sharing, always true.
+  bool ClaimWarm(const MitigationKey& key);
+  // The shared plan for `key` entered in this planner's cache, or null.
+  const CachedAssignment* FromShared(const MitigationKey& key);
   // Last: destroyed (joined) first. refiner_: the misses' refinements (null: anytime off);
   // warm_refiner_: the warm-up's jobs, at warm_nice (null: warm_up off).
   std::unique_ptr<Refiner> refiner_;

@@ -105,6 +105,25 @@ grpc::Status CheckInEffect(const pb::InEffect& e, size_t operators) {
   return grpc::Status::OK;
 }
 
+// What sessions must have in common to share warm-up plans: the job and every registration field
+// that shapes a mitigation-cache key's plan (the stage's model, its calibration, the options, the
+// warm-up's bound) and the node's calibration. Not the GPU, pid, pipeline rank, capacity or host
+// request: a key's plan does not depend on them (its budget and host limit are in the key).
+std::string SharingKey(const pb::RegisterRequest& req, const nlohmann::json* node_calibration) {
+  std::string key = req.job_id();
+  key += '\0';
+  key += std::to_string(req.model_json().size()) + ':' + req.model_json();
+  const std::string cal = req.calibration().SerializeAsString();
+  key += std::to_string(cal.size()) + ':' + cal;
+  const std::string node = node_calibration != nullptr ? node_calibration->dump() : "";
+  key += std::to_string(node.size()) + ':' + node;
+  key += ' ' + std::to_string(req.budget_step_bytes()) + ' ' +
+         std::to_string(req.disable_dual_batch()) + ' ' + std::to_string(req.disallow_offload()) +
+         ' ' + std::to_string(req.disallow_fp8()) + ' ' +
+         std::to_string(req.warm_up().spike_bound());
+  return key;
+}
+
 }  // namespace
 
 GovernorCore::GovernorCore(Metrics* metrics, RequestLimits limits, std::optional<NodeArbiter> node)
@@ -231,6 +250,24 @@ grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequ
   }
   auto planner = CreatePlannerFromRequest(req, limits, {}, calibration ? &*calibration : nullptr);
   if (!planner.ok()) return Reject("Register", ToGrpcStatus(planner.status()));
+  if (req.has_warm_up() && !req.job_id().empty()) {
+    // The job's other sessions of the same stage share this one's warm-up, and it theirs.
+    const std::string key = SharingKey(req, calibration ? &*calibration : nullptr);
+    std::shared_ptr<plan::SharedPlans> shared;
+    {
+      std::unique_lock<std::shared_mutex> lock(mu_);
+      for (auto it = shared_plans_.begin(); it != shared_plans_.end();) {
+        it = it->second.expired() ? shared_plans_.erase(it) : std::next(it);
+      }
+      std::weak_ptr<plan::SharedPlans>& slot = shared_plans_[key];
+      shared = slot.lock();
+      if (!shared) {
+        shared = std::make_shared<plan::SharedPlans>((*planner)->options().cache_entries);
+        slot = shared;
+      }
+    }
+    (*planner)->ShareWarmPlans(std::move(shared));
+  }
 
   auto session = std::make_shared<Session>();
   const std::string id = NewSessionId();
@@ -298,7 +335,7 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
           node_->PlanShare(session->node_id, session->planner->hardware().offload.peak_bytes_per_s);
     }
   }
-  plan::CacheCounters cache;
+  plan::PlannerCacheStats stats;
   const int plan_timeout_ms = limits().plan_timeout_ms;
   if (req.has_gate()) {
     const pb::GateObservation& g = req.gate();
@@ -323,7 +360,7 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
       return Reject("Plan",
                     deadline_ended ? ToGrpcStatus(result.status()) : GateError(result.status()));
     }
-    cache = session->planner->cache_stats().mitigation;
+    stats = session->planner->cache_stats();
   } else {
     auto point = PointFromProto(req);
     if (!point.ok()) return Reject("Plan", ToGrpcStatus(point.status()));
@@ -335,8 +372,11 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
     const PlanInProgress in_progress(metrics_);
     result = session->planner->PlanPoint(*point, plan::Deadline(plan_timeout_ms, &stopping_));
     if (!result.ok()) return Reject("Plan", ToGrpcStatus(result.status()));
-    cache = session->planner->cache_stats().mitigation;
+    stats = session->planner->cache_stats();
   }
+  // The planner's options are immutable after registration: read without its lock.
+  const bool warm_up = session->planner->options().warm_up;
+  if (warm_up) WarmUpStatsToProto(stats, resp->mutable_warm_up());
   const plan::Plan& p = *result;
   bool offloading = p.host_bytes > 0;
   for (const plan::IssueItem& item : p.issue_order) {
@@ -351,7 +391,8 @@ grpc::Status GovernorCore::Plan(const Caller& caller, const pb::PlanRequest& req
   {
     std::lock_guard<std::mutex> lock(session->mu);
     session->plans++;
-    session->plan_cache = cache;
+    session->plan_cache = stats.mitigation;
+    if (warm_up) session->warm_up = resp->warm_up();
     session->budget_bytes = p.budget_bytes;
     session->load_factor = p.load_factor;
     if (bytes_in_use) session->in_use_bytes = *bytes_in_use;
@@ -582,6 +623,7 @@ void GovernorCore::Sample(const Caller& caller, pb::WatchResponse* resp) {
     row->set_bandwidth_share(s->bandwidth_share);
     row->set_offloading(s->offloading);
     if (s->in_effect) *row->mutable_in_effect() = *s->in_effect;
+    if (s->warm_up) *row->mutable_warm_up() = *s->warm_up;
     row->mutable_session()->set_host_used_bytes(s->host_used_bytes);
     pb::LinkState& l = links[link];
     if (l.sessions() == 0) {
@@ -666,6 +708,17 @@ void GovernorCore::PublishMetrics() {
     links.emplace_back(l.link(), l.offloading_sessions());
   }
   metrics_->SetNode(hosts, links);
+  WarmUpFigures warm;
+  for (const pb::GpuState& g : sample.gpus()) {
+    for (const pb::ProcessRow& row : g.processes()) {
+      if (!row.has_warm_up()) continue;
+      warm.keys += row.warm_up().keys();
+      warm.hits += row.warm_up().hits();
+      warm.shared_hits += row.warm_up().shared_hits();
+      warm.cpu_s += row.warm_up().cpu_s();
+    }
+  }
+  metrics_->SetWarmUp(warm);
   metrics_->SetSessions(session_count());
 }
 

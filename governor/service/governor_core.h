@@ -94,6 +94,10 @@ class GovernorCore {
   mutable std::mutex node_mu_;
   std::optional<NodeArbiter> node_;
   uint64_t next_node_id_ = 1;  // guarded by node_mu_
+  // The warm-up plans the sessions of one job share (issue 43), by SharingKey (job id and every
+  // registration field that shapes a plan); held by the sessions' planners, so the plans outlive
+  // any one session and go with the job's last. Guarded by mu_.
+  std::unordered_map<std::string, std::weak_ptr<plan::SharedPlans>> shared_plans_;
 };
 
 }  // namespace bgl::gov

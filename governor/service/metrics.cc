@@ -37,6 +37,27 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                        .Register(r)
                        .Add({});
   sessions_ = &BuildGauge().Name("bagualu_sessions").Help("Live sessions").Register(r).Add({});
+  // Gauges, not counters: sums over the live sessions, which fall when a session ends.
+  warm_keys_ = &BuildGauge()
+                    .Name("bagualu_warm_keys")
+                    .Help("Plan-cache entries holding warm-up plans, over the live sessions")
+                    .Register(r)
+                    .Add({});
+  warm_hits_ = &BuildGauge()
+                    .Name("bagualu_warm_hits")
+                    .Help("Points served by a warm-up plan, over the live sessions")
+                    .Register(r)
+                    .Add({});
+  warm_shared_hits_ = &BuildGauge()
+                           .Name("bagualu_warm_shared_hits")
+                           .Help("Of bagualu_warm_hits, plans another session of the job warmed")
+                           .Register(r)
+                           .Add({});
+  warm_cpu_ = &BuildGauge()
+                   .Name("bagualu_warm_cpu_seconds")
+                   .Help("CPU time of the warm-up threads, over the live sessions")
+                   .Register(r)
+                   .Add({});
   plan_latency_ = &BuildHistogram()
                        .Name("bagualu_plan_latency_seconds")
                        .Help("Time to answer a Plan request inside the daemon")
@@ -153,6 +174,13 @@ void Metrics::SetGpu(int index, const std::string& uuid, const GpuFigures& f) {
   gpu_capacity_->Add(labels).Set(static_cast<double>(f.capacity_bytes));
   gpu_reserved_->Add(labels).Set(static_cast<double>(f.reserved_bytes));
   gpu_budget_->Add(labels).Set(static_cast<double>(f.budget_bytes));
+}
+
+void Metrics::SetWarmUp(const WarmUpFigures& f) {
+  warm_keys_->Set(static_cast<double>(f.keys));
+  warm_hits_->Set(static_cast<double>(f.hits));
+  warm_shared_hits_->Set(static_cast<double>(f.shared_hits));
+  warm_cpu_->Set(f.cpu_s);
 }
 
 std::string Metrics::Text() const {

@@ -8,6 +8,7 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -36,6 +37,14 @@ struct SessionHostFigures {
   int64_t used_bytes = 0;
 };
 
+// The warm-up's figures summed over the live sessions that warm up (issue 43).
+struct WarmUpFigures {
+  uint64_t keys = 0;
+  uint64_t hits = 0;
+  uint64_t shared_hits = 0;
+  double cpu_s = 0;
+};
+
 class Metrics {
  public:
   Metrics();
@@ -55,6 +64,8 @@ class Metrics {
   // (link, offloading sessions)); sessions and links no longer listed are dropped.
   void SetNode(const std::vector<SessionHostFigures>& sessions,
                const std::vector<std::pair<int, int>>& links);
+  // Sets the warm-up gauges (bagualu_warm_*).
+  void SetWarmUp(const WarmUpFigures& figures);
   // The registry in Prometheus text format (tests, debugging).
   std::string Text() const;
 
@@ -82,6 +93,10 @@ class Metrics {
   std::map<std::map<std::string, std::string>, std::pair<prometheus::Gauge*, prometheus::Gauge*>>
       session_gauges_;
   std::map<int, prometheus::Gauge*> link_gauges_;
+  prometheus::Gauge* warm_keys_;
+  prometheus::Gauge* warm_hits_;
+  prometheus::Gauge* warm_shared_hits_;
+  prometheus::Gauge* warm_cpu_;
 };
 
 }  // namespace bgl::gov

@@ -41,6 +41,8 @@ struct Session {
   double bandwidth_share = 1.0;    // as of its last plan
   bool offloading = false;         // its last plan puts bytes on host
   plan::CacheCounters plan_cache;  // the planner's mitigation-cache counters after its last plan
+  // The warm-up's figures after its last plan (set when the session warms up).
+  std::optional<bagualu::v1::WarmUpStats> warm_up;
   // Its micro-batches in flight under the plans it serves, as of its latest report with them.
   std::optional<bagualu::v1::InEffect> in_effect;
   std::string snapshot_json;

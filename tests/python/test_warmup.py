@@ -12,6 +12,9 @@ import torch
 
 import bagualu
 from conftest import require_libs, small_config
+from test_torchrun import daemon, daemon_binary  # noqa: F401  (daemon: the fixture)
+
+CAPACITY = 8 << 20  # the small MoE stage's planner document (test_governor.py)
 
 
 def run(iterations: int, until_warm: bool = False) -> list:
@@ -99,3 +102,49 @@ def test_the_planner_refuses_a_bad_spike_bound_with_its_name() -> None:
     with pytest.raises(PlannerError, match=r"warm_spike_bound.*\[1, 64\], got 0\.5"):
         EmbeddedPlanner(model, {"capacity_bytes": 2 << 30, "warm_up": True,
                                 "warm_spike_bound": 0.5})
+
+
+def test_the_daemon_warms_up_once_for_a_jobs_ranks(model_doc, daemon, tmp_path,  # noqa: F811
+                                                    monkeypatch) -> None:
+    """BGL_WARM_UP=1 with a daemon: the registration asks the daemon for the warm-up
+    (RegisterRequest.warm_up) and the embedded fallback does not warm up; a second rank of the
+    job (same stage) is served the first rank's warm plan at its first spike point; the figures
+    come back under the embedded planner's names (planner_stats, the iteration line's)."""
+    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))
+    pytest.importorskip("grpc_tools")
+    monkeypatch.setenv("BGL_WARM_UP", "1")
+    monkeypatch.setenv("BGL_WARM_SPIKE_BOUND", "1.5")
+    from bagualu.planning.governor import Governor
+    ranks = [Governor(daemon, deadline_s=2.0, job_id="job-warm", gpu_index=i) for i in (0, 1)]
+    try:
+        for gov in ranks:
+            gov.register(model_doc, CAPACITY, 0)
+            assert gov.kind == "remote", "the daemon refused or did not answer"
+            assert gov.embedded.stats()["warm_submitted"] == 0  # the daemon warms, not the fallback
+
+        def point(load: float) -> dict:
+            first = ranks[0].plan({"phase": "steady", "forward_micro_batch": 0, "load_factor": 1.0,
+                                   "bytes_in_use": 0})
+            room = first["keep_all_bytes"] * 7 // 10  # a budget below keep-all
+            return {"phase": "steady", "forward_micro_batch": 0, "load_factor": load,
+                    "bytes_in_use": CAPACITY - room}
+
+        at1 = point(1.0)
+        plan = ranks[0].plan(at1)
+        assert plan is not None and plan["budget_bytes"] < plan["keep_all_bytes"]
+        for _ in range(400):  # the daemon's warm-up thread's turn on a busy machine
+            stats = ranks[0].planner_stats()  # (the met budget is warmed from the next point)
+            if stats["warm_complete"] and stats["warm_done"] > 0:
+                break
+            time.sleep(0.05)
+            ranks[0].plan(at1)
+        stats = ranks[0].planner_stats()
+        assert stats["warm_complete"] and stats["warm_done"] > 0, stats
+        assert stats["warm_shared_keys"] > 0, stats
+        spiked = ranks[1].plan(dict(at1, load_factor=1.4))
+        assert spiked is not None and spiked["warm"], spiked
+        assert ranks[1].planner_stats()["warm_shared_hits"] == 1
+        assert ranks[1].planner_stats()["warm_hits"] == 1
+    finally:
+        for gov in ranks:
+            gov.close()

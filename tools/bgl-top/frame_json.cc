@@ -50,6 +50,18 @@ nlohmann::json FrameToJson(const bagualu::v1::WatchResponse& frame, const Histor
                    {"actual_host_bytes", e.actual_host_bytes()},
                    {"strategy_counts", Counts(e.strategy_counts())}};
     }
+    nlohmann::json warm_up = nullptr;  // null: the session does not warm up (issue 43)
+    if (r.has_warm_up()) {
+      const auto& w = r.warm_up();
+      warm_up = {{"keys", w.keys()},
+                 {"hits", w.hits()},
+                 {"shared_hits", w.shared_hits()},
+                 {"submitted", w.submitted()},
+                 {"done", w.done()},
+                 {"complete", w.complete()},
+                 {"cpu_s", w.cpu_s()},
+                 {"shared_keys", w.shared_keys()}};
+    }
     processes.push_back({{"gpu_index", ref.gpu->gpu_index()},
                          {"gpu_uuid", ref.gpu->gpu_uuid()},
                          {"session_id", s.session_id()},
@@ -73,6 +85,7 @@ nlohmann::json FrameToJson(const bagualu::v1::WatchResponse& frame, const Histor
                          {"bandwidth_share", r.bandwidth_share()},
                          {"offloading", r.offloading()},
                          {"in_effect", std::move(in_effect)},
+                         {"warm_up", std::move(warm_up)},
                          {"link", s.link()}});
   }
   nlohmann::json links = nlohmann::json::array();

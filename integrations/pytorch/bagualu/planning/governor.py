@@ -133,7 +133,8 @@ class Governor:
                             dual_batch=self._options["dual_batch"],
                             calibration=self._options.get("calibration"),
                             allow_offload=self._options["allow_offload"],
-                            allow_fp8=self._options["allow_fp8"])
+                            allow_fp8=self._options["allow_fp8"],
+                            warm_spike_bound=self._warm_spike_bound)
         except BaseException:
             remote.close()
             raise
@@ -200,10 +201,13 @@ class Governor:
         # The warm-up (issue 43): from the first plan on, the planner's worker thread plans
         # the keys the run will meet at loads 1 to the spike bound (BGL_WARM_SPIKE_BOUND,
         # default 3.0, a load factor in [1, 64]; BGL_WARM_UP=0: off), so a spike and the points
-        # after it are served by full-search plans.
+        # after it are served by full-search plans. With a daemon the daemon warms up (once
+        # for the job's ranks of one stage), not the fallback: the CPU is spent once.
+        warm = warm_up_options()
+        self._warm_spike_bound = warm["warm_spike_bound"] if warm["warm_up"] else None
         self.embedded = plannermod.EmbeddedPlanner(
             model, dict(self._options, anytime_min_ops=EMBEDDED_ANYTIME_MIN_OPS,
-                        **warm_up_options()))
+                        **(warm if not self.uses_daemon else {"warm_up": False})))
         self.description = self.embedded.description
         self.kind = "embedded"
         if not self.uses_daemon:
@@ -301,7 +305,12 @@ class Governor:
 
     def planner_stats(self) -> Optional[Dict[str, Any]]:
         """The embedded planner's counters (bgl_planner_stats: the plan cache, the anytime
-        path, the warm-up's warm_keys, warm_hits, warm_cpu_s, ...); None before register."""
+        path, the warm-up's warm_keys, warm_hits, warm_cpu_s, ...), or with the daemon its
+        warm-up figures under the same names (and warm_shared_hits, warm_shared_keys: the
+        plans the job's sessions share); None before register."""
+        if self.kind == "remote" and self.remote is not None \
+                and self.remote.warm_stats is not None:
+            return dict(self.remote.warm_stats)
         if self.embedded is None:
             return None
         try:

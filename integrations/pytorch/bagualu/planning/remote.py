@@ -91,6 +91,8 @@ class RemoteGovernor:
         self.stub = pb_grpc.GovernorStub(self.channel)
         self.session_id = ""
         self.operator_names: List[str] = []
+        # The daemon's warm-up figures as of the last plan (None: the session does not warm up).
+        self.warm_stats: Optional[Dict[str, Any]] = None
 
     def wait_ready(self, timeout_s: float) -> None:
         """Waits up to ``timeout_s`` for the channel to connect; TimeoutError if it does not."""
@@ -108,11 +110,13 @@ class RemoteGovernor:
     def register(self, model: Dict[str, Any], capacity: int, rank: int, job_id: str,
                  gpu_index: int, budget_step_bytes: int = 0, dual_batch: bool = True,
                  calibration: Optional[Dict[str, Any]] = None, allow_offload: bool = True,
-                 allow_fp8: bool = True) -> None:
+                 allow_fp8: bool = True, warm_spike_bound: Optional[float] = None) -> None:
         """budget_step_bytes: the plan cache's budget bucket (0: the daemon's 64 MiB);
         dual_batch False: plans issue in program order (serial); calibration: the machine's
         rooflines (planning/calibration.py), as the embedded planner gets them;
-        allow_offload, allow_fp8 False: no plan of the session uses that strategy."""
+        allow_offload, allow_fp8 False: no plan of the session uses that strategy;
+        warm_spike_bound: the daemon warms up to that load (RegisterRequest.warm_up, issue 43;
+        None: no warm-up), sharing the plans with the job's other ranks of the same stage."""
         import json
         req = self.pb.RegisterRequest(
             gpu_uuid=f"host-{gpu_index}", gpu_index=gpu_index, pid=os.getpid(), job_id=job_id,
@@ -121,6 +125,8 @@ class RemoteGovernor:
             disallow_offload=not allow_offload, disallow_fp8=not allow_fp8)
         if calibration:
             fill_calibration(req.calibration, calibration, self.pb)
+        if warm_spike_bound is not None:
+            req.warm_up.spike_bound = float(warm_spike_bound)
         resp = self.stub.Register(req, timeout=max(self.deadline, 2.0))
         self.session_id = resp.session_id
         self.host_grant = int(resp.host_grant_bytes) or None  # the node's pinned host grant
@@ -130,6 +136,13 @@ class RemoteGovernor:
         resp = self.stub.Plan(req, timeout=self.deadline)
         p = resp.plan
         pb = self.pb
+        if resp.HasField("warm_up"):  # the warm-up's figures, as the embedded planner's stats
+            w = resp.warm_up
+            self.warm_stats = {"warm_keys": w.keys, "warm_hits": w.hits,
+                               "warm_shared_hits": w.shared_hits,
+                               "warm_submitted": w.submitted, "warm_done": w.done,
+                               "warm_complete": w.complete, "warm_cpu_s": w.cpu_s,
+                               "warm_shared_keys": w.shared_keys}
         return {
             # The node's arbitration (issue 14): 0 from a daemon without a node budget.
             "host_grant_bytes": resp.host_grant_bytes or None,
@@ -142,6 +155,7 @@ class RemoteGovernor:
             "overhead_s": p.overhead_s, "serial_s": p.serial_s, "overlapped_s": p.overlapped_s,
             "fallback_full_recompute": p.fallback_full_recompute, "deferred": p.deferred,
             "cache_hit": p.cache_hit, "first_answer": p.first_answer, "refined": p.refined,
+            "warm": p.warm,
             "operators": [{"name": self.operator_names[i] if i < len(self.operator_names)
                            else str(i), "strategy": enum_name(pb.Strategy, s, "keep")}
                           for i, s in enumerate(p.strategies)],
