@@ -205,14 +205,14 @@ grpc::Status GovernorCore::Find(const Caller& caller, const std::string& id, boo
   // holds) and nothing else of the session: not its pid, uid, job or GPU.
   if (!Visible(caller, s)) {
     return {StatusCode::PERMISSION_DENIED,
-            "session_id '" + id + "': belongs to another user; only its owner may use it"};
+            "session_id: '" + id + "' belongs to another user; only its owner may use it"};
   }
   if (!read_only) {
     const bool owner = caller.uid == s.info.uid() &&
                        (caller.pid < 0 || s.info.pid() <= 0 || caller.pid == s.info.pid());
     if (!owner) {
       return {StatusCode::PERMISSION_DENIED,
-              "session_id '" + id + "': belongs to " +
+              "session_id: '" + id + "' belongs to " +
                   (caller.uid == s.info.uid() ? "" : "another user's ") + "process " +
                   std::to_string(s.info.pid()) + "; only that process may change it"};
     }
