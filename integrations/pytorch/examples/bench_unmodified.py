@@ -87,6 +87,10 @@ def main() -> int:
                          "separated); nothing runs")
     ap.add_argument("--policies", default="",
                     help="--same-capacity: only these (comma-separated; plain always runs)")
+    ap.add_argument("--sim-graphs", default="",
+                    help="--same-capacity: a folder; each model's bagualu run of the first "
+                         "round writes the model document it registered (MODEL.json) and the "
+                         "capacity it planned with (MODEL.capacity): bgl-sim --model reads it")
     ap.add_argument("--micro-batches", type=int, default=8,
                     help="--same-capacity: micro-batches per iteration (1F1B over 4 stages)")
     ap.add_argument("--width", type=int, default=4, help="--overhead: model width factor")
@@ -347,6 +351,13 @@ def same_capacity(args: argparse.Namespace) -> int:
                 if r["oom"] is not None:
                     info[k] = {"oom": r["oom"]}
                     continue
+                if args.sim_graphs and k == "bagualu" and not times[k]:
+                    os.makedirs(args.sim_graphs, exist_ok=True)
+                    base = os.path.join(args.sim_graphs, name)
+                    with open(base + ".json", "w") as f:
+                        json.dump(r["model_doc"], f, indent=1)
+                    with open(base + ".capacity", "w") as f:
+                        f.write(f"{r['plan_capacity']}\n")
                 times[k].append(statistics.median(r["times_ms"][w:]))
                 warm[k].append(statistics.fmean(r["times_ms"][:w]))
                 lines = r["lines"]  # peak and evictions: every iteration, the warm-up too
