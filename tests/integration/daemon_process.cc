@@ -68,7 +68,21 @@ bool Accepts(const std::string& path) {
 }  // namespace
 
 bool DaemonProcess::Start() {
-  std::vector<std::string> args = {BGL_GOVERNORD,
+  std::string binary = BGL_GOVERNORD;
+  if (run_uid_ >= 0) {
+    namespace fs = std::filesystem;
+    const std::string copy = dir_ + "/bgl-governord";
+    std::error_code ec;
+    fs::copy_file(binary, copy, fs::copy_options::overwrite_existing, ec);
+    if (ec || chmod(copy.c_str(), 0755) != 0 ||
+        chown(dir_.c_str(), static_cast<uid_t>(run_uid_), static_cast<gid_t>(run_gid_)) != 0) {
+      std::fprintf(stderr, "DaemonProcess: cannot prepare %s for uid %d: %s\n", dir_.c_str(),
+                   run_uid_, ec ? ec.message().c_str() : std::strerror(errno));
+      return false;
+    }
+    binary = copy;
+  }
+  std::vector<std::string> args = {binary,
                                    "--listen",
                                    address_,
                                    "--metrics-port",
@@ -83,8 +97,13 @@ bool DaemonProcess::Start() {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  const int uid = run_uid_, gid = run_gid_;
   pid_ = fork();
   if (pid_ == 0) {
+    if (uid >= 0 && (setgroups(0, nullptr) != 0 || setgid(static_cast<gid_t>(gid)) != 0 ||
+                     setuid(static_cast<uid_t>(uid)) != 0)) {
+      _exit(126);
+    }
     int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (fd >= 0) {
       dup2(fd, 1);

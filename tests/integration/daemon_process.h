@@ -17,6 +17,12 @@ class DaemonProcess {
   explicit DaemonProcess(std::vector<std::string> extra = {}, std::string dir = "");
   ~DaemonProcess();
 
+  // Runs the daemon as `uid`/`gid` from the next Start on (root only: a copy of the binary in
+  // the socket's folder, which that uid is given).
+  void RunAs(int uid, int gid) {
+    run_uid_ = uid;
+    run_gid_ = gid;
+  }
   // Starts (or restarts) the daemon; true once it answers on the socket.
   bool Start();
   // Starts it with its metrics endpoint on a free loopback port. The port is picked by binding
@@ -47,6 +53,8 @@ class DaemonProcess {
   std::string address_;
   int metrics_port_ = -1;
   pid_t pid_ = -1;
+  int run_uid_ = -1;  // -1: this process's
+  int run_gid_ = -1;
 };
 
 // Reads a file into a string ("" when missing).

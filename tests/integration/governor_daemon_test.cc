@@ -304,6 +304,54 @@ TEST(GovernorDaemon, AnotherUserCannotReadChangeOrEndASessionThroughAnyRpc) {
   EXPECT_TRUE(root.Plan(root_session->session_id, Forward(0)).ok());
 }
 
+// The daemon's own uid (the service user, as which bglctl and bgl-top run) reads every user's
+// sessions, as root and the admin group do, but changes or ends none of them.
+TEST(GovernorDaemon, TheDaemonsOwnUidReadsEverySessionAndChangesNone) {
+  if (geteuid() != 0) {
+    GTEST_SKIP() << "needs root: the daemon and its two clients run under other uids (setuid)";
+  }
+  (void)std::system("id bgl-test-other >/dev/null 2>&1 || useradd -M -r bgl-test-other");
+  const struct passwd* other = getpwnam("bgl-test-other");
+  ASSERT_NE(other, nullptr) << "useradd bgl-test-other failed";
+  constexpr int kDaemonUid = 65534;
+  DaemonProcess daemon({"--socket-mode", "0666"});
+  daemon.RunAs(kDaemonUid, kDaemonUid);
+  ASSERT_TRUE(daemon.Start());
+  const std::string model = std::string(BGL_MODELS_DIR) + "/tiny-moe.json";
+  const std::string done = daemon.dir() + "/reader-done";
+  std::string owner_out;
+  std::thread owner([&] {
+    testing::RunProgram({BGL_PROBE, "own", daemon.address(), model, done}, &owner_out,
+                        static_cast<int>(other->pw_uid), static_cast<int>(other->pw_gid));
+  });
+  RemoteGovernor root(Options(daemon));
+  std::string victim;
+  const bool found = WaitFor([&] {
+    auto list = root.ListSessions();
+    if (list.ok() && list->sessions_size() == 1) victim = list->sessions(0).session_id();
+    return !victim.empty();
+  });
+  std::string out;
+  if (found) {
+    testing::RunProgram({BGL_PROBE, "intrude-all", daemon.address(), victim, model}, &out,
+                        kDaemonUid, kDaemonUid);
+  }
+  std::ofstream(done).put('\n');
+  owner.join();
+  ASSERT_TRUE(found) << owner_out;
+  EXPECT_NE(out.find("list=0 others=1 mine=0\nwatch=0 others=1 mine=0 gpus=1\n"), std::string::npos)
+      << out;
+  EXPECT_EQ(Line(out, "snapshot").rfind("0 ", 0), 0u) << out;
+  EXPECT_EQ(Line(out, "snapshot_rows"), "1") << out;
+  for (const char* call : {"plan", "plan_gate", "report", "unregister"}) {
+    const std::string line = Line(out, call);
+    EXPECT_EQ(line.rfind("7 ", 0), 0u) << call << ": " << line;
+    EXPECT_NE(line.find("belongs to another user's process"), std::string::npos) << line;
+  }
+  EXPECT_EQ(Line(owner_out, "after_plan").rfind("0 ", 0), 0u) << owner_out;
+  EXPECT_EQ(Line(owner_out, "after_unregister").rfind("0 ", 0), 0u) << owner_out;
+}
+
 // While the daemon is gone the remote client fails fast (the caller, the Python package, plans
 // in-process then); after a restart its background thread registers the session again under the
 // same handle.
