@@ -551,6 +551,9 @@ double StagePlanner::ExposedAt(int id, int share_bucket) {
 
 namespace {
 
+// The budget buckets on each side of a met one that the warm-up also plans.
+constexpr int64_t kWarmBudgetsBeside = 1;
+
 int ShareBucket(double share) {
   return std::clamp(static_cast<int>(std::floor(share * kShareSteps + 1e-9)), 1, kShareSteps);
 }
@@ -629,10 +632,17 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
         d.budget >= keep_all.device_fixed + keep_all.device_per_load * point.load_factor;
     int id = keep_all_;
     if (!fits_all) {
-      if (warm_refiner_) {  // the warm-up's next round covers this budget at every load
-        MitigationKey met = key;
-        met.load_bucket = 0;
-        if (warm_observed_.insert(met).second) warm_observed_new_ = true;
+      if (warm_refiner_) {
+        // The warm-up's next round covers this budget at every load, and the buckets beside
+        // it: the bytes a spiked micro-batch holds move the points after it by a bucket or so
+        // from the budgets met so far (docs/benchmarks/planner.md "The warm-up").
+        for (int64_t beside = -kWarmBudgetsBeside; beside <= kWarmBudgetsBeside; ++beside) {
+          MitigationKey met = key;
+          met.load_bucket = 0;
+          met.budget_bucket += beside;
+          if (met.budget_bucket < 0) continue;
+          if (warm_observed_.insert(met).second) warm_observed_new_ = true;
+        }
       }
       const CachedAssignment& cached = AssignmentFor(key, hit_mitigation);
       id = cached.id;

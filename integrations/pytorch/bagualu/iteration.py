@@ -63,6 +63,7 @@ class IterationLog:
             self.cache_misses += 1
         point = {"unit": unit, "in_use_bytes": in_use,
                  "budget_bytes": int(plan["budget_bytes"]),
+                 "load_factor": float(plan.get("load_factor", 1.0)),
                  "m0_bytes": int(plan.get("m0_bytes", 0)),
                  "predicted_bytes": int(plan["predicted_bytes"]), "actual_bytes": None,
                  "evictions": 0, "cache_hit": bool(plan.get("cache_hit")),

@@ -146,6 +146,59 @@ TEST(Warmup, ABudgetThePointsMeetIsWarmedAtEveryLoad) {
   EXPECT_TRUE(spiked->cache_hit || !spiked->first_answer);
 }
 
+// The budget buckets beside a met one are warmed too (the points after a spike meet them in a
+// training run: the spiked micro-batch's measured bytes move their budgets by a bucket or so).
+TEST(Warmup, TheBudgetBucketsBesideAMetOneAreWarmed) {
+  PlannerOptions options = Warm(2.0);
+  options.budget_step_bytes = int64_t{4} << 20;  // buckets well inside the budgets met
+  auto made = Glm423(options);
+  ASSERT_TRUE(made.ok());
+  StagePlanner& p = **made;
+  ASSERT_TRUE(p.StartWarmup().ok());
+  p.WaitForWarmup();
+  SchedulePoint point;
+  point.forward_micro_batch = 0;
+  point.load_factor = 1.9;
+  // Room for 1.5 M0 per forward until the next backward: a budget of 1.5 M0, above M0's floor.
+  int k = 1;
+  for (size_t i = 0; i < p.steps().size(); ++i) {
+    const Step& s = p.steps()[i];
+    if (s.forward && s.micro_batch == 0 && s.chunk == 0)
+      k = ForwardsUntilNextBackward(p.steps(), i);
+  }
+  point.bytes_in_use = static_cast<int64_t>(p.activation_capacity() - 1.5 * k * p.m0());
+  auto met = p.PlanPoint(point);
+  ASSERT_TRUE(met.ok());
+  ASSERT_LT(met->predicted_bytes, met->keep_all_bytes);
+  const auto step = static_cast<double>(p.options().budget_step_bytes);
+  const auto bucket = [&](double budget) {
+    return static_cast<int64_t>(std::floor(budget / step));
+  };
+  const int64_t b = bucket(static_cast<double>(met->budget_bytes));
+  p.ResetIteration();
+  p.WaitForWarmup();
+  for (const int64_t beside : {b - 1, b + 1}) {
+    // Bytes in use that give the forward a budget in the bucket beside the met one.
+    int64_t in_use = -1;
+    for (int i = -400; i <= 400 && in_use < 0; ++i) {
+      const double used = static_cast<double>(point.bytes_in_use) + i * step / 8;
+      if (bucket(AssignBudget(p.activation_capacity(), used, met->k, p.m0()).budget) == beside) {
+        in_use = static_cast<int64_t>(used);
+      }
+    }
+    ASSERT_GE(in_use, 0) << beside;
+    SchedulePoint next = point;
+    next.bytes_in_use = in_use;
+    next.load_factor = 1.6;
+    auto spiked = p.PlanPoint(next);
+    ASSERT_TRUE(spiked.ok());
+    ASSERT_EQ(bucket(static_cast<double>(spiked->budget_bytes)), beside);
+    if (spiked->predicted_bytes >= spiked->keep_all_bytes) continue;  // keep-all: no key
+    EXPECT_TRUE(spiked->warm) << "budget bucket " << beside << " beside " << b;
+    p.ResetIteration();
+  }
+}
+
 // The same run without the warm-up misses: the test above is not vacuous.
 TEST(Warmup, WithoutItTheSpikedKeysMiss) {
   auto made = Glm423(PlannerOptions{});
