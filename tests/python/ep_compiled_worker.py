@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "integrations" / "pytorch" / "examples"))
 
 import bagualu  # noqa: E402
 from bagualu.capture import stash  # noqa: E402
+from bagualu.planning import embedded  # noqa: E402
 import expert_parallel as ep  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
@@ -208,9 +209,30 @@ def main() -> int:
     # per operator as bagualu's run is), and its run at half the peak nothing new.
     torch._dynamo.reset()
     counters.clear()
-    full = train(build(ranks, rank), xs, "keep-all", "4GiB")
+    made = []
+    real_init = embedded.EmbeddedPlanner.__init__
+
+    def spy(planner: Any, model: Any, options: Any = None) -> None:
+        made.append((model, options))
+        real_init(planner, model, options)
+
+    embedded.EmbeddedPlanner.__init__ = spy
+    try:
+        full = train(build(ranks, rank), xs, "keep-all", "4GiB")
+    finally:
+        embedded.EmbeddedPlanner.__init__ = real_init
     keep_all_dynamo = dynamo()
     peak = max(line["peak_bytes"] for line in full["lines"])
+    # The memory model: the keep-all run's planner asked at each observed load, against what
+    # the compiled graphs saved (the tracker's count of the stashed tensors).
+    planner = embedded.EmbeddedPlanner(*made[-1])
+    errors = []
+    for load, _, captured in full["accuracy"]:
+        planner.reset_iteration()
+        plan = planner.plan({"phase": "steady", "forward_micro_batch": 0,
+                             "load_factor": float(load)})
+        errors.append([load, abs(plan["keep_all_bytes"] - captured) / captured])
+    planner.close()
     counters.clear()
     r = train(build(ranks, rank), xs, "bagualu", peak // 2)
     compiled = r["stats"]["compiled"]
@@ -223,7 +245,7 @@ def main() -> int:
         "rank": rank, "plain_dynamo": plain_dynamo, "keep_all_dynamo": keep_all_dynamo,
         "bagualu_dynamo": dynamo(),
         "received": received(xs, ranks, rank),
-        "keep_all_loads": [x[1] for x in full["seen"]],
+        "keep_all_loads": [x[1] for x in full["seen"]], "memory_model_errors": errors,
         "bagualu_loads": [x[1] for x in r["seen"]],
         "micro_batches": [x[0] for x in r["seen"]],
         "deferred_after": [x[2] for x in r["seen"]],

@@ -202,14 +202,21 @@ def _pack(t: torch.Tensor) -> Tuple[Any, ...]:
     _check_saved_values(ctx["_fw_graph"])
     node = ctx["_node"]
     op = _op_of(node)
-    if _frames and _frames[-1].dynamic and op_name(op) in _scaling and \
+    if _frames and (_frames[-1].dynamic or _dispatches) and op_name(op) in _scaling and \
             not free_unbacked_symbols(node.meta.get("val")):
-        # Simulated expert parallelism: the tokens an operator that scales with the load
-        # saves are data-dependent (unbacked) sizes; a tensor of fixed size it saves (inductor's
-        # partition saves the MoE block's input under its module, say) does not follow the
-        # load, and is placed and counted as the block's own code (kind other), so that the
-        # planner does not scale its bytes.
+        # Expert parallelism, simulated or real: the tokens an operator that scales with the
+        # load saves are data-dependent (unbacked) sizes; a tensor of fixed size it saves
+        # (inductor's partition saves the MoE block's input under its module, say; the
+        # all-to-all's token counts) does not follow the load, and is placed and counted as
+        # the block's own code (kind other), so that the planner does not scale its bytes.
         op = _op_of_name(_paths.get(""))
+    elif _dispatches and op_name(op) not in _scaling and \
+            free_unbacked_symbols(node.meta.get("val")) & _received_symbols(ctx["_fw_graph"]):
+        # Real expert parallelism: a tensor whose size follows the tokens received (not the
+        # tokens sent, whose count is fixed), saved outside the operators that scale with the
+        # load (a node with no module of the block on its stack: the all-to-all's own, say),
+        # belongs to the dispatch, whose bytes the planner scales.
+        op = _op_of_name(_scaling_owner())
     v = node.meta.get("val")
     if _dispatches and isinstance(v, torch.Tensor) and v.dim() >= 1 and \
             isinstance(v.shape[0], torch.SymInt) and \
@@ -218,6 +225,23 @@ def _pack(t: torch.Tensor) -> Tuple[Any, ...]:
     else:
         h = torch.ops.bagualu.stash(t, op)
     return (h, *t.size(), *t.stride())
+
+
+def _received_symbols(graph: fx.Graph) -> Set[Any]:
+    """The unbacked symbols the received rows of ``graph``'s dispatches are made of."""
+    out: Set[Any] = set()
+    for e in _received_rows(graph):
+        out |= e.free_symbols
+    return out
+
+
+def _scaling_owner() -> Optional[str]:
+    """The operator that owns a received-size tensor saved outside the scaling operators:
+    a dispatch module's, else the first scaling operator (by name)."""
+    for path in sorted(_dispatches):
+        if _paths.get(path) in _scaling:
+            return _paths[path]
+    return min(_scaling) if _scaling else _paths.get("")
 
 
 _rows: "weakref.WeakKeyDictionary[fx.Graph, Set[Any]]" = weakref.WeakKeyDictionary()
