@@ -621,6 +621,13 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
         std::floor(d.budget / static_cast<double>(options_.budget_step_bytes)));
     key.load_bucket =
         static_cast<int64_t>(std::ceil(point.load_factor / options_.load_bucket - 1e-9));
+    if (options_.warm_up) {
+      // A load below 1 is planned as 1 (a plan for a higher load fits a lower one): the keys
+      // the warm-up plans start at 1, and a training run's predicted loads fall below 1 about
+      // as often as above (docs/benchmarks/planner.md "The warm-up").
+      key.load_bucket = std::max(
+          key.load_bucket, static_cast<int64_t>(std::ceil(1.0 / options_.load_bucket - 1e-9)));
+    }
     // Rounded down to the budget step: the plan never offloads more than the limit.
     key.host_bucket =
         point.host_limit_bytes < 0 ? -1 : point.host_limit_bytes / options_.budget_step_bytes;

@@ -199,6 +199,38 @@ TEST(Warmup, TheBudgetBucketsBesideAMetOneAreWarmed) {
   }
 }
 
+// With the warm-up a load below 1 is planned as 1: a training run's predicted loads fall below 1
+// about as often as above, and the warm-up plans from load 1 up.
+TEST(Warmup, ALoadBelowOneIsServedTheWarmPlanOfLoadOne) {
+  auto made = Glm423(Warm(1.2));
+  ASSERT_TRUE(made.ok());
+  StagePlanner& p = **made;
+  int k = 1;  // forwards until the next backward at micro-batch 0's forward
+  for (size_t i = 0; i < p.steps().size(); ++i) {
+    const Step& s = p.steps()[i];
+    if (s.forward && s.micro_batch == 0 && s.chunk == 0)
+      k = ForwardsUntilNextBackward(p.steps(), i);
+  }
+  SchedulePoint point;
+  point.forward_micro_batch = 0;
+  point.load_factor = 1.1;
+  point.bytes_in_use = static_cast<int64_t>(p.activation_capacity() - 1.5 * k * p.m0());
+  auto met = p.PlanPoint(point);  // starts the warm-up; its budget is warmed at every load
+  ASSERT_TRUE(met.ok());
+  ASSERT_LT(met->predicted_bytes, met->keep_all_bytes);
+  p.ResetIteration();
+  p.WaitForWarmup();
+  for (double below : {0.97, 0.9, 0.8}) {
+    point.load_factor = below;
+    auto plan = p.PlanPoint(point);
+    ASSERT_TRUE(plan.ok());
+    ASSERT_LT(plan->predicted_bytes, plan->keep_all_bytes) << below;
+    EXPECT_TRUE(plan->warm) << "load " << below;
+    EXPECT_LE(plan->predicted_bytes, plan->budget_bytes);
+    p.ResetIteration();
+  }
+}
+
 // The same run without the warm-up misses: the test above is not vacuous.
 TEST(Warmup, WithoutItTheSpikedKeysMiss) {
   auto made = Glm423(PlannerOptions{});
