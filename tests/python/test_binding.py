@@ -121,7 +121,7 @@ def test_the_saved_tensor_types_refuse_what_is_not_theirs() -> None:
         m.Hooks(tr, int, {}, None)
     with pytest.raises(TypeError, match="Pool"):
         m.Hooks(tr, Record, {}, object())
-    with pytest.raises(KeyError, match="device"):
+    with pytest.raises(KeyError, match="fp8"):
         m.Hooks(tr, Record, {}, None)
     assert tr.unpack(t) is t  # never packed: returned as it is
     rec = Record(tr, t.untyped_storage(), t.data_ptr(), 16, t.device, t.dtype,
@@ -132,6 +132,33 @@ def test_the_saved_tensor_types_refuse_what_is_not_theirs() -> None:
     assert rec.refs == 1 and tr.unpack(p) is t
     del p
     assert rec.released and rec.refs == 0
+
+
+def test_a_records_placement_has_one_owner() -> None:
+    """A record's placement is derived, never stored: the binding's names are the vocabulary's,
+    it cannot be set, a record holding its storage is on the device, one without it follows its
+    enforcer handle, and a handle the enforcer does not know is an error naming it."""
+    m = ext.load()
+    from bagualu.capture.tracker import Tracker
+    from bagualu.enforce.device import DeviceMemory
+    from bagualu.enforce.pool import DevicePool
+    from bagualu.record import Record
+    from bagualu.vocabulary import DEVICE, DROPPED, FP8_PLACE, HOST, Op
+    assert m.PLACEMENTS == (DEVICE, HOST, FP8_PLACE, DROPPED)
+    t = torch.ones(4)
+    tr = Tracker(DeviceMemory(torch.device("cpu"), DevicePool(1 << 20), None), None,
+                 lambda op, mb: "keep")
+    rec = Record(tr, t.untyped_storage(), t.data_ptr(), 16, t.device, t.dtype,
+                 Op("x", "linear", 0), 0, 1)
+    assert rec.placement == DEVICE
+    with pytest.raises(AttributeError):
+        rec.placement = HOST
+    rec.storage, rec.regen = None, object()  # dropped, untracked: the rerun holds it
+    assert rec.placement == DROPPED
+    rec.regen, rec.enf = None, 12345  # a handle no enforcer gave
+    with pytest.raises(RuntimeError, match="enforcer handle 12345 is unknown"):
+        rec.placement
+    rec.enf = 0
 
 
 def test_an_offloaded_conjugate_or_negative_view_comes_back_with_its_bit() -> None:

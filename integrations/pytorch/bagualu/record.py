@@ -20,7 +20,7 @@ from .enforce.enforcer import fp8_supported
 from .enforce.mover import Mover
 from .errors import BagualuError
 from .native import ext
-from .vocabulary import DEVICE, DROPPED, FP8_PLACE, HOST, OFFLOAD, RECOMPUTE, Op
+from .vocabulary import DROPPED, HOST, OFFLOAD, RECOMPUTE, Op
 
 
 class Owner(Protocol):
@@ -39,7 +39,10 @@ _C = ext.load()
 
 
 class Record(_C.RecordBase):
-    """One saved storage of one micro-batch (its fields: the binding's RecordBase)."""
+    """One saved storage of one micro-batch (its fields: the binding's RecordBase). Its
+    ``placement`` is derived, never stored: on the device while the record holds its storage,
+    else the enforcer's placement of its handle (the one state machine, TrackedTensor), else
+    dropped while a rerun can make it."""
 
     __slots__ = ()
 
@@ -54,7 +57,6 @@ class Record(_C.RecordBase):
         self.producer = producer
         self.consumers: List[Op] = []
         self.micro_batch = micro_batch
-        self.placement = DEVICE
         self.storage: Optional[torch.UntypedStorage] = storage
         self.ref: Any = None  # weakref to the original storage once the data left it
         self.pool_block = 0
@@ -123,7 +125,7 @@ class Record(_C.RecordBase):
         Not while the enforcer's recompute callback regenerates it: the record has its data
         but the enforcer has it dropped until the callback returns (pressure eviction inside
         the rerun must not pick it)."""
-        return (self.placement == DEVICE and self.storage is not None
+        return (self.storage is not None
                 and (self.enf != 0 or self.lazy) and not self.regenerating)
 
     def tracked(self) -> int:
@@ -183,8 +185,7 @@ class Record(_C.RecordBase):
             self.planned = self.issued = False
             t.mover.planned.pop(self.enf, None)
         self._leave_device()
-        self.storage = None
-        self.placement = HOST
+        self.storage = None  # the enforcer's placement (host) is the record's now
         freed = self.pool_bytes
         self._unaccount()
         t.counters["offloads"] += 1
@@ -193,7 +194,7 @@ class Record(_C.RecordBase):
 
     def drop(self, call: Any, key: Any) -> int:
         """Lets the data go; ``call`` regenerates it at ``key`` when it is needed; bytes freed."""
-        if self.placement != DEVICE or self.storage is None:
+        if self.storage is None:
             return 0
         if self.tracked():
             try:
@@ -204,8 +205,7 @@ class Record(_C.RecordBase):
                 return 0
         self._leave_device()
         self.storage = None
-        self.placement = DROPPED
-        self.regen = call
+        self.regen = call  # dropped: the enforcer's placement, or (untracked) the rerun held
         call.add(key, self)
         freed = self.pool_bytes
         self._unaccount()
@@ -234,7 +234,6 @@ class Record(_C.RecordBase):
         before = self.pool_bytes
         self._enforcer_bytes(fp8_bytes)
         self.storage = None
-        self.placement = FP8_PLACE
         self.tracker.counters["fp8_casts"] += 1
         return max(before - self.pool_bytes, 0)
 
@@ -269,7 +268,6 @@ class Record(_C.RecordBase):
             t.counters["bytes_h2d"] += self.nbytes
         else:
             t.counters["fp8_uncasts"] += 1
-        self.placement = DEVICE
         return self.storage
 
     def _regenerate(self) -> int:
@@ -306,7 +304,7 @@ class Record(_C.RecordBase):
                 f"recompute of {self.regen.op.qualname}: the rerun made {st.nbytes()} bytes "
                 f"where the forward saved {self.nbytes}; keep this operator")
         self._account(self.nbytes)
-        self.storage, self.regen, self.placement = st, None, DEVICE
+        self.storage, self.regen = st, None
         self.tracker.counters["recomputes"] += 1  # by the backward's need or the R chain
         if self.enf and not self.regenerating:
             # Made by the rerun of another record of the call: the enforcer takes it back too.

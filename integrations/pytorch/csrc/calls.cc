@@ -363,6 +363,21 @@ int Unregister(PyObject* enforcer, uint64_t handle) {
   return o->api.unregister(o->enf, handle);
 }
 
+int QueryPlacement(PyObject* enforcer, uint64_t handle, int* placement) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  bgl_enf_tensor_info info{};
+  const int rc = o->api.query(o->enf, handle, &info);
+  *placement = info.placement;
+  // Back on the device without its record: reloaded or uncast ahead of the consumer (or a block
+  // PyTorch still holds after the record went): where the record's data is, is what moved it.
+  if (info.placement == BGL_PLACE_DEVICE && info.applied == BGL_STRATEGY_OFFLOAD) {
+    *placement = BGL_PLACE_HOST;
+  } else if (info.placement == BGL_PLACE_DEVICE && info.applied == BGL_STRATEGY_FP8) {
+    *placement = BGL_PLACE_FP8;
+  }
+  return rc;
+}
+
 bool IsPool(PyObject* obj) {
   return pool_type != nullptr && Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(pool_type);
 }

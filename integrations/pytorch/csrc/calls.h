@@ -49,6 +49,12 @@ int Acquire(PyObject* enforcer, uint64_t handle, void* stream, void** ptr);
 // bgl_enf_unregister through an Enforcer: the status.
 int Unregister(PyObject* enforcer, uint64_t handle);
 
+// Where the data of a record whose storage is gone is, from bgl_enf_query of `handle` through an
+// Enforcer (a bgl_placement): the enforcer's placement, except that data reloaded or uncast ahead
+// of its consumer is where what moved it put it (host, FP8) until the record acquires it. The
+// status (BGL_ERR_UNKNOWN_HANDLE for a handle, or an enforcer, that is gone).
+int QueryPlacement(PyObject* enforcer, uint64_t handle, int* placement);
+
 // Whether `obj` is a Pool.
 bool IsPool(PyObject* obj);
 

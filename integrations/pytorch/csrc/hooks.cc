@@ -38,6 +38,7 @@ int HooksTraverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(h->enforcer);
   Py_VISIT(h->fast);
   Py_VISIT(h->dtype_codes);
+  Py_VISIT(h->device_obj);
   return 0;
 }
 
@@ -49,6 +50,8 @@ int HooksClear(PyObject* self) {
   Py_CLEAR(h->enforcer);
   Py_CLEAR(h->fast);
   Py_CLEAR(h->dtype_codes);
+  Py_CLEAR(h->device_obj);
+  h->device_key = 0;
   return 0;
 }
 
@@ -99,8 +102,8 @@ bool IntAttr(PyObject* obj, const char* name, long long* out) {
   return !(*out == -1 && PyErr_Occurred());
 }
 
-// Hooks(tracker, Record, constants, pool): constants maps device, host (record.py's placements),
-// keep, offload (strategies) and outside (the operator outside every layer) to their objects.
+// Hooks(tracker, Record, constants, pool): constants maps keep, offload, fp8 (strategies) and
+// outside (the operator outside every layer) to their objects.
 int HooksInit(PyObject* self, PyObject* args, PyObject*) {
   auto* h = reinterpret_cast<HooksObject*>(self);
   PyObject *tracker, *record_type, *consts, *pool;
@@ -117,10 +120,7 @@ int HooksInit(PyObject* self, PyObject* args, PyObject*) {
     PyErr_SetString(PyExc_TypeError, "Hooks: pool must be a bagualu._C.Pool or None");
     return -1;
   }
-  if (!SetConstant(consts, "device", &constants.device) ||
-      !SetConstant(consts, "host", &constants.host) ||
-      !SetConstant(consts, "fp8_placement", &constants.fp8_placement) ||
-      !SetConstant(consts, "fp8", &constants.fp8) ||
+  if (!SetConstant(consts, "fp8", &constants.fp8) ||
       !SetConstant(consts, "keep", &constants.keep) ||
       !SetConstant(consts, "offload", &constants.offload) ||
       !SetConstant(consts, "outside", &constants.outside)) {
@@ -220,6 +220,23 @@ PyObject* DtypeOf(HooksObject* h, PyObject* t, at::ScalarType st) {
   return d;
 }
 
+// tensor.device, the same object for every tensor of the device last met.
+PyObject* DeviceOf(HooksObject* h, PyObject* t, const at::Tensor& x) {
+  const c10::Device d = x.device();
+  const int key = (static_cast<int>(d.type()) << 8) | (static_cast<int>(d.index()) + 1);
+  if (h->device_obj != nullptr && h->device_key == key) {
+    Py_INCREF(h->device_obj);
+    return h->device_obj;
+  }
+  PyObject* obj = Get(t, names.device);
+  if (obj != nullptr) {
+    Py_INCREF(obj);
+    Py_XSETREF(h->device_obj, obj);
+    h->device_key = key;
+  }
+  return obj;
+}
+
 // Mover.op_id (enforce/mover.py): the enforcer's number of an operator (stable for the tracker's
 // life).
 bool OpId(HooksObject* h, PyObject* op, int* out) {
@@ -287,12 +304,10 @@ PyObject* NewRecord(HooksObject* h, const Saved& s, PyObject* producer, PyObject
   Py_INCREF(tr);
   r->tracker = tr;
   r->dtype = DtypeOf(h, s.t, s.x->scalar_type());
-  r->device = Get(s.t, names.device);
+  r->device = DeviceOf(h, s.t, *s.x);
   Py_INCREF(producer);
   r->producer = producer;
   r->consumers = PyList_New(0);
-  Py_INCREF(constants.device);
-  r->placement = constants.device;
   r->storage = THPStorage_Wrap(*s.st);
   if (r->dtype == nullptr || r->device == nullptr || r->consumers == nullptr ||
       r->storage == nullptr || PyList_Append(r->consumers, consumer) < 0) {
@@ -393,10 +408,7 @@ bool MoveAtOnce(HooksObject* h, RecordObject* r, bool fp8) {
   PyObject* ref = PyWeakref_NewRef(r->storage, nullptr);
   if (ref == nullptr) return false;
   Py_XSETREF(r->ref, ref);
-  Py_CLEAR(r->storage);
-  PyObject* place = fp8 ? constants.fp8_placement : constants.host;
-  Py_INCREF(place);
-  Py_XSETREF(r->placement, place);
+  Py_CLEAR(r->storage);  // now on the host or in FP8: the enforcer's placement says which
   if (fp8) {  // Record._enforcer_bytes: the pool counts the FP8 copy (the simulated device)
     if (h->pool != nullptr) {
       r->pool_bytes = static_cast<long long>(fp8_bytes);
@@ -513,8 +525,8 @@ bool CountLight(PyObject* ls, PyObject* storage, PyObject* key, long long nbytes
   PyObject* sizes = Get(ls, names.sizes);
   if (sizes == nullptr) return false;
   long long used = 0, reserved = 0;
-  bool ok = PyDict_Check(sizes) && GetInt(ls, names.used, &used) &&
-            GetInt(ls, names.reserved, &reserved);
+  bool ok =
+      PyDict_Check(sizes) && GetInt(ls, names.used, &used) && GetInt(ls, names.reserved, &reserved);
   if (!ok && !PyErr_Occurred()) {
     PyErr_SetString(PyExc_TypeError, "light_count: the light set's sizes is no dict");
   }
@@ -996,7 +1008,7 @@ PyMethodDef hooks_methods[] = {
 PyObject* LightCount(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 5 || !PyLong_Check(args[2]) || !PyLong_Check(args[3])) {
     PyErr_SetString(PyExc_TypeError,
-                     "light_count(light_set, storage, key: int, nbytes: int, inside: bool)");
+                    "light_count(light_set, storage, key: int, nbytes: int, inside: bool)");
     return nullptr;
   }
   const long long nbytes = PyLong_AsLongLong(args[3]);

@@ -37,9 +37,7 @@ ViewMeta* MakeMeta(const at::Tensor& t) {
   return m;
 }
 
-bool OnDevice(RecordObject* r) {
-  return r->placement == constants.device && r->storage != nullptr && r->storage != Py_None;
-}
+bool OnDevice(RecordObject* r) { return r->storage != nullptr && r->storage != Py_None; }
 
 // --- a block's end -----------------------------------------------------------------------------
 // The callable a reloaded block's storage runs when torch frees it: enforcer.block_done(handle,
@@ -194,10 +192,13 @@ bool ReleaseHere(RecordObject* r, bool* done) {
 // retry there).
 PyObject* ReloadHere(RecordObject* r, bool* done) {
   *done = false;
-  const bool fp8 = r->placement == constants.fp8_placement;
-  if ((r->placement != constants.host && !fp8) || r->enf == 0 || r->tracker == nullptr) {
+  Placement where = Placement::kDevice;
+  if (r->enf == 0 || r->tracker == nullptr || !PlacementOf(r, &where)) {
+    PyErr_Clear();  // record.py's materialize names what is wrong
     return nullptr;
   }
+  const bool fp8 = where == Placement::kFp8;
+  if (where != Placement::kHost && !fp8) return nullptr;
   HooksObject* h = HooksOf(r);
   if (h == nullptr || h->fast == nullptr) return nullptr;
   PyObject* enf = h->enforcer;
@@ -270,9 +271,7 @@ PyObject* ReloadHere(RecordObject* r, bool* done) {
     Py_DECREF(storage);
     return nullptr;
   }
-  Py_INCREF(constants.device);
-  Py_XSETREF(r->placement, constants.device);
-  return storage;
+  return storage;  // the record holds its storage again: on the device
 }
 
 // --- Packed ------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 
+#include "calls.h"
 #include "detail/saved_types.h"
 
 namespace bgl::torch_ext::detail {
@@ -12,6 +13,10 @@ namespace bgl::torch_ext::detail {
 Names names;
 Constants constants;
 PyTypeObject* record_base = nullptr;
+
+namespace {
+PyObject* placement_names[4] = {nullptr, nullptr, nullptr, nullptr};
+}  // namespace
 
 bool InternNames() {
   struct Entry {
@@ -86,8 +91,15 @@ bool InternNames() {
     *e.slot = PyUnicode_InternFromString(e.text);
     if (*e.slot == nullptr) return false;
   }
+  const char* placements[4] = {"device", "host", "fp8", "dropped"};  // vocabulary.py's
+  for (int i = 0; i < 4; ++i) {
+    placement_names[i] = PyUnicode_InternFromString(placements[i]);
+    if (placement_names[i] == nullptr) return false;
+  }
   return true;
 }
+
+PyObject* PlacementName(Placement p) { return placement_names[static_cast<int>(p)]; }
 
 bool GetInt(PyObject* obj, PyObject* name, long long* out) {
   PyObject* v = Get(obj, name);
@@ -115,6 +127,30 @@ bool AddTo(PyObject* dict, PyObject* key, long long by) {
   const int rc = PyDict_SetItem(dict, key, n);
   Py_DECREF(n);
   return rc == 0;
+}
+
+bool PlacementOf(RecordObject* r, Placement* out) {
+  if (r->storage != nullptr && r->storage != Py_None) {
+    *out = Placement::kDevice;
+    return true;
+  }
+  if (r->enf == 0) {
+    *out = r->regen != nullptr && r->regen != Py_None ? Placement::kDropped : Placement::kDevice;
+    return true;
+  }
+  HooksObject* h = HooksOf(r);
+  PyObject* fast = h != nullptr ? h->fast : nullptr;
+  int p = 0;
+  const int rc = fast != nullptr ? QueryPlacement(fast, static_cast<uint64_t>(r->enf), &p) : -1;
+  if (rc != 0 || p < 0 || p > 3) {
+    PyErr_Format(PyExc_RuntimeError,
+                 "record of %lld bytes: its enforcer handle %lld is unknown there (status %d): "
+                 "the enforcer was destroyed or the record was retired",
+                 r->nbytes, r->enf, rc);
+    return false;
+  }
+  *out = static_cast<Placement>(p);
+  return true;
 }
 
 HooksObject* HooksOf(RecordObject* r) {
@@ -158,7 +194,6 @@ PyMemberDef record_members[] = {
     BGL_OBJ(device),
     BGL_OBJ(producer),
     BGL_OBJ(consumers),
-    BGL_OBJ(placement),
     BGL_OBJ(storage),
     BGL_OBJ(ref),
     BGL_OBJ(packs),
@@ -170,6 +205,21 @@ PyMemberDef record_members[] = {
 #undef BGL_FLAG
 #undef BGL_OBJ
 
+PyObject* GetPlacement(PyObject* self, void*) {
+  Placement p = Placement::kDevice;
+  if (!PlacementOf(reinterpret_cast<RecordObject*>(self), &p)) return nullptr;
+  PyObject* name = PlacementName(p);
+  Py_INCREF(name);
+  return name;
+}
+
+PyGetSetDef record_getset[] = {
+    {"placement", GetPlacement, nullptr,
+     const_cast<char*>("Where the data is (device, host, fp8, dropped), from its one owner: the "
+                       "record's storage, else the enforcer's placement of its handle."),
+     nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
 int RecordTraverse(PyObject* self, visitproc visit, void* arg) {
   auto* r = reinterpret_cast<RecordObject*>(self);
   Py_VISIT(Py_TYPE(self));
@@ -178,7 +228,6 @@ int RecordTraverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(r->device);
   Py_VISIT(r->producer);
   Py_VISIT(r->consumers);
-  Py_VISIT(r->placement);
   Py_VISIT(r->storage);
   Py_VISIT(r->ref);
   Py_VISIT(r->packs);
@@ -194,7 +243,6 @@ int RecordClear(PyObject* self) {
   Py_CLEAR(r->device);
   Py_CLEAR(r->producer);
   Py_CLEAR(r->consumers);
-  Py_CLEAR(r->placement);
   Py_CLEAR(r->storage);
   Py_CLEAR(r->ref);
   Py_CLEAR(r->packs);
@@ -219,6 +267,7 @@ bool AddRecordType(PyObject* module) {
   PyType_Slot slots[] = {
       {Py_tp_doc, const_cast<char*>("The fields of one saved storage's record (record.py).")},
       {Py_tp_members, record_members},
+      {Py_tp_getset, record_getset},
       {Py_tp_traverse, reinterpret_cast<void*>(RecordTraverse)},
       {Py_tp_clear, reinterpret_cast<void*>(RecordClear)},
       {Py_tp_dealloc, reinterpret_cast<void*>(RecordDealloc)},
@@ -234,6 +283,14 @@ bool AddRecordType(PyObject* module) {
     return false;
   }
   record_base = reinterpret_cast<PyTypeObject*>(type);
+  // The placement names, by bgl_placement (vocabulary.py's DEVICE, HOST, FP8_PLACE, DROPPED).
+  PyObject* names_tuple = PyTuple_Pack(4, placement_names[0], placement_names[1],
+                                       placement_names[2], placement_names[3]);
+  if (names_tuple == nullptr) return false;
+  if (PyModule_AddObject(module, "PLACEMENTS", names_tuple) < 0) {
+    Py_DECREF(names_tuple);
+    return false;
+  }
   return true;
 }
 

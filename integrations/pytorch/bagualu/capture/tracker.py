@@ -27,7 +27,7 @@ from ..enforce.mover import Mover
 from ..enforce.order import PointIssuer
 from ..native import ext
 from ..record import Packed, Record, _Plain
-from ..vocabulary import DEVICE, FP8, FP8_PLACE, HOST, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op
+from ..vocabulary import FP8, KEEP, OFFLOAD, OUTSIDE, RECOMPUTE, Op
 from .scope import ForwardScope
 from .store import RecordStore
 
@@ -99,8 +99,7 @@ class Tracker:
         # _pack_py's and record.py's.
         pool = memory.pool.blocks if memory.pool is not None else None
         self.hooks = ext.load().Hooks(
-            self, Record, {"device": DEVICE, "host": HOST, "fp8_placement": FP8_PLACE,
-                           "keep": KEEP, "offload": OFFLOAD, "fp8": FP8, "outside": OUTSIDE},
+            self, Record, {"keep": KEEP, "offload": OFFLOAD, "fp8": FP8, "outside": OUTSIDE},
             pool)
         self.pack: Callable[[torch.Tensor], Any] = self.hooks.pack
         self.unpack: Callable[[Any], torch.Tensor] = self.hooks.unpack

@@ -19,7 +19,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Set, Tu
 
 import torch
 
-from ..vocabulary import DEVICE, FP8, KEEP, OFFLOAD, RECOMPUTE, Op
+from ..vocabulary import FP8, KEEP, OFFLOAD, RECOMPUTE, Op
 from . import eviction
 from .enforcer import Enforcer
 
@@ -169,7 +169,7 @@ class Mover:
             return
         del self.unkeyed[rec.ptr]
         call = hit[1]
-        if call.open and rec.storage is not None and rec.placement == DEVICE:
+        if call.open and rec.storage is not None:  # on the device
             k = call.key_for(rec.ptr, pack_index)
             if k is not None:
                 rec.drop(call, k)

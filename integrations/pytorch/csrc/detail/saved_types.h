@@ -39,17 +39,29 @@ bool AddTo(PyObject* dict, PyObject* key, long long by);
 struct RecordObject {
   PyObject_HEAD long long ptr, nbytes, micro_batch, seq, refs, pool_block, pool_bytes, enf;
   char in_backward, enf_block, live_block, released, regenerating, planned, issued, lazy;
-  PyObject *tracker, *dtype, *device, *producer, *consumers, *placement, *storage, *ref, *packs,
-      *regen, *stream;
+  PyObject *tracker, *dtype, *device, *producer, *consumers, *storage, *ref, *packs, *regen,
+      *stream;
   PyObject* weakreflist;
 };
+
+// Where a record's data is: record.py's placements (vocabulary.py's DEVICE, HOST, FP8_PLACE,
+// DROPPED), numbered as the C ABI's bgl_placement.
+enum class Placement : int { kDevice = 0, kHost = 1, kFp8 = 2, kDropped = 3 };
+// A record's placement has one owner; no field mirrors it. While the record holds its storage
+// the data is on the device (kept, or an issued offload whose copy still reads it); else a
+// registered record's placement is the enforcer's (host, FP8, dropped; reloaded or uncast ahead:
+// still host or FP8 for the record, calls.h QueryPlacement); else it was dropped for a rerun
+// (regen) or is on the device. False with the error set when the enforcer cannot say (an unknown
+// handle).
+bool PlacementOf(RecordObject* r, Placement* out);
+// The placement's name, a borrowed interned string ("device", "host", "fp8", "dropped").
+PyObject* PlacementName(Placement p);
 extern PyTypeObject* record_base;
 bool AddRecordType(PyObject* module);
 
-// The placements and strategies of record.py and vocabulary.py (set by the first Hooks).
+// The strategies of vocabulary.py and its operator outside every layer (set by the first Hooks).
 struct Constants {
-  PyObject *device = nullptr, *host = nullptr, *fp8_placement = nullptr, *keep = nullptr,
-           *offload = nullptr, *fp8 = nullptr, *outside = nullptr;
+  PyObject *keep = nullptr, *offload = nullptr, *fp8 = nullptr, *outside = nullptr;
 };
 extern Constants constants;
 
@@ -76,6 +88,8 @@ struct HooksObject {
   int device_index;                   // the CUDA device's (0 on the host backend)
   c10::DeviceType activations;        // the device type whose storages are activations
   std::array<PyObject*, 64>* dtypes;  // torch.dtype objects by ScalarType, filled as met
+  PyObject* device_obj;               // the torch.device last met (a new one per tensor.device)
+  int device_key;                     // its (type << 8 | index + 1); 0: none yet
 };
 // The Hooks of a record's tracker (borrowed; nullptr when it has none).
 HooksObject* HooksOf(RecordObject* r);
