@@ -354,7 +354,9 @@ class Runtime(HooksHost):
                            "cache_misses": sum(x["plan_cache_misses"] for x in lines),
                            "early_offloads": sum(x["early_offloads"] for x in lines),
                            "evictions": sum(x["evictions"] for x in lines),
-                           "warm_hits": sum(x.get("warm_hits", 0) for x in lines)}
+                           "warm_hits": sum(x.get("warm_hits", 0) for x in lines),
+                           # the activation capacity the planner was given (plans.py register)
+                           "capacity_bytes": self.planning.plan_capacity}
         planner = self._planner_stats()
         if planner is not None:
             # the warm-up (issue 43): its plans cached now, keys searched, the worker's CPU

@@ -340,7 +340,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
         out["description"] = bagualu.stage_graph()
         # what the planner was given (bgl-sim --model reads it) and the capacity it planned
         out["model_doc"] = bagualu.model_document()
-        out["plan_capacity"] = bagualu.current().planning.plan_capacity
+        out["plan_capacity"] = out["stats"]["planning"]["capacity_bytes"]
         # (load, predicted, captured) of every forward nothing was mitigated in
         out["accuracy"] = out["stats"].get("memory_model", {}).get("points", [])
         bagualu.uninstall()
