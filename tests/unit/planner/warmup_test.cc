@@ -149,7 +149,7 @@ TEST(Warmup, ABudgetThePointsMeetIsWarmedAtEveryLoad) {
 // The budget buckets beside a met one are warmed too (the points after a spike meet them in a
 // training run: the spiked micro-batch's measured bytes move their budgets by a bucket or so).
 TEST(Warmup, TheBudgetBucketsBesideAMetOneAreWarmed) {
-  PlannerOptions options = Warm(2.0);
+  PlannerOptions options = Warm(1.2);
   options.budget_step_bytes = int64_t{4} << 20;  // buckets well inside the budgets met
   auto made = Glm423(options);
   ASSERT_TRUE(made.ok());
@@ -158,7 +158,7 @@ TEST(Warmup, TheBudgetBucketsBesideAMetOneAreWarmed) {
   p.WaitForWarmup();
   SchedulePoint point;
   point.forward_micro_batch = 0;
-  point.load_factor = 1.9;
+  point.load_factor = 1.1;
   // Room for 1.5 M0 per forward until the next backward: a budget of 1.5 M0, above M0's floor.
   int k = 1;
   for (size_t i = 0; i < p.steps().size(); ++i) {
@@ -189,7 +189,7 @@ TEST(Warmup, TheBudgetBucketsBesideAMetOneAreWarmed) {
     ASSERT_GE(in_use, 0) << beside;
     SchedulePoint next = point;
     next.bytes_in_use = in_use;
-    next.load_factor = 1.6;
+    next.load_factor = 1.15;
     auto spiked = p.PlanPoint(next);
     ASSERT_TRUE(spiked.ok());
     ASSERT_EQ(bucket(static_cast<double>(spiked->budget_bytes)), beside);
