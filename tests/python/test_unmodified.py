@@ -499,6 +499,44 @@ def test_the_capture_sends_the_layers_own_backward_time() -> None:
     assert registered["operators"] == first["operators"]
 
 
+def test_the_capture_times_a_layer_by_its_fastest_layer() -> None:
+    """The layers run the same code, so the capture's times are its fastest layer's (issue
+    42: a layer slowed by other work on the machine moved the plans): layer 1's attention made
+    200 ms slower changes neither the attention's time nor the layer's forward_ms."""
+    require_libs()
+    from bagualu import _active
+    model = unmodified.build("qwen3_moe")
+    attn = model.model.layers[1].self_attn
+    slow_forward = attn.forward
+
+    def slowed(*args, **kwargs):
+        time.sleep(0.2)
+        return slow_forward(*args, **kwargs)
+
+    attn.forward = slowed
+    bagualu.install(capacity="1GiB", policy="keep-all", governor="none", log_iterations=False)
+    try:
+        bagualu.instrument(model)
+        with bagualu.forward(0):
+            loss = unmodified.loss_of(model, unmodified.batches(1)[0])
+        with bagualu.backward(0):
+            loss.backward()
+        rt = _active.runtime
+        lg = rt.planning.model_doc["layer_graph"]
+        calls = rt.auto.calls
+    finally:
+        bagualu.uninstall()
+    ops = {o["name"]: o["forward_ms"] for o in lg["operators"]}
+    attention = calls.per_layer["self_attn"]
+    assert attention[1] >= 200 > max(attention[0], attention[2])
+    assert ops["self_attn"] == pytest.approx(min(attention.values()), abs=2e-4)
+    assert calls.layer_forward[1] >= 200
+    assert lg["forward_ms"] == pytest.approx(min(calls.layer_forward.values()), abs=2e-4)
+    # the experts' time scales with each layer's load: their mean over the layers stays
+    experts = calls.per_layer["mlp.experts"]
+    assert ops["mlp.experts"] == pytest.approx(sum(experts.values()) / 3, abs=2e-4)
+
+
 def test_describe_lists_layers_and_operators() -> None:
     text = bagualu.describe(unmodified.build("deepseek_v3"))
     assert "layers: model.layers (4 x DeepseekV3DecoderLayer)" in text

@@ -33,7 +33,10 @@ def describe_capture(rt: Any, unit: int) -> None:
     # Operators in the order of their first call (a block's own code first).
     ops = [Op(n, kinds[n], 0) for n in calls.op_order(list(kinds))]
     names = graph.TensorNames(ops)
+    op_calls = getattr(calls, "calls", None)
     op_ms = rt.op_ms
+    if op_calls is not None and op_calls.per_layer:  # each operator's fastest layer
+        op_ms = op_calls.robust_op_ms(op_ms, kinds)
     per_op = rt.auto is not None and rt.auto.compiled.per_op
     if per_op:  # compiled blocks, their operators placed apart (capture/compiled.py)
         produced: Dict[str, int] = {}
@@ -42,7 +45,7 @@ def describe_capture(rt: Any, unit: int) -> None:
                 produced[r.producer.name] = produced.get(r.producer.name, 0) + r.nbytes
         op_ms = rt.auto.compiled_op_times(op_ms, produced)
     lg = graph.build_produced_graph(recs, ops, load0, op_ms, calls.readers, names)
-    layer_ms = getattr(getattr(calls, "calls", None), "layer_ms", 0.0)
+    layer_ms = getattr(op_calls, "layer_ms", 0.0)
     if layer_ms > 0 and not per_op:  # the copy windows: nested operators counted once
         lg["forward_ms"] = round(layer_ms, 4)
     if per_op:  # a compiled graph's operators cannot be rerun alone
@@ -75,7 +78,8 @@ def describe_backward(rt: Any, at_backward: bool = False) -> None:
         return
     if at_backward and planning.plans:
         return  # forwards planned by the planners of now: at the next iteration's start
-    backward_ms, calls.backward_ms = calls.backward_ms, 0.0
+    backward_ms = calls.backward_ms
+    calls.layer_backward.clear()
     lg = planning.model_doc["layer_graph"]
     if calls.rerun_in_capture or rt.strategies.forced is not None or "forward_ms" not in lg:
         return

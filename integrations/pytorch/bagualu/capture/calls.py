@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..recompute import Call
-from ..vocabulary import RECOMPUTE, Op
+from ..vocabulary import RECOMPUTE, SCALING_KINDS, Op
 from .host import Host
 
 log = logging.getLogger("bagualu")
@@ -38,15 +38,19 @@ class OperatorCalls:
         # Compiled blocks (capture/compiled.py): the first call of a compiled block compiles
         # it, so an operator's time is its fastest call in the capture (ms), not the mean.
         self.fastest: Optional[Dict[str, float]] = None
-        # The capture's forward time per layer (ms): its outermost operators' times. An
-        # operator's time includes the operators it calls (what rerunning it costs), so the
-        # operators' sum counts nested ones more than once (planning/graph.py).
-        self.layer_ms = 0.0
-        # The capture's backward time per layer (ms), likewise its outermost operators': each
-        # call's backward runs from the gradient of its first output to the gradient of its
-        # input (autograd hooks on those tensors, set at the call's end). 0: not measured (yet).
-        self.backward_ms = 0.0
-        # Whether the capture's forward opened a recompute call (its backward then reruns, so
+        # The capture's times per layer (ms), each layer's apart: every operator's
+        # (per_layer: name -> layer -> ms), the layer's own forward (layer_forward: its
+        # outermost operators'; an operator's time includes the operators it calls, what
+        # rerunning it costs, so the operators' sum counts nested ones more than once:
+        # planning/graph.py) and its own backward (layer_backward, likewise its outermost
+        # operators': each call's backward runs from the gradient of its first output to the
+        # gradient of its input, autograd hooks on those tensors set at the call's end). The
+        # layers run the same code, so the fastest layer is the estimate (robust_op_ms,
+        # layer_ms, backward_ms): a layer slowed by other work on the machine is left out.
+        self.per_layer: Dict[str, Dict[int, float]] = {}
+        self.layer_forward: Dict[int, float] = {}
+        self.layer_backward: Dict[int, float] = {}
+        # Whether the capture's forward recomputes an operator (its backward then reruns, so
         # its time is not the layer's own backward).
         self.rerun_in_capture = False
         self.no_replay: Set[str] = set()         # operators whose rerun would communicate
@@ -68,12 +72,11 @@ class OperatorCalls:
                         if v.numel() > 0:
                             self.readers.setdefault(v.untyped_storage().data_ptr(),
                                                     set()).add(op.name)
-            if ((defer and host.may_defer)
-                    or host.strategy_of(op, t.micro_batch) == RECOMPUTE) \
-                    and self._replayable(op, args, kwargs):
+            rerun = host.strategy_of(op, t.micro_batch) == RECOMPUTE
+            if ((defer and host.may_defer) or rerun) and self._replayable(op, args, kwargs):
                 call = Call(op, fn, args, kwargs, t.hold, t.packs_seen, host.device, host)
                 t.calls.append(call)
-                self.rerun_in_capture |= host.capturing
+                self.rerun_in_capture |= host.capturing and rerun  # not a router's deferral
         t.scope.append(op)
         issuer = t.issuer
         if issuer is not None and issuer.active:
@@ -126,15 +129,38 @@ class OperatorCalls:
             fastest = self.fastest
             if fastest is None:
                 host.op_time(op.name, ms / max(self.layers, 1))
-                if not self.stack:
-                    self.layer_ms += ms / max(self.layers, 1)
-                    self._time_backward(out)
+                mine = self.per_layer.setdefault(op.name, {})
+                mine[op.layer] = mine.get(op.layer, 0.0) + ms
+                if not self.stack and op.layer >= 0:
+                    self.layer_forward[op.layer] = self.layer_forward.get(op.layer, 0.0) + ms
+                    self._time_backward(out, op.layer)
             elif ms < fastest.get(op.name, float("inf")):
                 host.op_time(op.name, ms - fastest.get(op.name, 0.0))  # the sum stays the min
                 fastest[op.name] = ms
         return True
 
-    def _time_backward(self, out: Any) -> None:
+    @property
+    def layer_ms(self) -> float:
+        """The capture's forward time of a layer (ms): its fastest layer's; 0: not timed."""
+        return min(self.layer_forward.values(), default=0.0)
+
+    @property
+    def backward_ms(self) -> float:
+        """The capture's backward time of a layer (ms): its fastest layer's; 0: not timed
+        (yet)."""
+        return min(self.layer_backward.values(), default=0.0)
+
+    def robust_op_ms(self, op_ms: Dict[str, float], kinds: Dict[str, str]) -> Dict[str, float]:
+        """``op_ms`` (the capture's mean over the layers) with each operator's fastest layer
+        in place of the mean, but for operators whose time scales with the load (each layer
+        routes its own load: there the mean stays)."""
+        out = dict(op_ms)
+        for name, layers in self.per_layer.items():
+            if layers and kinds.get(name) not in SCALING_KINDS:
+                out[name] = min(layers.values())
+        return out
+
+    def _time_backward(self, out: Any, layer: int) -> None:
         """Times the backward of the outermost call that returned ``out`` (from the inputs
         saved at its start): from the gradient of its first output to the first gradient of an
         input (the layer's input: its gradient is whole once the call's backward is done; an
@@ -152,7 +178,8 @@ class OperatorCalls:
         def ended(_: torch.Tensor) -> None:
             if span[0] is not None and span[1] is None:
                 span[1] = time.perf_counter()
-                self.backward_ms += (span[1] - span[0]) * 1e3 / max(self.layers, 1)
+                ms = (span[1] - span[0]) * 1e3
+                self.layer_backward[layer] = self.layer_backward.get(layer, 0.0) + ms
 
         for v in outputs:
             v.register_hook(started)

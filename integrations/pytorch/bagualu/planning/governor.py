@@ -184,7 +184,11 @@ class Governor:
         options are kept: a retry registers exactly the same with a restarted daemon. Called
         again (plans.py register_backward), it ends the session and the embedded planner it
         had and registers anew."""
-        if self.embedded is not None:  # registered again (the capture's backward measured)
+        again = self.embedded is not None  # registered again (the capture's backward measured)
+        # A daemon found away before stays so until the backoff's next try (_maybe_reconnect,
+        # with this model), not waited for again here.
+        retry_at = self._retry_at if again and self.remote is None else None
+        if again:
             self.close()
         step = budget_step_bytes(capacity_bytes)
         self._model = model
@@ -211,6 +215,9 @@ class Governor:
         self.description = self.embedded.description
         self.kind = "embedded"
         if not self.uses_daemon:
+            return
+        if retry_at is not None:
+            self._retry_at = retry_at
             return
         try:
             self._connect(wait_s=max(self.deadline_s, 0.2) * 4)
