@@ -237,6 +237,11 @@ class Bench:
             del srcs, dsts
             src, dst = self.tensors(2, nbytes)
             row("copy (torch, same bytes)", lambda i: dst.copy_(src), k)
+            # What torch alone spends when the last reference to a tensor of these bytes goes
+            # (its storage freed): the floor under every "release" row above.
+            frees: List[Any] = self.tensors(k, nbytes)
+            row("free (torch, the last reference to a tensor of these bytes)",
+                lambda i: frees.__setitem__(i, None), k)
         return res
 
 
