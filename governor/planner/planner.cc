@@ -621,17 +621,22 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
         std::floor(d.budget / static_cast<double>(options_.budget_step_bytes)));
     key.load_bucket =
         static_cast<int64_t>(std::ceil(point.load_factor / options_.load_bucket - 1e-9));
-    if (options_.warm_up) {
-      // A load below 1 is planned as 1 (a plan for a higher load fits a lower one): the keys
-      // the warm-up plans start at 1, and a training run's predicted loads fall below 1 about
-      // as often as above (docs/benchmarks/planner.md "The warm-up").
-      key.load_bucket = std::max(
-          key.load_bucket, static_cast<int64_t>(std::ceil(1.0 / options_.load_bucket - 1e-9)));
-    }
     // Rounded down to the budget step: the plan never offloads more than the limit.
     key.host_bucket =
         point.host_limit_bytes < 0 ? -1 : point.host_limit_bytes / options_.budget_step_bytes;
     key.share_bucket = share_bucket;
+    const auto load_one = static_cast<int64_t>(std::ceil(1.0 / options_.load_bucket - 1e-9));
+    if (options_.warm_up && key.load_bucket < load_one) {
+      // A load below 1 is served the warm-up's plan of load 1 where there is one (a plan for a
+      // higher load fits a lower one): the warm-up plans from load 1 up, and a training run's
+      // predicted loads fall below 1 about as often as above (docs/benchmarks/planner.md "The
+      // warm-up"). Without one the key stays the point's own.
+      MitigationKey one = key;
+      one.load_bucket = load_one;
+      const CachedAssignment* cached = mitigation_cache_.Peek(one);
+      if (cached == nullptr) cached = FromShared(one);
+      if (cached != nullptr && cached->warm) key = one;
+    }
     // A budget that holds every saved tensor needs no mitigation; the bucket's floor (the
     // budget rounded down to the step) must not turn it into one.
     const Interned& keep_all = interned_[keep_all_];  // its memory line: keep-all at any r
