@@ -105,12 +105,15 @@ grpc::Status CheckInEffect(const pb::InEffect& e, size_t operators) {
   return grpc::Status::OK;
 }
 
-// What sessions must have in common to share warm-up plans: the job and every registration field
-// that shapes a mitigation-cache key's plan (the stage's model, its calibration, the options, the
-// warm-up's bound) and the node's calibration. Not the GPU, pid, pipeline rank, capacity or host
-// request: a key's plan does not depend on them (its budget and host limit are in the key).
-std::string SharingKey(const pb::RegisterRequest& req, const nlohmann::json* node_calibration) {
-  std::string key = req.job_id();
+// What sessions must have in common to share warm-up plans: the user (a job id is the client's
+// word: another uid naming the same job must not see which plans this one's sessions met, issue
+// 45), the job and every registration field that shapes a mitigation-cache key's plan (the
+// stage's model, its calibration, the options, the warm-up's bound) and the node's calibration.
+// Not the GPU, pid, pipeline rank, capacity or host request: a key's plan does not depend on
+// them (its budget and host limit are in the key).
+std::string SharingKey(uint32_t uid, const pb::RegisterRequest& req,
+                       const nlohmann::json* node_calibration) {
+  std::string key = std::to_string(uid) + '\0' + req.job_id();
   key += '\0';
   key += std::to_string(req.model_json().size()) + ':' + req.model_json();
   const std::string cal = req.calibration().SerializeAsString();
@@ -252,7 +255,7 @@ grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequ
   if (!planner.ok()) return Reject("Register", ToGrpcStatus(planner.status()));
   if (req.has_warm_up() && !req.job_id().empty()) {
     // The job's other sessions of the same stage share this one's warm-up, and it theirs.
-    const std::string key = SharingKey(req, calibration ? &*calibration : nullptr);
+    const std::string key = SharingKey(caller.uid, req, calibration ? &*calibration : nullptr);
     std::shared_ptr<plan::SharedPlans> shared;
     {
       std::unique_lock<std::shared_mutex> lock(mu_);

@@ -98,6 +98,16 @@ TEST(WarmUpHost, TheSecondRankOfAJobIsServedTheFirstRanksWarmPlans) {
   EXPECT_FALSE(cold.plan().warm());
   EXPECT_EQ(cold.warm_up().hits(), 0u);
   EXPECT_EQ(cold.warm_up().shared_hits(), 0u);
+  // Nor does another user's session naming the same job (issue 45 item 4: a job id is the
+  // client's word; sharing would show it which plans this user's sessions met).
+  Caller intruder = Process(104);
+  intruder.uid = 1001;
+  pb::RegisterResponse d;
+  ASSERT_TRUE(core.Register(intruder, Request("job-1", 1.5), &d).ok());
+  pb::PlanResponse foreign;
+  ASSERT_TRUE(core.Plan(intruder, Point(d, 1.4), &foreign).ok());
+  EXPECT_FALSE(foreign.plan().warm());
+  EXPECT_EQ(foreign.warm_up().shared_hits(), 0u);
 
   // The figures reach Watch's process rows and the metrics.
   core.PublishMetrics();
