@@ -635,7 +635,7 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
       one.load_bucket = load_one;
       const CachedAssignment* cached = mitigation_cache_.Peek(one);
       if (cached == nullptr) cached = FromShared(one);
-      if (cached != nullptr && cached->warm) key = one;
+      if (cached != nullptr && !cached->first_answer) key = one;
     }
     // A budget that holds every saved tensor needs no mitigation; the bucket's floor (the
     // budget rounded down to the step) must not turn it into one.
