@@ -627,10 +627,10 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
     key.share_bucket = share_bucket;
     const auto load_one = static_cast<int64_t>(std::ceil(1.0 / options_.load_bucket - 1e-9));
     if (options_.warm_up && key.load_bucket < load_one) {
-      // A load below 1 is served the warm-up's plan of load 1 where there is one (a plan for a
-      // higher load fits a lower one): the warm-up plans from load 1 up, and a training run's
-      // predicted loads fall below 1 about as often as above (docs/benchmarks/planner.md "The
-      // warm-up"). Without one the key stays the point's own.
+      // A load below 1 is served the cached full-search plan of load 1 at its budget (the
+      // warm-up's or a refined miss's; a plan for a higher load fits a lower one): the warm-up
+      // plans from load 1 up, and a training run's predicted loads fall below 1 about as often
+      // as above (docs/benchmarks/planner.md "The warm-up"). Else the point's own key.
       MitigationKey one = key;
       one.load_bucket = load_one;
       const CachedAssignment* cached = mitigation_cache_.Peek(one);

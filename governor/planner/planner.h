@@ -68,7 +68,7 @@ struct PlannerOptions {
   // (Plan::warm). Rounds re-enumerate with the landed plans' bytes until no new key shows (at most
   // warm_rounds), and again when a point meets a new budget bucket. At most warm_max_keys keys (0:
   // half the cache), so the warm-up never evicts its own plans. With it on, a point's load below
-  // 1 is served the warm-up's plan of load 1 where one is cached, and a met budget bucket's
+  // 1 is served the cached full-search plan of load 1 (warm or refined), and a met budget bucket's
   // neighbours are warmed with it.
   bool warm_up = false;
   double warm_spike_bound = 3.0;  // highest load factor warmed, in [1, 64]
