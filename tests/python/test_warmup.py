@@ -82,6 +82,16 @@ def test_the_warm_up_is_off_unless_asked_for(monkeypatch, value) -> None:
     assert [x["warm_hits"] for x in lines] == [0, 0]
 
 
+@pytest.mark.parametrize("value", ["maybe", "2", "enabled"])
+def test_a_bad_warm_up_switch_is_refused_with_its_name(value: str) -> None:
+    from bagualu.planning.governor import warm_up_options
+    with pytest.raises(ValueError, match=r"BGL_WARM_UP: must be 1/true/on/yes .*got '"):
+        warm_up_options({"BGL_WARM_UP": value})
+    for off in ("0", "off", "No", ""):
+        assert warm_up_options({"BGL_WARM_UP": off}) == {"warm_up": False}
+    assert warm_up_options({"BGL_WARM_UP": "on"})["warm_up"] is True
+
+
 @pytest.mark.parametrize("bound", ["0.5", "65", "three"])
 def test_a_bad_spike_bound_is_refused_with_its_name(monkeypatch, bound: str) -> None:
     require_libs()

@@ -410,7 +410,11 @@ def warm_up_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
             raise ValueError(f"BGL_WARM_NICE: the warm-up thread's nice value must be an "
                              f"integer in [0, 19], got {nice!r}")
         out["warm_nice"] = int(nice)
-    if env.get("BGL_WARM_UP", "0").strip().lower() not in ("1", "true", "on", "yes"):
+    switch = env.get("BGL_WARM_UP", "0").strip().lower()
+    if switch not in ("1", "true", "on", "yes", "", "0", "false", "off", "no"):
+        raise ValueError(f"BGL_WARM_UP: must be 1/true/on/yes (warm up) or 0/false/off/no "
+                         f"(the default), got {env.get('BGL_WARM_UP')!r}")
+    if switch not in ("1", "true", "on", "yes"):
         return {"warm_up": False}  # (a bad bound or nice value is refused all the same)
     return out
 _MIN_STEP = 64 << 10
