@@ -138,7 +138,8 @@ def train(model: nn.Module, xs: List[torch.Tensor], policy: Any, capacity: Any =
     stats."""
     if policy is not None:
         bagualu.install(capacity=capacity, policy=policy, governor="none", pipeline_stages=4,
-                        micro_batches=MICRO_BATCHES, log_iterations=False)
+                        micro_batches=MICRO_BATCHES, log_iterations=False,
+                        allow_fp8=False)  # gradients compared bit for bit
         bagualu.instrument(model, dispatch="moe.dispatch")
     out: Dict[str, Any] = {"losses": [], "lines": [], "seen": []}
     for it in range(ITERATIONS):

@@ -42,6 +42,7 @@ def test_two_ranks_with_an_all_to_all_dispatch(tmp_path) -> None:
         # The memory model at every observed load (1.0 and the spike's) within 1.5%.
         errors = r["memory_model_errors"]
         assert len(errors) == 7 and max(errors) < 0.015, errors
+        assert all(line["fp8_casts"] == 0 for line in r["lines"]), r["lines"]  # FP8 off
         assert r["grads_plain_vs_keep_all"] and r["grads_plain_vs_bagualu"], r
         assert r["grads"] == r["params"] and r["losses_equal"]
         assert all(line["ooms"] == 0 for line in r["lines"])
@@ -102,6 +103,7 @@ def test_two_ranks_with_an_all_to_all_dispatch_in_compiled_blocks(tmp_path) -> N
         assert max(e[1] for e in errors) < 0.015, errors
         assert all(line["ooms"] == 0 and line["recomputed_ops"] == 0 for line in r["lines"])
         assert sum(line["offloads"] for line in r["lines"]) > 0
+        assert all(line["fp8_casts"] == 0 for line in r["lines"]), r["lines"]  # FP8 off
         assert r["grads_plain_vs_keep_all"] and r["grads_plain_vs_bagualu"], r
         assert r["grads"] == 17 and r["losses_equal"] and r["live_handles"] == 0
         assert r["changed_without_downgrade"] == 0

@@ -199,9 +199,14 @@ def test_pipeline_interleaved_1f1b_qwen3_against_the_daemon_on_two_ranks(
         assert len(lines) == 2, (rank, [m[0] for m in lines])
         assert all(int(m[5]) > 0 for m in lines), (rank, [m[0] for m in lines])
         assert all(float(m[3]) <= float(m[4]) for m in lines)
-    sessions = set(re.findall(r"\[rank[01]\]:.*bagualu: registered with the governor at "
-                              + re.escape(daemon) + r" \(session (\S+)\)", ours))
-    assert len(sessions) == 2, sessions
+    # Each rank registers its stage graph after the capture, and again once with the layers'
+    # measured backward times (docs/planner.md, backward_ms: a new session, the first ended):
+    # every session is one rank's, and each rank has its own.
+    registered = re.findall(r"\[rank([01])\]:.*bagualu: registered with the governor at "
+                            + re.escape(daemon) + r" \(session (\S+)\)", ours)
+    by_rank_sessions = {r: {sid for rr, sid in registered if rr == r} for r in ("0", "1")}
+    assert all(1 <= len(v) <= 2 for v in by_rank_sessions.values()), registered
+    assert not by_rank_sessions["0"] & by_rank_sessions["1"], registered
     jobs = re.findall(r"\[rank([01])\]:.*bagualu: done: planned by the remote planner "
                       r"\(job (\S+)\)", ours)
     assert sorted(r for r, _ in jobs) == ["0", "1"] and len({j for _, j in jobs}) == 1, jobs

@@ -218,7 +218,8 @@ def batches(n: int, rank: int, fractions: Sequence[float], batch: int = 2, seq: 
 def train(model: Model, xs: Sequence[torch.Tensor], policy: Optional[str], capacity: Any = "1GiB",
           iterations: int = 2, micro_batches: int = 4, stages: int = 4,
           governor: str = "none",
-          after_forward: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
+          after_forward: Optional[Callable[[int], None]] = None,
+          allow_fp8: bool = True) -> Dict[str, Any]:
     """Trains as stage 0 of a ``stages``-stage 1F1B pipeline (every layer here, ``stages``
     forwards in flight) for ``iterations`` of ``micro_batches``; ``policy`` None: plain
     PyTorch; ``after_forward(f)`` runs after each forward. Returns losses, gradients, the load factors bagualu saw per forward (mean over the
@@ -227,7 +228,7 @@ def train(model: Model, xs: Sequence[torch.Tensor], policy: Optional[str], capac
     if policy is not None:
         bagualu.install(capacity=capacity, policy=policy, governor=governor,
                         pipeline_stages=stages, micro_batches=micro_batches,
-                        log_iterations=False)
+                        log_iterations=False, allow_fp8=allow_fp8)
         bagualu.instrument(model, dispatch="moe.dispatch")
     slots = xs[0].shape[0] * xs[0].shape[1] * model.layers[0].moe.top_k
     dispatches = [b.moe.dispatch for b in model.layers]
