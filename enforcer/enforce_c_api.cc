@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <unordered_set>
 
+#include "allocator/detail/fault.h"
 #include "allocator/global.h"
 #include "bgl/enforce.h"
 #include "enforcer/detail/fault_injecting_ops.h"
@@ -189,6 +190,9 @@ BGL_ALLOC_API int bgl_enf_create(const bgl_enf_options* options, bgl_enforcer** 
     bgl_enf_options o;
     bgl_enf_default_options(&o);
     if (options != nullptr) o = *options;
+    if (const std::string& env = bgl::alloc::detail::environment_error(); !env.empty()) {
+      return bad(Status::kInvalidArgument, "bgl_enf_create: " + env);
+    }
     bgl::alloc::Allocator* a = bgl::alloc::global_allocator();
     if (a == nullptr) return Status::kNotInitialized;  // the allocator's message stays
     bgl::alloc::Pool* pool = a->pool(o.device);

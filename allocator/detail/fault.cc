@@ -1,6 +1,7 @@
 #include "allocator/detail/fault.h"
 
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -36,14 +37,25 @@ State& state() {
   return *s;
 }
 
-std::int64_t env_ms(const char* name, std::int64_t fallback) {
+// The first bad variable's message ("" when all are good), set once by read_env.
+std::string& environment_error_text() {
+  static std::string* text = new std::string();
+  return *text;
+}
+
+// A positive whole number of milliseconds, or `fallback` when unset or empty; a bad value
+// keeps `fallback`, is reported on stderr at once (a preloaded allocator has no caller to tell)
+// and becomes the environment error that enforcers refuse to start with.
+std::int64_t env_ms(const char* name, std::int64_t fallback, std::string* error) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
+  errno = 0;
   const long long ms = std::strtoll(v, &end, 10);
-  if (end == v || *end != '\0' || ms <= 0) {
-    std::fprintf(stderr, "bgl_alloc: ignoring %s='%s' (a positive number of milliseconds)\n", name,
-                 v);
+  if (end == v || *end != '\0' || ms <= 0 || errno == ERANGE) {
+    if (error->empty()) {
+      *error = std::string(name) + ": '" + v + "' is not a positive whole number of milliseconds";
+    }
     return fallback;
   }
   return ms;
@@ -54,13 +66,18 @@ bool configure_impl(const std::string& spec, std::string* error);
 // BGL_FAULT, BGL_WAIT_TIMEOUT_MS and BGL_FAULT_STALL_MS, read once.
 bool read_env() {
   State& s = state();
-  s.timeout_ms.store(env_ms("BGL_WAIT_TIMEOUT_MS", 60000));
-  s.stall_ms.store(env_ms("BGL_FAULT_STALL_MS", -1));
+  std::string error;
+  s.timeout_ms.store(env_ms("BGL_WAIT_TIMEOUT_MS", 60000, &error));
+  s.stall_ms.store(env_ms("BGL_FAULT_STALL_MS", -1, &error));
   if (const char* spec = std::getenv("BGL_FAULT")) {
-    std::string error;
-    if (!configure_impl(spec, &error)) {
-      std::fprintf(stderr, "bgl_alloc: ignoring BGL_FAULT: %s\n", error.c_str());
+    std::string fault_error;
+    if (!configure_impl(spec, &fault_error) && error.empty()) {
+      error = "BGL_FAULT: " + fault_error;
     }
+  }
+  if (!error.empty()) {
+    std::fprintf(stderr, "bgl_alloc: %s (enforcers refuse to start)\n", error.c_str());
+    environment_error_text() = error;
   }
   return true;
 }
@@ -71,6 +88,11 @@ void ensure_env() {
 }
 
 }  // namespace
+
+const std::string& environment_error() {
+  ensure_env();
+  return environment_error_text();
+}
 
 const char* fault_kind_name(FaultKind kind) { return kNames[static_cast<int>(kind)]; }
 

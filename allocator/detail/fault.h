@@ -31,6 +31,11 @@ BGL_ALLOC_INTERNAL FaultAction fault_point(FaultKind kind);
 // naming the bad part. Thread safe.
 BGL_ALLOC_INTERNAL bool configure_faults(const std::string& spec, std::string* error);
 
+// What is wrong with BGL_FAULT, BGL_WAIT_TIMEOUT_MS or BGL_FAULT_STALL_MS, naming the variable
+// ("" when each is unset, empty or good). Read once per process; a bad value is also printed
+// on stderr then, and bgl_enf_create refuses to start with it. Thread safe.
+BGL_ALLOC_INTERNAL const std::string& environment_error();
+
 // Operations of `kind` seen since the last configure_faults (0 while injection is off), and
 // faults that fired.
 BGL_ALLOC_INTERNAL std::uint64_t fault_operations(FaultKind kind);

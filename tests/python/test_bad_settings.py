@@ -11,6 +11,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -122,6 +123,87 @@ def test_a_lib_dir_variable_that_does_not_exist_is_refused_naming_it(monkeypatch
     with pytest.raises(LibraryNotFound, match=r"^BGL_LIB_DIR: '.*no-such-build' does not exist"):
         libs.find_file("libbgl_alloc.so")
 
+
+
+
+@pytest.mark.parametrize("value,match", [
+    ("x" * 257, r"^BGL_JOB_ID: 257 bytes, over the daemon's limit of 256"),
+    ("job\x01", r"^BGL_JOB_ID: .* must be printable ASCII"),
+    ("jöb", r"^BGL_JOB_ID: .* must be printable ASCII"),
+])
+def test_a_bad_job_id_variable_is_refused_naming_it(monkeypatch, value: str, match: str) -> None:
+    # The daemon would refuse it at registration and the process would plan in-process.
+    from bagualu.planning.governor import Governor
+    monkeypatch.setenv("BGL_JOB_ID", value)
+    with pytest.raises(ValueError, match=match):
+        Governor("none")
+    monkeypatch.setenv("BGL_JOB_ID", "torchrun-1234:rank 0")
+    assert Governor("none").job_id == "torchrun-1234:rank 0"
+    monkeypatch.setenv("BGL_JOB_ID", "")  # empty: the default
+    assert Governor("none").job_id == f"pid-{os.getpid()}"
+    with pytest.raises(ValueError, match=r"^job_id: .* must be printable ASCII"):
+        Governor("none", job_id="a\tb")
+
+
+def test_a_cache_dir_variable_naming_a_file_is_refused_naming_it(monkeypatch, tmp_path) -> None:
+    a_file = tmp_path / "cache"
+    a_file.write_text("not a folder")
+    monkeypatch.setenv("BGL_CACHE_DIR", str(a_file))
+    with pytest.raises(ValueError, match=r"^BGL_CACHE_DIR: '.*cache' exists and is not a dir"):
+        settings.cache_dir()
+
+    def no_measurement(**_: Any) -> Any:
+        raise AssertionError("nothing is measured before the cache is found")
+    with pytest.raises(ValueError, match=r"^BGL_CACHE_DIR: "):
+        calibrations.for_machine(torch.device("cpu"), no_measurement, 1 << 20)
+    monkeypatch.setenv("BGL_CACHE_DIR", "")  # empty: the default, not the working directory
+    assert settings.cache_dir() == settings.Path.home() / ".cache" / "bagualu"
+    monkeypatch.setenv("BGL_CACHE_DIR", "rel/cache")  # relative: against the working directory
+    assert settings.cache_dir() == settings.Path.cwd() / "rel" / "cache"
+
+
+ENFORCER_START = """
+import torch
+from bagualu.enforce.enforcer import Enforcer
+try:
+    Enforcer(torch.device("cpu"), 1 << 20, borrowed_free_is_safe=False).close()
+    print("started")
+except Exception as e:
+    print(type(e).__name__ + ":", e)
+print("still running")
+"""
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("BGL_WAIT_TIMEOUT_MS", "abc", r"BGL_WAIT_TIMEOUT_MS: 'abc' is not a positive whole number"),
+    ("BGL_WAIT_TIMEOUT_MS", "0", r"BGL_WAIT_TIMEOUT_MS: '0' is not a positive whole number"),
+    ("BGL_WAIT_TIMEOUT_MS", "99999999999999999999", r"BGL_WAIT_TIMEOUT_MS: '9+' is not a"),
+    ("BGL_FAULT_STALL_MS", "-3", r"BGL_FAULT_STALL_MS: '-3' is not a positive whole number"),
+    ("BGL_FAULT", "bogus:1", r"BGL_FAULT: fault 'bogus:1': unknown kind 'bogus'"),
+])
+def test_a_bad_native_wait_or_fault_variable_stops_the_enforcer_naming_it(
+        name: str, value: str, match: str) -> None:
+    # Read once per process by the native library (allocator/detail/fault.cc): a process each.
+    # It was printed as "ignoring" and training went on with the default (a 60 s wait bound).
+    require_libs()
+    env = dict(os.environ, **{name: value})
+    out = subprocess.run([sys.executable, "-c", ENFORCER_START], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "still running", out.stdout
+    assert lines[0].startswith("BagualuError: enforcer create: bgl_enf_create: "), out.stdout
+    assert re.search(match, lines[0]), lines[0]
+    assert re.search(match, out.stderr), out.stderr  # said once on stderr too (preloaded use)
+
+
+def test_good_native_wait_and_fault_variables_start_the_enforcer() -> None:
+    require_libs()
+    env = dict(os.environ, BGL_WAIT_TIMEOUT_MS="500", BGL_FAULT_STALL_MS="20", BGL_FAULT="count")
+    out = subprocess.run([sys.executable, "-c", ENFORCER_START], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.splitlines() == ["started", "still running"], out.stdout + out.stderr
+    assert "BGL_" not in out.stderr, out.stderr
 
 # -- torchtitan's [bagualu] section (.venv-torchtitan) --------------------------------------
 TORCHTITAN_PARSE = r"""

@@ -2,7 +2,9 @@
 byte sizes as users write them. Immutable values; safe from any thread."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -77,6 +79,39 @@ def check_governor_address(address: str, what: str = "governor") -> str:
     if address.startswith("unix:") and not address[len("unix:"):].lstrip("/"):
         raise ValueError(f"{what}: {address!r} names no socket path (unix:///PATH)")
     return address
+
+
+JOB_ID_MAX_BYTES = 256  # the daemon's limit on RegisterRequest.job_id (governor/common)
+
+
+def check_job_id(job_id: str, what: str = "job_id") -> str:
+    """Returns ``job_id`` or raises ValueError naming ``what``: the daemon takes printable ASCII
+    of at most 256 bytes (ValidateRegisterRequest) and would refuse any other at registration,
+    after which the process would plan in-process."""
+    if not isinstance(job_id, str):
+        raise ValueError(f"{what}: {job_id!r} is not a string")
+    if len(job_id.encode()) > JOB_ID_MAX_BYTES:
+        raise ValueError(f"{what}: {len(job_id.encode())} bytes, over the daemon's limit of "
+                         f"{JOB_ID_MAX_BYTES}")
+    if any(not (0x20 <= ord(c) <= 0x7e) for c in job_id):
+        raise ValueError(f"{what}: {job_id!r} must be printable ASCII")
+    return job_id
+
+
+def cache_dir() -> Path:
+    """Where the package keeps what it measures or generates (calibrations, the governor's
+    generated stubs): ``$BGL_CACHE_DIR`` (unset or empty: ``~/.cache/bagualu``; relative:
+    against the working directory when first asked). ValueError naming the variable when it
+    names something that is not a directory."""
+    value = os.environ.get("BGL_CACHE_DIR", "")
+    if not value:
+        return Path.home() / ".cache" / "bagualu"
+    if any(not c.isprintable() for c in value):
+        raise ValueError(f"BGL_CACHE_DIR: {value!r} has control characters")
+    path = Path(value).absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"BGL_CACHE_DIR: '{value}' exists and is not a directory")
+    return path
 
 
 COMPILED_OPERATORS = ("operators", "block")  # how compiled blocks are planned

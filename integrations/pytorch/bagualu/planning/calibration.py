@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import settings
 from ..errors import BagualuError
 from ..native import planner as native_planner
 
@@ -95,8 +96,6 @@ def load_file(path: str) -> Dict[str, Any]:
     return doc
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("BGL_CACHE_DIR", Path.home() / ".cache" / "bagualu"))
 
 
 # Bumped when what a measurement measures changes (2: the host backend's copies became streaming
@@ -139,7 +138,7 @@ def for_machine(device: torch.device, enforcer: Callable[[], Any], capacity: int
             if from_env:  # name the variable: the user may not know it is set
                 raise CalibrationError(f"{ENV}: {e}") from None
             raise
-    cached = cache_dir() / f"calibration-{machine_key(device)}.json"
+    cached = settings.cache_dir() / f"calibration-{machine_key(device)}.json"
     if cached.is_file():
         try:
             return load_file(str(cached))

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .. import settings
 from . import calibration
 
 # What each profile stands for: the GPU whose compute rate is the reference (a built-in planner
@@ -97,7 +98,7 @@ def _measured_here() -> Dict[str, Any]:
     installing bagualu once, about a second) when there is none."""
     import torch
     device = torch.device("cpu")
-    cached = calibration.cache_dir() / f"calibration-{calibration.machine_key(device)}.json"
+    cached = settings.cache_dir() / f"calibration-{calibration.machine_key(device)}.json"
     if not cached.is_file():
         from .. import api
         api.install(capacity="256MiB", governor="none", log_iterations=False)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import embedded as plannermod
 from ..errors import PlannerError
-from ..settings import show_size
+from ..settings import check_job_id, show_size
 from .remote import RemoteGovernor, error_kind
 
 log = logging.getLogger("bagualu")
@@ -63,7 +63,11 @@ class Governor:
         self.address = address if address is not None else os.environ.get(
             "BGL_GOVERNOR", DEFAULT_ADDRESS)
         self.deadline_s = deadline_s
-        self.job_id = job_id or os.environ.get("BGL_JOB_ID", f"pid-{os.getpid()}")
+        if job_id:
+            self.job_id = check_job_id(job_id)
+        else:  # the variable's errors name it: the user may not know it is set
+            self.job_id = check_job_id(os.environ.get("BGL_JOB_ID") or f"pid-{os.getpid()}",
+                                       "BGL_JOB_ID")
         self.gpu_index = gpu_index
         self.embedded: Optional[plannermod.EmbeddedPlanner] = None
         self.remote: Any = None

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from .. import settings
 from ..native import libs
 
 
@@ -50,7 +51,7 @@ def load_stubs() -> Tuple[Any, Any]:
     src = proto_path()
     text = src.read_bytes()
     digest = hashlib.sha256(text).hexdigest()[:16]
-    base = Path(os.environ.get("BGL_CACHE_DIR", Path.home() / ".cache" / "bagualu"))
+    base = settings.cache_dir()
     out = base / f"proto-{digest}"
     if not (out / "bgl_governor_pb2_grpc.py").exists():
         from grpc_tools import protoc  # grpcio-tools
@@ -155,7 +156,7 @@ class RemoteGovernor:
             "overhead_s": p.overhead_s, "serial_s": p.serial_s, "overlapped_s": p.overlapped_s,
             "fallback_full_recompute": p.fallback_full_recompute, "deferred": p.deferred,
             "cache_hit": p.cache_hit, "first_answer": p.first_answer, "refined": p.refined,
-            "warm": p.warm,
+            "warm": p.warm, "nearest": p.nearest,
             "operators": [{"name": self.operator_names[i] if i < len(self.operator_names)
                            else str(i), "strategy": enum_name(pb.Strategy, s, "keep")}
                           for i, s in enumerate(p.strategies)],
