@@ -579,3 +579,80 @@ def test_a_users_joint_graph_passes_still_run() -> None:
     assert r["stats"]["tracker"]["offloads"] > 0, r["stats"]["tracker"]
     assert r["losses"] == plain["losses"]
     assert_grads(plain["grads"], r["grads"], parameters(), what="a user's joint passes")
+
+
+def _emulated_link(tmp_path: Any) -> str:
+    """A calibration emulating an H200's PCIe link on the host backend (copies ~60x slower
+    than compute would have them here), so that the planner recomputes where copies cost."""
+    import subprocess
+    import sys
+    path = tmp_path / "h200.json"
+    subprocess.run([sys.executable, "-m", "bagualu.planning.emulation", "--profile",
+                    "h200-pcie5", "--threads", "1", "-o", str(path)], check=True,
+                   capture_output=True)
+    return str(path)
+
+
+@per_operator
+def test_operators_recomputed_inside_compiled_blocks(tmp_path: Any) -> None:
+    """Issue 41 item 2: recompute per operator inside compiled blocks through a bounded set of
+    compiled variants (install(compiled_recompute="auto"): the experts' operators, one group,
+    two variants), picked per micro-batch from the plan. At half of keep-all's peak under an
+    emulated H200 link (copies dear: the planner recomputes the experts): the experts of a
+    compiled block recomputed while its other operators offload or keep in the same
+    micro-batch (counted per operator); no graph break; from a fresh dynamo at most one graph
+    per variant, and a second run compiles nothing (no recompile per micro-batch); gradients
+    and losses plain compiled's bit for bit (the variant's partition recomputes the same
+    values); the planner's bytes near what the compiled graphs kept (the recompute variant's
+    partition saves the experts' inputs, which the planner counts as freed: measured 0.1-3.3%
+    under; docs/pytorch.md)."""
+    require_libs()
+    link = _emulated_link(tmp_path)
+    count = parameters()
+    plain = run(None, fresh=True)
+    full = run("keep-all", fresh=False, capacity="64MiB", forced={})
+    cap = max(line["peak_bytes"] for line in full["lines"]) // 2
+    kw = dict(capacity=cap, allow_fp8=False, compiled_recompute="auto", calibration=link)
+    r = run("bagualu", fresh=True, **kw)
+    assert r["oom"] is None, r["oom"]
+    graphs, breaks = r["dynamo"]
+    rc = r["stats"]["compiled"]["recompute"]
+    used = [v for v, c in rc["calls"].items() if c]
+    assert breaks == 0 and 1 <= graphs <= len(used) <= rc["variant_limit"], (r["dynamo"], rc)
+    assert rc["groups"] == [["mlp.experts", "mlp.experts.act_fn"]], rc
+    assert rc["operators_recomputed"] > 0 and rc["mixed_blocks"] > 0, rc
+    assert rc["leftover"] == 0, rc  # nothing of a recomputed operator was stashed
+    assert r["stats"]["tracker"]["offloads"] > 0, r["stats"]["tracker"]
+    ops = {o["name"]: o["recompute_allowed"]
+           for o in r["model_doc"]["layer_graph"]["operators"]}
+    assert ops.pop("mlp.experts") and not any(ops.values()), ops
+    assert r["losses"] == plain["losses"]
+    assert_grads(plain["grads"], r["grads"], count, what="recompute per operator")
+    for p in (p for line in r["lines"] for p in line["points"]
+              if p.get("predicted_bytes") and p.get("actual_bytes")):
+        assert p["predicted_bytes"] <= p["actual_bytes"] <= 1.05 * p["predicted_bytes"], p
+    again = run("bagualu", fresh=False, **kw)
+    assert again["dynamo"] == (0, 0), again["dynamo"]  # every variant hit its cache entry
+    assert again["stats"]["compiled"]["recompute"]["operators_recomputed"] > 0
+    assert_grads(plain["grads"], again["grads"], count, what="recompute per operator, again")
+
+
+@per_operator
+def test_too_many_recompute_variants_are_refused(monkeypatch) -> None:
+    """More compiled variants than half of dynamo's recompile limit (past it dynamo would run
+    the block uncompiled) is an InstrumentError naming the groups, the bound and what to do;
+    so are an unknown operator and the block's own code; a bad value is refused at install."""
+    require_libs()
+    groups = [["mlp.experts"], ["self_attn.q_proj"], ["self_attn.k_proj"]]
+    for bad, words in ((groups, "8 compiled variants"), ([["mlp.nope"]], "'mlp.nope'"),
+                       ([["block"]], "the block's own code")):
+        with pytest.raises(bagualu.InstrumentError, match=words):
+            run("bagualu", fresh=False, capacity="64MiB", compiled_recompute=bad,
+                iterations=1)
+        bagualu.uninstall()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 16)  # raised: 8 fit
+    r = run("bagualu", fresh=False, capacity="64MiB", compiled_recompute=groups,
+            iterations=1)
+    assert r["oom"] is None and r["stats"]["compiled"]["recompute"]["variant_limit"] == 8
+    with pytest.raises(bagualu.PolicyError, match="compiled_recompute"):
+        bagualu.install(capacity="64MiB", compiled_recompute="experts")

@@ -48,9 +48,10 @@ def describe_capture(rt: Any, unit: int) -> None:
     layer_ms = getattr(op_calls, "layer_ms", 0.0)
     if layer_ms > 0 and not per_op:  # the copy windows: nested operators counted once
         lg["forward_ms"] = round(layer_ms, 4)
-    if per_op:  # a compiled graph's operators cannot be rerun alone
+    if per_op:  # a compiled graph's operators are rerun only by a variant's recompute set
+        may = rt.auto.stashes.recomputable
         for o in lg["operators"]:
-            o["recompute_allowed"] = False
+            o["recompute_allowed"] = o["name"] in may
     outside = sum(r.nbytes for r in recs if r.consumers and not r.in_layers())
     rt.planning.register(lg, names, outside, rt.model_info)
     if rt.hidden.found and not rt.hidden.reported:

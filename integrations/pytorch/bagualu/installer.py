@@ -6,7 +6,7 @@ import json
 import os
 
 import logging
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -17,8 +17,8 @@ from .errors import InstallError
 from .native import libs as _lib
 from .planning import calibration as calibrations
 from .planning.governor import Governor
-from .settings import (Settings, check_compiled_operators, check_governor_address,
-                       check_issue_order, check_policy, parse_size)
+from .settings import (Settings, check_compiled_operators, check_compiled_recompute,
+                       check_governor_address, check_issue_order, check_policy, parse_size)
 
 log = logging.getLogger("bagualu")
 
@@ -55,7 +55,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
             issue_order: str = "dual-batch",
             calibration: Optional[str] = None,
             allow_fp8: bool = True,
-            compiled_operators: str = "operators") -> "runtime.Runtime":
+            compiled_operators: str = "operators",
+            compiled_recompute: Any = None) -> "runtime.Runtime":
     """Installs bagualu in this process and returns its runtime.
 
     capacity: activation memory of the (simulated) device, bytes or '256MiB'. On CPU the host
@@ -87,10 +88,17 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
       placed by its own operator's plan (keep, offload, FP8; none recomputed alone); 'block':
       each compiled block is one operator (all of its tensors offloaded, cast or recomputed
       together: the whole block reruns). Older torch always plans them as blocks.
+    compiled_recompute: per operator, the operators of a compiled block that may be
+      recomputed (docs/pytorch.md, "Compiled blocks"): None (default: none recomputed alone),
+      'auto' (the experts, and the attention's operators), or a list of groups, each a list of
+      operator names (bagualu.operators(model)). Each union of groups is one compiled variant
+      of the blocks, picked per micro-batch from the plan; at most recompile_limit // 2
+      variants (dynamo's recompile limit, 8: two groups).
     """
     check_policy(policy)
     check_issue_order(issue_order)
     check_compiled_operators(compiled_operators)
+    compiled_recompute = check_compiled_recompute(compiled_recompute)
     if governor is not None:
         check_governor_address(governor, "governor")
     else:
@@ -145,6 +153,7 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
         pinned_capacity=pinned, chunks=chunks, gc_freeze=gc_freeze,
         issue_order=issue_order, sync_copies=pool is not None and not calibrations.overlaps(cal),
         allow_fp8=bool(allow_fp8), compiled_operators=compiled_operators,
+        compiled_recompute=compiled_recompute,
         emulated_link=json.dumps(cal) if cal and "emulated_link" in cal else None)
     rt = runtime.Runtime(settings, gov, pool)
     _active.runtime = rt

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -125,6 +125,34 @@ def check_compiled_operators(how: str) -> str:
     return how
 
 
+RecomputeGroups = Tuple[Tuple[str, ...], ...]
+
+
+def check_compiled_recompute(groups: Any) -> Optional[Union[str, RecomputeGroups]]:
+    """Returns ``install(compiled_recompute=)`` normalized (None, "auto", or a tuple of groups,
+    each a tuple of operator names) or raises PolicyError naming what is wrong (the names are
+    checked against the model's operators at instrument: capture/compiled.py)."""
+    if groups is None or groups == "auto":
+        return groups
+    if isinstance(groups, str) or not isinstance(groups, (list, tuple)):
+        raise PolicyError(f"compiled_recompute: {groups!r} is neither None, 'auto' nor a list of "
+                          "recompute groups (each a list of operator names, as "
+                          "bagualu.operators(model) names them)")
+    out = []
+    for g in groups:
+        if isinstance(g, str):
+            g = (g,)
+        if not isinstance(g, (list, tuple)) or not g or \
+                not all(isinstance(n, str) and n for n in g):
+            raise PolicyError(f"compiled_recompute: group {g!r} is not a non-empty list of "
+                              "operator names")
+        out.append(tuple(g))
+    if not out:
+        raise PolicyError("compiled_recompute: an empty list of groups (None: no operator "
+                          "inside a compiled block is recomputed alone)")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What ``bagualu.install`` was asked for (validated there); immutable."""
@@ -154,6 +182,8 @@ class Settings:
     # Compiled blocks: "operators" (their saved tensors placed per operator, torch 2.15) or
     # "block" (one operator each); capture/compiled.py.
     compiled_operators: str = "operators"
+    # Recompute groups inside compiled blocks (capture/compiled.py's variants): None, "auto".
+    compiled_recompute: Optional[Union[str, RecomputeGroups]] = None
 
     def __post_init__(self) -> None:
         check_policy(self.policy)

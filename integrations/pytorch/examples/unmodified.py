@@ -235,7 +235,9 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           spike_on_rank: bool = False,
           compiled_operators: str = "operators", selective: bool = False,
           measure_saved: bool = False,
-          seqs: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+          seqs: Optional[Sequence[int]] = None,
+          compiled_recompute: Any = None,
+          calibration: Optional[str] = None) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
@@ -254,7 +256,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     recomputed). ``measure_saved`` (plain PyTorch): ``saved_peak``, the most bytes of saved
     activations (storages, parameters left out) held at once over the schedule. ``seqs``:
     the micro-batches' sequence length in each iteration (a shape change between iterations:
-    dynamic shapes), in place of ``seq``."""
+    dynamic shapes), in place of ``seq``. ``compiled_recompute`` and ``calibration``: bagualu's
+    install options."""
     import bagualu
     one_f_one_b = bagualu.schedule.one_f_one_b
     cuda = device.startswith("cuda")
@@ -262,7 +265,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
         bagualu.install(capacity=capacity, policy=policy, governor=governor, device=device,
                         pipeline_stages=stages, micro_batches=micro_batches,
                         log_iterations=False, issue_order=issue_order, allow_fp8=allow_fp8,
-                        compiled_operators=compiled_operators)
+                        compiled_operators=compiled_operators,
+                        compiled_recompute=compiled_recompute, calibration=calibration)
     model = build(name, seed, layers=layers, ep_size=4 if ep else 1, width=width).to(device)
     ep_kwargs = instrument_kwargs(name) if ep else {}
     tokens = None
@@ -340,6 +344,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
         out["description"] = bagualu.stage_graph()
         # what the planner was given (bgl-sim --model reads it) and the capacity it planned
         out["model_doc"] = bagualu.model_document()
+        out["served_plans"] = bagualu.served_plans()  # what bgl-sim --plans replays
         out["plan_capacity"] = out["stats"]["planning"]["capacity_bytes"]
         # (load, predicted, captured) of every forward nothing was mitigated in
         out["accuracy"] = out["stats"].get("memory_model", {}).get("points", [])

@@ -41,7 +41,7 @@ refused in both forms (``refuse_cuda_graphs``). Not thread-safe: the training th
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, FrozenSet, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -56,6 +56,7 @@ log = logging.getLogger("bagualu")
 IN_PLACE = "in place"    # block.compile()
 WRAPPED = "wrapped"      # torch.compile(block) registered in the block list
 Hook = Callable[..., Any]
+Variant = Callable[[], FrozenSet[str]]  # a layer's recompute set for the call starting now
 
 
 def eager_only(hook: Hook) -> Hook:
@@ -72,23 +73,26 @@ class _Entry:
     """A block's ``_compiled_call_impl`` with bagualu's enter and leave around it (and, per
     operator, the compiled call inside a stash frame)."""
 
-    __slots__ = ("block", "compiled", "pre", "post", "on_stash", "dynamic")
+    __slots__ = ("block", "compiled", "pre", "post", "on_stash", "dynamic", "variant")
 
     def __init__(self, block: nn.Module, compiled: Callable[..., Any], pre: Hook,
-                 post: Hook, on_stash: Optional[stash.OnStash], dynamic: bool = False) -> None:
+                 post: Hook, on_stash: Optional[stash.OnStash], dynamic: bool = False,
+                 variant: Optional[Variant] = None) -> None:
         self.block = block
         self.compiled = compiled
         self.pre = pre
         self.post = post
         self.on_stash = on_stash
         self.dynamic = dynamic
+        self.variant = variant
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.pre(self.block, args, kwargs)
         if self.on_stash is None:
             out = self.compiled(*args, **kwargs)
         else:
-            with stash.Frame(self.on_stash, self.dynamic):
+            v = self.variant() if self.variant is not None else frozenset()
+            with stash.Frame(self.on_stash, self.dynamic, v):
                 out = self.compiled(*args, **kwargs)
         self.post(self.block, args, out)
         return out
@@ -98,13 +102,16 @@ class _WrappedFrames:
     """The stash frames of a block wrapped by ``torch.compile`` (forward hooks on the wrapper:
     entered after bagualu's enter, left before its leave, also when the call raises)."""
 
-    def __init__(self, on_stash: stash.OnStash, dynamic: bool = False) -> None:
+    def __init__(self, on_stash: stash.OnStash, dynamic: bool = False,
+                 variant: Optional[Variant] = None) -> None:
         self.on_stash = on_stash
         self.dynamic = dynamic
+        self.variant = variant
         self.open: List[stash.Frame] = []
 
     def enter(self, m: nn.Module, args: Any, kwargs: Any) -> None:
-        f = stash.Frame(self.on_stash, self.dynamic)
+        f = stash.Frame(self.on_stash, self.dynamic,
+                        self.variant() if self.variant is not None else frozenset())
         f.__enter__()
         self.open.append(f)
 
@@ -186,7 +193,8 @@ class CompiledBlocks:
     def __init__(self, model: nn.Module, found: Discovery,
                  hooks: Callable[[int], Tuple[Hook, Hook]],
                  drop_inner: Callable[[], None], simulated_ep: bool,
-                 on_stash: Optional[Callable[[int], stash.OnStash]] = None) -> None:
+                 on_stash: Optional[Callable[[int], stash.OnStash]] = None,
+                 variant: Optional[Callable[[int], Variant]] = None) -> None:
         self.model = model
         self.found = found
         self.hooks = hooks
@@ -195,6 +203,8 @@ class CompiledBlocks:
         # Per operator when given (the layer's on_stash) and torch can (capture/stash.py).
         self.on_stash = on_stash if on_stash is not None and stash.supported() else None
         self.unsupported = on_stash is not None and self.on_stash is None
+        # Per operator with recompute groups: each layer's variant, picked per call.
+        self.variant = variant
         self.form: Optional[str] = None            # of every planned block (None: eager)
         self.seen: Optional[List[Optional[str]]] = None  # the forms the capture planned
         self.handles: List[Any] = []
@@ -307,7 +317,7 @@ class CompiledBlocks:
                 wrapper = self.found.entry(bi)
                 self.handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
                 if on_stash is not None:
-                    frames = _WrappedFrames(on_stash, self.simulated_ep)
+                    frames = _WrappedFrames(on_stash, self.simulated_ep, self._variant(li))
                     self.handles.append(wrapper.register_forward_pre_hook(frames.enter,
                                                                           with_kwargs=True))
                     self.handles.append(wrapper.register_forward_hook(frames.leave,
@@ -317,7 +327,7 @@ class CompiledBlocks:
                 block = self.found.blocks[bi]
                 compiled = block.__dict__["_compiled_call_impl"]
                 block._compiled_call_impl = _Entry(block, compiled, pre, post, on_stash,
-                                                   self.simulated_ep)
+                                                   self.simulated_ep, self._variant(li))
                 self.entries.append((block, compiled))
         if self.per_op:
             log.info("bagualu: the %d planned blocks of %s are compiled (%s): their saved "
@@ -335,6 +345,12 @@ class CompiledBlocks:
                      len(forms), self.found.layers_path, form)
         return True
 
+    def _variant(self, layer: int) -> Optional[Variant]:
+        """Layer ``layer``'s variant picker (None: no recompute groups)."""
+        if self.variant is None or self.on_stash is None:
+            return None
+        return self.variant(layer)
+
     def _rewrap(self) -> None:
         """A block compiled in place again (block.compile() once more) gets its entry back."""
         for i, bi in enumerate(self.found.planned):
@@ -344,7 +360,7 @@ class CompiledBlocks:
                 pre, post = self.hooks(i)
                 on_stash = self.on_stash(i) if self.on_stash is not None else None
                 block._compiled_call_impl = _Entry(block, impl, pre, post, on_stash,
-                                                   self.simulated_ep)
+                                                   self.simulated_ep, self._variant(i))
                 self.entries[i] = (block, impl)
 
     def _check_above(self) -> None:

@@ -145,6 +145,9 @@ class AutoLayers:
         # Compiled blocks planned per operator: what each stash notes (the routers' load, the
         # producers, the counts of stats()["compiled"]).
         self.stashes = StashNotes(rt, found, self.calls, dispatch)
+        groups = getattr(getattr(rt, "settings", None), "compiled_recompute", None)
+        if compiled_per_op and groups is not None:
+            self.stashes.set_groups(groups)  # InstrumentError naming bad groups
         # Whether a router's load can differ from 1 (set at install): some experts are other
         # ranks' (simulated or given local_experts) or an expert dispatch measures it. Where
         # it cannot, no deferred plan can follow a router, and the operators containing one
@@ -152,7 +155,9 @@ class AutoLayers:
         self.load_varies = False
         self.compiled = CompiledBlocks(model, found, self._block_hooks, self._drop_inner,
                                        ep.simulate,
-                                       self.stashes.on_stash if compiled_per_op else None)
+                                       self.stashes.on_stash if compiled_per_op else None,
+                                       self.stashes.variant_of if self.stashes.groups
+                                       else None)
         try:
             self.compiled.refuse_cuda_graphs()  # blocks compiled before instrument
             self._install(model)

@@ -37,7 +37,7 @@ import contextlib
 import itertools
 import re
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -319,6 +319,71 @@ def _graph_module(fn: Callable[[Any], Any]) -> fx.GraphModule:
 PACK = _graph_module(_pack)
 UNPACK = _graph_module(_unpack)
 
+# -- recompute variants (issue 41 item 2) --------------------------------------------------
+# A variant is a recompute set: the operators of a compiled block that its graphs recompute in
+# the backward instead of saving. Each has its own pair of hook graph modules (the same
+# functions): dynamo guards on the identity of the saved-tensor hooks in effect, so each
+# variant's call of a block's code is its own cache entry, compiled once and hit from then on
+# (no recompile per micro-batch). While a variant compiles, a joint-graph pass
+# (``_tag_recompute``, chained before a user's ``joint_custom_pass``) tags the forward nodes of
+# its operators MUST_RECOMPUTE: the partitioner saves their inputs instead and reruns them in
+# the backward. The pairs live as long as the process, keyed by the set's operator names (a
+# graph compiled for a set bakes it in).
+_pairs: Dict[FrozenSet[str], Tuple[fx.GraphModule, fx.GraphModule]] = {
+    frozenset(): (PACK, UNPACK)}
+
+
+def hooks_of(variant: FrozenSet[str]) -> Tuple[fx.GraphModule, fx.GraphModule]:
+    """The (pack, unpack) graph modules of recompute set ``variant``."""
+    pair = _pairs.get(variant)
+    if pair is None:
+        pair = _pairs[variant] = (_graph_module(_pack), _graph_module(_unpack))
+    return pair
+
+
+def variant_limit() -> int:
+    """The most compiled variants a block may have: half of dynamo's recompile limit per code
+    object (each variant is one cache entry of the block's code, and each may recompile once
+    more for automatic dynamic shapes)."""
+    return max(1, int(torch._dynamo.config.recompile_limit) // 2)
+
+
+def _forward_nodes(gm: fx.GraphModule) -> List[fx.Node]:
+    """The joint graph's forward nodes: calls that depend on no tangent."""
+    backward: Set[fx.Node] = set()
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("tangents"):
+            backward.add(n)
+        elif any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+        elif n.op == "call_function":
+            out.append(n)
+    return out
+
+
+class _JointPass:
+    """torch._functorch.config.joint_custom_pass while a variant compiles: tags its operators'
+    forward nodes MUST_RECOMPUTE, then runs the user's pass (``then``) if any."""
+
+    def __init__(self, variant: FrozenSet[str], then: Optional[Callable[..., Any]]) -> None:
+        self.variant = variant
+        self.then = then
+
+    def __call__(self, gm: fx.GraphModule, inputs: Any) -> fx.GraphModule:
+        from torch.utils.checkpoint import CheckpointPolicy
+        tagged = 0
+        for n in _forward_nodes(gm):
+            if op_name(_op_of(n)) in self.variant:
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                n.meta["ac_graph_id"] = 1
+                tagged += 1
+        _tagged.append((self.variant, tagged))
+        return self.then(gm, inputs) if self.then is not None else gm
+
+
+_tagged: List[Tuple[FrozenSet[str], int]] = []  # (variant, nodes tagged) per compile (tests)
+
 OnStash = Callable[..., None]  # (tensor, operator name or None[, received: bool])
 
 
@@ -329,10 +394,13 @@ class Frame:
     (``on_stash(t, name, True)`` for the tensor whose rows a real EP dispatch received). Not
     thread-safe: the training thread."""
 
-    __slots__ = ("on_stash", "outer", "mode", "dynamic")
+    __slots__ = ("on_stash", "outer", "mode", "dynamic", "variant")
 
-    def __init__(self, on_stash: Optional[OnStash], dynamic: bool = False) -> None:
+    def __init__(self, on_stash: Optional[OnStash], dynamic: bool = False,
+                 variant: FrozenSet[str] = frozenset()) -> None:
         self.on_stash = on_stash
+        # The recompute set of this call (its compiled variant; empty: plain compile's).
+        self.variant = variant
         # Simulated expert parallelism: the local experts' tokens are data-dependent sizes
         # (nonzero), which dynamo captures only with capture_dynamic_output_shape_ops.
         self.dynamic = dynamic
@@ -362,7 +430,12 @@ class Frame:
             if self.dynamic:
                 stack.enter_context(torch._dynamo.config.patch(
                     capture_dynamic_output_shape_ops=True))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(PACK, UNPACK))
+            if self.variant:
+                stack.enter_context(torch._functorch.config.patch(
+                    joint_custom_pass=_JointPass(self.variant,
+                                                 torch._functorch.config.joint_custom_pass)))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                *hooks_of(self.variant)))
         except BaseException:
             stack.close()
             raise

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import types
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,8 @@ from .calls import OperatorCalls
 from .host import Host
 
 log = logging.getLogger("bagualu")
+
+EXPERT_KINDS = frozenset({"expert_linear", "expert_activation"})
 
 
 class StashNotes:
@@ -59,6 +61,94 @@ class StashNotes:
         # whose operators were placed differently), and the number of tensors stashed.
         self.placements: Dict[Tuple[int, int], Set[str]] = {}
         self.stashed = 0
+        # Recompute groups (install(compiled_recompute=)): each union of groups is a compiled
+        # variant of the blocks (capture/stash.py); the variant of each block call is picked
+        # from the micro-batch's plan before the call starts (``variant_of``).
+        self.groups: List[FrozenSet[str]] = []
+        self.recomputable: FrozenSet[str] = frozenset()
+        self.variant_calls: Dict[FrozenSet[str], int] = {}
+        self.recomputed: Dict[Tuple[int, int], FrozenSet[str]] = {}  # (mb, layer) -> set
+        self.widened = 0   # calls whose variant recomputes more than the plan's operators
+        self.leftover = 0  # tensors a variant's operators still saved (placed as the block)
+        self.ops_recomputed = 0  # operators recomputed by the variants, over block calls
+
+    def set_groups(self, groups: Any) -> None:
+        """install(compiled_recompute=): None, "auto" (the experts' operators, and those of
+        the attention's module) or groups of operator names. InstrumentError naming what is
+        wrong: an unknown operator, the block's own code, an operator in two groups, more
+        variants (every union of groups, 2^groups) than ``stash.variant_limit()``."""
+        from . import stash
+        found = self.found
+        names = [n for n in found.op_names if n != BLOCK_OP]
+        if groups == "auto":
+            experts = tuple(n for n in names if found.kinds[n] in EXPERT_KINDS)
+            tops = {n.split(".")[0] for n in names if found.kinds[n] == "attention"}
+            attention = tuple(n for n in names if n.split(".")[0] in tops and n not in experts)
+            groups = tuple(g for g in (experts,) if g)
+        out: List[FrozenSet[str]] = []
+        for g in groups:
+            bad = [n for n in g if n not in found.op_names]
+            if bad:
+                raise InstrumentError(
+                    f"compiled_recompute: {', '.join(repr(n) for n in bad)} name no operator of "
+                    f"the blocks of {found.layers_path} (known: {', '.join(names)})")
+            if BLOCK_OP in g:
+                raise InstrumentError(
+                    f"compiled_recompute: '{BLOCK_OP}' (the block's own code) cannot be in a "
+                    "recompute group; force 'block': 'recompute' to rerun whole blocks")
+            twice = [n for n in g if any(n in o for o in out)]
+            if twice:
+                raise InstrumentError(f"compiled_recompute: {', '.join(twice)} in two groups")
+            out.append(frozenset(g))
+        variants = 2 ** len(out)
+        limit = stash.variant_limit()
+        if variants > limit:
+            raise InstrumentError(
+                f"compiled_recompute: {len(out)} groups make {variants} compiled variants of "
+                f"each block (every union of groups), over the bound of {limit} (half of "
+                "torch._dynamo.config.recompile_limit, "
+                f"{torch._dynamo.config.recompile_limit}: past it dynamo runs the block "
+                "uncompiled); give fewer groups (join some) or raise the recompile limit")
+        self.groups = out
+        self.recomputable = frozenset().union(*out) if out else frozenset()
+
+    def variant_of(self, layer: int) -> Any:
+        """Layer ``layer``'s variant picker: the recompute set of the block call starting now,
+        the union of the groups any of whose operators the micro-batch's plan recomputes
+        (a group is compiled whole: its other operators are recomputed too, ``widened``);
+        none in the capture and where the whole block reruns."""
+        groups = [(g, [Op(n, self.found.kinds[n], layer) for n in sorted(g)])
+                  for g in self.groups]
+        block = Op(BLOCK_OP, self.found.kinds[BLOCK_OP], layer)
+        none: FrozenSet[str] = frozenset()
+
+        def pick() -> FrozenSet[str]:
+            rt = self.rt
+            if not rt.forwarding or rt.capturing:
+                return none
+            mb = rt.tracker.micro_batch
+            if rt.strategy_of(block, mb) == RECOMPUTE:
+                return none
+            chosen: Set[str] = set()
+            widened = False
+            for g, ops in groups:
+                planned = [o.name for o in ops if rt.strategy_of(o, mb) == RECOMPUTE]
+                if planned:
+                    chosen |= g
+                    # an operator of the group that saved tensors in the capture and that the
+                    # plan did not recompute is recomputed with its group
+                    widened |= any(n not in planned and n in self.calls.order for n in g)
+            v = frozenset(chosen)
+            self.variant_calls[v] = self.variant_calls.get(v, 0) + 1
+            if v:
+                self.widened += widened
+                self.recomputed[(mb, layer)] = v
+                self.ops_recomputed += len(v)
+                self.placements.setdefault((mb, layer), set()).add(RECOMPUTE)
+            else:
+                self.recomputed.pop((mb, layer), None)
+            return v
+        return pick
 
     def begin_forward(self) -> None:
         """A forward starts: no router load read yet."""
@@ -92,6 +182,9 @@ class StashNotes:
                 return
             mb = tr.micro_batch
             strategy = rt.strategy_of(op, mb)
+            if strategy == RECOMPUTE and name in self.recomputed.get((mb, layer), ()):
+                self.leftover += 1  # the variant's partition saved it still: as the block
+                return
             if strategy == RECOMPUTE:  # cannot be rerun alone: its block's strategy holds it
                 if name not in self.calls.warned:
                     self.calls.warned.add(name)
@@ -189,7 +282,17 @@ class StashNotes:
                 "downgrades": [{"forward": f, "micro_batch": mb, "layers": layers,
                                 "changed": sorted(self.changed.get((f, mb), ()))}
                                for (f, mb), layers in sorted(self.downgrades.items())],
-                "changed_without_downgrade": self.stray}
+                "changed_without_downgrade": self.stray,
+                "recompute": {
+                    "groups": [sorted(g) for g in self.groups],
+                    "variant_limit": _limit() if self.groups else None,
+                    "calls": {"+".join(sorted(v)) or "none": c
+                              for v, c in sorted(self.variant_calls.items(),
+                                                 key=lambda kv: sorted(kv[0]))},
+                    "operators_recomputed": self.ops_recomputed,
+                    "mixed_blocks": sum(1 for k, v in self.placements.items()
+                                        if RECOMPUTE in v and len(v) > 1),
+                    "widened": self.widened, "leftover": self.leftover}}
 
     def op_times(self, op_ms: Dict[str, float], produced: Dict[str, int]) -> Dict[str, float]:
         """The operators' forward times when the blocks are compiled per operator: the
@@ -202,6 +305,11 @@ class StashNotes:
         for n, w in weight.items():
             out[n] = total * (w / s if s > 0 else 1.0 / len(weight))
         return out
+
+
+def _limit() -> int:
+    from . import stash
+    return stash.variant_limit()
 
 
 def patch_compiled_experts(found: Discovery, ep: Any,
