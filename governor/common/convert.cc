@@ -95,6 +95,7 @@ void PlanToProto(const plan::Plan& p, const plan::StageGraph* graph, pb::Plan* o
   out->set_first_answer(p.first_answer);
   out->set_refined(p.refined);
   out->set_warm(p.warm);
+  out->set_nearest(p.nearest);
   out->set_bandwidth_share(p.bandwidth_share);
 }
 
@@ -146,6 +147,7 @@ plan::Plan PlanFromProto(const pb::Plan& in) {
   p.first_answer = in.first_answer();
   p.refined = in.refined();
   p.warm = in.warm();
+  p.nearest = in.nearest();
   p.bandwidth_share = in.bandwidth_share() > 0 ? in.bandwidth_share() : 1.0;
   return p;
 }

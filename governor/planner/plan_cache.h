@@ -107,6 +107,14 @@ class LruCache {
     return order_.front().second;
   }
 
+  // Visits each entry whose key is in [lo, hi), in key order, without counting or reordering.
+  template <typename F>
+  void ForEachIn(const Key& lo, const Key& hi, F&& visit) const {
+    for (auto it = index_.lower_bound(lo); it != index_.end() && it->first < hi; ++it) {
+      visit(it->first, it->second->second);
+    }
+  }
+
   void Clear() {
     order_.clear();
     index_.clear();

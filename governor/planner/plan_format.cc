@@ -39,6 +39,10 @@ std::string FormatPlanTable(const Plan& plan, const StagePlanner& planner) {
   if (plan.first_answer) out << "first answer: the full search refines it in the background\n";
   if (plan.refined) out << "refined: the background full search's plan\n";
   if (plan.warm) out << "warm: the warm-up's full search planned this key before it was met\n";
+  if (plan.nearest) {
+    out << "nearest: a cold key served a neighbouring key's full-search plan that fits; its own "
+           "full search refines it in the background\n";
+  }
   out << "exposed overhead " << FormatSeconds(plan.overhead_s) << "; point serial "
       << FormatSeconds(plan.serial_s) << ", dual-batch overlapped "
       << FormatSeconds(plan.overlapped_s) << (plan.cache_hit ? " (cache hit)" : "") << "\n\n";
@@ -97,6 +101,7 @@ nlohmann::json PlanToJson(const Plan& plan, const StageGraph& g) {
   j["first_answer"] = plan.first_answer;
   j["refined"] = plan.refined;
   j["warm"] = plan.warm;
+  j["nearest"] = plan.nearest;
   auto& ops = j["operators"] = nlohmann::json::array();
   for (size_t o = 0; o < plan.strategies.size() && o < g.ops.size(); ++o) {
     ops.push_back({{"name", g.ops[o].name},

@@ -2,10 +2,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "base/units.h"
 
 namespace bgl::plan {
+
+namespace {
+// The nearest plan (Plan::nearest): the budget buckets on each side of a cold key whose cached
+// plans it may be served, and how many distinct plans are costed at its load.
+constexpr int64_t kNearestBudgets = 2;
+constexpr size_t kNearestPlans = 8;
+
+}  // namespace
 
 Result<std::unique_ptr<StagePlanner>> StagePlanner::Create(const ModelConfig& config,
                                                            const HardwareProfile& hw,
@@ -159,6 +168,7 @@ PlannerCacheStats StagePlanner::cache_stats() const {
   stats.warm_submitted = warm_submitted_.size();
   stats.warm_done = warm_done_;
   stats.warm_hits = warm_hits_;
+  stats.warm_nearest = warm_nearest_;
   stats.warm_rounds = warm_rounds_;
   stats.warm_complete = warm_complete_;
   stats.warm_cpu_s = warm_cpu_s_;
@@ -204,6 +214,8 @@ void StagePlanner::WarmObserved() {
       MitigationKey key = met;
       key.load_bucket = bucket;
       warm_found_.insert(key);
+      const CachedAssignment* cached = mitigation_cache_.Peek(key);
+      if (cached != nullptr && !cached->first_answer) continue;  // a miss's full search stands
       if (!ClaimWarm(key)) continue;
       RefineJob job = JobFor(key);
       job.warm = true;
@@ -237,6 +249,7 @@ void StagePlanner::ApplyDone(std::vector<RefineDone> finished) {
       ++improved_;
     }
     entry->first_answer = false;
+    entry->nearest = false;
     entry->refined = true;
     ++refined_;
   }
@@ -264,6 +277,7 @@ void StagePlanner::LandWarm(RefineDone& done) {
     if (ExposedAt(id, done.key.share_bucket) > ExposedAt(entry->id, done.key.share_bucket)) return;
     entry->id = id;
     entry->first_answer = false;
+    entry->nearest = false;
     entry->refined = true;
     if (!entry->warm) ++warm_live_;
     entry->warm = true;
@@ -435,16 +449,75 @@ const StagePlanner::CachedAssignment& StagePlanner::AssignmentFor(const Mitigati
   auto selected = SelectMitigation(EvaluatorFor(key.share_bucket), job.r, job.budget, first);
   CachedAssignment entry;
   entry.first_answer = selected.ok() && selected->first_answer;
-  if (entry.first_answer && refiner_ && options_.refine_first_answers) {
-    job.first_answer = selected->assignment;
-    job.first_exposed_s = selected->cost.exposed_s;
-    refiner_->Submit(std::move(job));
-    ++first_answers_;
-  }
   entry.id = selected.ok()
                  ? Intern(std::move(selected->assignment), job.r, selected->fallback_full_recompute)
                  : Intern(FullRecompute(*eval_), job.r, true);
+  double first_exposed_s = selected.ok() ? selected->cost.exposed_s : 0;
+  if (entry.first_answer && warm_refiner_) {
+    // The warm-up's plans (and the refined misses') of the neighbouring keys: the cheapest that
+    // fits serves the key in place of its first answer when it costs no more (issue 43: the
+    // points after a spike meet budget and load buckets the warm-up has not reached yet).
+    double exposed_s = 0;
+    const int nearest = NearestPlan(key, job, first_exposed_s, exposed_s);
+    if (nearest >= 0) {
+      entry.id = nearest;
+      entry.nearest = true;
+      first_exposed_s = exposed_s;
+      ++warm_nearest_;
+    }
+  }
+  if (entry.first_answer && refiner_ && options_.refine_first_answers) {
+    job.first_answer = interned_[entry.id].assignment;
+    job.first_exposed_s = first_exposed_s;
+    refiner_->Submit(std::move(job));
+    ++first_answers_;
+  }
   return mitigation_cache_.Insert(key, entry);
+}
+
+int StagePlanner::NearestPlan(const MitigationKey& key, const RefineJob& job, double bound_s,
+                              double& exposed_s) {
+  // The keys of the same phase and chunk within kNearestBudgets budget buckets, at any load,
+  // host and share bucket: their full-search plans that fit at this key's load (the memory line
+  // of each interned plan), nearest first.
+  MitigationKey lo;
+  lo.valid = key.valid;
+  lo.phase = key.phase;
+  lo.chunk = key.chunk;
+  lo.budget_bucket = key.budget_bucket - kNearestBudgets;
+  lo.load_bucket = std::numeric_limits<int64_t>::min();
+  lo.host_bucket = std::numeric_limits<int64_t>::min();
+  lo.share_bucket = std::numeric_limits<int>::min();
+  MitigationKey hi = lo;
+  hi.budget_bucket = key.budget_bucket + kNearestBudgets + 1;
+  std::vector<std::pair<int64_t, int>> near;  // (distance in buckets, interned id)
+  mitigation_cache_.ForEachIn(lo, hi, [&](const MitigationKey& k, const CachedAssignment& c) {
+    if (c.first_answer) return;  // full searches only (warm, refined or searched on the call)
+    const Interned& a = interned_[c.id];
+    if (a.fallback || a.device_fixed + a.device_per_load * job.r > job.budget ||
+        !job.options.HostFits(a.host_fixed + a.host_per_load * job.r)) {
+      return;
+    }
+    near.emplace_back(
+        std::abs(k.budget_bucket - key.budget_bucket) + std::abs(k.load_bucket - key.load_bucket),
+        c.id);
+  });
+  std::sort(near.begin(), near.end());
+  std::set<int> seen;
+  int best = -1;
+  CostEvaluator& eval = EvaluatorFor(key.share_bucket);
+  for (const auto& [distance, id] : near) {
+    if (!seen.insert(id).second) continue;
+    if (seen.size() > kNearestPlans) break;
+    const AssignmentCost cost = eval.Evaluate(interned_[id].assignment, job.r);
+    if (cost.conflict || cost.device_bytes > job.budget || !job.options.HostFits(cost.host_bytes) ||
+        cost.exposed_s > bound_s) {
+      continue;
+    }
+    best = id;
+    bound_s = exposed_s = cost.exposed_s;
+  }
+  return best;
 }
 
 RefineJob StagePlanner::JobFor(const MitigationKey& key) {
@@ -658,7 +731,8 @@ Result<Plan> StagePlanner::PlanPointUnchecked(const SchedulePoint& point,
       }
       const CachedAssignment& cached = AssignmentFor(key, hit_mitigation);
       id = cached.id;
-      plan.first_answer = cached.first_answer;
+      plan.first_answer = cached.first_answer && !cached.nearest;
+      plan.nearest = cached.nearest;
       plan.refined = cached.refined;
       plan.warm = cached.warm;
       if (hit_mitigation && cached.warm) ++warm_hits_;

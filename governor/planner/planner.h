@@ -68,8 +68,9 @@ struct PlannerOptions {
   // (Plan::warm). Rounds re-enumerate with the landed plans' bytes until no new key shows (at most
   // warm_rounds), and again when a point meets a new budget bucket. At most warm_max_keys keys (0:
   // half the cache), so the warm-up never evicts its own plans. With it on, a point's load below
-  // 1 is served the cached full-search plan of load 1 (warm or refined), and a met budget bucket's
-  // neighbours are warmed with it.
+  // 1 is served the cached full-search plan of load 1 (warm or refined), a met budget bucket's
+  // neighbours are warmed with it, and a miss is served the nearest plan where it is not costlier
+  // than the first answer (Plan::nearest).
   bool warm_up = false;
   double warm_spike_bound = 3.0;  // highest load factor warmed, in [1, 64]
   size_t warm_max_keys = 0;       // <= cache_entries / 2
@@ -129,6 +130,11 @@ struct Plan {
   bool first_answer = false;
   bool refined = false;
   bool warm = false;  // the warm-up's plan (PlannerOptions::warm_up), met before its first hit
+  // With the warm-up, a cold key (a miss) served the nearest plan: a cached full-search plan of
+  // a neighbouring key of the same phase and chunk (the warm-up's or a refined miss's) that fits
+  // this key's budget and host limit at its load and costs no more than the key's first answer;
+  // the key's own full search refines it in the background (first_answer is then false).
+  bool nearest = false;
   double bandwidth_share = 1.0;  // the share the plan assumed (rounded down to 1/kShareSteps)
 };
 
@@ -146,6 +152,7 @@ struct PlannerCacheStats {
   uint64_t warm_submitted = 0;   // keys sent to the worker (at most warm_max_keys)
   uint64_t warm_done = 0;        // of those, searched (landed, failed or expired)
   uint64_t warm_hits = 0;        // points served by a warm-up plan
+  uint64_t warm_nearest = 0;     // misses served the nearest plan (Plan::nearest)
   uint64_t warm_rounds = 0;      // enumeration rounds run
   bool warm_complete = false;    // every round ran and every job landed
   double warm_cpu_s = 0;         // the warm-up worker thread's CPU time on its jobs
@@ -254,6 +261,9 @@ class StagePlanner {
     bool refined = false;
     bool warm = false;    // the warm-up's plan
     bool shared = false;  // another planner's warm-up plan (ShareWarmPlans)
+    // The nearest plan (Plan::nearest) in place of the first answer; first_answer stays true
+    // while the key's own refinement is pending.
+    bool nearest = false;
   };
 
   StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOptions options, StageGraph graph,
@@ -278,6 +288,11 @@ class StagePlanner {
   void WarmObserved();
   size_t WarmCap() const;
   const CachedAssignment& AssignmentFor(const MitigationKey& key, bool& hit);
+  // The nearest plan for a cold `key` (Plan::nearest): the interned id of the cheapest cached
+  // full-search plan of the same phase and chunk that fits `job`'s budget and host limit at its
+  // load, costing at most `bound_s` there (`exposed_s` set to its cost); -1: none.
+  int NearestPlan(const MitigationKey& key, const RefineJob& job, double bound_s,
+                  double& exposed_s);
   void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, int share_bucket,
                     bool use_cache, const Deadline& deadline);
   // The evaluator for a share bucket (kShareSteps: eval_), created on first use.
@@ -317,7 +332,7 @@ class StagePlanner {
   std::set<MitigationKey> warm_observed_;         // keys the points met, load bucket 0
   std::set<MitigationKey> warm_found_;            // every key enumerated (before the cap)
   bool warm_observed_new_ = false;                // one added since the last round
-  uint64_t warm_in_flight_ = 0, warm_done_ = 0, warm_hits_ = 0;
+  uint64_t warm_in_flight_ = 0, warm_done_ = 0, warm_hits_ = 0, warm_nearest_ = 0;
   uint64_t warm_live_ = 0, warm_rounds_ = 0;
   double warm_cpu_s_ = 0, refine_cpu_s_ = 0;
   std::shared_ptr<SharedPlans> shared_;  // null: not sharing

@@ -5,6 +5,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -31,7 +32,16 @@ void Refiner::Submit(RefineJob job, bool ahead) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_.load(std::memory_order_relaxed)) return;
-    (job.warm && !ahead ? warm_queue_ : queue_).push_back(std::move(job));
+    if (job.warm && ahead) {
+      // Ahead of the queued warm-up jobs, lowest load bucket first (in submission order within
+      // one): the loads a run meets most, at every budget it met, before the rarer spikes.
+      auto at = std::find_if(queue_.begin(), queue_.end(), [&](const RefineJob& queued) {
+        return queued.warm && queued.key.load_bucket > job.key.load_bucket;
+      });
+      queue_.insert(at, std::move(job));
+    } else {
+      (job.warm ? warm_queue_ : queue_).push_back(std::move(job));
+    }
   }
   work_.notify_one();
 }

@@ -68,7 +68,8 @@ class Refiner {
   Refiner(const Refiner&) = delete;
   Refiner& operator=(const Refiner&) = delete;
 
-  // `ahead`: before the queued warm-up jobs (with the misses' refinements).
+  // `ahead`: before the queued warm-up jobs (with the misses' refinements); a warm-up job sent
+  // ahead goes before those of a higher load bucket sent ahead earlier.
   void Submit(RefineJob job, bool ahead = false);
   // The jobs finished since the last call, in submission order.
   std::vector<RefineDone> TakeDone();

@@ -18,7 +18,7 @@ namespace {
 
 // The Table II GLM-423B-A30B stage at 8 micro-batches with copies at a twentieth of the paper's
 // bandwidth (as anytime_test.cc) on 48 GB, so plans mitigate at load 1 and differ between keys.
-Result<std::unique_ptr<StagePlanner>> Glm423(PlannerOptions options) {
+Result<std::unique_ptr<StagePlanner>> Glm423(PlannerOptions options, bool anytime = false) {
   auto doc = LoadJsonOrYaml(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json", "model");
   EXPECT_TRUE(doc.ok());
   (*doc)["micro_batches"] = 8;
@@ -29,7 +29,9 @@ Result<std::unique_ptr<StagePlanner>> Glm423(PlannerOptions options) {
   hw.reload.peak_bytes_per_s /= 20;
   // 48 GB: about half the forwards at load 1 mitigate, and every spiked one.
   options.capacity_bytes = int64_t{48} * 1000 * 1000 * 1000;
-  options.anytime_min_ops = 0;  // a miss runs the full search on the call: same plans as warm
+  // 0: a miss runs the full search on the call (same plans as warm); anytime, a miss gets the
+  // first answer (every chunk) and its refinement, as the package's embedded planner does.
+  options.anytime_min_ops = anytime ? 1 : 0;
   return StagePlanner::Create(*config, hw, options);
 }
 
@@ -228,6 +230,71 @@ TEST(Warmup, ALoadBelowOneIsServedTheWarmPlanOfLoadOne) {
     EXPECT_TRUE(plan->warm) << "load " << below;
     EXPECT_LE(plan->predicted_bytes, plan->budget_bytes);
     p.ResetIteration();
+  }
+}
+
+// A cold key (a load the warm-up does not plan, as after a spike) is served the nearest plan, a
+// neighbouring key's full search, where it fits and costs no more than the key's first answer
+// at its load; else the first answer. Without the warm-up, never.
+TEST(Warmup, AColdKeyIsServedTheNearestPlanWhereItIsNotCostlier) {
+  for (const bool warm : {true, false}) {
+    PlannerOptions options = warm ? Warm(1.0) : PlannerOptions{};  // 1.0: no load above 1 warm
+    auto made = Glm423(options, /*anytime=*/true);
+    ASSERT_TRUE(made.ok());
+    StagePlanner& p = **made;
+    int k = 1;  // forwards until the next backward at micro-batch 0's forward
+    for (size_t i = 0; i < p.steps().size(); ++i) {
+      const Step& s = p.steps()[i];
+      if (s.forward && s.micro_batch == 0 && s.chunk == 0)
+        k = ForwardsUntilNextBackward(p.steps(), i);
+    }
+    SchedulePoint point;
+    point.forward_micro_batch = 0;
+    point.load_factor = 1.5;
+    point.bytes_in_use = static_cast<int64_t>(p.activation_capacity() - 1.5 * k * p.m0());
+    auto first = p.PlanPoint(point);  // a miss: its first answer, refined in the background
+    ASSERT_TRUE(first.ok());
+    ASSERT_LT(first->predicted_bytes, first->keep_all_bytes);
+    EXPECT_FALSE(first->nearest);  // nothing cached near it yet
+    p.ResetIteration();
+    int nearest = 0, first_answers = 0;
+    for (double r = 1.45; r > 1.02; r -= 0.05) {  // each a cold key below the refined ones
+      p.WaitForRefinements();                     // the keys met so far are full searches now
+      point.load_factor = r;
+      auto plan = p.PlanPoint(point);
+      ASSERT_TRUE(plan.ok());
+      p.ResetIteration();
+      if (plan->predicted_bytes >= plan->keep_all_bytes) continue;  // keep-all: no key
+      ASSERT_FALSE(plan->cache_hit && plan->nearest) << r;
+      // What the key's first answer would be: the bucket's worst case (StagePlanner::JobFor).
+      const double bucket_r =
+          std::ceil(r / p.options().load_bucket - 1e-9) * p.options().load_bucket;
+      const double step = static_cast<double>(p.options().budget_step_bytes);
+      const double budget =
+          std::max(p.evaluator().graph().M0(bucket_r),
+                   std::floor(static_cast<double>(plan->budget_bytes) / step) * step);
+      MitigationOptions fast = p.options().mitigation;
+      fast.fast = true;
+      auto answer = SelectMitigation(p.evaluator(), bucket_r, budget, fast);
+      ASSERT_TRUE(answer.ok());
+      if (plan->nearest) {
+        ++nearest;
+        EXPECT_FALSE(plan->first_answer) << r;
+        const AssignmentCost cost = p.evaluator().Evaluate(plan->strategies, bucket_r);
+        EXPECT_LE(cost.device_bytes, budget) << r;
+        EXPECT_FALSE(cost.conflict) << r;
+        EXPECT_LE(cost.exposed_s, answer->cost.exposed_s + 1e-12) << r;
+      } else if (plan->first_answer) {
+        ++first_answers;
+      }
+    }
+    if (warm) {
+      EXPECT_GT(nearest, 0) << "first answers " << first_answers;
+      EXPECT_EQ(p.cache_stats().warm_nearest, static_cast<uint64_t>(nearest));
+    } else {
+      EXPECT_EQ(nearest, 0);
+      EXPECT_GT(first_answers, 0);
+    }
   }
 }
 
