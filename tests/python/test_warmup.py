@@ -158,3 +158,77 @@ def test_the_daemon_warms_up_once_for_a_jobs_ranks(model_doc, daemon, tmp_path, 
     finally:
         for gov in ranks:
             gov.close()
+
+
+SERVED = {"keep-all", "warm", "nearest", "first answer", "refined", "full search"}
+
+
+def test_a_spike_run_shows_how_the_points_after_a_downgrade_were_served(monkeypatch) -> None:
+    """Issue 43: a training run with a spike (Qwen3-MoE, 4-stage 1F1B, half of keep-all's peak,
+    BGL_WARM_UP=1) says in its iteration lines how each point's plan was served (``served``:
+    the warm-up's plan, a neighbouring key's full search for a cold key, a first answer, a
+    refined one, ...) and, with each downgrade after a router (the micro-batch and layer, the
+    load, the strategy mix before and after), how the forward planned after the downgraded one
+    was served (``next``). Which plans serve which points depends on how far the background
+    searches got (the CPU they were given), so the run is checked for consistency, and that
+    plans made before their points were met served some of them."""
+    require_libs()
+    unmodified = pytest.importorskip("unmodified")
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("BGL_WARM_UP", "1")
+    monkeypatch.setenv("BGL_WARM_SPIKE_BOUND", "1.5")
+    kw = dict(iterations=3, micro_batches=8, spike_every=8)
+    peak = unmodified.keep_all_peak("qwen3_moe", **kw)
+    r = unmodified.train("qwen3_moe", "bagualu", capacity=peak // 2, **kw)
+    assert r["oom"] is None, r["oom"]
+    downgrades = 0
+    for line in r["lines"]:
+        points = line["points"]
+        for p in points:
+            assert p["served"] in SERVED, p
+            assert (p["served"] == "warm") == p["warm"], p
+            assert (p["served"] == "nearest") == p["nearest"], p
+        assert line["warm_hits"] == sum(p["warm"] for p in points)
+        assert line["warm_nearest"] == sum(p["nearest"] for p in points)
+        units = [p["unit"] for p in points]
+        for d in line["downgrades"]:
+            downgrades += 1
+            assert d["before"] != d["after"], d  # how the spiked micro-batch was downgraded
+            at = units.index(d["unit"])
+            if at + 1 == len(points):
+                assert d["next"] is None, d
+                continue
+            after = points[at + 1]
+            assert d["next"] == {"unit": after["unit"], "load_factor": after["load_factor"],
+                                 "budget_bytes": after["budget_bytes"],
+                                 "served": after["served"]}, (d, after)
+    assert downgrades > 0, [line["downgrades"] for line in r["lines"]]
+    later = [p["served"] for line in r["lines"][1:] for p in line["points"]]
+    assert {"warm", "refined", "nearest"} & set(later), later
+    assert r["stats"]["planning"]["warm_nearest"] == sum(x["warm_nearest"] for x in r["lines"])
+
+
+def test_the_downgrade_line_names_how_the_next_forward_was_served(caplog) -> None:
+    """The logged text of a downgrade ends with the next forward and how its plan was served
+    (or that no forward followed in the iteration)."""
+    from bagualu.iteration import IterationLog
+    caplog.set_level(logging.INFO, logger="bagualu")
+    log = IterationLog("bagualu", 1 << 20, log_lines=True)
+    log.begin({"offloads": 0, "fp8_casts": 0, "evictions": 0}, 0)
+    plan = {"budget_bytes": 1000, "predicted_bytes": 900, "keep_all_bytes": 2000,
+            "load_factor": 1.0}
+    log.note_plan(3, dict(plan, first_answer=True), 0.1, 0, 0)
+    log.note_plan(4, dict(plan, load_factor=1.3, warm=True), 0.1, 0, 0)
+    log.note_downgrade(3, 1, 1.4, {"keep": 5, "offload": 2}, {"keep": 3, "offload": 2,
+                                                              "recompute": 2})
+    log.note_downgrade(4, 0, 1.6, {"keep": 5}, {"keep": 4, "recompute": 1})
+    line = log.end({"offloads": 0, "fp8_casts": 0, "evictions": 0}, 0, 1000.0, 0,
+                   {"keep": 5}, 2)
+    assert [p["served"] for p in line["points"]] == ["first answer", "warm"]
+    assert line["downgrades"][0]["next"] == {"unit": 4, "load_factor": 1.3,
+                                             "budget_bytes": 1000, "served": "warm"}
+    assert line["downgrades"][1]["next"] is None
+    text = [r.getMessage() for r in caplog.records if "downgrade" in r.getMessage()]
+    assert ("micro-batch 3 after the router of layer 1 (load 1.40): keep 5->3 recompute 0->2; "
+            "the next forward (micro-batch 4, load 1.30) served warm") in text[0], text
+    assert text[1].endswith("no forward after it in the iteration"), text

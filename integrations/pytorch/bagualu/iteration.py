@@ -66,10 +66,13 @@ class IterationLog:
                  "load_factor": float(plan.get("load_factor", 1.0)),
                  "m0_bytes": int(plan.get("m0_bytes", 0)),
                  "predicted_bytes": int(plan["predicted_bytes"]), "actual_bytes": None,
+                 "keep_all_bytes": int(plan.get("keep_all_bytes", 0)),
                  "evictions": 0, "cache_hit": bool(plan.get("cache_hit")),
                  "first_answer": bool(plan.get("first_answer")),
                  "refined": bool(plan.get("refined")),
                  "warm": bool(plan.get("warm")),
+                 "nearest": bool(plan.get("nearest")),
+                 "served": served(plan),
                  "plan_ms": ms, "_evictions0": evictions}
         self.points.append(point)
         self._point_of[unit] = point
@@ -90,6 +93,16 @@ class IterationLog:
         ``after``."""
         self.downgrades.append({"unit": unit, "layer": layer, "load_factor": load,
                                 "before": dict(before), "after": dict(after)})
+
+    def _with_next(self, downgrade: Dict[str, Any]) -> Dict[str, Any]:
+        """``downgrade`` with ``next``: the forward planned after the downgraded one in this
+        iteration (its unit, load, budget and how its plan was served), or None."""
+        units = [p["unit"] for p in self.points]
+        at = units.index(downgrade["unit"]) if downgrade["unit"] in units else len(units)
+        nxt = self.points[at + 1] if at + 1 < len(self.points) else None
+        return dict(downgrade, next=None if nxt is None else {
+            "unit": nxt["unit"], "load_factor": nxt["load_factor"],
+            "budget_bytes": nxt["budget_bytes"], "served": nxt["served"]})
 
     def note_recompute(self, ms: float, ops: int) -> None:
         """A recompute call reran ``ops`` operators' forward in ``ms``."""
@@ -120,9 +133,11 @@ class IterationLog:
             # warm-up's plans in the planner's cache now
             "warm_hits": sum(1 for p in self.points if p["warm"]),
             "warm_keys": int((planner or {}).get("warm_keys", 0)),
+            # and its cold keys served a neighbouring key's full-search plan (Plan::nearest)
+            "warm_nearest": sum(1 for p in self.points if p["nearest"]),
             "points": [{k: v for k, v in p.items() if not k.startswith("_")}
                        for p in self.points],
-            "deferred": deferred, "downgrades": list(self.downgrades),
+            "deferred": deferred, "downgrades": [self._with_next(d) for d in self.downgrades],
             "overhead_ms": self.recompute_ms, "iteration_ms": elapsed,
             "ooms": ooms - self._ooms0,
         }
@@ -133,7 +148,7 @@ class IterationLog:
             log.info("bagualu: iter %d policy %s load %.2f (max %.2f) budget %s peak %s/%s "
                      "strategies %s offloads %d (early %d) fp8 %d recomputed %d evictions %d "
                      "deferred %d overhead %.1fms (%.1f%%) plans %d hit %d miss %.1fms "
-                     "warm %d hit %d keys",
+                     "warm %d hit %d keys nearest %d",
                      line["iteration"], self.policy,
                      line["load_factor"], line["max_load_factor"], budget_text, _mib(peak),
                      _mib(self.capacity), strat or "keep", line["offloads"],
@@ -141,11 +156,15 @@ class IterationLog:
                      line["recomputed_ops"], line["evictions"], line["deferred"],
                      line["overhead_ms"], 100 * line["overhead_ms"] / max(elapsed, 1e-9),
                      self.cache_hits, self.cache_misses, self.plan_ms,
-                     line["warm_hits"], line["warm_keys"])
+                     line["warm_hits"], line["warm_keys"], line["warm_nearest"])
             for d in line["downgrades"]:
+                nxt = d["next"]
                 log.info("bagualu: downgrade in iteration %d: micro-batch %d after the router "
-                         "of layer %d (load %.2f): %s", line["iteration"], d["unit"], d["layer"],
-                         d["load_factor"], _mix_change(d["before"], d["after"]))
+                         "of layer %d (load %.2f): %s; %s", line["iteration"], d["unit"],
+                         d["layer"], d["load_factor"], _mix_change(d["before"], d["after"]),
+                         "no forward after it in the iteration" if nxt is None else
+                         f"the next forward (micro-batch {nxt['unit']}, load "
+                         f"{nxt['load_factor']:.2f}) served {nxt['served']}")
         self.iteration += 1
         return line
 
@@ -156,6 +175,21 @@ class IterationLog:
         errs = [abs(p - c) / c for _, p, c in self.accuracy if c > 0]
         return {"samples": len(errs), "mean_error": sum(errs) / len(errs),
                 "worst_error": max(errs), "points": list(self.accuracy)}
+
+
+def served(plan: Dict[str, Any]) -> str:
+    """How a point's plan was served: "keep-all" (nothing to mitigate), "warm" (the warm-up's
+    plan for its key), "nearest" (a cold key served a neighbouring key's full-search plan),
+    "first answer" (a cold key's quick answer, refined in the background), "refined" (that
+    refinement, planned at an earlier point) or "full search" (searched on the call, or
+    a cache hit of one)."""
+    if int(plan.get("predicted_bytes", 0)) >= int(plan.get("keep_all_bytes", 0)) > 0:
+        return "keep-all"
+    for flag, label in (("warm", "warm"), ("nearest", "nearest"),
+                        ("first_answer", "first answer"), ("refined", "refined")):
+        if plan.get(flag):
+            return label
+    return "full search"
 
 
 def _mix_change(before: Dict[str, int], after: Dict[str, int]) -> str:

@@ -355,6 +355,7 @@ class Runtime(HooksHost):
                            "early_offloads": sum(x["early_offloads"] for x in lines),
                            "evictions": sum(x["evictions"] for x in lines),
                            "warm_hits": sum(x.get("warm_hits", 0) for x in lines),
+                           "warm_nearest": sum(x.get("warm_nearest", 0) for x in lines),
                            # the activation capacity the planner was given (plans.py register)
                            "capacity_bytes": self.planning.plan_capacity}
         planner = self._planner_stats()
