@@ -90,8 +90,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
       together: the whole block reruns). Older torch always plans them as blocks.
     compiled_recompute: per operator, the operators of a compiled block that may be
       recomputed (docs/pytorch.md, "Compiled blocks"): None (default: none recomputed alone),
-      'auto' (the experts, and the attention's operators), or a list of groups, each a list of
-      operator names (bagualu.operators(model)). Each union of groups is one compiled variant
+      'auto' (the experts' operators: one group), or a list of groups, each a list of operator
+      names (bagualu.operators(model)). Each union of groups is one compiled variant
       of the blocks, picked per micro-batch from the plan; at most recompile_limit // 2
       variants (dynamo's recompile limit, 8: two groups).
     """

@@ -73,8 +73,9 @@ class StashNotes:
         self.ops_recomputed = 0  # operators recomputed by the variants, over block calls
 
     def set_groups(self, groups: Any) -> None:
-        """install(compiled_recompute=): None, "auto" (the experts' operators, and those of
-        the attention's module) or groups of operator names. InstrumentError naming what is
+        """install(compiled_recompute=): None, "auto" (the experts' operators, one group: the
+        variant whose bytes the planner's graph counts best, docs/pytorch.md) or groups of
+        operator names. InstrumentError naming what is
         wrong: an unknown operator, the block's own code, an operator in two groups, more
         variants (every union of groups, 2^groups) than ``stash.variant_limit()``."""
         from . import stash
@@ -82,9 +83,7 @@ class StashNotes:
         names = [n for n in found.op_names if n != BLOCK_OP]
         if groups == "auto":
             experts = tuple(n for n in names if found.kinds[n] in EXPERT_KINDS)
-            tops = {n.split(".")[0] for n in names if found.kinds[n] == "attention"}
-            attention = tuple(n for n in names if n.split(".")[0] in tops and n not in experts)
-            groups = tuple(g for g in (experts,) if g)
+            groups = (experts,) if experts else ()
         out: List[FrozenSet[str]] = []
         for g in groups:
             bad = [n for n in g if n not in found.op_names]
