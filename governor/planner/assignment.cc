@@ -144,6 +144,7 @@ AssignmentCost CostEvaluator::Evaluate(const Assignment& a, double r) const {
         c.host_bytes += bytes;
         c.d2h_s += hw_.offload.Time(bytes);
         c.h2d_s += hw_.reload.Time(bytes);
+        c.copy_host_s += hw_.CopyHostTime();
         break;
       case Placement::kDropped:
         break;
@@ -154,12 +155,12 @@ AssignmentCost CostEvaluator::Evaluate(const Assignment& a, double r) const {
   if (any_recompute) {
     const auto rerun = RecomputeClosure(a);
     for (size_t o = 0; o < g.ops.size(); ++o) {
-      if (rerun[o]) c.recompute_s += g.ops[o].ForwardTime(r);
+      if (rerun[o]) c.recompute_s += hw_.RerunTime(g.ops[o].ForwardTime(r));
     }
   }
   // Copies hide under the chunk's compute as far as the machine overlaps them (copy engines: all
   // of it; the host backend's synchronous copies: none).
-  c.exposed_s = c.recompute_s + c.fp8_s +
+  c.exposed_s = c.recompute_s + c.fp8_s + c.copy_host_s +
                 std::max(0.0, c.d2h_s - hw_.copy_overlap * g.ForwardTime(r)) +
                 std::max(0.0, c.h2d_s - hw_.copy_overlap * g.BackwardTime(r));
   return c;

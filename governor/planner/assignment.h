@@ -30,10 +30,11 @@ const char* PlacementName(Placement p);
 struct AssignmentCost {
   double device_bytes = 0;  // retained on device (the micro-batch's activation memory)
   double host_bytes = 0;    // offloaded to pinned host
-  double recompute_s = 0;   // forward time of the recompute closure, in backward
+  double recompute_s = 0;   // the recompute closure's reruns (RerunTime), in backward
   double fp8_s = 0;         // casts in forward plus uncasts in backward
   double d2h_s = 0;         // offload copies (copy engine)
   double h2d_s = 0;         // reload copies (copy engine)
+  double copy_host_s = 0;   // the host backend's fixed cost of those copies (training thread)
   double exposed_s = 0;     // added to the micro-batch when copies overlap its own compute
   bool conflict = false;
   int conflict_tensor = -1;

@@ -165,6 +165,8 @@ char* bgl_planner_calibrated_profile(const char* calibration_json, const char* g
                 {"inter_node_GBps", p.inter_node_bytes_per_s / 1e9},
                 {"gpus_per_node", p.gpus_per_node},
                 {"copy_overlap", p.copy_overlap},
+                {"copy_host_us", p.copy_host_s * 1e6},
+                {"rerun_host_us", p.rerun_host_s * 1e6},
                 {"rooflines",
                  {{"offload", roof(p.offload)},
                   {"reload", roof(p.reload)},

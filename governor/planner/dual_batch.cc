@@ -209,16 +209,24 @@ Chains BuildChains(const CostEvaluator& eval, const PointUnits& u) {
   const int n = static_cast<int>(g.ops.size());
   const int n_tensors = static_cast<int>(g.tensors.size());
   // FP8 casts run right after the producer in forward; uncasts before the first saver's backward.
+  // The host backend's fixed cost of an offloaded tensor (copy_host_s) sits at the same places:
+  // its offload is issued when it is saved, its reload taken before its first saver's backward.
   std::vector<double> cast(n, 0.0), uncast(n, 0.0);
   auto fp8_work = [&](const Assignment& a, double r) {
     std::fill(cast.begin(), cast.end(), 0.0);
     std::fill(uncast.begin(), uncast.end(), 0.0);
     for (int t = 0; t < n_tensors; ++t) {
       const SavedTensor& tensor = g.tensors[t];
-      if (tensor.savers.empty() || eval.TensorPlacement(a, t) != Placement::kFp8) continue;
-      const double time = hw.fp8_cast.Time(tensor.Bytes(r));
-      if (tensor.producer >= 0) cast[tensor.producer] += time;
-      uncast[tensor.savers.front()] += time;
+      if (tensor.savers.empty()) continue;
+      const Placement placement = eval.TensorPlacement(a, t);
+      if (placement == Placement::kFp8) {
+        const double time = hw.fp8_cast.Time(tensor.Bytes(r));
+        if (tensor.producer >= 0) cast[tensor.producer] += time;
+        uncast[tensor.savers.front()] += time;
+      } else if (placement == Placement::kHost && hw.copy_host_s > 0) {
+        cast[tensor.producer >= 0 ? tensor.producer : tensor.savers.front()] += hw.copy_host_s;
+        uncast[tensor.savers.front()] += hw.copy_host_s;
+      }
     }
   };
   if (u.forward) {
@@ -283,7 +291,7 @@ Chains BuildChains(const CostEvaluator& eval, const PointUnits& u) {
       }
       for (int o : rerun_by_layer[layer]) {
         Append(chains[3], g.ops[o].IsComm() ? Resource::kComm : Resource::kCompute,
-               g.ops[o].ForwardTime(u.recover_r), o);
+               hw.RerunTime(g.ops[o].ForwardTime(u.recover_r)), o);
       }
     }
   }

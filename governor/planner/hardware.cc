@@ -46,6 +46,9 @@ constexpr CalibrationRange kCalibrationRanges[] = {
     {"launch_floor_us", 0.001, 1e6},
     {"peak_GBps", 1e-5, 1e6},  // an emulated PCIe link on a CPU: about 1 MB/s
     {"copy_overlap", 0, 1},
+    // The host backend's fixed costs per copied tensor (each way) and per rerun operator.
+    {"copy_host_us", 0, 1e6},
+    {"rerun_host_us", 0, 1e6},
     // An emulated link's compute factor (this machine's FLOP rate over the GPU's).
     {"compute_scale", 1e-9, 1},
 };
@@ -91,6 +94,8 @@ Status HardwareProfile::Validate() const {
   BGL_RETURN_IF_ERROR(check("inter_node_GBps", inter_node_bytes_per_s / kGB, "inter_node_GBps"));
   BGL_RETURN_IF_ERROR(check("gpus_per_node", gpus_per_node, "gpus_per_node"));
   BGL_RETURN_IF_ERROR(check("copy_overlap", copy_overlap, "copy_overlap"));
+  BGL_RETURN_IF_ERROR(check("copy_host_us", copy_host_s * 1e6, "copy_host_us"));
+  BGL_RETURN_IF_ERROR(check("rerun_host_us", rerun_host_s * 1e6, "rerun_host_us"));
   for (auto [roof, label] :
        {std::pair{&offload, "offload"}, {&reload, "reload"}, {&fp8_cast, "fp8_cast"}}) {
     const std::string prefix = std::string("rooflines.") + label + ".";
@@ -281,6 +286,12 @@ Status ApplyCalibration(const nlohmann::json& doc, HardwareProfile& p) {
       p.gpus_per_node = static_cast<int>(v);
     } else if (key == "copy_overlap") {
       BGL_RETURN_IF_ERROR(ReadNumber(value, key, p.copy_overlap));
+    } else if (key == "copy_host_us") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
+      p.copy_host_s = v * 1e-6;
+    } else if (key == "rerun_host_us") {
+      BGL_RETURN_IF_ERROR(ReadNumber(value, key, v));
+      p.rerun_host_s = v * 1e-6;
     } else if (key == "emulated_link") {
       BGL_RETURN_IF_ERROR(ReadEmulatedLink(value, p));
     } else if (key == "comment" || key == "source") {

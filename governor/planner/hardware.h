@@ -42,6 +42,13 @@ struct HardwareProfile {
   // where copy engines run beside the kernels (GPUs), 0 where copies are synchronous (the host
   // backend, unless its copy threads measurably overlap compute).
   double copy_overlap = 1.0;
+  // The host backend's fixed costs on the training thread beside what the rooflines time
+  // (docs/planner.md, "The host backend's per-tensor costs"): the saved-tensor hooks and the
+  // Python side of offloading one tensor and of reloading it (each way: `copy_host_s`), and of
+  // rerunning one operator (`rerun_host_s`). The calibration's optional copy_host_us and
+  // rerun_host_us; 0 (nothing charged) unless given.
+  double copy_host_s = 0;
+  double rerun_host_s = 0;
   // Set where the rooflines are an emulated device link on the host backend (the calibration's
   // "emulated_link" section, docs/planner.md "An emulated device link"): what it stands for
   // ("H200 over PCIe Gen5"), and the factor from that GPU's compute time to this machine's.
@@ -49,6 +56,10 @@ struct HardwareProfile {
   std::string emulated_link;
   double emulated_compute_scale = 0;
 
+  // Seconds a rerun of an operator whose forward takes `forward_s` costs in backward.
+  double RerunTime(double forward_s) const { return forward_s + rerun_host_s; }
+  // Seconds the training thread pays for an offloaded tensor, its offload and its reload.
+  double CopyHostTime() const { return 2 * copy_host_s; }
   // Seconds for a kernel doing `flops` and moving `bytes` (roofline of the op itself).
   double KernelTime(double flops, double bytes) const;
   // Seconds for an all-to-all moving `bytes` out of this GPU across `group` ranks.

@@ -162,10 +162,12 @@ class BlockTermsEvaluator {
       y.fp8_s = 2 * hw.fp8_cast.Time(bytes);
       y.d2h_s = hw.offload.Time(bytes);
       y.h2d_s = hw.reload.Time(bytes);
+      y.copy_host_s = hw.CopyHostTime();
       y.always_retained = x.block_input || x.producer < 0;
     }
     forward_s_.resize(sub.ops.size());
-    for (size_t o = 0; o < sub.ops.size(); ++o) forward_s_[o] = sub.ops[o].ForwardTime(r);
+    for (size_t o = 0; o < sub.ops.size(); ++o)
+      forward_s_[o] = hw.RerunTime(sub.ops[o].ForwardTime(r));
     retained_.resize(sub.tensors.size());
     rerun_.resize(sub.ops.size());
   }
@@ -188,6 +190,7 @@ class BlockTermsEvaluator {
       } else if (mask & (1u << static_cast<unsigned>(Strategy::kOffload))) {
         terms.d2h += y.d2h_s;
         terms.h2d += y.h2d_s;
+        terms.local += y.copy_host_s;
         terms.host += y.bytes;
       } else {
         terms.mem += y.fp8_bytes;
@@ -230,7 +233,7 @@ class BlockTermsEvaluator {
 
  private:
   struct TensorTerms {
-    double bytes = 0, fp8_bytes = 0, fp8_s = 0, d2h_s = 0, h2d_s = 0;
+    double bytes = 0, fp8_bytes = 0, fp8_s = 0, d2h_s = 0, h2d_s = 0, copy_host_s = 0;
     bool always_retained = false;
   };
   const StageGraph& sub_;
@@ -251,8 +254,9 @@ std::vector<Candidate> BlockCandidates(const StageGraph& sub, const CostEvaluato
   auto add = [&](const Assignment& a) {
     const AssignmentCost c = eval.Evaluate(a, r);
     if (c.conflict || !options.HostFits(c.host_bytes)) return;
-    out.push_back(
-        {{c.device_bytes - m0, c.recompute_s + c.fp8_s, c.d2h_s, c.h2d_s, c.host_bytes}, a});
+    out.push_back({{c.device_bytes - m0, c.recompute_s + c.fp8_s + c.copy_host_s, c.d2h_s, c.h2d_s,
+                    c.host_bytes},
+                   a});
   };
   const size_t n = sub.ops.size();
   std::vector<std::vector<Strategy>> choices(n);

@@ -63,6 +63,7 @@ class Problem {
       y.fp8_s = 2 * hw.fp8_cast.Time(b);
       y.d2h_s = hw.offload.Time(b);
       y.h2d_s = hw.reload.Time(b);
+      y.copy_host_s = hw.CopyHostTime();
       y.skip = x.block_input;
       y.saved = !x.savers.empty();
       y.always_retained = x.block_input || x.producer < 0;
@@ -72,7 +73,7 @@ class Problem {
     for (size_t o = 0; o < n; ++o) {
       const Operator& op = g_.ops[o];
       OpInfo& info = ops_[o];
-      info.forward_s = op.ForwardTime(r);
+      info.forward_s = hw.RerunTime(op.ForwardTime(r));
       for (Strategy s : kAllStrategies) {
         if (options.Permits(s) && eval.Allowed(static_cast<int>(o), s)) info.choices.push_back(s);
       }
@@ -112,7 +113,7 @@ class Problem {
   }
 
   struct TensorCost {
-    double bytes = 0, fp8_bytes = 0, fp8_s = 0, d2h_s = 0, h2d_s = 0;
+    double bytes = 0, fp8_bytes = 0, fp8_s = 0, d2h_s = 0, h2d_s = 0, copy_host_s = 0;
     bool skip = false;  // a block input: always on device, whatever its savers do
     bool saved = false;
     bool always_retained = false;
@@ -136,6 +137,7 @@ class Problem {
     } else if (m == 2) {
       terms.d2h += y.d2h_s;
       terms.h2d += y.h2d_s;
+      terms.local += y.copy_host_s;
       terms.host += y.bytes;
     } else if (m == 3) {
       terms.mem += y.fp8_bytes;

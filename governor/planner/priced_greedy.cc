@@ -49,7 +49,7 @@ class Model {
     forward_window_ = hw.copy_overlap * g_.ForwardTime(r);
     backward_window_ = hw.copy_overlap * g_.BackwardTime(r);
     forward_s_.resize(n);
-    for (size_t o = 0; o < n; ++o) forward_s_[o] = g_.ops[o].ForwardTime(r);
+    for (size_t o = 0; o < n; ++o) forward_s_[o] = hw.RerunTime(g_.ops[o].ForwardTime(r));
     tensors_.resize(nt);
     for (size_t t = 0; t < nt; ++t) {
       const SavedTensor& x = g_.tensors[t];
@@ -59,6 +59,7 @@ class Model {
       y.fp8_s = 2 * hw.fp8_cast.Time(y.bytes);
       y.d2h_s = hw.offload.Time(y.bytes);
       y.h2d_s = hw.reload.Time(y.bytes);
+      y.copy_host_s = hw.CopyHostTime();
     }
     // Units: the movable operators joined by the movable tensors they save.
     std::vector<int> parent(n);
@@ -291,7 +292,7 @@ class Model {
 
  private:
   struct TensorCost {
-    double bytes = 0, fp8_bytes = 0, fp8_s = 0, d2h_s = 0, h2d_s = 0;
+    double bytes = 0, fp8_bytes = 0, fp8_s = 0, d2h_s = 0, h2d_s = 0, copy_host_s = 0;
   };
 
   static void Add(Terms& to, const Terms& x, double sign) {
@@ -421,6 +422,7 @@ class Model {
       } else if (mask & (1u << static_cast<unsigned>(Strategy::kOffload))) {
         terms.d2h += y.d2h_s;
         terms.h2d += y.h2d_s;
+        terms.local += y.copy_host_s;
         terms.host += y.bytes;
       } else if (mask & (1u << static_cast<unsigned>(Strategy::kFp8))) {
         terms.mem += y.fp8_bytes;
