@@ -29,11 +29,19 @@ bgl::Result<bgl::sim::LoadTrace> MakeTrace(const bgl::sim::SimOptions& options,
   LoadSpec spec = options.load;
   spec.seed = options.seed;
   spec.gpus_per_stage = static_cast<int>(config.model.gpus / config.model.pp);
-  auto trace = options.loads_path.empty()
+  const bool replay = options.loads_path.empty() && config.plans != nullptr;
+  auto trace = replay ? LoadsFromPlans(*config.plans, ranks, mbs, spec.normal_max)
+               : options.loads_path.empty()
                    ? GenerateLoads(spec, options.iterations, ranks, mbs)
                    : ReadLoadLog(options.loads_path, ranks, mbs, spec.normal_max);
   if (!trace.ok()) return trace.status();
-  *iterations = options.loads_path.empty() || !options.iterations_given
+  if (config.plans != nullptr &&
+      trace->iterations() > static_cast<int>(config.plans->iterations.size())) {
+    return bgl::InvalidArgument("--loads: " + std::to_string(trace->iterations()) +
+                                " iterations, --plans has " +
+                                std::to_string(config.plans->iterations.size()));
+  }
+  *iterations = (options.loads_path.empty() && !replay) || !options.iterations_given
                     ? trace->iterations()
                     : std::min(trace->iterations(), options.iterations);
   return trace;

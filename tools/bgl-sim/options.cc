@@ -1,5 +1,6 @@
 #include "tools/bgl-sim/options.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -20,8 +21,8 @@ the planner library the daemon runs, and prints a summary per policy and the abl
 
   --model FILE         model description (.json, .yaml; see models/)
   --policy NAMES       comma-separated: static-under, static-over, kuai-like, adapipe-like,
-                       L1, L2, L3, L4 (= bagualu), or the groups all, baselines, ablation
-                       (default: all)
+                       L1, L2, L3, L4 (= bagualu), plans (with --plans), or the groups
+                       all, baselines, ablation (default: all; with --plans: plans)
   --iterations N       iterations to simulate (default 200; with --loads: every line of the
                        log, or at most N)
   --seed S             seed of the load distribution (default 1)
@@ -29,6 +30,11 @@ the planner library the daemon runs, and prints a summary per policy and the abl
   --out DIR            write iterations.csv, summary.csv, timeline.csv, memory.csv, summary.json
   --loads FILE         replay a router log: one iteration per line, one load factor per
                        micro-batch (the worst GPU of the stage), comma or blank separated
+  --plans FILE         replay the plans a run was served (bench_unmodified.py --sim-graphs
+                       writes MODEL.plans.json): policy "plans" (the default with --plans)
+                       runs each micro-batch under its served strategies at the load it was
+                       planned for, one iteration per iteration of the file (at most
+                       --iterations); without --loads the others run at those loads too
   --spike-prob P       fraction of spike iterations (default 0.029)
   --spike-max R        largest spike load factor (default 2.6)
   --normal-max R       normal iterations stay below this load (default 1.2)
@@ -135,6 +141,7 @@ Result<SimOptions> ParseOptions(const std::vector<std::string>& args) {
       o.model_path = v;
     } else if (a == "--policy") {
       o.policies_text = v;
+      o.policies_given = true;
     } else if (a == "--iterations") {
       BGL_RETURN_IF_ERROR(set_int(o.iterations, 1, 10'000'000));
       o.iterations_given = true;
@@ -144,6 +151,8 @@ Result<SimOptions> ParseOptions(const std::vector<std::string>& args) {
       o.out_dir = v;
     } else if (a == "--loads") {
       o.loads_path = v;
+    } else if (a == "--plans") {
+      o.plans_path = v;
     } else if (a == "--gpu") {
       o.gpu = v;
     } else if (a == "--calibration") {
@@ -204,9 +213,19 @@ Result<SimOptions> ParseOptions(const std::vector<std::string>& args) {
         "--ranks: not used with --node (the node file's ranks say which stage "
         "each GPU runs)");
   }
+  if (!o.plans_path.empty() && !o.policies_given) o.policies_text = "plans";
   auto policies = ParsePolicies(o.policies_text);
   if (!policies.ok()) return policies.status();
   o.policies = *policies;
+  const bool replays =
+      std::find(o.policies.begin(), o.policies.end(), Policy::kPlans) != o.policies.end();
+  if (replays && o.plans_path.empty()) return InvalidArgument("--policy plans: needs --plans FILE");
+  if (!replays && !o.plans_path.empty()) {
+    return InvalidArgument("--plans: --policy lacks 'plans', the policy that replays them");
+  }
+  if (!o.plans_path.empty() && !o.node_path.empty()) {
+    return InvalidArgument("--plans: not used with --node");
+  }
   if (o.load.spike_max < o.load.normal_max) {
     return InvalidArgument("--spike-max: must be at least --normal-max (" +
                            std::to_string(o.load.normal_max) + ")");
@@ -229,6 +248,11 @@ Result<SimConfig> BuildConfig(const SimOptions& o) {
   c.hw = std::move(*hw);
   if (!o.calibration_path.empty()) {
     BGL_RETURN_IF_ERROR(plan::ApplyCalibrationFile(o.calibration_path, c.hw));
+  }
+  if (!o.plans_path.empty()) {
+    auto plans = ReadServedPlans(o.plans_path);
+    if (!plans.ok()) return plans.status();
+    c.plans = std::make_shared<const ServedPlans>(std::move(*plans));
   }
   c.capacity_bytes = o.capacity_bytes;
   c.ranks = o.ranks;

@@ -16,6 +16,7 @@ namespace bgl::sim {
 struct SimOptions {
   std::string model_path;
   std::string policies_text = "all";
+  bool policies_given = false;  // --policy on the command line
   std::vector<Policy> policies;
   int iterations = 200;
   bool iterations_given = false;  // --iterations on the command line (caps a --loads replay)
@@ -23,6 +24,7 @@ struct SimOptions {
   bool json = false;
   std::string out_dir;
   std::string loads_path;
+  std::string plans_path;  // --plans: the plans a run was served (served_plans.h)
   std::string gpu;
   std::string calibration_path;  // --calibration: applied on top of the GPU profile
   int64_t capacity_bytes = 0;

@@ -23,6 +23,7 @@ constexpr PolicyInfo kPolicies[] = {
     {Policy::kL2, "L2", "fine-grained static mitigation (recompute, offload, FP8) per stage"},
     {Policy::kL3, "L3", "dynamic per-micro-batch planning, program order"},
     {Policy::kL4, "L4", "dynamic planning with fused dual-batch execution (BaGuaLu)"},
+    {Policy::kPlans, "plans", "the plans a run was served (--plans), replayed"},
 };
 
 }  // namespace
@@ -61,15 +62,17 @@ Result<ExecModel> ParseExecModel(const std::string& name) {
                          "' (known: serial, lockstep, dual-batch)");
 }
 
-bool IsDynamic(Policy p) { return p == Policy::kL3 || p == Policy::kL4; }
+bool IsDynamic(Policy p) { return p == Policy::kL3 || p == Policy::kL4 || p == Policy::kPlans; }
 
 ExecModel DefaultExecModel(Policy p) {
-  return p == Policy::kL4 ? ExecModel::kDualBatch : ExecModel::kSerial;
+  return p == Policy::kL4 || p == Policy::kPlans ? ExecModel::kDualBatch : ExecModel::kSerial;
 }
 
 std::vector<Policy> AllPolicies() {
   std::vector<Policy> all;
-  for (const auto& info : kPolicies) all.push_back(info.policy);
+  for (const auto& info : kPolicies) {
+    if (info.policy != Policy::kPlans) all.push_back(info.policy);
+  }
   return all;
 }
 

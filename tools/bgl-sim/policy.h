@@ -19,6 +19,7 @@ enum class Policy {
   kL2,           // + fine-grained static mitigation (recompute, offload, FP8) per stage
   kL3,           // + dynamic per-micro-batch planning (StagePlanner, program order)
   kL4,           // + fused dual-batch execution (StagePlanner with the DP): full BaGuaLu
+  kPlans,  // the plans a run was served (--plans, served_plans.h), replayed: the cost model alone
 };
 
 // How a scheduling point's chains (F, B, O, R) are issued.
@@ -32,13 +33,13 @@ const char* PolicyName(Policy p);
 const char* PolicyDescription(Policy p);
 const char* ExecModelName(ExecModel e);
 Result<ExecModel> ParseExecModel(const std::string& name);
-// True for the policies that plan every micro-batch through the StagePlanner.
+// True for the policies whose plans differ per micro-batch (the StagePlanner's, or a run's).
 bool IsDynamic(Policy p);
 // The execution model a policy runs under unless overridden.
 ExecModel DefaultExecModel(Policy p);
 
 // Parses a comma-separated list of names; "all", "baselines" and "ablation" expand to groups
-// ("bagualu" is L4).
+// ("bagualu" is L4); "plans" (with --plans) is in none of them.
 Result<std::vector<Policy>> ParsePolicies(const std::string& text);
 std::vector<Policy> AllPolicies();
 

@@ -42,7 +42,12 @@ Result<std::unique_ptr<PolicySimulator>> PolicySimulator::Create(const SimConfig
     options.schedule_load_class = config.schedule_load_class;
     auto planner = plan::StagePlanner::Create(config.model, config.hw, options);
     if (!planner.ok()) return planner.status();
-    if (IsDynamic(policy)) {
+    if (policy == Policy::kPlans) {
+      if (config.plans == nullptr) return InvalidArgument("--policy plans: needs --plans FILE");
+      auto runner = ServedStageRunner::Create(std::move(*planner), exec, *config.plans);
+      if (!runner.ok()) return runner.status();
+      sim->runners_.push_back(std::move(*runner));
+    } else if (IsDynamic(policy)) {
       sim->runners_.push_back(std::make_unique<DynamicStageRunner>(std::move(*planner), exec));
     } else {
       sim->runners_.push_back(std::make_unique<StaticStageRunner>(std::move(*planner), exec));

@@ -11,6 +11,7 @@
 #include "governor/planner/model_config.h"
 #include "tools/bgl-sim/load_trace.h"
 #include "tools/bgl-sim/policy.h"
+#include "tools/bgl-sim/served_plans.h"
 #include "tools/bgl-sim/stage_runner.h"
 
 namespace bgl::sim {
@@ -26,7 +27,8 @@ struct SimConfig {
   int cooldown = 0;            // iterations before switching back to under-provisioning; 0: never
   bool exec_override = false;  // run every policy but L4 under `exec` instead of serial
   ExecModel exec = ExecModel::kSerial;
-  double schedule_load_class = 0.01;  // the planner's issue-order cache class width
+  double schedule_load_class = 0.01;         // the planner's issue-order cache class width
+  std::shared_ptr<const ServedPlans> plans;  // --plans: what policy "plans" replays
 };
 
 // One iteration of one policy.

@@ -1,7 +1,9 @@
 #include "tools/bgl-sim/stage_runner.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <tuple>
 
 #include "tools/bgl-sim/static_plan.h"
 
@@ -151,6 +153,135 @@ Result<StageIteration> DynamicStageRunner::Run(const std::vector<double>& loads,
                             : ScheduleRounds(plan->issue_order, trace));
   }
   out.planning_wall_s = std::chrono::duration<double>(planning).count();
+  WalkPoints(points_, schedules, bytes, trace, out);
+  return out;
+}
+
+std::vector<plan::IssueItem> RecordedItems(const plan::Chains& chains,
+                                           const std::vector<ServedIssueItem>& order) {
+  std::array<int, plan::kChainCount> next{};
+  std::array<int, plan::kChainCount> last_round{};
+  last_round.fill(-1);
+  std::vector<plan::IssueItem> items;
+  for (const ServedIssueItem& o : order) {
+    const int c = static_cast<int>(o.chain);
+    if (o.stage != next[c] || o.stage >= static_cast<int>(chains[c].size()) ||
+        o.round < last_round[c]) {
+      return {};
+    }
+    items.push_back(Item(chains, c, o.stage, o.round));
+    ++next[c];
+    last_round[c] = o.round;
+  }
+  for (int c = 0; c < plan::kChainCount; ++c) {
+    if (next[c] != static_cast<int>(chains[c].size())) return {};
+  }
+  // The round model runs rounds in order: sort by round, keeping chain order within one.
+  std::stable_sort(
+      items.begin(), items.end(),
+      [](const plan::IssueItem& a, const plan::IssueItem& b) { return a.round < b.round; });
+  return items;
+}
+
+ServedStageRunner::ServedStageRunner(std::unique_ptr<plan::StagePlanner> planner, ExecModel exec)
+    : planner_(std::move(planner)), exec_(exec) {
+  points_ = GroupPoints(planner_->steps());
+}
+
+Result<std::unique_ptr<ServedStageRunner>> ServedStageRunner::Create(
+    std::unique_ptr<plan::StagePlanner> planner, ExecModel exec, const ServedPlans& plans) {
+  std::unique_ptr<ServedStageRunner> r(new ServedStageRunner(std::move(planner), exec));
+  r->source_ = plans.source;
+  const plan::StageGraph& g = r->planner_->graph();
+  const int chunks = static_cast<int>(r->planner_->config().Chunks());
+  for (size_t it = 0; it < plans.iterations.size(); ++it) {
+    std::map<std::pair<int, int>, Unit> units;
+    for (size_t i = 0; i < plans.iterations[it].size(); ++i) {
+      const ServedPlan& p = plans.iterations[it][i];
+      const std::string where = "plans: " + plans.source + ": iterations[" + std::to_string(it) +
+                                "].plans[" + std::to_string(i) + "]";
+      if (p.chunk >= chunks) {
+        return InvalidArgument(where + ".chunk: " + std::to_string(p.chunk) +
+                               " is not a chunk of the model (" + std::to_string(chunks) + ")");
+      }
+      auto a = ServedAssignment(p, g, where);
+      if (!a.ok()) return a.status();
+      units[{p.micro_batch, p.chunk}] = Unit{std::move(*a), p.load_factor, p.issue_order};
+    }
+    r->iterations_.push_back(std::move(units));
+  }
+  return r;
+}
+
+Result<StageIteration> ServedStageRunner::Run(const std::vector<double>& /*loads*/, bool trace) {
+  if (next_ >= iterations_.size()) {
+    return InvalidArgument("plans: " + source_ + " has " + std::to_string(iterations_.size()) +
+                           " iteration(s); no more to replay");
+  }
+  const size_t it = next_++;
+  const auto& units = iterations_[it];
+  const plan::CostEvaluator& eval = planner_->evaluator();
+  const size_t mbs = static_cast<size_t>(planner_->config().MicroBatches());
+  StageIteration out;
+  FillCommon(*planner_, out);
+  auto unit = [&](int mb, int chunk) -> Result<const Unit*> {
+    auto found = units.find({mb, chunk});
+    if (found == units.end()) {
+      return InvalidArgument("plans: " + source_ + ": iterations[" + std::to_string(it) +
+                             "] has no plan for micro-batch " + std::to_string(mb) + " chunk " +
+                             std::to_string(chunk));
+    }
+    return &found->second;
+  };
+  std::vector<std::vector<double>> bytes(mbs, std::vector<double>(Chunks(*planner_)));
+  std::vector<PointSchedule> schedules;
+  schedules.reserve(points_.size());
+  for (const PointRef& p : points_) {
+    plan::PointUnits u;
+    u.offload_chunk_bytes = planner_->options().offload_chunk_bytes;
+    const Unit* forward = nullptr;
+    for (auto [mb, chunk, a, r] : {std::tuple{p.f_mb, p.f_chunk, &u.forward, &u.forward_r},
+                                   std::tuple{p.b_mb, p.b_chunk, &u.backward, &u.backward_r},
+                                   std::tuple{p.o_mb, p.o_chunk, &u.offload, &u.offload_r},
+                                   std::tuple{p.r_mb, p.r_chunk, &u.recover, &u.recover_r}}) {
+      if (mb < 0) continue;
+      auto found = unit(mb, chunk);
+      if (!found.ok()) return found.status();
+      *a = &(*found)->assignment;
+      *r = (*found)->load;
+      if (a == &u.forward) forward = *found;
+    }
+    if (forward != nullptr) {
+      bytes[p.f_mb][p.f_chunk] = eval.Evaluate(forward->assignment, forward->load).device_bytes;
+      out.recompute_flops += RecomputeFlops(eval, forward->assignment, forward->load);
+    }
+    const plan::Chains chains = plan::BuildChains(eval, u);
+    switch (exec_) {
+      case ExecModel::kSerial:
+        schedules.push_back(ScheduleSerial(chains, trace));
+        break;
+      case ExecModel::kLockstep:
+        schedules.push_back(ScheduleRounds(LockstepItems(chains), trace));
+        break;
+      case ExecModel::kDualBatch: {
+        std::vector<plan::IssueItem> items;
+        if (forward != nullptr) items = RecordedItems(chains, forward->order);
+        if (items.empty()) {
+          const plan::DualBatchSchedule dp = plan::SolveDualBatch(chains);
+          for (size_t r = 0; r < dp.rounds.size(); ++r) {
+            for (int c = 0; c < plan::kChainCount; ++c) {
+              if (dp.rounds[r].stage[c] >= 0) {
+                items.push_back(Item(chains, c, dp.rounds[r].stage[c], static_cast<int>(r)));
+              }
+            }
+          }
+          ++reordered_;
+        }
+        schedules.push_back(ScheduleRounds(items, trace));
+        break;
+      }
+    }
+  }
   WalkPoints(points_, schedules, bytes, trace, out);
   return out;
 }

@@ -3,12 +3,15 @@
 // Dynamic policies ask the StagePlanner; static ones apply a fixed assignment.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "governor/planner/planner.h"
 #include "tools/bgl-sim/point_schedule.h"
 #include "tools/bgl-sim/policy.h"
+#include "tools/bgl-sim/served_plans.h"
 
 namespace bgl::sim {
 
@@ -75,6 +78,43 @@ class DynamicStageRunner : public StageRunner {
   ExecModel exec_;
   std::vector<PointRef> points_;
 };
+
+// The plans a run was served (served_plans.h), replayed in the order of their iterations: each
+// point's chains are built by this cost model from the served assignments at the loads they were
+// planned for; dual-batch issues them in the order the plan recorded where it covers exactly these
+// chains (else the DP's order), serial and lockstep re-issue them.
+class ServedStageRunner : public StageRunner {
+ public:
+  // Resolves every plan's operator names on the planner's stage graph (errors name the file,
+  // the iteration and the operator).
+  static Result<std::unique_ptr<ServedStageRunner>> Create(
+      std::unique_ptr<plan::StagePlanner> planner, ExecModel exec, const ServedPlans& plans);
+  // `loads` is not used: each micro-batch runs at the load its plan was made for.
+  Result<StageIteration> Run(const std::vector<double>& loads, bool trace) override;
+  const plan::StagePlanner& planner() const override { return *planner_; }
+  // Points whose recorded issue order did not cover this cost model's chains (dual-batch only).
+  int reordered() const { return reordered_; }
+
+ private:
+  struct Unit {
+    plan::Assignment assignment;
+    double load = 1;
+    std::vector<ServedIssueItem> order;
+  };
+  ServedStageRunner(std::unique_ptr<plan::StagePlanner> planner, ExecModel exec);
+  std::unique_ptr<plan::StagePlanner> planner_;
+  ExecModel exec_;
+  std::vector<PointRef> points_;
+  std::vector<std::map<std::pair<int, int>, Unit>> iterations_;  // (micro-batch, chunk) -> unit
+  std::string source_;
+  size_t next_ = 0;
+  int reordered_ = 0;
+};
+
+// The issue items of `order` over `chains` when it issues every stage of every chain once, in
+// chain order; empty otherwise.
+std::vector<plan::IssueItem> RecordedItems(const plan::Chains& chains,
+                                           const std::vector<ServedIssueItem>& order);
 
 // Walks a stage's points in order: busy time, the memory curve and its peak. `bytes(mb, chunk)`
 // is what a forward retains; `schedules[i]` is point i's placed work.

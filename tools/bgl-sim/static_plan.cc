@@ -74,6 +74,7 @@ plan::Assignment StaticAssignment(Policy policy, const plan::CostEvaluator& eval
     }
     case Policy::kL3:
     case Policy::kL4:
+    case Policy::kPlans:
       break;
   }
   return plan::FullRecompute(eval);
