@@ -21,7 +21,8 @@ from .vocabulary import FP8, KEEP, OFFLOAD, RECOMPUTE
 
 __all__ = ["install", "uninstall", "instrument", "describe", "operators", "layers", "step_point", "forward",
            "backward", "begin_iteration", "end_iteration", "history", "stats", "dump_snapshot",
-           "force_strategies", "model_document", "stage_graph", "sessions", "parse_size",
+           "force_strategies", "model_document", "served_plans", "stage_graph", "sessions",
+           "parse_size",
            "OpBlock", "Step", "POLICIES", "KEEP", "OFFLOAD", "FP8", "RECOMPUTE",
            "BagualuError", "InstallError", "InstrumentError", "LibraryNotFound",
            "OutOfMemoryError", "PlannerError", "PolicyError", "current",
@@ -151,6 +152,13 @@ def model_document() -> Optional[Dict[str, Any]]:
     """The model document registered with the governor after the capture micro-batch
     (docs/planner.md), or None before it."""
     return current().planning.model_doc
+
+
+def served_plans() -> Dict[str, Any]:
+    """The plans the forwards of the last 64 iterations ran under, one entry per iteration
+    (an iteration with no plan has none): what ``bgl-sim --plans`` replays (planning/plans.py's
+    ``served_plans``)."""
+    return current().planning.served_plans()
 
 
 def stage_graph() -> Optional[Dict[str, Any]]:

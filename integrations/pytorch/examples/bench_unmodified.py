@@ -89,8 +89,10 @@ def main() -> int:
                     help="--same-capacity: only these (comma-separated; plain always runs)")
     ap.add_argument("--sim-graphs", default="",
                     help="--same-capacity: a folder; each model's bagualu run of the first "
-                         "round writes the model document it registered (MODEL.json) and the "
-                         "capacity it planned with (MODEL.capacity): bgl-sim --model reads it")
+                         "round writes the model document it registered (MODEL.json), the "
+                         "capacity it planned with (MODEL.capacity) and the plans its "
+                         "iterations were served (MODEL.plans.json): bgl-sim --model and "
+                         "--plans read them")
     ap.add_argument("--micro-batches", type=int, default=8,
                     help="--same-capacity: micro-batches per iteration (1F1B over 4 stages)")
     ap.add_argument("--width", type=int, default=4, help="--overhead: model width factor")
@@ -358,6 +360,8 @@ def same_capacity(args: argparse.Namespace) -> int:
                         json.dump(r["model_doc"], f, indent=1)
                     with open(base + ".capacity", "w") as f:
                         f.write(f"{r['plan_capacity']}\n")
+                    with open(base + ".plans.json", "w") as f:
+                        json.dump(r["served_plans"], f)
                 times[k].append(statistics.median(r["times_ms"][w:]))
                 warm[k].append(statistics.fmean(r["times_ms"][:w]))
                 lines = r["lines"]  # peak and evictions: every iteration, the warm-up too

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..capture.tracker import Tracker
@@ -21,6 +22,7 @@ from .governor import Governor
 from .strategies import Strategies
 
 UNIT_STRIDE = 1 << 20  # unit id = micro-batch + chunk * UNIT_STRIDE
+SERVED_KEPT = 64  # iterations whose served plans are kept (served_plans)
 
 
 def unit_id(mb: int, chunk: int) -> int:
@@ -58,6 +60,9 @@ class Planning:
         self.plan_capacity = 0   # the capacity the governor plans with (register)
         self.reloaded_ahead: Set[int] = set()  # units an R chain reloads ahead of backward
         self.deferred = 0        # the iteration's deferred replans
+        # unit -> the plan its forward ran under, this iteration (served, not popped)
+        self._served_now: Dict[int, Dict[str, Any]] = {}
+        self.served_log: deque = deque(maxlen=SERVED_KEPT)  # per iteration: _served_now
 
     @property
     def ready(self) -> bool:
@@ -175,7 +180,7 @@ class Planning:
         if self.log is not None:
             self.log.note_plan(unit, plan, (time.perf_counter() - t0) * 1e3, int(in_use),
                                t.counters["evictions"])
-        self.plans[unit] = self.served[unit] = plan
+        self.plans[unit] = self.served[unit] = self._served_now[unit] = plan
         self.strategies.set_plan(unit, {self._global_name(o["name"], forward_chunk):
                                         o["strategy"] for o in plan["operators"]})
         self.budget = min(self.budget, plan["budget_bytes"])
@@ -264,7 +269,7 @@ class Planning:
         if not self.strategies.set_plan(unit, {o["name"]: o["strategy"]
                                                for o in plan["operators"]}):
             return False
-        self.served[unit] = plan
+        self.served[unit] = self._served_now[unit] = plan
         self.deferred += 1
         if self.log is not None:
             self.log.note_downgrade(unit, layer, load, before, self.strategies.in_effect([unit]))
@@ -318,8 +323,21 @@ class Planning:
             self.governor.reset_iteration()
 
     def end_iteration(self) -> None:
+        self.served_log.append(self._served_now)
+        self._served_now = {}
         if self.tracker.issuer is not None:
             self.tracker.issuer.finish()
+
+    def served_plans(self) -> Dict[str, Any]:
+        """The plans the last SERVED_KEPT iterations' forwards ran under (a gate's revision
+        where one replaced the plan), as bgl-sim --plans reads them (tools/bgl-sim/
+        served_plans.h): per iteration, each plan's micro-batch, chunk, load factor, operator
+        strategies and issue order, in the planner's plan fields."""
+        keys = ("micro_batch", "chunk", "load_factor", "operators", "issue_order")
+        return {"format": "bgl-served-plans", "version": 1,
+                "iterations": [{"plans": [{k: p[k] for k in keys if k in p}
+                                          for _, p in sorted(it.items())]}
+                               for it in self.served_log]}
 
     def close(self) -> None:
         if self.governor is not None:
