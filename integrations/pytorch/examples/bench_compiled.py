@@ -17,9 +17,11 @@ the first iteration of these is no compile time).
 ``--same-capacity F`` (issue 41): every configuration at one activation capacity, F times
 eager keep-all's peak (measured first, in a process of its own): plain compiled (no limit: the
 reference time), bagualu compiled per operator, bagualu compiled per block, bagualu eager,
-torch's selective checkpointing under compile (matmul outputs saved, the rest recomputed) and
-the partitioner's activation memory budget (``--budget``); per configuration the iteration
-time and the activation peak (bagualu's accounting; plain PyTorch's saved storages counted by
+bagualu compiled per operator with the experts' recompute variant (issue 41 item 2,
+``compiled_recompute="auto"``), torch's selective checkpointing under compile (matmul outputs
+saved, the rest recomputed) and the partitioner's activation memory budget (``--budget``;
+``--calibration``: bagualu's, an emulated link making copies cost what they would there);
+per configuration the iteration time and the activation peak (bagualu's accounting; plain PyTorch's saved storages counted by
 a saved-tensors hook over the 1F1B schedule), and whether it fits the capacity.
 
     python bench_compiled.py --same-capacity 0.5 --repeats 2 --iterations 3
@@ -38,7 +40,8 @@ from typing import Any, Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("plain compiled", "bagualu compiled", "bagualu eager", "bagualu compiled half peak",
            "bagualu eager half peak")
-SAME = ("plain compiled", "bagualu compiled per operator", "bagualu compiled per block",
+SAME = ("plain compiled", "bagualu compiled per operator",
+        "bagualu compiled per operator with recompute", "bagualu compiled per block",
         "bagualu eager", "selective checkpointing compiled", "memory budget compiled")
 
 
@@ -62,7 +65,10 @@ def one_same(args: argparse.Namespace) -> Dict[str, Any]:
         functorch_config.activation_memory_budget = args.budget
     if c.startswith("bagualu"):
         kw["compiled_operators"] = "block" if "per block" in c else "operators"
-        r = u.train("qwen3_moe", "bagualu", capacity=int(args.capacity), allow_fp8=False, **kw)
+        if "with recompute" in c:  # issue 41 item 2: the experts' recompute variant
+            kw["compiled_recompute"] = "auto"
+        r = u.train("qwen3_moe", "bagualu", capacity=int(args.capacity), allow_fp8=False,
+                    calibration=args.calibration, **kw)
     else:
         r = u.train("qwen3_moe", None, measure_saved=True,
                     checkpoint_layers=c.startswith("selective"), selective=True, **kw)
@@ -75,6 +81,9 @@ def one_same(args: argparse.Namespace) -> Dict[str, Any]:
         out["peak"] = max(int(line["peak_bytes"]) for line in r["lines"])
         t = r["stats"]["tracker"]
         out["moved"] = f"{t['offloads']} offloads, {t['recomputes']} recomputes"
+        rc = r["stats"].get("compiled", {}).get("recompute", {})
+        if rc.get("operators_recomputed"):
+            out["moved"] += f", {rc['operators_recomputed']} operators recomputed in graphs"
     else:
         out["peak"] = r.get("saved_peak", 0)
     return out
@@ -127,7 +136,8 @@ def run(config: str, args: argparse.Namespace) -> Dict[str, Any]:
                "--width", str(args.width), "--seq", str(args.seq), "--iterations",
                str(args.iterations), "--capacity", args.capacity, "--threads",
                str(args.threads), "--same-capacity", str(args.same_capacity), "--budget",
-               str(args.budget)]
+               str(args.budget)] + (["--calibration", args.calibration] if args.calibration
+                                    else [])
         p = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{config}: exit {p.returncode}\n{p.stdout[-2000:]}{p.stderr[-4000:]}")
@@ -153,6 +163,8 @@ def main() -> int:
                     help="every configuration at this fraction of eager keep-all's peak")
     ap.add_argument("--budget", type=float, default=0.5,
                     help="activation_memory_budget of the memory-budget configuration")
+    ap.add_argument("--calibration", help="bagualu's calibration in the same-capacity series "
+                    "(an emulated link: python -m bagualu.planning.emulation)")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one_same(args) if args.same_capacity else one(args)))
