@@ -5,9 +5,13 @@ calibration the run used (BGL_CALIBRATION: the emulated link's rates), with noth
 row, and prints predicted beside measured, as ratios to plain.
 
 Rows bgl-sim has a policy for: plain (static-under at a capacity no plan needs: everything
-kept), full recompute (static-over) and bagualu (L4), at the capacity the run planned with,
-one load of 1.0 per micro-batch, rank 0 of the document's pipeline; in bgl-sim's serial and
-lockstep execution models (--exec; L4 always runs its own dual-batch order).
+kept), full recompute (static-over) and bagualu, at the capacity the run planned with, rank 0
+of the document's pipeline, one load of 1.0 per micro-batch; bagualu twice: bgl-sim's own plans
+(L4, always its own dual-batch order) and the plans the run was served (``plans``: the run's
+MODEL.plans.json, its iterations from the run's warm-up on, at the loads they were planned for:
+the cost model alone, the planner's choices taken from the run); in bgl-sim's serial, lockstep
+and dual-batch execution models (--exec). Per row also the absolute ms per micro-batch of
+plain and of the row's overhead, bgl-sim's beside the run's.
 
     python bench/python/sim_against_run.py --sim build/tools/bgl-sim/bgl-sim \\
         --graphs DIR --run RUN.json --calibration h200.json
@@ -24,23 +28,29 @@ import sys
 import tempfile
 from typing import Dict, List
 
-ROWS = (("full recompute", "static-over"), ("bagualu", "L4"))
-EXECS = ("serial", "lockstep")
+ROWS = (("full recompute", "static-over"), ("bagualu", "L4"), ("bagualu", "plans"))
+EXECS = ("serial", "lockstep", "dual-batch")
 
 
 def predict(sim: str, model_json: str, calibration: str, capacity: int, micro_batches: int,
-            iterations: int, execution: str, policy: str) -> float:
-    """bgl-sim's ms per iteration of ``policy``."""
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write("".join(",".join(["1.0"] * micro_batches) + "\n" for _ in range(iterations)))
-        loads = f.name
+            iterations: int, execution: str, policy: str, plans: str = "") -> float:
+    """bgl-sim's ms per iteration of ``policy`` (``plans``: replaying that file)."""
+    argv = [sim, "--model", model_json, "--gpu", "host", "--calibration", calibration,
+            "--policy", policy, "--capacity", str(capacity), "--ranks", "0", "--exec",
+            execution, "--json"]
+    loads = ""
+    if plans:
+        argv += ["--plans", plans]
+    else:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write("".join(",".join(["1.0"] * micro_batches) + "\n" for _ in range(iterations)))
+            loads = f.name
+        argv += ["--loads", loads]
     try:
-        out = subprocess.run([sim, "--model", model_json, "--gpu", "host", "--calibration",
-                              calibration, "--loads", loads, "--policy", policy, "--capacity",
-                              str(capacity), "--ranks", "0", "--exec", execution, "--json"],
-                             capture_output=True, text=True)
+        out = subprocess.run(argv, capture_output=True, text=True)
     finally:
-        os.unlink(loads)
+        if loads:
+            os.unlink(loads)
     if out.returncode:
         raise ValueError(f"bgl-sim --policy {policy} --exec {execution} on {model_json}: "
                          f"{out.stderr.strip()}")
@@ -48,6 +58,18 @@ def predict(sim: str, model_json: str, calibration: str, capacity: int, micro_ba
     if p["ooms"]:
         raise ValueError(f"bgl-sim: {policy} runs out of memory at {capacity} bytes")
     return 1e3 * p["total_s"] / p["iterations"]
+
+
+def steady_plans(path: str, warmup: int, out_dir: str) -> str:
+    """The run's served plans from iteration ``warmup`` on (the measured ones), as a file."""
+    doc = json.load(open(path))
+    doc["iterations"] = doc["iterations"][warmup:]
+    if not doc["iterations"]:
+        raise ValueError(f"{path}: no iteration after the warm-up's {warmup}")
+    out = os.path.join(out_dir, os.path.basename(path))
+    with open(out, "w") as f:
+        json.dump(doc, f)
+    return out
 
 
 def main(argv: List[str]) -> int:
@@ -60,30 +82,49 @@ def main(argv: List[str]) -> int:
     args = ap.parse_args(argv)
     try:
         run = json.load(open(args.run))
-        print("| model | row | measured vs plain, median (range of rounds) | "
-              + " | ".join(f"bgl-sim {e}" for e in EXECS) + " | predicted / measured |")
-        print("| --- | --- | --- | " + " | ".join("---" for _ in EXECS) + " | --- |")
+        tmp = tempfile.mkdtemp(prefix="sim_against_run.")
+        print("| model | row | bgl-sim policy | measured vs plain, median (range of rounds) | "
+              + " | ".join(f"bgl-sim {e}" for e in EXECS)
+              + " | predicted / measured: " + ", ".join(EXECS)
+              + " | ms per micro-batch, bgl-sim serial / run: plain, the row's overhead |")
+        print("| --- | --- | --- | --- | " + " | ".join("---" for _ in EXECS) + " | --- | --- |")
         for name, table in run["models"].items():
             doc_path = os.path.join(args.graphs, name + ".json")
             capacity = int(open(os.path.join(args.graphs, name + ".capacity")).read())
-            micro_batches = json.load(open(doc_path))["micro_batches"]
+            doc = json.load(open(doc_path))
+            micro_batches = doc["micro_batches"]
+            # bgl-sim's iteration is its stage's work stretched by the 1F1B bubble (its
+            # micro-batches plus pp - 1 slots); the run's, its micro-batches one after another
+            slots = micro_batches + int(doc.get("pp", 1)) - 1
+            plans = steady_plans(os.path.join(args.graphs, name + ".plans.json"),
+                                 int(table.get("warmup_iterations", 1)), tmp)
             runs = table["runs"]
             plain = runs["plain"]["ms"]
+            base = {e: predict(args.sim, doc_path, args.calibration, 1 << 40, micro_batches,
+                               args.iterations, e, "static-under") for e in EXECS}
             for row, policy in ROWS:
                 if row not in runs or not runs[row]["ms"]:
                     continue
                 ms = runs[row]["ms"]
                 measured = [m / p for m, p in zip(ms, plain)]  # paired, same round
                 predicted: Dict[str, float] = {}
+                absolute: Dict[str, float] = {}
                 for e in EXECS:
-                    base = predict(args.sim, doc_path, args.calibration, 1 << 40,
-                                   micro_batches, args.iterations, e, "static-under")
-                    predicted[e] = predict(args.sim, doc_path, args.calibration, capacity,
-                                           micro_batches, args.iterations, e, policy) / base
+                    absolute[e] = predict(args.sim, doc_path, args.calibration, capacity,
+                                          micro_batches, args.iterations, e, policy,
+                                          plans if policy == "plans" else "")
+                    predicted[e] = absolute[e] / base[e]
                 med = statistics.median(measured)
-                print(f"| {name} | {row} | {med:.2f}x ({min(measured):.2f}-{max(measured):.2f}) | "
-                      + " | ".join(f"{predicted[e]:.2f}x" for e in EXECS)
-                      + f" | {predicted['serial'] / med:.2f} |", flush=True)
+                sim_plain = base["serial"] / slots
+                run_plain = statistics.median(plain) / micro_batches
+                print(f"| {name} | {row} | {policy} | {med:.2f}x ({min(measured):.2f}-"
+                      f"{max(measured):.2f}) | "
+                      + " | ".join(f"{predicted[e]:.2f}x" for e in EXECS) + " | "
+                      + ", ".join(f"{predicted[e] / med:.2f}" for e in EXECS)
+                      + f" | {sim_plain:.0f} / {run_plain:.0f}, "
+                      f"+{(absolute['serial'] - base['serial']) / slots:.0f} / "
+                      f"+{(statistics.median(ms) - statistics.median(plain)) / micro_batches:.0f}"
+                      " |", flush=True)
     except (OSError, KeyError, ValueError) as e:
         print(f"sim_against_run: {e}", file=sys.stderr)
         return 2
