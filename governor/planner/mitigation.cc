@@ -381,7 +381,8 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
 
 MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
                                  int gate_layer, double observed_r, double budget,
-                                 double host_limit_bytes, const MitigationOptions& allowed) {
+                                 double host_limit_bytes, const MitigationOptions& allowed,
+                                 const std::vector<Assignment>* warm) {
   const StageGraph& g = eval.graph();
   MitigationResult result;
   result.budget = budget;
@@ -435,17 +436,34 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
   options.allow_offload = allowed.allow_offload;
   options.allow_fp8 = allowed.allow_fp8;
   options.host_limit_bytes = host_limit_bytes;
-  if (std::optional<Assignment> plan = PricedGreedy(eval, observed_r, budget, options, &pins)) {
-    const AssignmentCost c = eval.Evaluate(*plan, observed_r);
+  MitigationResult best = rule;
+  bool best_fits = rule.fits && !over_host(rule.cost);
+  auto consider = [&](Assignment plan) {
+    const AssignmentCost c = eval.Evaluate(plan, observed_r);
     if (!c.conflict && c.device_bytes <= budget && !over_host(c) &&
-        (!rule.fits || over_host(rule.cost) || c.exposed_s < rule.cost.exposed_s)) {
-      result.assignment = std::move(*plan);
-      result.cost = c;
-      result.fits = true;
-      return result;
+        (!best_fits || c.exposed_s < best.cost.exposed_s)) {
+      best = result;
+      best.assignment = std::move(plan);
+      best.cost = c;
+      best.fits = best_fits = true;
     }
+  };
+  if (std::optional<Assignment> plan = PricedGreedy(eval, observed_r, budget, options, &pins)) {
+    consider(std::move(*plan));
   }
-  return rule;
+  // The warm plans at the observed load, the operators that ran as they ran: where the copy
+  // windows decide, a whole-chunk search finds what the priced candidates miss.
+  for (size_t w = 0; warm != nullptr && w < warm->size(); ++w) {
+    if ((*warm)[w].size() != planned.size()) continue;
+    Assignment plan = (*warm)[w];
+    bool permitted = true;
+    for (size_t o = 0; o < plan.size(); ++o) {
+      if (pins.pinned[o]) plan[o] = planned[o];
+      permitted &= options.Permits(plan[o]);
+    }
+    if (permitted) consider(std::move(plan));
+  }
+  return best;
 }
 
 }  // namespace bgl::plan

@@ -110,10 +110,13 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
 // to recompute, then, over the host limit, their offloads to recompute. The cheaper of the two
 // that fits wins (issue 43; the rule alone before). Earlier operators are already executed.
 // `allowed`: the strategies the planner may use (its MitigationOptions' allow_*; the rest of
-// those options is not read here).
+// those options is not read here). `warm`: full-search plans of the whole chunk at (or near)
+// the observed load (the planner's cached plans, issue 43), each a third alternative with the
+// operators that ran set back to their plan; may be null.
 MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
                                  int gate_layer, double observed_r, double budget,
                                  double host_limit_bytes = -1,
-                                 const MitigationOptions& allowed = MitigationOptions());
+                                 const MitigationOptions& allowed = MitigationOptions(),
+                                 const std::vector<Assignment>* warm = nullptr);
 
 }  // namespace bgl::plan

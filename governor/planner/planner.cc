@@ -475,11 +475,8 @@ const StagePlanner::CachedAssignment& StagePlanner::AssignmentFor(const Mitigati
   return mitigation_cache_.Insert(key, entry);
 }
 
-int StagePlanner::NearestPlan(const MitigationKey& key, const RefineJob& job, double bound_s,
-                              double& exposed_s) {
-  // The keys of the same phase and chunk within kNearestBudgets budget buckets, at any load,
-  // host and share bucket: their full-search plans that fit at this key's load (the memory line
-  // of each interned plan), nearest first.
+std::vector<int> StagePlanner::PlansNear(const MitigationKey& key,
+                                         const std::function<bool(const Interned&)>& keep) {
   MitigationKey lo;
   lo.valid = key.valid;
   lo.phase = key.phase;
@@ -493,22 +490,31 @@ int StagePlanner::NearestPlan(const MitigationKey& key, const RefineJob& job, do
   std::vector<std::pair<int64_t, int>> near;  // (distance in buckets, interned id)
   mitigation_cache_.ForEachIn(lo, hi, [&](const MitigationKey& k, const CachedAssignment& c) {
     if (c.first_answer) return;  // full searches only (warm, refined or searched on the call)
-    const Interned& a = interned_[c.id];
-    if (a.fallback || a.device_fixed + a.device_per_load * job.r > job.budget ||
-        !job.options.HostFits(a.host_fixed + a.host_per_load * job.r)) {
-      return;
-    }
+    if (!keep(interned_[c.id])) return;
     near.emplace_back(
         std::abs(k.budget_bucket - key.budget_bucket) + std::abs(k.load_bucket - key.load_bucket),
         c.id);
   });
   std::sort(near.begin(), near.end());
-  std::set<int> seen;
+  std::vector<int> out;
+  for (const auto& [distance, id] : near) {
+    if (std::find(out.begin(), out.end(), id) != out.end()) continue;
+    if (out.size() >= kNearestPlans) break;
+    out.push_back(id);
+  }
+  return out;
+}
+
+int StagePlanner::NearestPlan(const MitigationKey& key, const RefineJob& job, double bound_s,
+                              double& exposed_s) {
+  // Those that fit at this key's load by the memory line of each interned plan.
+  const std::vector<int> near = PlansNear(key, [&](const Interned& a) {
+    return !a.fallback && a.device_fixed + a.device_per_load * job.r <= job.budget &&
+           job.options.HostFits(a.host_fixed + a.host_per_load * job.r);
+  });
   int best = -1;
   CostEvaluator& eval = EvaluatorFor(key.share_bucket);
-  for (const auto& [distance, id] : near) {
-    if (!seen.insert(id).second) continue;
-    if (seen.size() > kNearestPlans) break;
+  for (const int id : near) {
     const AssignmentCost cost = eval.Evaluate(interned_[id].assignment, job.r);
     if (cost.conflict || cost.device_bytes > job.budget || !job.options.HostFits(cost.host_bytes) ||
         cost.exposed_s > bound_s) {
@@ -860,9 +866,24 @@ Result<Plan> StagePlanner::PlanAfterGateUnchecked(int micro_batch, int chunk, in
   }
   UnitState& unit = units_[UnitIndex(micro_batch, chunk)];
   CostEvaluator& eval = EvaluatorFor(unit.share_bucket);
+  // With the warm-up, the cached full-search plans of the whole chunk near the observed load
+  // and the point's budget (the warm-up's, refined misses') are alternatives too.
+  std::vector<Assignment> warm;
+  if (options_.warm_up) {
+    MitigationKey key;
+    key.valid = true;
+    key.phase = static_cast<int>(steps_[forward_step_[UnitIndex(micro_batch, chunk)]].phase);
+    key.chunk = chunk;
+    key.budget_bucket = static_cast<int64_t>(
+        std::floor(unit.budget / static_cast<double>(options_.budget_step_bytes)));
+    key.load_bucket = static_cast<int64_t>(std::ceil(observed_r / options_.load_bucket - 1e-9));
+    for (const int id : PlansNear(key, [](const Interned& a) { return !a.fallback; })) {
+      warm.push_back(interned_[id].assignment);
+    }
+  }
   const MitigationResult revised =
       ReplanAfterGate(eval, interned_[unit.assignment].assignment, gate_layer, observed_r,
-                      unit.budget, unit.host_limit, options_.mitigation);
+                      unit.budget, unit.host_limit, options_.mitigation, &warm);
   unit.assignment = Intern(revised.assignment, observed_r, revised.fallback_full_recompute);
   unit.load = observed_r;
   tracker_.OnReport(micro_batch, chunk, revised.cost.device_bytes);

@@ -7,6 +7,7 @@
 // calling thread.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -293,6 +294,12 @@ class StagePlanner {
   // load, costing at most `bound_s` there (`exposed_s` set to its cost); -1: none.
   int NearestPlan(const MitigationKey& key, const RefineJob& job, double bound_s,
                   double& exposed_s);
+  // The interned ids of the cached full-search plans of `key`'s phase and chunk within
+  // kNearestBudgets budget buckets (any load, host and share bucket) that `keep` accepts: distinct,
+  // nearest first (budget and load buckets apart), at most kNearestPlans. The nearest plan's
+  // candidates, and the downgrade after the gate's warm alternatives (PlanAfterGate).
+  std::vector<int> PlansNear(const MitigationKey& key,
+                             const std::function<bool(const Interned&)>& keep);
   void FillSchedule(Plan& plan, int f_mb, int f_chunk, int b_mb, int b_chunk, int share_bucket,
                     bool use_cache, const Deadline& deadline);
   // The evaluator for a share bucket (kShareSteps: eval_), created on first use.

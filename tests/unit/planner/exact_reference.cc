@@ -131,6 +131,7 @@ struct Problem {
   double slack = 0;      // bytes a sum may pass the limit by (its terms add in another order)
   bool three_d = false;  // equal copy rooflines and no host limit: H2D seconds = D2H seconds
   const Options* options = nullptr;
+  const std::vector<int>* pins = nullptr;  // Options::pinned of the graph Front is given
   double Overhead(const Vec& v) const {
     return v.local + std::max(0.0, v.d2h - forward) + std::max(0.0, v.h2d - backward);
   }
@@ -290,6 +291,9 @@ bool Front(const Problem& p, const StageGraph& g, double limit, double bound, co
     if (s == Strategy::kRecompute && !options.allow_recompute) return false;
     if (s == Strategy::kOffload && !options.allow_offload) return false;
     if (s == Strategy::kFp8 && !options.allow_fp8) return false;
+    if (p.pins != nullptr && (*p.pins)[o] >= 0 && (*p.pins)[o] != static_cast<int>(s)) {
+      return false;
+    }
     return Movable(g, o, s);
   };
   std::vector<int> last(nt, -1);
@@ -583,6 +587,7 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
               const Options& options, const Assignment& incumbent) {
   Optimum out;
   const size_t n = g.ops.size();
+  if (!options.pinned.empty() && options.pinned.size() != n) return out;  // not proven
   Problem p;
   p.hw = &hw;
   p.r = r;
@@ -605,6 +610,10 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
     if (s == Strategy::kRecompute && !options.allow_recompute) return false;
     if (s == Strategy::kOffload && !options.allow_offload) return false;
     if (s == Strategy::kFp8 && !options.allow_fp8) return false;
+    if (!options.pinned.empty() && options.pinned[o] >= 0 &&
+        options.pinned[o] != static_cast<int>(s)) {
+      return false;
+    }
     return Movable(g, o, s);
   };
 
@@ -636,8 +645,17 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
   std::vector<Phi> phis(np);
   std::vector<std::string> keys(np);
   std::map<std::string, size_t> same;  // a part's shape -> the first part of that shape
+  // Each part's pinned strategies (Options::pinned, renumbered; the bounds of the unpinned part
+  // stay lower bounds with pins, which only take assignments away).
+  std::vector<std::vector<int>> part_pins(np);
+  for (size_t i = 0; i < np; ++i) {
+    for (int o : parts[i].ops) {
+      part_pins[i].push_back(options.pinned.empty() ? -1 : options.pinned[o]);
+    }
+  }
   for (size_t i = 0; i < np; ++i) {
     std::string& key = keys[i];
+    for (int pin : part_pins[i]) key += std::to_string(pin) + ",";
     for (const Operator& o : parts[i].graph.ops) {
       key += std::to_string(static_cast<int>(o.kind)) + ":" + Exact(o.forward_s) + ":" +
              std::to_string(o.scales_with_load) + std::to_string(o.fp8_allowed) +
@@ -663,6 +681,7 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
       for (int k = 0; k < kPrices; ++k) {
         const Scalar scalar{sl, k};
         double least_value = 0;
+        p.pins = &part_pins[i];
         if (!Front(p, parts[i].graph, 0, 0, phis[i], 0, 0, labels_left, unused, &scalar,
                    &least_value)) {
           out.labels = options.max_labels - labels_left;
@@ -705,6 +724,7 @@ Optimum Solve(const StageGraph& g, const HardwareProfile& hw, double r, double b
     for (size_t j = 0; j < np; ++j) {
       if (j != i) others_d2h += most_d2h[j], others_h2d += most_h2d[j];
     }
+    p.pins = &part_pins[i];
     const bool ok = Front(p, parts[i].graph, p.limit, bound, others, others_d2h, others_h2d,
                           labels_left, fronts[i]);
     if (!ok) {

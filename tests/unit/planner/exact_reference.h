@@ -46,6 +46,9 @@ struct Options {
   bool allow_recompute = true, allow_offload = true, allow_fp8 = true;
   double host_limit_bytes = -1;
   int64_t max_labels = 20'000'000;  // over all cuts; past it the search gives up
+  // Per operator: -1 free, else the Strategy (as an int) it must take (the operators a forward
+  // already ran, for the downgrade after the gate); empty: none pinned.
+  std::vector<int> pinned;
 };
 
 struct Optimum {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "exact_reference.h"
 #include "governor/planner/mitigation.h"
 #include "real_instances.h"
 
@@ -182,6 +183,48 @@ TEST(ReplanAfterGate, UsesOnlyTheStrategiesThePlannerMay) {
     EXPECT_EQ(Count(b, Strategy::kFp8) + Count(b, Strategy::kOffload), 0) << c.shape;
     const MitigationResult any = ReplanAfterGate(eval, planned, g.layers - 1, 1.3, budget);
     EXPECT_GT(Count(any, Strategy::kFp8), 0) << c.shape << ": the test's FP8 is not attractive";
+  }
+}
+
+// Issue 43's bar for the downgrade (within 1.5x of the optimum for the rest of the chunk at the
+// observed load), against the exact reference with the operators that ran pinned: on these
+// unseen one-layer chunks (GateInstances 4343: the gate of layer 0 sees 1.6 or 2.0, the budget
+// near keep-all, copies that hide under the experts' compute) the priced candidates alone
+// recompute 0.9-3.6 ms where the optimum exposes nothing; with the warm plan of the observed
+// load (the full search of the whole chunk there, as PlanAfterGate finds it cached with the
+// warm-up), its operators that ran set back to their plan, the revision is within the bar.
+TEST(ReplanAfterGate, TheWarmPlanOfTheObservedLoadAgainstTheExactReference) {
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  const std::vector<testing::GateInstance> all = testing::GateInstances(4343, 84);
+  for (const int i : {8, 38, 68, 83}) {
+    const testing::GateInstance& x = all[static_cast<size_t>(i)];
+    const CostEvaluator eval(x.graph, hw);
+    auto planned = SelectMitigation(eval, 1.0, x.budget);
+    ASSERT_TRUE(planned.ok()) << x.label;
+    auto full = SelectMitigation(eval, x.observed, x.budget);  // the warm plan of that key
+    ASSERT_TRUE(full.ok()) << x.label;
+    const std::vector<Assignment> warm = {full->assignment};
+    const MitigationResult alone =
+        ReplanAfterGate(eval, planned->assignment, x.gate, x.observed, x.budget);
+    const MitigationResult revised =
+        ReplanAfterGate(eval, planned->assignment, x.gate, x.observed, x.budget, -1, {}, &warm);
+    reference::Options ro;
+    ro.pinned.assign(x.graph.ops.size(), -1);
+    bool moe_seen = false;
+    for (size_t o = 0; o < x.graph.ops.size(); ++o) {
+      const Operator& op = x.graph.ops[o];
+      moe_seen |= op.layer == x.gate && IsMoeBlock(op.kind);
+      if (op.layer < x.gate || (op.layer == x.gate && !moe_seen)) {
+        ro.pinned[o] = static_cast<int>(planned->assignment[o]);
+        EXPECT_EQ(revised.assignment[o], planned->assignment[o]) << x.label << " op " << o;
+      }
+    }
+    const reference::Optimum opt =
+        reference::Solve(x.graph, hw, x.observed, x.budget, ro, revised.assignment);
+    ASSERT_TRUE(opt.proven && opt.feasible) << x.label;
+    ASSERT_TRUE(revised.fits) << x.label;
+    EXPECT_LE((revised.cost.exposed_s + 1e-5) / (opt.exposed_s + 1e-5), 1.5) << x.label;
+    EXPECT_GT((alone.cost.exposed_s + 1e-5) / (opt.exposed_s + 1e-5), 1.5) << x.label;
   }
 }
 

@@ -388,4 +388,37 @@ inline std::vector<RealInstance> RealInstances(const std::string& data_dir, uint
   return out;
 }
 
+// A downgrade after the gate (issue 43) on an unseen generated MoE chunk of 1-4 layers: the gate
+// of a random layer sees a load of 1.3-2.6 where the plan was made at load 1, the budget one of
+// the five families at load 1 (at least M0 at the observed load). A plain value.
+struct GateInstance {
+  StageGraph graph;
+  double observed = 1;
+  int gate = 0;
+  double budget = 0;
+  std::string label;
+};
+
+inline std::vector<GateInstance> GateInstances(uint32_t seed, int count) {
+  std::mt19937 rng(seed);
+  const HardwareProfile hw = *HardwareProfileByName("h200");
+  constexpr double kObserved[] = {1.3, 1.6, 2.0, 2.6};
+  std::vector<GateInstance> out;
+  for (int i = 0; i < count; ++i) {
+    GateInstance x;
+    const int layers = std::uniform_int_distribution<int>(1, 4)(rng);
+    MoeBlockBuilder builder(rng, hw);
+    std::string shape;
+    x.graph = builder.Build(layers, shape);
+    x.observed = kObserved[std::uniform_int_distribution<int>(0, 3)(rng)];
+    x.gate = std::uniform_int_distribution<int>(0, layers - 1)(rng);
+    x.label = "#" + std::to_string(i) + " " + shape + " (" +
+              std::to_string(builder.ops_per_layer()) + " ops/layer x " + std::to_string(layers) +
+              ") gate " + std::to_string(x.gate) + " at " + std::to_string(x.observed);
+    x.budget = std::max(DrawBudget(rng, x.graph, 1.0, i % 5, x.label), x.graph.M0(x.observed));
+    out.push_back(std::move(x));
+  }
+  return out;
+}
+
 }  // namespace bgl::plan::testing
