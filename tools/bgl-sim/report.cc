@@ -22,24 +22,26 @@ std::string Fmt(const char* format, double v) {
 }
 
 nlohmann::json SummaryJson(const PolicySummary& s) {
-  return {{"policy", PolicyName(s.policy)},
-          {"exec", ExecModelName(s.exec)},
-          {"iterations", s.iterations},
-          {"total_s", s.total_s},
-          {"mfu", s.mfu},
-          {"throughput_tflops", s.throughput_tflops},
-          {"tokens_per_s", s.tokens_per_s},
-          {"normal_mfu", s.normal_mfu},
-          {"spike_mfu", s.spike_mfu},
-          {"spike_s", s.spike_s},
-          {"ooms", s.ooms},
-          {"restart_s", s.restart_s},
-          {"wasted_s", s.wasted_s},
-          {"planning_ms_mean", s.planning_ms_mean},
-          {"planning_ms_max", s.planning_ms_max},
-          {"peak_bytes", s.peak_bytes},
-          {"capacity_bytes", s.capacity_bytes},
-          {"recompute_share", s.recompute_share}};
+  nlohmann::json j = {{"policy", PolicyName(s.policy)},
+                      {"exec", ExecModelName(s.exec)},
+                      {"iterations", s.iterations},
+                      {"total_s", s.total_s},
+                      {"mfu", s.mfu},
+                      {"throughput_tflops", s.throughput_tflops},
+                      {"tokens_per_s", s.tokens_per_s},
+                      {"normal_mfu", s.normal_mfu},
+                      {"spike_mfu", s.spike_mfu},
+                      {"spike_s", s.spike_s},
+                      {"ooms", s.ooms},
+                      {"restart_s", s.restart_s},
+                      {"wasted_s", s.wasted_s},
+                      {"planning_ms_mean", s.planning_ms_mean},
+                      {"planning_ms_max", s.planning_ms_max},
+                      {"peak_bytes", s.peak_bytes},
+                      {"capacity_bytes", s.capacity_bytes},
+                      {"recompute_share", s.recompute_share}};
+  if (s.policy == Policy::kPlans) j["reordered_points"] = s.reordered_points;
+  return j;
 }
 
 // Time from the first spike iteration to the end: the spike phase in which a static policy

@@ -208,6 +208,11 @@ PolicySummary PolicySimulator::Summary() const {
                           config_.model.micro_batch_size * config_.model.seq_len);
   s.tokens_per_s = tokens_per_iteration * s.iterations / s.total_s;
   s.recompute_share = useful_total_ > 0 ? recompute_total_ / useful_total_ : 0;
+  for (const auto& runner : runners_) {
+    if (const auto* served = dynamic_cast<const ServedStageRunner*>(runner.get())) {
+      s.reordered_points += served->reordered();
+    }
+  }
   return s;
 }
 

@@ -70,6 +70,9 @@ struct PolicySummary {
   double peak_bytes = 0;
   double capacity_bytes = 0;
   double recompute_share = 0;  // recompute FLOPs over useful FLOPs
+  // Policy plans under dual-batch: points issued in the DP's order because the recorded issue
+  // order did not cover this cost model's chains (ServedStageRunner::reordered), all stages.
+  int reordered_points = 0;
 };
 
 class PolicySimulator {

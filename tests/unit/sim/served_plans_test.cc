@@ -155,6 +155,9 @@ TEST(ServedPlansTest, ReplayOfOneAssignmentIsThatStaticPlan) {
       EXPECT_DOUBLE_EQ(got->recompute_flops, want->recompute_flops);
     }
     EXPECT_FALSE((*served)->Run(loads, false).ok()) << "a third iteration of two";
+    // No order was recorded: under dual-batch every point takes the DP's.
+    const int points = static_cast<int>(GroupPoints(fixed.planner().steps()).size());
+    EXPECT_EQ((*served)->reordered(), e == ExecModel::kDualBatch ? 2 * points : 0);
   }
 }
 
