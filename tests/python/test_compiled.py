@@ -581,12 +581,16 @@ def test_a_users_joint_graph_passes_still_run() -> None:
     assert_grads(plain["grads"], r["grads"], parameters(), what="a user's joint passes")
 
 
-def _emulated_link(tmp_path: Any) -> str:
-    """A calibration emulating an H200's PCIe link on the host backend (copies ~60x slower
-    than compute would have them here), so that the planner recomputes where copies cost."""
+@pytest.fixture(scope="module")
+def emulated_link(tmp_path_factory: Any) -> str:
+    """A calibration emulating an H200's PCIe link on the host backend (copies as slow beside
+    this CPU's compute as an H200's link beside its compute), so that the planner recomputes
+    where copies cost; written once per module (measuring this machine's rooflines first,
+    where no calibration is cached, takes about 15 s)."""
     import subprocess
     import sys
-    path = tmp_path / "h200.json"
+    require_libs()
+    path = tmp_path_factory.mktemp("link") / "h200.json"
     subprocess.run([sys.executable, "-m", "bagualu.planning.emulation", "--profile",
                     "h200-pcie5", "--threads", "1", "-o", str(path)], check=True,
                    capture_output=True)
@@ -601,7 +605,7 @@ VARIANT_BYTES = 0.05
 
 @per_operator
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_operators_recomputed_inside_compiled_blocks(name: str, tmp_path: Any) -> None:
+def test_operators_recomputed_inside_compiled_blocks(name: str, emulated_link: str) -> None:
     """Issue 41 item 2: recompute per operator inside compiled blocks through a bounded set of
     compiled variants (install(compiled_recompute="auto"): the experts' operators, one group,
     two variants), picked per micro-batch from the plan. At half of keep-all's peak under an
@@ -614,7 +618,7 @@ def test_operators_recomputed_inside_compiled_blocks(name: str, tmp_path: Any) -
     compiled graphs kept: the variant's partition saves the experts' inputs, which the
     planner counts as freed (docs/pytorch.md, "Compiled blocks")."""
     require_libs()
-    link = _emulated_link(tmp_path)
+    link = emulated_link
     count = parameters(name)
     plain = run(None, fresh=True, model=name)
     full = run("keep-all", fresh=False, capacity="64MiB", forced={}, model=name)
@@ -669,7 +673,7 @@ def test_too_many_recompute_variants_are_refused() -> None:
 
 
 @per_operator
-def test_recompute_variants_over_a_run_with_spikes(tmp_path: Any) -> None:
+def test_recompute_variants_over_a_run_with_spikes(emulated_link: str) -> None:
     """Item 2 with simulated expert parallelism and a spike of 2.5x every 4th micro-batch
     (Qwen3-MoE, 3 iterations, at 0.3 of keep-all's peak under an emulated H200 link, where the
     planner recomputes the experts): from a fresh dynamo the compiles stay within the variant
@@ -678,7 +682,7 @@ def test_recompute_variants_over_a_run_with_spikes(tmp_path: Any) -> None:
     losses those of the same compiled run with every stash kept, bit for bit (simulated EP
     computes this rank's experts only)."""
     require_libs()
-    link = _emulated_link(tmp_path)
+    link = emulated_link
     count = parameters()
     spike = dict(SPIKE, iterations=3)
     full = run("bagualu", fresh=True, capacity="64MiB", **spike)
