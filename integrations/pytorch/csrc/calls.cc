@@ -1,6 +1,7 @@
 #include "calls.h"
 
 #include <dlfcn.h>
+#include <structmember.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -56,7 +57,19 @@ struct EnforcerObject {
   PyObject_HEAD bgl_enforcer* enf;
   int holder;  // the consumer every record registers first (native/enforce.py HOLDER)
   EnforceApi api;
+  EnforcerLife life;
 };
+
+PyMemberDef enforcer_members[] = {
+    {"live_blocks", T_LONGLONG, offsetof(EnforcerObject, life.live_blocks), 0,
+     "blocks PyTorch still holds"},
+    {"tracked", T_LONGLONG, offsetof(EnforcerObject, life.tracked), 0,
+     "registered tensors the package has not retired"},
+    {"closing", T_BOOL, offsetof(EnforcerObject, life.closing), 0,
+     "close() was called: destroy once nothing is outstanding"},
+    {"destroyed", T_BOOL, offsetof(EnforcerObject, life.destroyed), 0,
+     "the library's enforcer is destroyed"},
+    {nullptr, 0, 0, 0, nullptr}};
 
 int EnforcerInit(PyObject* self, PyObject* args, PyObject*) {
   unsigned long long lib = 0, enf = 0;
@@ -276,11 +289,12 @@ PyMethodDef pool_methods[] = {
 
 // A heap type named `qualified` with these methods, added to `module` as `name`.
 PyObject* AddType(PyObject* module, const char* name, const char* qualified, const char* doc,
-                  int size, initproc init, PyMethodDef* methods) {
+                  int size, initproc init, PyMethodDef* methods, PyMemberDef* members) {
   PyType_Slot slots[] = {{Py_tp_doc, const_cast<char*>(doc)},
                          {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
                          {Py_tp_init, reinterpret_cast<void*>(init)},
                          {Py_tp_methods, methods},
+                         {members != nullptr ? Py_tp_members : 0, members},
                          {0, nullptr}};
   PyType_Spec spec = {qualified, size, 0, Py_TPFLAGS_DEFAULT, slots};
   PyObject* type = PyType_FromSpec(&spec);
@@ -298,15 +312,19 @@ bool AddCallTypes(PyObject* module) {
   enforcer_type = AddType(module, "Enforcer", "bagualu._C.Enforcer",
                           "Enforcer(library handle, enforcer, holder op): the enforcer's hot calls "
                           "(bgl/enforce.h); each returns the bgl_status with its outputs.",
-                          sizeof(EnforcerObject), EnforcerInit, enforcer_methods);
+                          sizeof(EnforcerObject), EnforcerInit, enforcer_methods, enforcer_members);
   if (enforcer_type == nullptr) return false;
   Py_INCREF(enforcer_type);  // kept for IsEnforcer
   pool_type = AddType(module, "Pool", "bagualu._C.Pool",
                       "Pool(library handle, device): bgl_alloc and bgl_free of that device.",
-                      sizeof(PoolObject), PoolInit, pool_methods);
+                      sizeof(PoolObject), PoolInit, pool_methods, nullptr);
   if (pool_type == nullptr) return false;
   Py_INCREF(pool_type);  // kept for IsPool
   return true;
+}
+
+EnforcerLife* LifeOf(PyObject* enforcer) {
+  return &reinterpret_cast<EnforcerObject*>(enforcer)->life;
 }
 
 bool IsEnforcer(PyObject* obj) {
@@ -356,6 +374,11 @@ int StoreFp8Saved(PyObject* enforcer, const SavedDesc& d, uint64_t* handle, size
 int Acquire(PyObject* enforcer, uint64_t handle, void* stream, void** ptr) {
   auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
   return o->api.acquire(o->enf, handle, -1, stream, ptr);
+}
+
+int ReleaseBlock(PyObject* enforcer, uint64_t handle, void* stream) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  return o->api.release(o->enf, handle, -1, stream);
 }
 
 int Unregister(PyObject* enforcer, uint64_t handle) {

@@ -28,6 +28,18 @@ struct SavedDesc {
   void* stream = nullptr;
 };
 
+// The lifetime of an enforcer (enforce/enforcer.py destroys its library handle once nothing is
+// outstanding): fields of the binding's Enforcer that Python reads and writes as its attributes
+// live_blocks, tracked, closing and destroyed, and the hot path updates here.
+struct EnforcerLife {
+  long long live_blocks = 0;  // blocks PyTorch still holds
+  long long tracked = 0;      // registered tensors the package has not retired
+  char closing = 0;           // close() was called: destroy once nothing is outstanding
+  char destroyed = 0;
+};
+// The lifetime of an Enforcer (`enforcer` must be one: IsEnforcer).
+EnforcerLife* LifeOf(PyObject* enforcer);
+
 // Whether `obj` is an Enforcer.
 bool IsEnforcer(PyObject* obj);
 
@@ -45,6 +57,9 @@ int StoreFp8Saved(PyObject* enforcer, const SavedDesc& desc, uint64_t* handle, s
 
 // bgl_enf_acquire(handle, any consumer, stream) through an Enforcer: the status, *ptr the data.
 int Acquire(PyObject* enforcer, uint64_t handle, void* stream, void** ptr);
+
+// bgl_enf_release(handle, any consumer, stream) through an Enforcer: the status.
+int ReleaseBlock(PyObject* enforcer, uint64_t handle, void* stream);
 
 // bgl_enf_unregister through an Enforcer: the status.
 int Unregister(PyObject* enforcer, uint64_t handle);

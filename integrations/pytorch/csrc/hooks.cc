@@ -399,11 +399,7 @@ bool MoveAtOnce(HooksObject* h, RecordObject* r, bool fp8) {
     return out != nullptr;
   }
   r->enf = static_cast<long long>(handle);
-  long long tracked = 0;
-  if (!GetInt(h->enforcer, names.tracked, &tracked) ||
-      !SetInt(h->enforcer, names.tracked, tracked + 1)) {
-    return false;
-  }
+  LifeOf(h->fast)->tracked += 1;
   // The original storage is only remembered (a later pack of it finds this record).
   PyObject* ref = PyWeakref_NewRef(r->storage, nullptr);
   if (ref == nullptr) return false;

@@ -40,34 +40,67 @@ ViewMeta* MakeMeta(const at::Tensor& t) {
 bool OnDevice(RecordObject* r) { return r->storage != nullptr && r->storage != Py_None; }
 
 // --- a block's end -----------------------------------------------------------------------------
-// The callable a reloaded block's storage runs when torch frees it: enforcer.block_done(handle,
-// record._block_died) (enforce/enforcer.py).
+// The callable a reloaded block's storage runs when torch frees it (blocks.cc RunDone): what
+// enforce/enforcer.py's block_done(handle, record._block_died) does for the Python path's
+// blocks, here without a Python frame.
 struct BlockDoneObject {
-  PyObject_HEAD PyObject* fn;
-  PyObject* handle;
-  PyObject* on_done;
+  PyObject_HEAD PyObject* rec;  // the RecordBase whose block it is
+  PyObject* enforcer;           // its Enforcer (Python): live_blocks, destroyed, closing
+  PyObject* fast;               // that enforcer's _C.Enforcer
+  unsigned long long handle;    // the enforcer's handle of the tensor
+  bool cuda;
 };
 PyTypeObject* block_done_type = nullptr;
 
+bool Retire(PyObject* enf, PyObject* fast, RecordObject* r);
+
+// Record._block_died: PyTorch let go of the enforcer's block; 1 when that retired the record, 0
+// when the record still holds the tensor, -1 with the error set.
+int BlockDied(BlockDoneObject* d, RecordObject* r) {
+  r->live_block = 0;
+  if (!r->released || r->enf == 0) return 0;
+  return Retire(d->enforcer, d->fast, r) ? 1 : -1;
+}
+
 PyObject* BlockDoneCall(PyObject* self, PyObject*, PyObject*) {
   auto* d = reinterpret_cast<BlockDoneObject*>(self);
-  return PyObject_CallFunctionObjArgs(d->fn, d->handle, d->on_done, nullptr);
+  auto* r = reinterpret_cast<RecordObject*>(d->rec);
+  PyObject* enf = d->enforcer;
+  EnforcerLife* life = LifeOf(d->fast);
+  life->live_blocks -= 1;
+  if (life->destroyed) {
+    if (BlockDied(d, r) < 0) return nullptr;
+  } else if (d->cuda) {  // the pool learns PyTorch's stream before the block goes
+    PyObject* s = PyObject_CallMethodNoArgs(enf, names.current_stream);
+    if (s == nullptr) return nullptr;
+    void* stream = s == Py_None ? nullptr : PyLong_AsVoidPtr(s);
+    Py_DECREF(s);
+    if (PyErr_Occurred()) return nullptr;
+    ReleaseBlock(d->fast, d->handle, stream);
+    if (BlockDied(d, r) < 0) return nullptr;
+  } else {
+    const int retired = BlockDied(d, r);
+    if (retired < 0) return nullptr;
+    if (retired == 0) ReleaseBlock(d->fast, d->handle, nullptr);  // the record still holds it
+  }
+  if (life->closing) return PyObject_CallMethodNoArgs(enf, names.destroy_if_done);
+  Py_RETURN_NONE;
 }
 
 int BlockDoneTraverse(PyObject* self, visitproc visit, void* arg) {
   auto* d = reinterpret_cast<BlockDoneObject*>(self);
   Py_VISIT(Py_TYPE(self));
-  Py_VISIT(d->fn);
-  Py_VISIT(d->handle);
-  Py_VISIT(d->on_done);
+  Py_VISIT(d->rec);
+  Py_VISIT(d->enforcer);
+  Py_VISIT(d->fast);
   return 0;
 }
 
 int BlockDoneClear(PyObject* self) {
   auto* d = reinterpret_cast<BlockDoneObject*>(self);
-  Py_CLEAR(d->fn);
-  Py_CLEAR(d->handle);
-  Py_CLEAR(d->on_done);
+  Py_CLEAR(d->rec);
+  Py_CLEAR(d->enforcer);
+  Py_CLEAR(d->fast);
   return 0;
 }
 
@@ -101,12 +134,12 @@ bool Unaccount(HooksObject* h, RecordObject* r) {
   return true;
 }
 
-// Enforcer.retire(handle) of enforce/enforcer.py, for a record no block of is alive.
-bool Retire(HooksObject* h, RecordObject* r) {
+// Enforcer.retire(handle) of enforce/enforcer.py, for a record no block of is alive: `enf` is the
+// record's Enforcer, `fast` its _C.Enforcer.
+bool Retire(PyObject* enf, PyObject* fast, RecordObject* r) {
   if (r->enf == 0) return true;
   const auto handle = static_cast<uint64_t>(r->enf);
   r->enf = 0;
-  PyObject* enf = h->enforcer;
   PyObject* regen = Get(enf, names.regenerators);
   if (regen == nullptr) return false;
   if (PyDict_GET_SIZE(regen) > 0) {
@@ -120,26 +153,16 @@ bool Retire(HooksObject* h, RecordObject* r) {
     Py_DECREF(k);
   }
   Py_DECREF(regen);
-  PyObject* destroyed = Get(enf, names.destroyed);
-  if (destroyed == nullptr) return false;
-  const int gone = PyObject_IsTrue(destroyed);
-  Py_DECREF(destroyed);
-  if (gone != 0) return gone > 0;
-  Unregister(h->fast, handle);
-  long long tracked = 0;
-  if (!GetInt(enf, names.tracked, &tracked) || !SetInt(enf, names.tracked, tracked - 1)) {
-    return false;
-  }
-  PyObject* closing = Get(enf, names.closing);
-  if (closing == nullptr) return false;
-  const int close = PyObject_IsTrue(closing);
-  Py_DECREF(closing);
-  if (close > 0) {
+  EnforcerLife* life = LifeOf(fast);
+  if (life->destroyed) return true;
+  Unregister(fast, handle);
+  life->tracked -= 1;
+  if (life->closing) {
     PyObject* out = PyObject_CallMethodNoArgs(enf, names.destroy_if_done);
     if (out == nullptr) return false;
     Py_DECREF(out);
   }
-  return close >= 0;
+  return true;
 }
 
 // RecordStore.retire (capture/store.py): the record leaves the live records of its storage and
@@ -177,11 +200,13 @@ bool ReleaseHere(RecordObject* r, bool* done) {
   if (h == nullptr || (r->enf != 0 && !r->live_block && h->fast == nullptr)) return true;
   *done = true;
   if (!Unaccount(h, r)) return false;
+  // Released before the storage goes: a reloaded block that dies with it retires the record in
+  // its end (BlockDoneCall), with no release of the block to the enforcer first.
+  r->released = 1;
   Py_CLEAR(r->storage);
   Py_CLEAR(r->regen);
   Py_CLEAR(r->packs);
-  r->released = 1;
-  if (!r->live_block && !Retire(h, r)) return false;
+  if (!r->live_block && !Retire(h->enforcer, h->fast, r)) return false;
   return Forget(r);
 }
 
@@ -202,11 +227,8 @@ PyObject* ReloadHere(RecordObject* r, bool* done) {
   HooksObject* h = HooksOf(r);
   if (h == nullptr || h->fast == nullptr) return nullptr;
   PyObject* enf = h->enforcer;
-  PyObject* destroyed = Get(enf, names.destroyed);
-  if (destroyed == nullptr) return nullptr;
-  const int gone = PyObject_IsTrue(destroyed);
-  Py_DECREF(destroyed);
-  if (gone != 0) return nullptr;  // record.py raises the error naming it
+  EnforcerLife* life = LifeOf(h->fast);
+  if (life->destroyed) return nullptr;  // record.py raises the error naming it
   void* stream = nullptr;
   if (h->enforcer_cuda) {
     PyObject* s = PyObject_CallMethodNoArgs(enf, names.current_stream);
@@ -217,20 +239,19 @@ PyObject* ReloadHere(RecordObject* r, bool* done) {
   void* ptr = nullptr;
   if (Acquire(h->fast, static_cast<uint64_t>(r->enf), stream, &ptr) != 0) return nullptr;
   *done = true;
-  long long blocks = 0;
-  if (!GetInt(enf, names.live_blocks, &blocks) || !SetInt(enf, names.live_blocks, blocks + 1)) {
-    return nullptr;
-  }
+  life->live_blocks += 1;
   auto* d = reinterpret_cast<BlockDoneObject*>(block_done_type->tp_alloc(block_done_type, 0));
   if (d == nullptr) return nullptr;
-  d->fn = Get(enf, names.block_done);
-  d->handle = PyLong_FromLongLong(r->enf);
-  d->on_done = Get(reinterpret_cast<PyObject*>(r), names.block_died);
-  PyObject* storage = nullptr;
-  if (d->fn != nullptr && d->handle != nullptr && d->on_done != nullptr) {
-    storage = MakeBlockStorage(ptr, r->nbytes, h->enforcer_cuda, h->device_index,
-                               reinterpret_cast<PyObject*>(d));
-  }
+  Py_INCREF(r);
+  d->rec = reinterpret_cast<PyObject*>(r);
+  Py_INCREF(enf);
+  d->enforcer = enf;
+  Py_INCREF(h->fast);
+  d->fast = h->fast;
+  d->handle = static_cast<unsigned long long>(r->enf);
+  d->cuda = h->enforcer_cuda;
+  PyObject* storage = MakeBlockStorage(ptr, r->nbytes, h->enforcer_cuda, h->device_index,
+                                       reinterpret_cast<PyObject*>(d));
   Py_DECREF(d);
   if (storage == nullptr) return nullptr;
   Py_INCREF(storage);
@@ -480,7 +501,7 @@ bool AddPackedType(PyObject* module, PyTypeObject** type) {
   PyType_Spec spec = {"bagualu._C.Packed", sizeof(PackedObject), 0,
                       Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, slots};
   PyType_Slot done_slots[] = {
-      {Py_tp_doc, const_cast<char*>("A reloaded block's end: enforcer.block_done(h, on_done).")},
+      {Py_tp_doc, const_cast<char*>("A reloaded block's end (enforcer.block_done, natively).")},
       {Py_tp_call, reinterpret_cast<void*>(BlockDoneCall)},
       {Py_tp_traverse, reinterpret_cast<void*>(BlockDoneTraverse)},
       {Py_tp_clear, reinterpret_cast<void*>(BlockDoneClear)},

@@ -21,10 +21,23 @@ from ..native import ext
 from ..native.enforce import HOLDER
 
 
+def _life(name: str, doc: str) -> property:
+    """An attribute of the enforcer's lifetime, held by the binding's Enforcer (``fast``), which
+    the hot path's registrations and releases update without a Python call."""
+    return property(lambda self: getattr(self.fast, name),
+                    lambda self, value: setattr(self.fast, name, value), doc=doc)
+
+
 class EnforcerHandle:
     """One enforcer over the allocator's pool of one device (CUDA device index, or the host
     backend's device 0 on CPU): what every call on it shares. Not thread-safe: the training
     thread (and autograd's while the training thread waits in backward())."""
+
+    # Its lifetime (enforce/enforcer.py destroys it once nothing is outstanding).
+    live_blocks = _life("live_blocks", "blocks PyTorch still holds")
+    tracked = _life("tracked", "registered tensors the package has not retired")
+    closing = _life("closing", "close() was called: destroy once nothing is outstanding")
+    destroyed = _life("destroyed", "the library's enforcer is destroyed")
 
     def __init__(self, device: torch.device, pinned_capacity: int, fp8_block: int = 128,
                  sync_copies: bool = False, emulated_link: Optional[str] = None) -> None:
@@ -61,13 +74,9 @@ class EnforcerHandle:
         self._callback = native.RECOMPUTE_FN(self._recompute)  # kept alive as long as the enforcer
         self.check(self.lib.bgl_enf_set_recompute_callback(self.handle, self._callback, None),
                    "set_recompute_callback")
-        # Its lifetime (enforce/enforcer.py destroys it once nothing is outstanding).
-        self.live_blocks = 0  # blocks PyTorch still holds
-        self.tracked = 0      # registered tensors not yet retired
-        self.closing = False  # close() was called: destroy once nothing is outstanding
-        self.destroyed = False
         # The hot path's calls, through the compiled binding (each returns the status with its
         # outputs): registration and the register-and-move calls, moves, acquire and release.
+        # It holds the enforcer's lifetime too (the properties below).
         self.fast = ext.load().Enforcer(self.lib._handle, self.handle, HOLDER)
 
     # -- errors -----------------------------------------------------------------------------

@@ -19,10 +19,10 @@ struct Names {
       *capture, *producers, *strategy_of, *min_move_bytes, *by_mb, *counters, *seq, *pack_py,
       *add_consumer, *device_alloc, *device_free, *sizes, *release, *materialize, *issuer, *active,
       *backward_op, *records, *current_stream, *device, *dtype, *hooks, *scheduled, *op_ids,
-      *tracked, *offloads, *bytes_d2h, *reloads, *bytes_h2d, *live_blocks, *destroyed, *block_done,
-      *block_died, *acquired, *retire, *enforcer, *regenerators, *closing, *destroy_if_done, *layer,
-      *fp8_casts, *fp8_uncasts, *used, *reserved, *grow, *store, *light_set, *light_grain,
-      *operators, *external, *small_kept, *policy, *forced, *per_unit, *qualname_slot;
+      *offloads, *bytes_d2h, *reloads, *bytes_h2d, *acquired, *retire, *enforcer, *regenerators,
+      *destroy_if_done, *layer, *fp8_casts, *fp8_uncasts, *used, *reserved, *grow, *store,
+      *light_set, *light_grain, *operators, *external, *small_kept, *policy, *forced, *per_unit,
+      *qualname_slot;
 };
 extern Names names;
 bool InternNames();
