@@ -17,7 +17,7 @@ namespace {
 
 // The version of this binding's interface to the package (native/ext.py checks it): raised when
 // a call's arguments or results change, so a stale build is refused by name, not misused.
-constexpr int64_t kAbiVersion = 3;
+constexpr int64_t kAbiVersion = 4;
 
 int64_t AbiVersion() { return kAbiVersion; }
 
