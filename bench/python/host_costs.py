@@ -70,17 +70,17 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    os.environ.pop("BGL_CALIBRATION", None)  # host copies: a copy is a memcpy
-    import torch
-    torch.set_num_threads(1)
-    import bagualu
     from bagualu.planning import calibration
-    import unmodified as u
     try:
         doc = calibration.load_file(args.calibration)
     except calibration.CalibrationError as e:
         print(f"host_costs: {e}", file=sys.stderr)
         return 2
+    os.environ.pop("BGL_CALIBRATION", None)  # host copies: a copy is a memcpy
+    import torch
+    torch.set_num_threads(1)
+    import bagualu
+    import unmodified as u
     kw = dict(width=args.width, seq=args.seq, ep=False, micro_batches=args.micro_batches)
     offload_all = {op: "offload" for op in bagualu.operators(u.build(args.model,
                                                                       width=args.width))}

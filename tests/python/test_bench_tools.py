@@ -120,3 +120,39 @@ def test_copies_alone_time_the_runs_copies_and_none_without_them() -> None:
     assert ms is not None and ms > 0
     assert bench_unmodified._range_cell([]) == ""
     assert bench_unmodified._range_cell([2.0, 1.0, 3.0]) == "2.0 (1.0-3.0)"
+
+
+def _bench_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "python" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sim_against_run_needs_the_plans_the_run_was_served(tmp_path, capsys) -> None:
+    """Issue 42: the bagualu row replays MODEL.plans.json; a folder without it is exit 2 naming
+    the file, and a plans file with nothing after the warm-up names that."""
+    sim = _bench_script("sim_against_run")
+    graphs = tmp_path / "graphs"
+    graphs.mkdir()
+    (graphs / "m.json").write_text(json.dumps({"micro_batches": 4, "pp": 4}))
+    (graphs / "m.capacity").write_text("1000\n")
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"models": {"m": {"warmup_iterations": 1, "runs": {
+        "plain": {"ms": [1.0]}, "bagualu": {"ms": [1.2]}}}}}))
+    argv = ["--sim", str(tmp_path / "no-sim"), "--graphs", str(graphs), "--run", str(run),
+            "--calibration", str(tmp_path / "c.json")]
+    assert sim.main(argv) == 2
+    assert "m.plans.json" in capsys.readouterr().err
+    (graphs / "m.plans.json").write_text(json.dumps(
+        {"format": "bgl-served-plans", "version": 1, "iterations": [{"plans": []}]}))
+    assert sim.main(argv) == 2
+    assert "no iteration after the warm-up's 1" in capsys.readouterr().err
+
+
+def test_host_costs_refuses_a_missing_calibration(tmp_path, capsys) -> None:
+    host_costs = _bench_script("host_costs")
+    assert host_costs.main(["--calibration", str(tmp_path / "none.json"), "-o",
+                            str(tmp_path / "out.json")]) == 2
+    assert "none.json: not found" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
