@@ -534,6 +534,7 @@ grpc::Status GovernorCore::ListSessions(const Caller& caller, const pb::ListSess
     FillNodeFields(*s, out);
     std::lock_guard<std::mutex> lock(s->mu);
     out->set_host_used_bytes(s->host_used_bytes);
+    if (s->warm_up) *out->mutable_warm_up() = *s->warm_up;
   }
   return grpc::Status::OK;
 }

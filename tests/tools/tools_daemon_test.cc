@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -271,6 +272,73 @@ TEST_F(ToolsAgainstDaemon, CtlPlan) {
   ASSERT_EQ(RunShell(Ctl(probe + " --budget-step 1MiB"), &out), 0) << out;
   ASSERT_EQ(RunShell(Ctl("sessions --json"), &out), 0) << out;
   EXPECT_EQ(nlohmann::json::parse(out)["sessions"].size(), 2u) << out;  // the probe is gone
+}
+
+// bglctl sessions shows the warm-up's figures (issue 43): WARM-KEYS and WARM-HITS for a session
+// that asked for the warm-up (RegisterRequest.warm_up) as of its latest plan, '-' for the others;
+// --json carries Session.warm_up.
+TEST_F(ToolsAgainstDaemon, CtlSessionsShowsTheWarmUp) {
+  bagualu::v1::RegisterRequest req;
+  req.set_gpu_uuid("GPU-test-warm");
+  req.set_gpu_index(2);
+  req.set_pid(getpid());
+  req.set_job_id("job-warm");
+  req.set_capacity_bytes(2 * kGiB);
+  req.set_model_json(ReadAll(std::string(BGL_MODELS_DIR) + "/tiny-moe.json"));
+  req.mutable_warm_up()->set_spike_bound(1.5);
+  bagualu::v1::RegisterResponse registered;
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status st = stub_->Register(&ctx, req, &registered);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  bagualu::v1::PlanRequest plan;
+  plan.set_session_id(registered.session_id());
+  plan.set_phase(bagualu::v1::PHASE_WARMUP);
+  plan.set_forward_micro_batch(0);
+  plan.set_load_factor(1.0);
+  bagualu::v1::PlanResponse planned;
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status st = stub_->Plan(&ctx, plan, &planned);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  std::string out;
+  ASSERT_EQ(RunShell(Ctl("sessions"), &out), 0) << out;
+  EXPECT_NE(out.find("WARM-KEYS"), std::string::npos) << out;
+  EXPECT_NE(out.find("WARM-HITS"), std::string::npos) << out;
+  std::istringstream lines(out);
+  int warm_rows = 0, cold_rows = 0;
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream fields(line);
+    std::vector<std::string> f;
+    for (std::string x; fields >> x;) f.push_back(x);
+    if (f.size() < 2) continue;
+    const std::string& keys = f[f.size() - 2];
+    const std::string& hits = f[f.size() - 1];
+    if (line.find(registered.session_id()) != std::string::npos) {
+      ++warm_rows;
+      EXPECT_TRUE(!keys.empty() && std::isdigit(static_cast<unsigned char>(keys[0]))) << line;
+      EXPECT_TRUE(!hits.empty() && std::isdigit(static_cast<unsigned char>(hits[0]))) << line;
+    } else if (line.find(sessions_[0]) != std::string::npos ||
+               line.find(sessions_[1]) != std::string::npos) {
+      ++cold_rows;
+      EXPECT_EQ(keys, "-") << line;
+      EXPECT_EQ(hits, "-") << line;
+    }
+  }
+  EXPECT_EQ(warm_rows, 1) << out;
+  EXPECT_EQ(cold_rows, 2) << out;
+  ASSERT_EQ(RunShell(Ctl("sessions --json"), &out), 0) << out;
+  const auto json = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_FALSE(json.is_discarded()) << out;
+  int with_warm_up = 0;
+  for (const auto& s : json["sessions"]) {
+    if (!s.contains("warm_up")) continue;
+    ++with_warm_up;
+    EXPECT_EQ(s["session_id"], registered.session_id()) << out;
+  }
+  EXPECT_EQ(with_warm_up, 1) << out;
 }
 
 TEST_F(ToolsAgainstDaemon, ToolsFailClearlyWhenTheDaemonIsGone) {

@@ -48,19 +48,26 @@ int RunSessions(const CtlContext& ctx, const CtlOptions& options) {
     return 0;
   }
   char line[640];
-  std::snprintf(line, sizeof line, "%-20s %8s %-10s %-16s %4s %5s %-16s %10s %10s %10s %5s\n",
-                "SESSION", "PID", "USER", "JOB", "GPU", "RANK", "MODEL", "CAPACITY", "HOST-GRANT",
-                "HOST-USED", "AGE");
+  std::snprintf(line, sizeof line,
+                "%-20s %8s %-10s %-16s %4s %5s %-16s %10s %10s %10s %5s %9s %9s\n", "SESSION",
+                "PID", "USER", "JOB", "GPU", "RANK", "MODEL", "CAPACITY", "HOST-GRANT", "HOST-USED",
+                "AGE", "WARM-KEYS", "WARM-HITS");
   *ctx.out << line;
   for (const auto& s : response.sessions()) {
-    std::snprintf(line, sizeof line, "%-20s %8d %-10s %-16s %4d %5d %-16s %10s %10s %10s %5s\n",
+    // The warm-up (RegisterRequest.warm_up): its plans cached now and the points they served;
+    // '-' for a session without it.
+    const bool warm = s.has_warm_up();
+    const std::string warm_keys = warm ? std::to_string(s.warm_up().keys()) : "-";
+    const std::string warm_hits = warm ? std::to_string(s.warm_up().hits()) : "-";
+    std::snprintf(line, sizeof line,
+                  "%-20s %8d %-10s %-16s %4d %5d %-16s %10s %10s %10s %5s %9s %9s\n",
                   s.session_id().c_str(), s.pid(),
                   (s.user().empty() ? std::to_string(s.uid()) : s.user()).c_str(),
                   s.job_id().c_str(), s.gpu_index(), s.pipeline_rank(), s.model().c_str(),
                   FormatBytes(static_cast<double>(s.capacity_bytes())).c_str(),
                   FormatBytes(static_cast<double>(s.host_grant_bytes())).c_str(),
                   FormatBytes(static_cast<double>(s.host_used_bytes())).c_str(),
-                  Age(s.created_unix_ms()).c_str());
+                  Age(s.created_unix_ms()).c_str(), warm_keys.c_str(), warm_hits.c_str());
     *ctx.out << line;
   }
   if (response.sessions().empty()) *ctx.out << "(no sessions)\n";
