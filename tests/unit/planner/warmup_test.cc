@@ -298,6 +298,60 @@ TEST(Warmup, AColdKeyIsServedTheNearestPlanWhereItIsNotCostlier) {
   }
 }
 
+// With the warm-up the downgrade after the gate also weighs the cached full-search plans near
+// the observed load (ReplanAfterGate's warm alternatives): never costlier than without them, and
+// cheaper where a warm plan of the observed load does better than the priced candidates.
+TEST(Warmup, TheDowngradeAfterTheGateWeighsTheWarmPlansOfTheObservedLoad) {
+  auto warm_made = Glm423(Warm(1.6));
+  auto cold_made = Glm423(PlannerOptions{});
+  ASSERT_TRUE(warm_made.ok() && cold_made.ok());
+  StagePlanner& warm = **warm_made;
+  StagePlanner& cold = **cold_made;
+  ASSERT_TRUE(warm.StartWarmup().ok());
+  warm.WaitForWarmup();
+  int k = 1;  // forwards until the next backward at micro-batch 0's forward
+  for (size_t i = 0; i < warm.steps().size(); ++i) {
+    const Step& s = warm.steps()[i];
+    if (s.forward && s.micro_batch == 0 && s.chunk == 0)
+      k = ForwardsUntilNextBackward(warm.steps(), i);
+  }
+  int cheaper = 0, revised = 0;
+  for (double in_use : {12.0, 24.0}) {  // budgets of about 12 and 24 M0
+    for (double observed : {1.3, 1.6}) {
+      for (int gate = 0; gate < 1; ++gate) {
+        SchedulePoint point;
+        point.forward_micro_batch = 0;
+        point.load_factor = 1.0;
+        point.bytes_in_use =
+            static_cast<int64_t>(warm.activation_capacity() - in_use * k * warm.m0());
+        double overhead[2] = {0, 0};
+        bool deferred = false;
+        int i = 0;
+        for (StagePlanner* p : {&warm, &cold}) {
+          if (p == &warm) {  // the point's budget met, then warmed at every load
+            ASSERT_TRUE(p->PlanPoint(point).ok());
+            p->ResetIteration();
+            p->WaitForWarmup();
+          }
+          auto planned = p->PlanPoint(point);
+          ASSERT_TRUE(planned.ok());
+          auto after = p->PlanAfterGate(0, 0, gate, observed);
+          ASSERT_TRUE(after.ok()) << after.status().message();
+          overhead[i++] = after->overhead_s;
+          deferred = after->strategies != planned->strategies;
+          p->ResetIteration();
+        }
+        if (!deferred) continue;
+        ++revised;
+        EXPECT_LE(overhead[0], overhead[1] + 1e-12) << in_use << " " << observed << " " << gate;
+        cheaper += overhead[0] < overhead[1] - 1e-9 ? 1 : 0;
+      }
+    }
+  }
+  EXPECT_GT(revised, 0);
+  EXPECT_GT(cheaper, 0);
+}
+
 // The same run without the warm-up misses: the test above is not vacuous.
 TEST(Warmup, WithoutItTheSpikedKeysMiss) {
   auto made = Glm423(PlannerOptions{});
