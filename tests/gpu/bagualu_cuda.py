@@ -34,6 +34,12 @@ Scenarios:
                offloaded, recomputed (bitwise) and in FP8 (within 10%); the first iteration
                (the compile) and later iterations of plain compile and bagualu with nothing to
                mitigate (--json-out).
+  compiled-recompute
+               the same model compiled per operator with the experts' recompute variant
+               (issue 41 item 2, compiled_recompute="auto"): the planner's run at half of
+               keep-all's peak and a forced mix (experts recomputed inside the graphs, the q
+               projection offloaded): graphs within the variants used, no break, plain
+               compiled gradients bit for bit; the mix again compiles nothing.
   torchtitan   torchtitan 0.3.0's own trainer (torchtitan.train, one rank) on its deepseek_v3
                debug model, through --module bagualu.torchtitan: keep-all (its run without
                activation checkpointing, deterministic), bagualu at half of keep-all's step
@@ -368,6 +374,63 @@ def scenario_compiled(json_out: str) -> dict:
     return out
 
 
+def scenario_compiled_recompute() -> dict:
+    """Issue 41 item 2 on the GPU: every decoder layer of Qwen3-MoE compiled with inductor
+    (fullgraph=True, in place), per operator with the experts' recompute variant
+    (install(compiled_recompute="auto")): the planner's own run at half of the per-operator
+    keep-all peak, and a forced mix (the experts recomputed inside the compiled graphs, the
+    q projection offloaded, the rest kept) that uses the variant whatever the GPU's plans
+    choose, each from a fresh dynamo: graphs, breaks, the variants' calls, operators
+    recomputed, tracker counts, the points' bytes and gradients against plain compiled
+    (deterministic kernels); then the forced mix again on the warm dynamo (nothing
+    compiled: each variant hits its cache entry)."""
+    import unmodified as u
+    from torch._dynamo.utils import counters
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    out: dict = {"skipped": []}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:  # the GPU machine may lack it
+        out["skipped"] = ["qwen3_moe"]
+        return out
+    base = dict(layers=2, ep=False, spike_every=0, device=DEVICE, compiled="in-place",
+                compile_options={"fullgraph": True}, compiled_operators="operators")
+
+    def run(policy, fresh: bool, **kw) -> dict:
+        if fresh:
+            torch._dynamo.reset()
+        counters.clear()
+        r = u.train("qwen3_moe", policy, **{**base, **kw})
+        r["dynamo"] = [counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())]
+        return r
+
+    def brief(r: dict) -> dict:
+        return {"oom": r["oom"], "dynamo": r["dynamo"],
+                "same_losses": r["losses"] == plain["losses"],
+                "tracker": r["stats"]["tracker"],
+                "recompute": r["stats"]["compiled"]["recompute"],
+                "mixed_blocks": r["stats"]["compiled"]["mixed_blocks"],
+                "points": [(p["predicted_bytes"], p["actual_bytes"]) for line in r["lines"]
+                           for p in line["points"]
+                           if p.get("predicted_bytes") and p.get("actual_bytes")],
+                "grads": _grads(plain["grads"], r["grads"])}
+
+    full = run("keep-all", True, capacity="4GiB", forced={})  # first: the allocator swap
+    out["swapped"] = bagualu.installer.cuda_allocator_swapped()
+    plain = run(None, True)
+    out["parameters"] = len(plain["grads"])
+    out["plain_dynamo"] = plain["dynamo"]
+    peak = max(int(line["peak_bytes"]) for line in full["lines"])
+    out["peak"] = peak
+    out["planned"] = brief(run("bagualu", True, capacity=peak // 2, allow_fp8=False,
+                               compiled_recompute="auto"))
+    forced = dict(capacity="4GiB", compiled_recompute="auto",
+                  forced={"mlp.experts": "recompute", "self_attn.q_proj": "offload"})
+    out["forced"] = brief(run("bagualu", True, **forced))
+    out["again"] = brief(run("bagualu", False, **forced))
+    return out
+
+
 def scenario_fsdp2() -> dict:
     import torch.distributed as dist
     sys.path.insert(0, str(ROOT / "tests" / "python"))
@@ -540,7 +603,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scenario", choices=["swap", "late", "correctness", "bench", "unmodified",
                                          "overhead", "issue-order", "fsdp2", "compiled",
-                                         "torchtitan"])
+                                         "compiled-recompute", "torchtitan"])
     ap.add_argument("--config", default="default", choices=["default", "large"])
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--json-out", default="")
@@ -568,6 +631,8 @@ def main() -> int:
         emit(scenario_fsdp2())
     elif args.scenario == "compiled":
         emit(scenario_compiled(args.json_out))
+    elif args.scenario == "compiled-recompute":
+        emit(scenario_compiled_recompute())
     elif args.scenario == "torchtitan":
         emit(scenario_torchtitan(args.json_out))
     elif args.scenario == "overhead":

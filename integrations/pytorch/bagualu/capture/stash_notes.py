@@ -184,7 +184,9 @@ class StashNotes:
             if strategy == RECOMPUTE and name in self.recomputed.get((mb, layer), ()):
                 self.leftover += 1  # the variant's partition saved it still: as the block
                 return
-            if strategy == RECOMPUTE:  # cannot be rerun alone: its block's strategy holds it
+            if strategy == RECOMPUTE and rt.capturing and name in self.recomputable:
+                pass  # the capture runs the plain variant: measured as its operator's, kept
+            elif strategy == RECOMPUTE:  # cannot be rerun alone: the block's strategy holds it
                 if name not in self.calls.warned:
                     self.calls.warned.add(name)
                     log.warning("bagualu: %s is inside a compiled block and cannot be "
