@@ -194,7 +194,7 @@ def test_compiled_blocks_recompute_operators_on_the_gpu() -> None:
     for what in ("planned", "forced", "again"):
         x = r[what]
         rc = x["recompute"]
-        used = [v for v, c in rc["calls"].items() if c]
+        used = {v for v, c in rc["calls"].items() if c} | {"none"}  # the capture's: plain
         assert x["oom"] is None and x["same_losses"], (what, x)
         assert x["dynamo"][1] == 0 and x["dynamo"][0] <= len(used) <= rc["variant_limit"], \
             (what, x["dynamo"], rc)
