@@ -44,6 +44,8 @@ def test_a_bad_size_is_refused_naming_what(value: Any) -> None:
     ("policy", "fast", r"unknown policy 'fast' \(known: keep-all, static-under"),
     ("issue_order", "random", r"unknown issue_order 'random' \(known: dual-batch, serial\)"),
     ("compiled_operators", "all", r"unknown compiled_operators 'all' \(known: operators, block"),
+    ("compiled_recompute", "experts", r"^compiled_recompute: 'experts' is neither None, 'auto'"),
+    ("compiled_recompute", [[]], r"^compiled_recompute: group \[\] is not a non-empty list"),
     ("governor", "unix://", r"^governor: 'unix://' names no socket path"),
     ("governor", "unix:///run/x.sock extra", r"^governor: .* has spaces or control characters"),
     ("governor", "host:1\x00", r"^governor: .* has spaces or control characters"),
