@@ -19,8 +19,11 @@ Per operator (``per_op``; torch 2.15 and later, the default): each compiled call
 ``unstash`` into the block's graphs (capture/stash.py): every tensor the compiled graph saves is
 named by the operator whose module computed it and placed by that operator's strategy for the
 micro-batch (keep, offload, FP8), the layers keeping the eager block's operators. An operator
-cannot be rerun alone inside a compiled graph, so the planner is told none of them recomputes
-(``recompute_allowed``); the operators' times are the block's, shared by the bytes each saves.
+cannot be rerun alone inside a compiled graph: the planner is told none of them recomputes
+(``recompute_allowed``) but those of install(compiled_recompute=)'s groups, each union of
+groups a compiled variant of the blocks (stash.py) whose variant each block call picks from
+the micro-batch's plan (``variant``, StashNotes.variant_of); the operators' times are the
+block's, shared by the bytes each saves.
 The routers' load is read where their saved expert indices are stashed (modules.py's
 ``_on_stash``): a downgrade places the rest of the running block's stashed tensors by the new
 plan. Simulated expert parallelism restricts each block's stacked experts to this rank's

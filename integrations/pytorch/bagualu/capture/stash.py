@@ -24,10 +24,15 @@ leading size is that of the dispatch module's output (the tokens the all-to-all 
 data-dependent size in the graph) is stashed through ``stash_received`` instead, which also
 hands its rows to ``on_stash`` (the layer's load factor, read in eager as the router's is).
 
+Recompute per operator (install(compiled_recompute=)): each recompute set is a compiled variant
+with its own pair of hooks, tagged MUST_RECOMPUTE by a joint pass while it compiles (below,
+"recompute variants").
+
 Each planned block runs its compiled call inside ``Frame`` (capture/compiled.py), which pushes
-these hooks (one pair for the process: dynamo guards on their identity), the filtering mode
-"no_static" (every saved tensor but parameters and buffers, the block's input included) and,
-for inductor, no buffer reuse or in-place buffers in the blocks' graphs (``_inductor_config``).
+these hooks (one pair per variant for the process: dynamo guards on their identity), the
+filtering mode "no_static" (every saved tensor but parameters and buffers, the block's input
+included) and, for inductor, no buffer reuse or in-place buffers in the blocks' graphs
+(``_inductor_config``).
 Not thread-safe: the training thread (unstash runs on autograd's thread while the training
 thread waits in backward()).
 """
