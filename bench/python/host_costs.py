@@ -38,26 +38,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "integrations" / "pytorch" / "examples"))
 
 
-def copies_alone_ms(stats: Dict, iterations: int) -> float:
-    """The run's copies per iteration, each a torch copy of its mean size (bench_unmodified's
-    measure of the copies alone)."""
-    import torch
-    c = stats["tracker"]
-    total = 0.0
-    for n, nbytes in ((c["offloads"], c["bytes_d2h"]), (c["reloads"], c["bytes_h2d"])):
-        per = -(-n // iterations)
-        if per == 0:
-            continue
-        size = max(1, nbytes // n)
-        src = [torch.empty(size, dtype=torch.uint8).fill_(1) for _ in range(per)]
-        dst = [torch.empty(size, dtype=torch.uint8) for _ in range(per)]
-        t0 = time.perf_counter()
-        for a, b in zip(src, dst):
-            b.copy_(a)
-        total += time.perf_counter() - t0
-    return 1e3 * total
-
-
 def main(argv: List[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", required=True,
@@ -80,6 +60,7 @@ def main(argv: List[str]) -> int:
     import torch
     torch.set_num_threads(1)
     import bagualu
+    import bench_unmodified
     import unmodified as u
     kw = dict(width=args.width, seq=args.seq, ep=False, micro_batches=args.micro_batches)
     offload_all = {op: "offload" for op in bagualu.operators(u.build(args.model,
@@ -115,7 +96,7 @@ def main(argv: List[str]) -> int:
             one[k] = {"ms": statistics.median(r["times_ms"][1:]),
                       "copies": statistics.median(x["offloads"] for x in steady),
                       "reruns": statistics.median(x["recomputed_ops"] for x in steady),
-                      "alone": copies_alone_ms(r["stats"], args.iterations)}
+                      "alone": bench_unmodified._copies_alone_ms(r, args.iterations) or 0.0}
             times[k].append(one[k]["ms"])
             if k == "full recompute" and r.get("model_doc"):
                 ops = {o["name"]: o["forward_ms"]
