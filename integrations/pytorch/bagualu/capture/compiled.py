@@ -334,9 +334,12 @@ class CompiledBlocks:
                 self.entries.append((block, compiled))
         if self.per_op:
             log.info("bagualu: the %d planned blocks of %s are compiled (%s): their saved "
-                     "tensors are placed per operator (torch.ops.bagualu.stash); no operator "
-                     "inside them is recomputed alone; routers' load factors are read where "
-                     "their saved indices are stashed", len(forms), self.found.layers_path, form)
+                     "tensors are placed per operator (torch.ops.bagualu.stash); %s; routers' "
+                     "load factors are read where their saved indices are stashed", len(forms),
+                     self.found.layers_path, form,
+                     "no operator inside them is recomputed alone" if self.variant is None
+                     else "the recompute groups' operators are recomputed through compiled "
+                     "variants, one picked per block call")
         elif self.unsupported:
             log.warning("bagualu: the %d planned blocks of %s are compiled (%s) and torch %s "
                         "cannot place their saved tensors per operator (it needs torch 2.15's "
