@@ -112,6 +112,18 @@ plan::Chains ChainsFromItems(const std::vector<plan::IssueItem>& items) {
   return chains;
 }
 
+std::vector<plan::IssueItem> DualBatchItems(const plan::Chains& chains) {
+  const plan::DualBatchSchedule dp = plan::SolveDualBatch(chains);
+  std::vector<plan::IssueItem> items;
+  for (size_t r = 0; r < dp.rounds.size(); ++r) {
+    for (int c = 0; c < plan::kChainCount; ++c) {
+      const int stage = dp.rounds[r].stage[c];
+      if (stage >= 0) items.push_back(Item(chains, c, stage, static_cast<int>(r)));
+    }
+  }
+  return items;
+}
+
 PointSchedule ScheduleSerial(const plan::Chains& chains, bool keep_intervals) {
   PointSchedule out;
   std::array<double, plan::kResourceCount> free{};

@@ -51,6 +51,9 @@ plan::IssueItem Item(const plan::Chains& chains, int chain, int stage, int round
 // Program order: round i issues stage i of every chain (what the planner does without the DP).
 std::vector<plan::IssueItem> LockstepItems(const plan::Chains& chains);
 
+// The dual-batch DP's order of `chains` (plan::SolveDualBatch) as issue items.
+std::vector<plan::IssueItem> DualBatchItems(const plan::Chains& chains);
+
 // The chains an issue order covers (each chain's stages by index), e.g. to re-issue a plan's
 // work under another execution model.
 plan::Chains ChainsFromItems(const std::vector<plan::IssueItem>& items);

@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <tuple>
+#include <utility>
 
 #include "tools/bgl-sim/static_plan.h"
 
@@ -21,6 +22,25 @@ void FillCommon(const plan::StagePlanner& p, StageIteration& out) {
 }
 
 }  // namespace
+
+// The schedule of `chains` under `exec`: dual-batch issues `recorded` (a plan's own order), or
+// where that is empty the DP's order, and says so in *reordered (may be null).
+PointSchedule Schedule(const plan::Chains& chains, ExecModel exec,
+                       std::vector<plan::IssueItem> recorded, bool trace, bool* reordered) {
+  switch (exec) {
+    case ExecModel::kSerial:
+      return ScheduleSerial(chains, trace);
+    case ExecModel::kLockstep:
+      return ScheduleRounds(LockstepItems(chains), trace);
+    case ExecModel::kDualBatch:
+      break;
+  }
+  if (recorded.empty()) {
+    recorded = DualBatchItems(chains);
+    if (reordered != nullptr) *reordered = true;
+  }
+  return ScheduleRounds(recorded, trace);
+}
 
 void WalkPoints(const std::vector<PointRef>& points, const std::vector<PointSchedule>& schedules,
                 const std::vector<std::vector<double>>& bytes, bool trace, StageIteration& out) {
@@ -81,28 +101,7 @@ Result<StageIteration> StaticStageRunner::Run(const std::vector<double>& loads, 
     if (p.b_mb >= 0) units.backward = &assignment_, units.backward_r = loads[p.b_mb];
     if (p.o_mb >= 0) units.offload = &assignment_, units.offload_r = loads[p.o_mb];
     if (p.r_mb >= 0) units.recover = &assignment_, units.recover_r = loads[p.r_mb];
-    const plan::Chains chains = plan::BuildChains(eval, units);
-    switch (exec_) {
-      case ExecModel::kSerial:
-        schedules.push_back(ScheduleSerial(chains, trace));
-        break;
-      case ExecModel::kLockstep:
-        schedules.push_back(ScheduleRounds(LockstepItems(chains), trace));
-        break;
-      case ExecModel::kDualBatch: {
-        const plan::DualBatchSchedule dp = plan::SolveDualBatch(chains);
-        std::vector<plan::IssueItem> items;
-        for (size_t r = 0; r < dp.rounds.size(); ++r) {
-          for (int c = 0; c < plan::kChainCount; ++c) {
-            const int stage = dp.rounds[r].stage[c];
-            if (stage < 0) continue;
-            items.push_back(Item(chains, c, stage, static_cast<int>(r)));
-          }
-        }
-        schedules.push_back(ScheduleRounds(items, trace));
-        break;
-      }
-    }
+    schedules.push_back(Schedule(plan::BuildChains(eval, units), exec_, {}, trace, nullptr));
   }
   WalkPoints(points_, schedules, bytes, trace, out);
   return out;
@@ -256,31 +255,13 @@ Result<StageIteration> ServedStageRunner::Run(const std::vector<double>& /*loads
       out.recompute_flops += RecomputeFlops(eval, forward->assignment, forward->load);
     }
     const plan::Chains chains = plan::BuildChains(eval, u);
-    switch (exec_) {
-      case ExecModel::kSerial:
-        schedules.push_back(ScheduleSerial(chains, trace));
-        break;
-      case ExecModel::kLockstep:
-        schedules.push_back(ScheduleRounds(LockstepItems(chains), trace));
-        break;
-      case ExecModel::kDualBatch: {
-        std::vector<plan::IssueItem> items;
-        if (forward != nullptr) items = RecordedItems(chains, forward->order);
-        if (items.empty()) {
-          const plan::DualBatchSchedule dp = plan::SolveDualBatch(chains);
-          for (size_t r = 0; r < dp.rounds.size(); ++r) {
-            for (int c = 0; c < plan::kChainCount; ++c) {
-              if (dp.rounds[r].stage[c] >= 0) {
-                items.push_back(Item(chains, c, dp.rounds[r].stage[c], static_cast<int>(r)));
-              }
-            }
-          }
-          ++reordered_;
-        }
-        schedules.push_back(ScheduleRounds(items, trace));
-        break;
-      }
+    std::vector<plan::IssueItem> recorded;
+    if (forward != nullptr && exec_ == ExecModel::kDualBatch) {
+      recorded = RecordedItems(chains, forward->order);
     }
+    bool reordered = false;
+    schedules.push_back(Schedule(chains, exec_, std::move(recorded), trace, &reordered));
+    if (reordered) ++reordered_;
   }
   WalkPoints(points_, schedules, bytes, trace, out);
   return out;
