@@ -711,7 +711,8 @@ def test_recompute_variants_over_a_run_with_spikes() -> None:
     (Qwen3-MoE, 3 iterations): the experts forced to recompute inside the compiled graphs
     (the planner's own choice depends on the machine's measured times: the test above) and
     the q projection offloaded, the rest kept. From a fresh dynamo the compiles stay within
-    the variant bound (the capture's plain variant and the experts': the experts' token
+    the variant bound (dynamo's graphs and the cache entries of the decoder layer's code,
+    which its recompile limit counts: the capture's plain variant and the experts': the token
     counts are unbacked sizes, no recompile per load or per micro-batch), no break; the
     experts recomputed beside offloaded and kept operators of the same blocks; gradients and
     losses those of the same compiled run with every stash kept, bit for bit (simulated EP
@@ -729,6 +730,13 @@ def test_recompute_variants_over_a_run_with_spikes() -> None:
     rc = r["stats"]["compiled"]["recompute"]
     graphs, breaks = r["dynamo"]
     assert breaks == 0 and graphs <= 2 <= rc["variant_limit"], (r["dynamo"], rc)
+    # dynamo's cache entries of the decoder layer's code (what its recompile limit counts):
+    # the plain variant's and the experts', within the bound
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+    entries = len(_debug_get_cache_entry_list(
+        modeling_qwen3_moe.Qwen3MoeDecoderLayer.forward.__code__))
+    assert entries == 2 <= rc["variant_limit"] <= torch._dynamo.config.recompile_limit, entries
     assert list(rc["calls"]) == ["mlp.experts+mlp.experts.act_fn"], rc
     assert rc["operators_recomputed"] > 0 and rc["mixed_blocks"] > 0, rc
     assert r["stats"]["tracker"]["offloads"] > 0, r["stats"]["tracker"]
