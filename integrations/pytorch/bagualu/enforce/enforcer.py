@@ -88,7 +88,7 @@ class Enforcer(EnforcerHandle):
             if rc == self.vocab.duplicate:
                 return 0
             self.check(rc, "register")
-        self.tracked += 1
+        self.fast.tracked += 1
         if graph_tensor >= 0:
             self.set_graph_index(h, producer_op, graph_tensor)
         return h
@@ -134,7 +134,7 @@ class Enforcer(EnforcerHandle):
         record tracks the storage) and None, or the handle of a tensor left registered on the
         device and why the move (named ``what``) failed; a failed registration raises."""
         if rc == 0 or h:
-            self.tracked += 1
+            self.fast.tracked += 1
         if rc == 0:
             return h, None
         if not h:
@@ -168,11 +168,13 @@ class Enforcer(EnforcerHandle):
         """The record is gone and no block of it is alive: forget the tensor and free what the
         enforcer holds for it (pinned copy, FP8 copy)."""
         self.regenerators.pop(handle, None)
-        if self.destroyed:
+        life = self.fast  # the binding's Enforcer holds the lifetime (enforce/handle.py)
+        if life.destroyed:
             return
-        self.fast.unregister(handle)
-        self.tracked -= 1
-        self._destroy_if_done()
+        life.unregister(handle)
+        life.tracked -= 1
+        if life.closing:
+            self._destroy_if_done()
 
     # -- moves ------------------------------------------------------------------------------
     def offload(self, handle: int, wait: bool = True) -> None:
@@ -258,7 +260,7 @@ class Enforcer(EnforcerHandle):
         the host backend, whose memory no stream order guards, the retirement frees the block
         in the same call; on CUDA the release first tells the pool PyTorch's stream)."""
         ptr = self._acquire(handle, nbytes)
-        self.live_blocks += 1
+        self.fast.live_blocks += 1
         return self._block_storage(ptr, nbytes, self._device_type, self._device_index,
                                    functools.partial(self.block_done, handle, on_done))
 
