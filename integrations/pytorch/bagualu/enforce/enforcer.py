@@ -240,7 +240,7 @@ class Enforcer(EnforcerHandle):
     def prefetch(self, micro_batch: int) -> None:
         """Reloads the micro-batch's offloaded tensors in need order, a bounded number ahead
         of the backward (each acquire makes room for the next)."""
-        if self.destroyed:
+        if self.fast.destroyed:
             return
         rc = self.fast.prefetch(micro_batch)
         if rc == self.vocab.out_of_memory:  # no room yet: each acquire reloads what it needs
@@ -267,8 +267,8 @@ class Enforcer(EnforcerHandle):
     def block_done(self, handle: int, on_done: Callable[[], bool]) -> None:
         """PyTorch let go of the block acquire() made for ``handle`` (the binding's reloads
         call this too); ``on_done`` says whether that retired the tensor."""
-        self.live_blocks -= 1
-        if self.destroyed:
+        self.fast.live_blocks -= 1
+        if self.fast.destroyed:
             on_done()
         elif self.cuda:  # the pool learns PyTorch's stream before the block goes
             self.fast.release(handle, self.current_stream() or 0)
@@ -284,7 +284,7 @@ class Enforcer(EnforcerHandle):
         self.fast.release(handle, self._stream(None))
 
     def _acquire(self, handle: int, nbytes: int) -> int:
-        if self.destroyed:
+        if self.fast.destroyed:
             raise BagualuError("enforcer acquire: the enforcer was destroyed")
         rc, ptr = self.fast.acquire(handle, self._stream(None))
         if rc == 0:
@@ -307,11 +307,12 @@ class Enforcer(EnforcerHandle):
         """Destroys the enforcer once nothing it holds is still needed: graphs built before
         uninstall may still need their moved activations, and blocks stay valid while PyTorch
         holds them."""
-        self.closing = True
+        self.fast.closing = True
         self._destroy_if_done()
 
     def _destroy_if_done(self) -> None:
-        if self.closing and not self.destroyed and self.live_blocks == 0 and self.tracked == 0:
-            self.destroyed = True
+        life = self.fast
+        if life.closing and not life.destroyed and life.live_blocks == 0 and life.tracked == 0:
+            life.destroyed = True
             self.regenerators.clear()
             self.lib.bgl_enf_destroy(self.handle)

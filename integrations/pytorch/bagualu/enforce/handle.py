@@ -154,18 +154,18 @@ class EnforcerHandle:
     def set_pinned_capacity(self, nbytes: int) -> None:
         """Resizes the pinned host pool (the node's grant changed); offloads that do not fit
         fail and leave their activations on the device until copies come back."""
-        if not self.destroyed:
+        if not self.fast.destroyed:
             self.check(self.lib.bgl_enf_set_pinned_capacity(self.handle, int(nbytes)),
                        "set_pinned_capacity")
 
     def synchronize(self) -> None:
         """Waits for every queued copy (and so for the pinned memory they free)."""
-        if self.destroyed:
+        if self.fast.destroyed:
             return
         self.check(self.lib.bgl_enf_synchronize(self.handle), "synchronize")
 
     def stats(self) -> Dict[str, int]:
-        if self.destroyed:
+        if self.fast.destroyed:
             return {}
         s = native.Stats()
         self.check(self.lib.bgl_enf_get_stats(self.handle, ctypes.byref(s)), "stats")
@@ -174,7 +174,7 @@ class EnforcerHandle:
     def give_back(self, needed: int) -> int:
         """Gives back device memory the enforcer owns (reloads no consumer took yet; the data
         stays on the host) until ``needed`` bytes; returns the bytes freed."""
-        if self.destroyed:
+        if self.fast.destroyed:
             return 0
         freed = ctypes.c_size_t(0)
         self.check(self.lib.bgl_enf_evict(self.handle, needed, ctypes.byref(freed)), "evict")
