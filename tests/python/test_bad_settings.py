@@ -118,6 +118,17 @@ def test_a_bad_calibration_variable_is_refused_naming_it(monkeypatch, tmp_path,
         calibrations.for_machine(torch.device("cpu"), no_measurement, 1 << 20)
 
 
+def test_an_enforce_lib_variable_that_is_no_file_is_refused_naming_it(monkeypatch,
+                                                                       tmp_path) -> None:
+    from bagualu.native import alloc
+    alloc.load()
+    monkeypatch.setattr(alloc, "_enforce_lib", None)  # loaded once per process: ask again
+    for value in (str(tmp_path / "missing.so"), str(tmp_path)):
+        monkeypatch.setenv("BGL_ENFORCE_LIB", value)
+        with pytest.raises(LibraryNotFound, match=r"^BGL_ENFORCE_LIB: '.*' is not a file"):
+            alloc.load_enforce()
+
+
 def test_a_lib_dir_variable_that_does_not_exist_is_refused_naming_it(monkeypatch,
                                                                       tmp_path) -> None:
     missing = tmp_path / "no-such-build"

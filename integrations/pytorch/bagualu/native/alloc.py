@@ -71,6 +71,9 @@ def load_enforce() -> ctypes.CDLL:
     alloc = Path(load()._name)
     env = os.environ.get("BGL_ENFORCE_LIB")
     name = "libbgl_enforce.so"
+    if env and not Path(env).is_file():  # named by the user: not another build's silently
+        raise LibraryNotFound(f"BGL_ENFORCE_LIB: '{env}' is not a file (a {name} built with "
+                              f"{alloc})")
     candidates = [Path(env)] if env else [alloc.parent.parent / "enforcer" / name,
                                           alloc.parent / name]
     for path in candidates:
