@@ -27,6 +27,23 @@ cmake_used=$(grep -rhoE '"/[^"]*/cmake"' "$build" --include=CTestTestfile.cmake 
 if [[ -n $cmake_used && ! -x $cmake_used ]] && command -v cmake >/dev/null; then
   mkdir -p "$(dirname "$cmake_used")" && ln -sf "$(command -v cmake)" "$cmake_used"
 fi
+# The binding (bagualu._C) is built against one torch: where this machine's torch is another
+# than the bundle's, build it here alone against this one (integrations/pytorch/csrc builds
+# standalone; a minute on 16 cores) and put it where the package looks.
+ext_dir="$build/integrations/pytorch"
+bundled=$(cat "$ext_dir/_C.torch-version" 2>/dev/null || echo none)
+here_torch=$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
+if [[ $here_torch != none && $here_torch != "$bundled" ]]; then
+  echo "device.sh: the bundle's binding is for torch $bundled, this machine has $here_torch:" \
+    "building the binding here (build-binding/)"
+  mkdir -p build-binding
+  if cmake -S integrations/pytorch/csrc -B build-binding -G Ninja -DBGL_PYTHON="$(command -v python3)" \
+      >build-binding/log 2>&1 && cmake --build build-binding -j "$(nproc)" >>build-binding/log 2>&1; then
+    rm -f "$ext_dir"/_C.*.so && cp build-binding/integrations/pytorch/_C.* "$ext_dir/"
+  else
+    echo "device.sh: building the binding failed (build-binding/log):" >&2; tail -20 build-binding/log >&2
+  fi
+fi
 nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
 # The build tree's own libraries too: the binaries' RUNPATH names the build machine's paths.
 own=$(find "$here/$build" -name 'lib*.so' -printf '%h\n' | sort -u | paste -sd:)

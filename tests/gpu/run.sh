@@ -8,6 +8,11 @@
 # Writes everything to one results file (default out/gpu-results.txt). It took 215 s on one
 # H200 from a prebuilt bundle (session 2).
 #
+# BGL_GPU_STEPS (an extended regular expression) runs only the steps whose label matches it, in
+# the suite's order (a short lease: e.g. 'gpu-tests|bagualu cuda tests|same capacity'); the
+# others are logged as skipped. BGL_GPU_REPEATS sets the same-capacity tables' alternating
+# rounds (default 3, 2 under the spike).
+#
 # BGL_GPU_PREBUILT=1 skips setup, configure and build and uses the binaries already in
 # $BGL_GPU_BUILD (tests/gpu/device.sh sets it after unpacking tests/gpu/bundle.sh's bundle).
 set -uo pipefail
@@ -19,6 +24,9 @@ status=0
 log() { echo "$*" | tee -a "$out"; }
 run() {  # label, command...
   local label=$1; shift
+  if [[ -n ${BGL_GPU_STEPS:-} && ! $label =~ $BGL_GPU_STEPS ]]; then
+    echo "=== ${label}: skipped (BGL_GPU_STEPS)" >> "$out"; return 0
+  fi
   log "=== ${label}: $*"
   local start=$SECONDS
   if "$@" 2>&1 | tee -a "$out"; then log "--- ${label}: ok ($((SECONDS - start)) s)"
@@ -56,7 +64,10 @@ run bench "$build/bench/allocator/bgl_alloc_bench" --benchmark_min_time=0.2
 run enforcer-tests bash -c "cd '$build' && ctest --output-on-failure -R 'Enforcer|Fp8|StreamScheduler|EnforceCApi' --timeout 120"
 # The timing bench also writes the planner's calibration from the measured rooflines; the
 # planner must accept it.
-calibration="$(dirname "$out")/calibration-h200.json"
+# Named by the card (calibration-h200.json, calibration-h100.json, ...).
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+  grep -oiE 'gh200|h200|h100|b200|a100|l40s' | head -1 | tr 'A-Z' 'a-z')
+calibration="$(dirname "$out")/calibration-${card:-gpu}.json"
 run enforcer-timing timeout 120 "$build/bench/enforcer/bgl_enforcer_gpu_timing" \
   --calibration-out "$calibration"
 if [[ -s $calibration ]]; then
@@ -108,11 +119,12 @@ if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   # keep-all's peak, without and with a routing spike (docs/benchmarks/same-capacity.md).
   run "bagualu same capacity" timeout 600 env PYTHONPATH=integrations/pytorch python3 \
     integrations/pytorch/examples/bench_unmodified.py --same-capacity --device cuda \
-    --models qwen3_moe,mixtral --seq 512 --repeats 3 --iterations 8 --warmup 3 \
-    --json-out "$(dirname "$out")/bagualu-same-capacity.json"
+    --models qwen3_moe,mixtral --seq 512 --repeats "${BGL_GPU_REPEATS:-3}" --iterations 8 \
+    --warmup 3 --json-out "$(dirname "$out")/bagualu-same-capacity.json"
   run "bagualu same capacity spike" timeout 600 env PYTHONPATH=integrations/pytorch python3 \
     integrations/pytorch/examples/bench_unmodified.py --same-capacity --device cuda \
-    --models qwen3_moe,mixtral --seq 512 --repeats 2 --iterations 8 --warmup 3 --spike 16 \
+    --models qwen3_moe,mixtral --seq 512 --repeats "${BGL_GPU_REPEATS:-2}" --iterations 8 \
+    --warmup 3 --spike 16 \
     --json-out "$(dirname "$out")/bagualu-same-capacity-spike.json"
   for config in default large; do
     run "bagualu bench $config" timeout 300 python3 tests/gpu/bagualu_cuda.py bench \
