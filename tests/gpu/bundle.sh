@@ -52,7 +52,7 @@ find "$build" \( -name CTestTestfile.cmake -o -name '*_include.cmake' -o -name '
   ! -path '*/CMakeFiles/*' -print0 | while IFS= read -r -d '' f; do
   mkdir -p "$stage/$(dirname "$f")"; cp "$f" "$stage/$f"; done
 # Shared libraries outside glibc and the compiler runtime, except NCCL.
-for f in "${files[@]}"; do ldd "$f" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3}'; done |
+for f in "${files[@]}"; do { ldd "$f" 2>/dev/null || true; } | awk '$2 == "=>" && $3 ~ /^\// {print $3}'; done |
   sort -u | grep -v /site-packages/ | grep -Ev '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*|libgcc_s|libstdc\+\+|libnccl|libz|libssl|libcrypto|libbgl_[a-z]+)\.so' |
   while read -r lib; do cp -L "$lib" "$stage/lib/"; done
 echo "$root" > "$stage/SOURCE_ROOT"
