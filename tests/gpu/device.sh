@@ -38,8 +38,10 @@ if [[ $here_torch != none && $here_torch != "$bundled" ]]; then
     "building the binding here (build-binding/)"
   mkdir -p build-binding
   built=$(cat build-binding/integrations/pytorch/_C.torch-version 2>/dev/null || echo none)
-  if [[ $built == "$here_torch" ]] || cmake -S integrations/pytorch/csrc -B build-binding -G Ninja -DBGL_PYTHON="$(command -v python3)" \
-      >build-binding/log 2>&1 && cmake --build build-binding -j "$(nproc)" >>build-binding/log 2>&1; then
+  if [[ $built == "$here_torch" ]] ||
+    { cmake -S integrations/pytorch/csrc -B build-binding -G Ninja \
+        -DBGL_PYTHON="$(command -v python3)" >build-binding/log 2>&1 &&
+      cmake --build build-binding -j "$(nproc)" >>build-binding/log 2>&1; }; then
     rm -f "$ext_dir"/_C.*.so && cp build-binding/integrations/pytorch/_C.* "$ext_dir/"
   else
     echo "device.sh: building the binding failed (build-binding/log):" >&2; tail -20 build-binding/log >&2
