@@ -32,3 +32,27 @@ def test_bgl_python_builds_every_library_the_package_loads() -> None:
     assert set(libs.LIBRARIES) <= set(libs._SUBDIRS), "native/libs.py cannot find them all"
     from bagualu.native import ext
     assert ext._file_name() in names, "bgl_python does not build bagualu._C (csrc/)"
+
+
+def test_the_binding_configures_alone_against_the_running_torch(tmp_path) -> None:
+    """integrations/pytorch/csrc as a project of its own (tests/gpu/device.sh builds it on a GPU
+    machine whose torch is not the bundle's): it configures with no planner dependency and
+    targets this Python's torch and extension suffix (the compile is the in-tree one's)."""
+    import sys
+    import sysconfig
+
+    import torch
+    if shutil.which("cmake") is None or shutil.which("ninja") is None:
+        pytest.fail("needs cmake and ninja (scripts/setup.sh installs them)")
+    out = subprocess.run(["cmake", "-S", str(ROOT / "integrations/pytorch/csrc"), "-B",
+                          str(tmp_path), "-G", "Ninja", f"-DBGL_PYTHON={sys.executable}"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"building bagualu._C against torch {torch.__version__}" in out.stdout
+    assert (tmp_path / "integrations/pytorch/_C.torch-version").read_text().strip() == \
+        torch.__version__
+    targets = subprocess.run(["ninja", "-C", str(tmp_path), "-t", "targets", "all"],
+                             capture_output=True, text=True, check=True).stdout
+    assert "_C" + sysconfig.get_config_var("EXT_SUFFIX") in targets
+    # The planner's dependencies are not asked for (the top-level project requires them).
+    assert "yaml-cpp" not in out.stdout + out.stderr
