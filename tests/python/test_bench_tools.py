@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+import bagualu
 import bench_unmodified
+import unmodified
+from conftest import require_libs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,3 +159,74 @@ def test_host_costs_refuses_a_missing_calibration(tmp_path, capsys) -> None:
                             str(tmp_path / "out.json")]) == 2
     assert "none.json: not found" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_same_capacity_policies_by_name_and_a_typo_is_exit_2(capsys, monkeypatch) -> None:
+    """Issue 42: --policies takes the names with a comma in them (the worst-load plan's, the
+    spike's baseline), adds plain, the spike's baseline and the bagualu run the worst-load plan
+    is taken from; a typo is exit 2 naming the known ones before anything runs."""
+    chosen = bench_unmodified.chosen_policies
+    assert chosen("bagualu, worst-load plan,static-under", 0) == (
+        "plain", "bagualu", bench_unmodified.WORST_LOAD, "static-under")
+    assert chosen(bench_unmodified.SELECTIVE, 16) == (
+        "plain", bench_unmodified.SELECTIVE, bench_unmodified.EP_BASELINE)
+    assert chosen("", 0) == bench_unmodified.SAME_CAPACITY
+    monkeypatch.setattr("sys.argv", ["bench_unmodified", "--same-capacity", "--policies",
+                                     "bagualu,offload-al"])
+    assert bench_unmodified.main() == 2
+    err = capsys.readouterr().err
+    assert "unknown policies ['offload-al']" in err
+    assert "known: plain, bagualu," in err and "bagualu, worst-load plan, static-under" in err
+
+
+def test_selective_keeps_the_outputs_of_matmul_kinds_and_recomputes_the_rest() -> None:
+    kinds = bagualu.operators(unmodified.build("qwen2_moe"))
+    forced = bench_unmodified.selective_forced(kinds)
+    assert set(forced) == set(kinds)
+    assert {op for op, s in forced.items() if s == "keep"} == {
+        op for op, kind in kinds.items() if kind in bench_unmodified.MATMUL_KINDS}
+    # by kind, not by name: the shared expert's projections and gate, the routed experts and
+    # attention are kept; its activation, the norms and the dispatch are recomputed
+    assert forced["mlp.shared_expert.up_proj"] == forced["mlp.experts"] == "keep"
+    assert forced["self_attn"] == forced["mlp.gate"] == "keep"
+    assert forced["mlp.shared_expert.act_fn"] == forced["input_layernorm"] == "recompute"
+    assert forced["mlp"] == forced["mlp.experts.act_fn"] == "recompute"
+
+
+def test_the_worst_load_plan_is_the_latest_plan_of_the_highest_load() -> None:
+    def plan(load, strategy):
+        return {"micro_batch": 0, "load_factor": load,
+                "operators": [{"name": "L0.x", "strategy": strategy}]}
+    served = {"iterations": [{"plans": [plan(9.0, "fp8")]},  # the capture's: left out
+                             {"plans": [plan(1.0, "keep"), plan(2.5, "offload")]},
+                             {"plans": [plan(2.5, "recompute"), plan(1.2, "keep")]}]}
+    assert bench_unmodified.worst_load_plan(served) == ({"L0.x": "recompute"}, 2.5)
+    with pytest.raises(ValueError, match="no plan with operators after its first iteration"):
+        bench_unmodified.worst_load_plan({"iterations": served["iterations"][:1]})
+
+
+def test_static_under_and_the_worst_load_plan_at_half_the_peak_on_qwen2_moe() -> None:
+    """The table's static rows on its third model family (Qwen2-MoE, a shared expert behind a
+    gate of its own): static-under finishes at half of keep-all's peak without a spike (its
+    capture recomputes, as the plan it has not yet can't move anything on pressure) and runs
+    out of memory with one; bagualu's plan of the highest load its run saw, forced on every
+    micro-batch, names operators the model has and fits."""
+    require_libs()
+    name, kw = "qwen2_moe", {"micro_batches": 8}
+    cap = unmodified.keep_all_peak(name, ep=False, **kw) // 2
+    under = bench_unmodified._run(name, "static-under", cap, {}, 2, dict(kw, ep=False))
+    assert under["oom"] is None, under["oom"]
+    assert max(ln["peak_bytes"] for ln in under["lines"]) <= cap
+    assert under["lines"][-1]["strategies"]["recompute"] > 0
+    ours = bench_unmodified._run(name, "bagualu", cap, {}, 2, dict(kw, ep=False))
+    assert ours["oom"] is None, ours["oom"]
+    plan, load = bench_unmodified.worst_load_plan(ours["served_plans"])
+    assert load >= 1.0 and any(s != "keep" for s in plan.values())
+    worst = bench_unmodified._run(name, bench_unmodified.WORST_LOAD, cap,
+                                  {bench_unmodified.WORST_LOAD: plan}, 2, dict(kw, ep=False))
+    assert worst["oom"] is None, worst["oom"]
+    assert worst["lines"][-1]["strategies"]["keep"] < sum(worst["lines"][-1]["strategies"].values())
+    spiked = dict(kw, ep=True, spike_every=8, spike_on_rank=True)
+    cap = unmodified.keep_all_peak(name, **spiked) // 2
+    under = bench_unmodified._run(name, "static-under", cap, {}, 2, spiked)
+    assert under["oom"] is not None and "out of memory" in under["oom"]

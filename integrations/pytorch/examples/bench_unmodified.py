@@ -12,11 +12,16 @@ ratios.
 
 ``--same-capacity``: at half of keep-all's peak (``--width``, ``--seq``, every expert local):
 plain PyTorch, torch.utils.checkpoint around every block, save_on_cpu, the static policies
-(full recompute: bagualu's static-over; offload-all: every operator forced to offload) and
-bagualu, alternating; the steady iteration time (median and range of each run's median over
-iterations ``--warmup``.., default 3 of ``--iterations`` 10), the warm-up (each run's mean over
-its first ``--warmup`` iterations: bagualu's first plans are coarse while it refines them in the
-background, and its pools grow), the peak of the activations on the simulated device and the
+(full recompute: bagualu's static-over; offload-all: every operator forced to offload;
+"selective (matmul outputs kept)": torchtitan's op-level selective checkpointing as forced
+strategies, the operators of matmul kinds kept and the rest recomputed; "bagualu, worst-load
+plan": the plan bagualu's first run was served at the highest load it saw, forced on every
+micro-batch; static-under: recompute only, sized for load 1.0, out of memory at a spike) and
+bagualu, alternating (a policy that runs out of memory is a row saying so); the steady
+iteration time (median and range of each run's median over iterations ``--warmup``..,
+default 3 of ``--iterations`` 10), the warm-up (each run's mean over its first ``--warmup``
+iterations: bagualu's first plans are coarse while it refines them in the background, and its
+pools grow), the peak of the activations on the simulated device and the
 pressure evictions per iteration (both over every iteration, the warm-up included); and the
 paired ratios of the steady times, per round, of bagualu over plain and of checkpointing over
 bagualu (each run right after the other, so a drift of the machine's speed over minutes
@@ -54,7 +59,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -205,8 +210,18 @@ def overhead(args: argparse.Namespace) -> int:
 
 # bagualu runs right after plain and checkpointing right after bagualu in every round, so that
 # the paired ratios compare runs seconds apart (the machine's speed drifts over minutes).
+# The static policies after bagualu: SELECTIVE (torchtitan's op-level selective checkpointing:
+# the outputs of matmuls kept, the rest recomputed), WORST_LOAD (bagualu's plan of the highest
+# load its run of the round saw, forced on every micro-batch: it needs that run before it) and
+# static-under (recompute only, sized for load 1.0: under a spike it runs out of memory).
+SELECTIVE = "selective (matmul outputs kept)"
+WORST_LOAD = "bagualu, worst-load plan"
 SAME_CAPACITY = ("plain", "bagualu", "checkpoint every block", "save_on_cpu", "full recompute",
-                 "offload-all")
+                 "offload-all", SELECTIVE, WORST_LOAD, "static-under")
+# The operator kinds (vocabulary.KINDS) whose outputs are a matmul's, or attention's (torchtitan's
+# op-level policy saves scaled_dot_product_attention's too), or a collective's: SELECTIVE keeps
+# them and recomputes every other operator.
+MATMUL_KINDS = ("linear", "attention", "router", "expert_linear", "shared_linear", "comm")
 # The policies that run without bagualu: under --spike they compute every expert, since only
 # bagualu's expert_parallel skips the other ranks' (examples/unmodified.py instrument_kwargs).
 ALL_EXPERTS = ("plain", "checkpoint every block", "save_on_cpu")
@@ -242,16 +257,76 @@ def _setup(args: argparse.Namespace) -> Dict:
                 micro_batches=args.micro_batches)
 
 
-def _run(name: str, k: str, cap: int, offload_all: Dict[str, str], iterations: int,
+def selective_forced(kinds: Dict[str, str]) -> Dict[str, str]:
+    """SELECTIVE as strategies forced per operator (operator name -> strategy, every layer):
+    the operators of ``kinds`` (name -> kind, as bagualu.operators gives them) of a
+    MATMUL_KINDS kind keep their outputs, the others are recomputed."""
+    return {op: "keep" if kind in MATMUL_KINDS else "recompute" for op, kind in kinds.items()}
+
+
+def worst_load_plan(served: Dict) -> Tuple[Dict[str, str], float]:
+    """WORST_LOAD's strategies (qualname -> strategy) and the load they were planned for: of
+    the plans a bagualu run was served (bagualu.served_plans()), after its first iteration
+    (the capture's), the one of the highest load factor, the latest of those (the planner's
+    refined plan, and a gate's revision where one replaced it). ValueError naming what is
+    missing when there is no such plan."""
+    best: Optional[Dict] = None
+    for it in served.get("iterations", [])[1:]:
+        for p in it.get("plans", []):
+            if p.get("operators") and (best is None
+                                       or p["load_factor"] >= best["load_factor"]):
+                best = p
+    if best is None:
+        raise ValueError("the bagualu run was served no plan with operators after its first "
+                         "iteration (its capture)")
+    return ({o["name"]: o["strategy"] for o in best["operators"]}, float(best["load_factor"]))
+
+
+def _run(name: str, k: str, cap: int, forced: Dict[str, Dict[str, str]], iterations: int,
          kw: Dict) -> Dict:
     """One run of policy ``k`` (a SAME_CAPACITY name, keep-all or EP_BASELINE) at capacity
-    ``cap``."""
-    policy = {"full recompute": "static-over", "offload-all": "keep-all",
+    ``cap``; ``forced``: the strategies forced per operator of the policies made of them
+    (offload-all, SELECTIVE, WORST_LOAD), by policy."""
+    policy = {"full recompute": "static-over", "offload-all": "keep-all", SELECTIVE: "keep-all",
+              WORST_LOAD: "keep-all", "static-under": "static-under",
               "bagualu": "bagualu", "keep-all": "keep-all", EP_BASELINE: "keep-all"}.get(k)
     return u.train(name, policy, capacity=cap, iterations=iterations,
                    checkpoint_layers=k == "checkpoint every block",
-                   save_on_cpu=k == "save_on_cpu",
-                   forced=offload_all if k == "offload-all" else None, **kw)
+                   save_on_cpu=k == "save_on_cpu", forced=forced.get(k), **kw)
+
+
+def forced_policies(name: str, width: int) -> Dict[str, Dict[str, str]]:
+    """The strategies forced per operator of offload-all and SELECTIVE on model ``name``,
+    from the kinds of its operators as bagualu finds them."""
+    import bagualu
+    kinds = bagualu.operators(u.build(name, width=width))
+    return {"offload-all": {op: "offload" for op in kinds}, SELECTIVE: selective_forced(kinds)}
+
+
+def chosen_policies(text: str, spike: int) -> Tuple[str, ...]:
+    """The same-capacity policies to run, in their running order: every one, or those named in
+    ``text`` (comma-separated) with plain, the spike's baseline under a spike, and bagualu
+    where WORST_LOAD is named (its plan comes from bagualu's run). ValueError naming the
+    unknown ones and the known ones."""
+    policies = SAME_CAPACITY + (("keep-all", EP_BASELINE) if spike else ())
+    if not text:
+        return policies
+    # A name may hold a comma (WORST_LOAD's): the longest run of pieces that makes a known
+    # name is one.
+    pieces, named = [p.strip() for p in text.split(",")], set()
+    i = 0
+    while i < len(pieces):
+        j = next((j for j in range(len(pieces), i + 1, -1)
+                  if ", ".join(pieces[i:j]) in policies), i + 1)
+        if ", ".join(pieces[i:j]):
+            named.add(", ".join(pieces[i:j]))
+        i = j
+    unknown = named - set(policies)
+    if unknown:
+        raise ValueError(f"unknown policies {sorted(unknown)}; known: {', '.join(policies)}")
+    chosen = named | {"plain"} | ({EP_BASELINE} if spike else set()) | (
+        {"bagualu"} if WORST_LOAD in named else set())
+    return tuple(k for k in policies if k in chosen)
 
 
 def _copies_alone_ms(r: Dict, iterations: int):
@@ -287,7 +362,6 @@ def _range_cell(v) -> str:
 def train_one(args: argparse.Namespace) -> int:
     """One run of ``--train POLICY`` on the first of ``--models`` at the same-capacity setup:
     the process to profile (py-spy attached after its warm-up; bench/python/spy_shares.py)."""
-    import bagualu
     known = SAME_CAPACITY + ("keep-all",)
     if args.train not in known:
         print(f"bench_unmodified: unknown --train policy {args.train!r}; known: "
@@ -295,8 +369,12 @@ def train_one(args: argparse.Namespace) -> int:
         return 2
     name, kw = args.models.split(",")[0], _setup(args)
     cap = u.keep_all_peak(name, **kw) // 2
-    offload_all = {op: "offload" for op in bagualu.operators(u.build(name, width=args.width))}
-    r = _run(name, args.train, cap, offload_all, args.iterations, kw)
+    forced = forced_policies(name, args.width)
+    if args.train == WORST_LOAD:
+        r = _run(name, "bagualu", cap, forced, args.iterations, kw)
+        forced[WORST_LOAD], load = worst_load_plan(r["served_plans"])
+        print(f"{name}: bagualu's plan at load {load:.2f}, forced on every micro-batch")
+    r = _run(name, args.train, cap, forced, args.iterations, kw)
     if r["oom"] is not None:
         print(f"{name} {args.train}: out of memory: {r['oom'].splitlines()[0]}")
         return 1
@@ -306,8 +384,12 @@ def train_one(args: argparse.Namespace) -> int:
 
 def same_capacity(args: argparse.Namespace) -> int:
     """Issue 22's table: every policy at half of keep-all's peak, alternating runs."""
-    import bagualu
     import os
+    try:
+        policies = chosen_policies(args.policies, args.spike)
+    except ValueError as e:
+        print(f"bench_unmodified: --policies: {e}", file=sys.stderr)
+        return 2
     kw = _setup(args)
     table: Dict[str, Dict] = {}
     w = args.warmup
@@ -326,19 +408,9 @@ def same_capacity(args: argparse.Namespace) -> int:
     for name in args.models.split(","):
         peak = u.keep_all_peak(name, **kw)
         cap = peak // 2
-        offload_all = {op: "offload" for op in bagualu.operators(u.build(name, width=args.width))}
         # Under a spike, keep-all at the same capacity too (it runs out of memory), and the
-        # baseline of the policies that compute this rank's experts only.
-        policies = SAME_CAPACITY + (("keep-all", EP_BASELINE) if args.spike else ())
-        if args.policies:
-            chosen = set(args.policies.split(",")) | {"plain"} | (
-                {EP_BASELINE} if args.spike else set())
-            unknown = chosen - set(policies)
-            if unknown:
-                print(f"bench_unmodified: unknown policies {sorted(unknown)}; known: "
-                      f"{', '.join(policies)}", file=sys.stderr)
-                return 2
-            policies = tuple(k for k in policies if k in chosen)
+        # baseline of the policies that compute this rank's experts only (chosen_policies).
+        forced = forced_policies(name, args.width)
         times: Dict[str, List[float]] = {k: [] for k in policies}
         warm: Dict[str, List[float]] = {k: [] for k in policies}
         info: Dict[str, Dict] = {}
@@ -347,8 +419,13 @@ def same_capacity(args: argparse.Namespace) -> int:
             for k in policies:
                 if "oom" in info.get(k, {}):
                     continue  # ran out of memory once: it will again
+                if k == WORST_LOAD and k not in forced:
+                    if "bagualu" not in times or not times["bagualu"]:
+                        continue  # bagualu ran out of memory: no plan to take
+                    info[k] = {"planned_load": forced_load}
+                    forced[k] = worst_plan
                 gc.collect()
-                r = _run(name, k, 2 * peak if k == EP_BASELINE else cap, offload_all,
+                r = _run(name, k, 2 * peak if k == EP_BASELINE else cap, forced,
                          args.iterations, kw)
                 if r["oom"] is not None:
                     info[k] = {"oom": r["oom"]}
@@ -362,6 +439,9 @@ def same_capacity(args: argparse.Namespace) -> int:
                         f.write(f"{r['plan_capacity']}\n")
                     with open(base + ".plans.json", "w") as f:
                         json.dump(r["served_plans"], f)
+                if k == "bagualu" and not times[k]:
+                    # WORST_LOAD's plan: computed once, from the first round's bagualu run
+                    worst_plan, forced_load = worst_load_plan(r["served_plans"])
                 times[k].append(statistics.median(r["times_ms"][w:]))
                 warm[k].append(statistics.fmean(r["times_ms"][:w]))
                 lines = r["lines"]  # peak and evictions: every iteration, the warm-up too
@@ -369,7 +449,7 @@ def same_capacity(args: argparse.Namespace) -> int:
                 if copies is not None:
                     copies_ms.setdefault(k, []).append(copies)
                 if lines:
-                    info[k] = {"peak": max(x["peak_bytes"] for x in lines),
+                    info[k] = {**info.get(k, {}), "peak": max(x["peak_bytes"] for x in lines),
                                "evictions": max(x["evictions"] for x in lines),
                                "max_load": max(x["max_load_factor"] for x in lines),
                                "strategies": {s: n for s, n in lines[-1]["strategies"].items()
@@ -386,7 +466,12 @@ def same_capacity(args: argparse.Namespace) -> int:
             if "oom" in i:
                 print(f"| {name} | {k} | out of memory | | | | | no | | | | |", flush=True)
                 continue
+            if not v:  # WORST_LOAD without a plan: bagualu ran out of memory every round
+                print(f"| {name} | {k} | not run (no bagualu run to take the plan from) | | | "
+                      f"| | | | | | |", flush=True)
+                continue
             med = statistics.median(v)
+            label = f"{k} (planned at load {i['planned_load']:.2f})" if "planned_load" in i else k
             if k == "plain":
                 peak_cell, fits = f"{peak / 2**20:.2f} MiB (keep-all)", "no"
             elif k == "save_on_cpu":
@@ -403,7 +488,7 @@ def same_capacity(args: argparse.Namespace) -> int:
             vs_ckpt = f"{ckpt / med:.2f}x" if comparable else ""
             base = meds.get(_base_key(k, args.spike), float("nan"))
             wv = warm[k]
-            print(f"| {name} | {k} | {med:.1f} ({min(v):.1f}-{max(v):.1f}) | {med / base:.2f}x "
+            print(f"| {name} | {label} | {med:.1f} ({min(v):.1f}-{max(v):.1f}) | {med / base:.2f}x "
                   f"| {vs_ckpt} | {statistics.median(wv):.1f} ({min(wv):.1f}-{max(wv):.1f}) | "
                   f"{peak_cell} | {fits} | {i.get('evictions', '')} | "
                   f"{i.get('strategies', '')} | "

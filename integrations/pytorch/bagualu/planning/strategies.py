@@ -18,7 +18,8 @@ class Strategies:
 
     def __init__(self, policy: str) -> None:
         self.policy = policy
-        self.static: Dict[str, str] = {}                # static-under: qualname -> strategy
+        # static-under: qualname -> strategy; None until the capture registered the model
+        self.static: Optional[Dict[str, str]] = None
         self.per_unit: Dict[int, Dict[str, str]] = {}   # unit id -> qualname -> strategy
         self.forced: Optional[Dict[str, str]] = None
         # Every operator name and qualname the instrumented model has had (compiled blocks
@@ -37,7 +38,10 @@ class Strategies:
         if self.policy == "static-over":
             return RECOMPUTE
         if self.policy == "static-under":
-            return self.static.get(op.qualname, KEEP)
+            # Before its plan exists (the capture's forwards) it recomputes everything, as
+            # static-over does: a static policy moves nothing on pressure, so a micro-batch
+            # that kept everything beside the planned ones would not fit where they do.
+            return RECOMPUTE if self.static is None else self.static.get(op.qualname, KEEP)
         return self.per_unit.get(unit, {}).get(op.qualname, KEEP)
 
     @property
@@ -55,7 +59,7 @@ class Strategies:
         if self.policy == "static-over":
             return False
         if self.policy == "static-under":
-            return all(s == KEEP for s in self.static.values())
+            return self.static is not None and all(s == KEEP for s in self.static.values())
         return all(s == KEEP for s in self.per_unit.get(unit, {"": RECOMPUTE}).values())
 
     def learn(self, ops: Iterable[Op]) -> None:
