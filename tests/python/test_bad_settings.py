@@ -239,6 +239,7 @@ for args in json.loads(sys.argv[1]):
 print("RESULTS " + json.dumps(out))
 """
 CAP = ["--bagualu.capacity", GOOD_SIZE]
+OPS = ["--bagualu.compiled-operators", "operators"]
 # (flags, the outcome: "ok", an exception's name or tyro's "exit 2", a regex of its message)
 TORCHTITAN_CASES: List[Tuple[List[str], str, str]] = [
     (CAP, "ok", ""),
@@ -255,6 +256,21 @@ TORCHTITAN_CASES: List[Tuple[List[str], str, str]] = [
      r"^--bagualu\.issue_order: unknown issue_order 'random'"),
     (CAP + ["--bagualu.compiled-operators", "all"], "PolicyError",
      r"^--bagualu\.compiled_operators: unknown compiled_operators 'all'"),
+    (CAP + OPS + ["--bagualu.compiled-recompute", "auto"], "ok", ""),
+    (CAP + OPS + ["--bagualu.compiled-recompute", "None"], "ok", ""),
+    (CAP + OPS + ["--bagualu.compiled-recompute", "moe.experts,attention.wq+attention.wo"],
+     "ok", ""),
+    (CAP + ["--bagualu.compiled-recompute", "auto"], "PolicyError",
+     r"^--bagualu\.compiled_recompute: 'auto' needs --bagualu\.compiled_operators operators "
+     r"\(it is 'block'"),
+    (CAP + OPS + ["--bagualu.compiled-recompute", "a,,b"], "PolicyError",
+     r"^--bagualu\.compiled_recompute: 'a,,b' is neither None, 'auto' nor groups"),
+    (CAP + OPS + ["--bagualu.compiled-recompute", "a+"], "PolicyError",
+     r"^--bagualu\.compiled_recompute: 'a\+' is neither"),
+    (CAP + OPS + ["--bagualu.compiled-recompute", "a, b"], "PolicyError",
+     r"^--bagualu\.compiled_recompute: 'a, b' is neither"),
+    (CAP + OPS + ["--bagualu.compiled-recompute", ""], "PolicyError",
+     r"^--bagualu\.compiled_recompute: '' is neither"),
     (CAP + ["--bagualu.governor", "unix://"], "ValueError",
      r"^--bagualu\.governor: 'unix://' names no socket path"),
     (CAP + ["--bagualu.governor", "a b"], "ValueError",

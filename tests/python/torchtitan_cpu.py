@@ -2,7 +2,7 @@
 runs need; test-only: neither torchtitan nor bagualu has a CPU path for this.
 
     python torchtitan_cpu.py ASSETS [--spike-step N] [--measure] [--dynamo-counters]
-                             [torchtitan.train arguments]
+                             [--force NAME=STRATEGY,...] [torchtitan.train arguments]
     python torchtitan_cpu.py --assets DIR                           # writes DIR's assets
 
 The four adjustments (docs/torchtitan.md, "On CPU"), made in this process before torchtitan
@@ -21,7 +21,8 @@ It also prints each step's loss in full (torchtitan's line rounds it), and with 
 N`` makes step N a routing spike (``spike_routing``); ``--measure`` prints each step's time and
 heap peak (``measure_steps``, for bench/python/torchtitan_ac.py); ``--dynamo-counters``
 prints dynamo's counters once training ended (``print_dynamo_counters``: graphs, operations
-captured, graph breaks; for ``--compile.enable``). The assets: a byte-level
+captured, graph breaks; for ``--compile.enable``); ``--force`` forces bagualu's trainer's
+plans (``force_strategies``). The assets: a byte-level
 BPE tokenizer trained with the ``tokenizers`` package on text this module writes, and a local
 JSON-lines dataset of that text (nothing is downloaded).
 """
@@ -284,6 +285,22 @@ def print_dynamo_counters() -> None:
           f"breaks {sum(breaks.values())} reasons {sorted(breaks)!r}", flush=True)
 
 
+def force_strategies(spec: str) -> None:
+    """bagualu's trainer forces ``spec`` ('NAME=STRATEGY,...', bagualu.force_strategies) on
+    every plan from its install on (the capture included)."""
+    forced = dict(item.split("=", 1) for item in spec.split(","))
+    from bagualu.loops import torchtitan as tt
+    real = tt.BagualuTrainer.init_distributed
+
+    def init_distributed(self: Any) -> Any:
+        out = real(self)
+        import bagualu
+        bagualu.force_strategies(forced)
+        return out
+
+    tt.BagualuTrainer.init_distributed = init_distributed
+
+
 def main(argv: List[str]) -> int:
     if argv[:1] == ["--assets"]:
         write_assets(Path(argv[1]))
@@ -298,6 +315,9 @@ def main(argv: List[str]) -> int:
     dynamo = args[:1] == ["--dynamo-counters"]
     if dynamo:
         args = args[1:]
+    force = None
+    if args[:1] == ["--force"]:
+        force, args = args[1], args[2:]
     torch.set_num_threads(1)
     patch()
     print_exact_losses()
@@ -305,6 +325,8 @@ def main(argv: List[str]) -> int:
         spike_routing(spike)
     if measure:
         measure_steps()
+    if force is not None:
+        force_strategies(force)
     train_on(assets, args)
     if dynamo:
         print_dynamo_counters()

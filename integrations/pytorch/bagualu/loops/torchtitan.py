@@ -91,6 +91,30 @@ class BagualuConfig:
     save the process group for their backward, which torch's inlined saved-tensor hooks lose
     (refused naming it; docs/torchtitan.md)."""
 
+    compiled_recompute: Optional[str] = None
+    """With --compile.enable and --bagualu.compiled_operators operators: the operators of a
+    compiled block that may be recomputed (install's compiled_recompute): None (none alone),
+    'auto' (the experts' operators, one group), or groups of operator names, the groups
+    separated by ',' and a group's operators joined by '+' ('moe.experts,attention+norm': two
+    groups). Each union of groups is one compiled variant of the blocks (docs/torchtitan.md,
+    "Compiled blocks")."""
+
+
+def recompute_groups(value: Optional[str]) -> Any:
+    """``--bagualu.compiled_recompute``'s value as install's ``compiled_recompute``: None,
+    'auto', or a tuple of groups ('a+b,c' -> (('a', 'b'), ('c',))). PolicyError naming the
+    flag on a value of no group or with an empty group or operator name (the names are
+    checked against the model's operators at instrument)."""
+    if value is None or value == "auto":
+        return value
+    groups = tuple(tuple(g.split("+")) for g in value.split(","))
+    if not value.strip() or any(not n.strip() or n != n.strip() for g in groups for n in g):
+        raise errors.PolicyError(
+            f"--bagualu.compiled_recompute: {value!r} is neither None, 'auto' nor groups of "
+            "operator names (groups separated by ',', a group's operators joined by '+', no "
+            "empty name or space: 'moe.experts,attention+norm')")
+    return groups
+
 
 def check_config(cfg: BagualuConfig) -> None:
     """Refuses a bad ``[bagualu]`` value before anything is built, naming its flag
@@ -112,6 +136,12 @@ def check_config(cfg: BagualuConfig) -> None:
         except errors.PolicyError as e:
             raise errors.PolicyError(f"--bagualu.{key}: {e}") from None
     settings.check_governor_address(cfg.governor, "--bagualu.governor")
+    recompute_groups(cfg.compiled_recompute)
+    if cfg.compiled_recompute is not None and cfg.compiled_operators != "operators":
+        raise errors.PolicyError(
+            f"--bagualu.compiled_recompute: {cfg.compiled_recompute!r} needs "
+            f"--bagualu.compiled_operators operators (it is {cfg.compiled_operators!r}: each "
+            "compiled block one operator, recomputed whole or not at all)")
 
 
 class BagualuTrainer(Trainer):
@@ -139,9 +169,14 @@ class BagualuTrainer(Trainer):
         model = parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
         layers: Any = "layers" if len(parts) == 1 else \
             [f"{i}.layers" for i in range(len(parts))]
-        bagualu.instrument(model, {"name": f"torchtitan-{config.model_spec.name}"},
-                           layers=layers, ops=dict(TORCHTITAN_OPS),
-                           dispatch=DISPATCH if ep else None)
+        try:
+            bagualu.instrument(model, {"name": f"torchtitan-{config.model_spec.name}"},
+                               layers=layers, ops=dict(TORCHTITAN_OPS),
+                               dispatch=DISPATCH if ep else None)
+        except errors.InstrumentError as e:
+            if str(e).startswith("compiled_recompute:"):  # groups naming no operator etc.
+                raise errors.InstrumentError(f"--bagualu.{e}") from None
+            raise
         rt = bagualu.current()
         _compiled_now(rt)
         self._bgl_handles = _fsdp_units(rt, model, ep)
@@ -189,7 +224,8 @@ class BagualuTrainer(Trainer):
                         micro_batches=micro_batches, chunks=chunks,
                         issue_order=cfg.issue_order, allow_fp8=cfg.allow_fp8,
                         log_iterations=cfg.log_iterations,
-                        compiled_operators=cfg.compiled_operators)
+                        compiled_operators=cfg.compiled_operators,
+                        compiled_recompute=recompute_groups(cfg.compiled_recompute))
         return parallel_dims
 
     # -- the steps --------------------------------------------------------------------------
@@ -235,6 +271,11 @@ class BagualuTrainer(Trainer):
             st = bagualu.stats()
             log.info("bagualu: done: planned by the %s planner (job %s)",
                      st["governor"] or "embedded", st["job_id"])
+            rec = st.get("compiled", {}).get("recompute", {})
+            if rec.get("groups"):
+                log.info("bagualu: compiled recompute: groups %s, block calls per variant %s, "
+                         "operators recomputed %d", rec["groups"], rec["calls"],
+                         rec["operators_recomputed"])
         bagualu.uninstall()
 
 
