@@ -179,6 +179,14 @@ Status ValidateRegisterRequest(const pb::RegisterRequest& req, const RequestLimi
     BGL_RETURN_IF_ERROR(plan::CheckCalibrationValue("copy_overlap", cal.copy_overlap(),
                                                     "calibration.copy_overlap"));
   }
+  if (cal.has_copy_host_us()) {
+    BGL_RETURN_IF_ERROR(plan::CheckCalibrationValue("copy_host_us", cal.copy_host_us(),
+                                                    "calibration.copy_host_us"));
+  }
+  if (cal.has_rerun_host_us()) {
+    BGL_RETURN_IF_ERROR(plan::CheckCalibrationValue("rerun_host_us", cal.rerun_host_us(),
+                                                    "calibration.rerun_host_us"));
+  }
   return OkStatus();
 }
 
@@ -238,6 +246,8 @@ Result<std::unique_ptr<plan::StagePlanner>> CreatePlannerFromRequest(
   if (cal.memory_efficiency() != 0) cdoc["memory_efficiency"] = cal.memory_efficiency();
   if (cal.kernel_launch_us() != 0) cdoc["kernel_launch_us"] = cal.kernel_launch_us();
   if (cal.has_copy_overlap()) cdoc["copy_overlap"] = cal.copy_overlap();
+  if (cal.has_copy_host_us()) cdoc["copy_host_us"] = cal.copy_host_us();
+  if (cal.has_rerun_host_us()) cdoc["rerun_host_us"] = cal.rerun_host_us();
   if (Status s = plan::ApplyCalibration(cdoc, profile); !s.ok()) {
     return InvalidArgument("calibration: " + s.message());
   }

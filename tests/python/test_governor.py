@@ -558,6 +558,26 @@ def test_strategy_and_phase_names_come_from_the_proto(tmp_path, monkeypatch) -> 
     assert remote.enum_name(pb.Chain, pb.CHAIN_RECOVER, "?")[:1].upper() == "R"
 
 
+def test_the_register_request_carries_the_host_costs(tmp_path, monkeypatch) -> None:
+    """Issue 42: a calibration's copy_host_us and rerun_host_us reach the RegisterRequest (the
+    daemon's session planner charges them: registration_test.cc
+    HostCostsReachTheSessionAndItsPlansAreChargedThem); absent, they stay unset (the daemon's
+    calibration file's or the profile's apply)."""
+    pytest.importorskip("grpc_tools")
+    from bagualu.planning import remote
+    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path))
+    pb, _ = remote.load_stubs()
+    req = pb.RegisterRequest()
+    remote.fill_calibration(req.calibration, {"gpu": "host", "copy_overlap": 0,
+                                              "copy_host_us": 120.5, "rerun_host_us": 0}, pb)
+    assert req.calibration.copy_host_us == 120.5
+    assert req.calibration.HasField("rerun_host_us") and req.calibration.rerun_host_us == 0
+    bare = pb.RegisterRequest()
+    remote.fill_calibration(bare.calibration, {"gpu": "host"}, pb)
+    assert not bare.calibration.HasField("copy_host_us")
+    assert not bare.calibration.HasField("rerun_host_us")
+
+
 def test_fallback_keeps_the_nodes_last_grant(tmp_path, monkeypatch, caplog) -> None:
     """Issue 14: the daemon grants the node's pinned host budget (1 MiB, one session: all of
     it); the enforcer's pinned pool follows; once the daemon is gone, the embedded planner

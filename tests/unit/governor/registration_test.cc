@@ -124,6 +124,58 @@ TEST(Registration, NodeCalibrationReachesThePlannerAndTheSessionsOwnComesAfter) 
       << bad.status().message();
 }
 
+// The host backend's per-tensor costs (issue 42) reach a daemon-planned session: the request's
+// calibration.copy_host_us and rerun_host_us (else the daemon's calibration file's) go through
+// the one calibration parser into the session planner's profile, and its plans are charged
+// them: at a point that needs mitigating, with FP8 (which they do not charge) disallowed, every
+// plan copies or reruns something, so the cheapest plan's overhead grows. A bad value is
+// refused naming the field.
+TEST(Registration, HostCostsReachTheSessionAndItsPlansAreChargedThem) {
+  const int64_t in_use = 7300 * kMiB;  // a budget below keep-all (BudgetStepSplitsADefaultBucket)
+  auto tight_overhead = [&](const pb::RegisterRequest& req, const nlohmann::json* node) {
+    auto p = CreatePlannerFromRequest(req, RequestLimits{}, {}, node);
+    EXPECT_TRUE(p.ok()) << p.status().message();
+    if (!p.ok()) return std::pair{plan::HardwareProfile{}, plan::Plan{}};
+    plan::SchedulePoint point;
+    point.forward_micro_batch = 0;
+    point.bytes_in_use = in_use;
+    auto plan = (*p)->PlanPoint(point);
+    EXPECT_TRUE(plan.ok()) << plan.status().message();
+    return std::pair{(*p)->hardware(), plan.ok() ? *plan : plan::Plan{}};
+  };
+  pb::RegisterRequest req = TinyRegister(kMiB);
+  req.set_disallow_fp8(true);
+  const auto [hw0, free] = tight_overhead(req, nullptr);
+  EXPECT_DOUBLE_EQ(hw0.copy_host_s, 0);
+  EXPECT_DOUBLE_EQ(hw0.rerun_host_s, 0);
+  ASSERT_FALSE(free.fallback_full_recompute);
+  ASSERT_LT(free.predicted_bytes, free.keep_all_bytes) << "the point must need mitigating";
+  req.mutable_calibration()->set_copy_host_us(120);
+  req.mutable_calibration()->set_rerun_host_us(450);
+  const auto [hw1, charged] = tight_overhead(req, nullptr);
+  EXPECT_DOUBLE_EQ(hw1.copy_host_s, 120e-6);
+  EXPECT_DOUBLE_EQ(hw1.rerun_host_s, 450e-6);
+  EXPECT_GT(charged.overhead_s, free.overhead_s + 100e-6);
+  // The daemon's calibration file's, where the request has none; the request's after it.
+  const nlohmann::json node = {{"gpu", "h200"}, {"copy_host_us", 7}, {"rerun_host_us", 9}};
+  pb::RegisterRequest bare = TinyRegister(kMiB);
+  EXPECT_DOUBLE_EQ(tight_overhead(bare, &node).first.rerun_host_s, 9e-6);
+  EXPECT_DOUBLE_EQ(tight_overhead(req, &node).first.copy_host_s, 120e-6);
+  for (auto [field, value] :
+       {std::pair{"calibration.copy_host_us", -1.0}, std::pair{"calibration.rerun_host_us", 2e6}}) {
+    pb::RegisterRequest bad = TinyRegister(kMiB);
+    if (std::string(field) == "calibration.copy_host_us") {
+      bad.mutable_calibration()->set_copy_host_us(value);
+    } else {
+      bad.mutable_calibration()->set_rerun_host_us(value);
+    }
+    auto refused = CreatePlannerFromRequest(bad, RequestLimits{});
+    ASSERT_FALSE(refused.ok()) << field;
+    EXPECT_NE(refused.status().message().find(field), std::string::npos)
+        << refused.status().message();
+  }
+}
+
 // RegisterRequest.disallow_offload / disallow_fp8 (install(allow_fp8=False) against the daemon):
 // they reach the session's planner, and its plans under pressure use neither strategy. On a
 // machine whose FP8 cast costs next to nothing and whose recomputes are dear, the same point's

@@ -261,5 +261,6 @@ def fill_calibration(out: Any, doc: Dict[str, Any], pb: Any) -> None:
                        ("kernel_launch_us", "kernel_launch_us")):
         if key in doc:
             setattr(out, field, float(doc[key]))
-    if "copy_overlap" in doc:
-        out.copy_overlap = float(doc["copy_overlap"])
+    for key in ("copy_overlap", "copy_host_us", "rerun_host_us"):  # optional: absent stays so
+        if key in doc:
+            setattr(out, key, float(doc[key]))
