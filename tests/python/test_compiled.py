@@ -636,6 +636,8 @@ def test_operators_recomputed_inside_compiled_blocks(name: str, emulated_link: s
     assert rc["groups"] == [["mlp.experts", "mlp.experts.act_fn"]], rc
     assert rc["operators_recomputed"] > 0 and rc["mixed_blocks"] > 0, rc
     assert rc["leftover"] == 0, rc  # nothing of a recomputed operator was stashed
+    # the experts' variant compiled here (a fresh dynamo), its joint pass tagging their nodes
+    assert rc["tagged"].get("mlp.experts+mlp.experts.act_fn", 0) > 0, rc
     if name == "qwen3_moe":  # Mixtral's plan at half the peak recomputes and keeps
         assert r["stats"]["tracker"]["offloads"] > 0, r["stats"]["tracker"]
     ops = {o["name"]: o["recompute_allowed"]
@@ -647,6 +649,7 @@ def test_operators_recomputed_inside_compiled_blocks(name: str, emulated_link: s
     again = run("bagualu", fresh=False, **kw)
     assert again["dynamo"] == (0, 0), again["dynamo"]  # every variant hit its cache entry
     assert again["stats"]["compiled"]["recompute"]["operators_recomputed"] > 0
+    assert again["stats"]["compiled"]["recompute"]["tagged"] == {}  # nothing compiled again
     assert_grads(plain["grads"], again["grads"], count, what="recompute per operator, again")
     # Forced (every plan): the experts recomputed in the graphs, the q projection offloaded,
     # the rest kept, from the capture on (it runs the plain variant and measures the experts).

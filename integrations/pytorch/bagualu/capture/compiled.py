@@ -76,11 +76,13 @@ class _Entry:
     """A block's ``_compiled_call_impl`` with bagualu's enter and leave around it (and, per
     operator, the compiled call inside a stash frame)."""
 
-    __slots__ = ("block", "compiled", "pre", "post", "on_stash", "dynamic", "variant")
+    __slots__ = ("block", "compiled", "pre", "post", "on_stash", "dynamic", "variant",
+                 "on_tagged")
 
     def __init__(self, block: nn.Module, compiled: Callable[..., Any], pre: Hook,
                  post: Hook, on_stash: Optional[stash.OnStash], dynamic: bool = False,
-                 variant: Optional[Variant] = None) -> None:
+                 variant: Optional[Variant] = None,
+                 on_tagged: Optional[stash.OnTagged] = None) -> None:
         self.block = block
         self.compiled = compiled
         self.pre = pre
@@ -88,6 +90,7 @@ class _Entry:
         self.on_stash = on_stash
         self.dynamic = dynamic
         self.variant = variant
+        self.on_tagged = on_tagged
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.pre(self.block, args, kwargs)
@@ -95,7 +98,7 @@ class _Entry:
             out = self.compiled(*args, **kwargs)
         else:
             v = self.variant() if self.variant is not None else frozenset()
-            with stash.Frame(self.on_stash, self.dynamic, v):
+            with stash.Frame(self.on_stash, self.dynamic, v, self.on_tagged):
                 out = self.compiled(*args, **kwargs)
         self.post(self.block, args, out)
         return out
@@ -106,15 +109,18 @@ class _WrappedFrames:
     entered after bagualu's enter, left before its leave, also when the call raises)."""
 
     def __init__(self, on_stash: stash.OnStash, dynamic: bool = False,
-                 variant: Optional[Variant] = None) -> None:
+                 variant: Optional[Variant] = None,
+                 on_tagged: Optional[stash.OnTagged] = None) -> None:
         self.on_stash = on_stash
         self.dynamic = dynamic
         self.variant = variant
+        self.on_tagged = on_tagged
         self.open: List[stash.Frame] = []
 
     def enter(self, m: nn.Module, args: Any, kwargs: Any) -> None:
         f = stash.Frame(self.on_stash, self.dynamic,
-                        self.variant() if self.variant is not None else frozenset())
+                        self.variant() if self.variant is not None else frozenset(),
+                        self.on_tagged)
         f.__enter__()
         self.open.append(f)
 
@@ -197,7 +203,8 @@ class CompiledBlocks:
                  hooks: Callable[[int], Tuple[Hook, Hook]],
                  drop_inner: Callable[[], None], simulated_ep: bool,
                  on_stash: Optional[Callable[[int], stash.OnStash]] = None,
-                 variant: Optional[Callable[[int], Variant]] = None) -> None:
+                 variant: Optional[Callable[[int], Variant]] = None,
+                 on_tagged: Optional[stash.OnTagged] = None) -> None:
         self.model = model
         self.found = found
         self.hooks = hooks
@@ -206,8 +213,10 @@ class CompiledBlocks:
         # Per operator when given (the layer's on_stash) and torch can (capture/stash.py).
         self.on_stash = on_stash if on_stash is not None and stash.supported() else None
         self.unsupported = on_stash is not None and self.on_stash is None
-        # Per operator with recompute groups: each layer's variant, picked per call.
+        # Per operator with recompute groups: each layer's variant, picked per call, and
+        # who is told the nodes each variant's joint pass tagged (stash.Frame).
         self.variant = variant
+        self.on_tagged = on_tagged
         self.form: Optional[str] = None            # of every planned block (None: eager)
         self.seen: Optional[List[Optional[str]]] = None  # the forms the capture planned
         self.handles: List[Any] = []
@@ -320,7 +329,8 @@ class CompiledBlocks:
                 wrapper = self.found.entry(bi)
                 self.handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
                 if on_stash is not None:
-                    frames = _WrappedFrames(on_stash, self.simulated_ep, self._variant(li))
+                    frames = _WrappedFrames(on_stash, self.simulated_ep, self._variant(li),
+                                            self.on_tagged)
                     self.handles.append(wrapper.register_forward_pre_hook(frames.enter,
                                                                           with_kwargs=True))
                     self.handles.append(wrapper.register_forward_hook(frames.leave,
@@ -330,7 +340,8 @@ class CompiledBlocks:
                 block = self.found.blocks[bi]
                 compiled = block.__dict__["_compiled_call_impl"]
                 block._compiled_call_impl = _Entry(block, compiled, pre, post, on_stash,
-                                                   self.simulated_ep, self._variant(li))
+                                                   self.simulated_ep, self._variant(li),
+                                                   self.on_tagged)
                 self.entries.append((block, compiled))
         if self.per_op:
             log.info("bagualu: the %d planned blocks of %s are compiled (%s): their saved "
@@ -366,7 +377,8 @@ class CompiledBlocks:
                 pre, post = self.hooks(i)
                 on_stash = self.on_stash(i) if self.on_stash is not None else None
                 block._compiled_call_impl = _Entry(block, impl, pre, post, on_stash,
-                                                   self.simulated_ep, self._variant(i))
+                                                   self.simulated_ep, self._variant(i),
+                                                   self.on_tagged)
                 self.entries[i] = (block, impl)
 
     def _check_above(self) -> None:

@@ -157,7 +157,7 @@ class AutoLayers:
                                        ep.simulate,
                                        self.stashes.on_stash if compiled_per_op else None,
                                        self.stashes.variant_of if self.stashes.groups
-                                       else None)
+                                       else None, self.stashes.note_tagged)
         try:
             self.compiled.refuse_cuda_graphs()  # blocks compiled before instrument
             self._install(model)

@@ -367,13 +367,19 @@ def _forward_nodes(gm: fx.GraphModule) -> List[fx.Node]:
     return out
 
 
+OnTagged = Callable[[FrozenSet[str], int], None]  # (variant, forward nodes tagged)
+
+
 class _JointPass:
     """torch._functorch.config.joint_custom_pass while a variant compiles: tags its operators'
-    forward nodes MUST_RECOMPUTE, then runs the user's pass (``then``) if any."""
+    forward nodes MUST_RECOMPUTE, tells ``on_tagged`` how many, then runs the user's pass
+    (``then``) if any."""
 
-    def __init__(self, variant: FrozenSet[str], then: Optional[Callable[..., Any]]) -> None:
+    def __init__(self, variant: FrozenSet[str], then: Optional[Callable[..., Any]],
+                 on_tagged: Optional[OnTagged] = None) -> None:
         self.variant = variant
         self.then = then
+        self.on_tagged = on_tagged
 
     def __call__(self, gm: fx.GraphModule, inputs: Any) -> fx.GraphModule:
         from torch.utils.checkpoint import CheckpointPolicy
@@ -383,11 +389,10 @@ class _JointPass:
                 n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 n.meta["ac_graph_id"] = 1
                 tagged += 1
-        _tagged.append((self.variant, tagged))
+        if self.on_tagged is not None:
+            self.on_tagged(self.variant, tagged)
         return self.then(gm, inputs) if self.then is not None else gm
 
-
-_tagged: List[Tuple[FrozenSet[str], int]] = []  # (variant, nodes tagged) per compile (tests)
 
 OnStash = Callable[..., None]  # (tensor, operator name or None[, received: bool])
 
@@ -399,13 +404,16 @@ class Frame:
     (``on_stash(t, name, True)`` for the tensor whose rows a real EP dispatch received). Not
     thread-safe: the training thread."""
 
-    __slots__ = ("on_stash", "outer", "mode", "dynamic", "variant")
+    __slots__ = ("on_stash", "outer", "mode", "dynamic", "variant", "on_tagged")
 
     def __init__(self, on_stash: Optional[OnStash], dynamic: bool = False,
-                 variant: FrozenSet[str] = frozenset()) -> None:
+                 variant: FrozenSet[str] = frozenset(),
+                 on_tagged: Optional[OnTagged] = None) -> None:
         self.on_stash = on_stash
-        # The recompute set of this call (its compiled variant; empty: plain compile's).
+        # The recompute set of this call (its compiled variant; empty: plain compile's), and
+        # who is told the nodes its joint pass tagged where the call compiles the variant.
         self.variant = variant
+        self.on_tagged = on_tagged
         # Simulated expert parallelism: the local experts' tokens are data-dependent sizes
         # (nonzero), which dynamo captures only with capture_dynamic_output_shape_ops.
         self.dynamic = dynamic
@@ -438,7 +446,8 @@ class Frame:
             if self.variant:
                 stack.enter_context(torch._functorch.config.patch(
                     joint_custom_pass=_JointPass(self.variant,
-                                                 torch._functorch.config.joint_custom_pass)))
+                                                 torch._functorch.config.joint_custom_pass,
+                                                 self.on_tagged)))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 *hooks_of(self.variant)))
         except BaseException:

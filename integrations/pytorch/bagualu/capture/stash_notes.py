@@ -71,6 +71,8 @@ class StashNotes:
         self.widened = 0   # calls whose variant recomputes more than the plan's operators
         self.leftover = 0  # tensors a variant's operators still saved (placed as the block)
         self.ops_recomputed = 0  # operators recomputed by the variants, over block calls
+        # variant -> the forward nodes its joint pass tagged MUST_RECOMPUTE, over its compiles
+        self.tagged: Dict[FrozenSet[str], int] = {}
 
     def set_groups(self, groups: Any) -> None:
         """install(compiled_recompute=): None, "auto" (the experts' operators, one group: the
@@ -148,6 +150,11 @@ class StashNotes:
                 self.recomputed.pop((mb, layer), None)
             return v
         return pick
+
+    def note_tagged(self, variant: FrozenSet[str], nodes: int) -> None:
+        """A compile of recompute set ``variant`` tagged ``nodes`` forward nodes of its joint
+        graph to recompute (capture/stash.py's joint pass)."""
+        self.tagged[variant] = self.tagged.get(variant, 0) + nodes
 
     def begin_forward(self) -> None:
         """A forward starts: no router load read yet."""
@@ -291,6 +298,11 @@ class StashNotes:
                               for v, c in sorted(self.variant_calls.items(),
                                                  key=lambda kv: sorted(kv[0]))},
                     "operators_recomputed": self.ops_recomputed,
+                    # the nodes each variant's compiles tagged to recompute (0: its operators
+                    # computed nothing in the graphs it compiled)
+                    "tagged": {"+".join(sorted(v)): n
+                               for v, n in sorted(self.tagged.items(),
+                                                  key=lambda kv: sorted(kv[0]))},
                     "mixed_blocks": sum(1 for k, v in self.placements.items()
                                         if RECOMPUTE in v and len(v) > 1),
                     "widened": self.widened, "leftover": self.leftover}}
