@@ -108,7 +108,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
           prefetch: bool = False, loop: str = "accumulate", iterations: int = 2,
           same_data: bool = False, measure: bool = False, ddp: bool = False,
           device: str = "cpu", checkpoint: bool = False,
-          allow_fp8: bool = True, compiled: bool = False) -> Dict[str, Any]:
+          allow_fp8: bool = True, compiled: bool = False,
+          compiled_recompute: Any = None) -> Dict[str, Any]:
     """Trains ``name`` under FSDP2 (SGD, lr 0.1) for ``iterations`` steps of MICRO_BATCHES
     micro-batches; ``policy`` None: plain FSDP2. Returns what the checks need."""
     rank = dist.get_rank()
@@ -118,7 +119,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "4GiB",
     if policy is not None:
         bagualu.install(capacity=capacity, policy=policy, governor="none", device=device,
                         pipeline_stages=stages, micro_batches=n, log_iterations=False,
-                        allow_fp8=allow_fp8)
+                        allow_fp8=allow_fp8, compiled_recompute=compiled_recompute)
     model = unmodified.build(name, seed=0).to(device)  # the same weights on every rank
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
@@ -342,6 +343,13 @@ def compiled_blocks(name: str = "qwen3_moe") -> Dict[str, Any]:
     r = train(name, "bagualu", capacity=peak // 2, allow_fp8=False, **kw)
     res = {"plain": summary(plain), "peak": peak, "half": summary(r)}
     res["half"]["grads"] = compare(plain["grads"], r["grads"])
+    # Recompute per operator (install(compiled_recompute="auto"): the experts' group, two
+    # compiled variants): layer 0's experts recomputed in every plan (its blocks run the
+    # experts' variant), the other layers' blocks the plain one, the q projection offloaded.
+    v = train(name, "bagualu", capacity="4GiB", allow_fp8=False, compiled_recompute="auto",
+              forced={"L0.mlp.experts": "recompute", "self_attn.q_proj": "offload"}, **kw)
+    res["recompute"] = summary(v)
+    res["recompute"]["grads"] = compare(plain["grads"], v["grads"])
     return res
 
 

@@ -268,3 +268,32 @@ def test_a_scheduled_recompute_that_must_wait_is_skipped_and_runs_on_demand() ->
     assert enf.vocab.placement[enf.query(h).placement] == "dropped"
     enf.recompute(h)
     assert calls == [0, 1] and enf.stats()["recomputes"] == 1
+
+
+def test_compiled_recompute_variants_under_fsdp2_on_two_ranks(ranks) -> None:
+    """Every block compiled, then fully_shard, Qwen3-MoE, install(compiled_recompute="auto")
+    (the experts' group: two compiled variants): layer 0's experts forced to recompute and
+    the q projection offloaded in every plan, so each forward after the capture runs layer
+    0's block through the experts' variant and the others through the plain one; both
+    variants ran on each rank (stats()["compiled"]["recompute"]), the experts recomputed
+    beside an offloaded operator in the same blocks, nothing of theirs stashed, and plain
+    compiled FSDP2's losses and gradient shards bit for bit (the run adds about 4 s to the
+    ranks' fixture)."""
+    for rank, res in ranks.items():
+        s = res["compiled"]
+        assert "error" not in s, s.get("error")
+        r = s["recompute"]
+        what = f"compiled recompute variants, rank {rank}"
+        assert r["oom"] is None, f"{what}: {r['oom']}"
+        rc = r["stats"]["compiled"]["recompute"]
+        assert rc["groups"] == [["mlp.experts", "mlp.experts.act_fn"]], rc
+        calls = rc["calls"]
+        assert calls.get("none", 0) > 0 and calls.get("mlp.experts+mlp.experts.act_fn", 0) > 0, \
+            f"{what}: not both variants ran: {calls}"
+        assert rc["operators_recomputed"] > 0 and rc["mixed_blocks"] > 0, rc
+        assert rc["leftover"] == 0, rc
+        # the experts' variant compiled in this run, its joint pass tagging their nodes
+        assert rc["tagged"].get("mlp.experts+mlp.experts.act_fn", 0) > 0, rc
+        assert r["stats"]["tracker"]["offloads"] > 0, r["stats"]["tracker"]
+        assert r["losses"] == s["plain"]["losses"], what
+        _grads_equal(r["grads"], what)
