@@ -91,10 +91,23 @@ def test_bad_input_at_the_binding_is_an_error_and_changes_nothing() -> None:
         assert enf.fast.acquire(h + 1000, 0)[0] == unknown
         rc, placement, _, _ = enf.fast.state(h)
         assert rc == 0 and placement == enf.vocab.place_host
-        got = enf.acquire(h, 256, lambda: True)
+        # A block's end made for what is not an enforcer or a record, or for handle 0: an
+        # error naming it, and no block taken.
+        with pytest.raises(TypeError, match="enforcer must be an Enforcer"):
+            m.block_done(object(), h, None)
+        with pytest.raises(TypeError, match="rec must be a record or None"):
+            m.block_done(enf, h, object())
+        with pytest.raises(ValueError, match="handle 0"):
+            m.block_done(enf, 0, None)
+        with pytest.raises(TypeError, match="3 arguments"):
+            m.block_done(enf, h)
+        assert enf.live_blocks == 0
+        got = enf.acquire(h, 256)
         assert torch.equal(torch.empty(0).set_(got, 0, (64,), (1,)), src)
+        assert enf.live_blocks == 1
         del got
         gc.collect()
+        assert enf.live_blocks == 0
         enf.retire(h)
         assert enf.fast.unregister(h) == unknown  # a double release
     finally:

@@ -242,10 +242,14 @@ def test_flushing_a_forwards_waiting_offloads_issues_them_without_waiting() -> N
 
     issued: list = []
 
+    on_host = {4}  # its O chain issued it: the enforcer has it on the host already
+
     class Rec:
         def __init__(self, mb: int, seq: int, enf: int, planned: bool = True) -> None:
             self.micro_batch, self.seq, self.enf = mb, seq, enf
-            self.planned, self.issued = planned, False
+            # record.py's are the enforcer's state (planned: its strategy; issued: moved to
+            # the host while the record holds the device data)
+            self.planned, self.issued = planned, enf in on_host
 
         def movable(self) -> bool:
             return True
@@ -262,15 +266,10 @@ def test_flushing_a_forwards_waiting_offloads_issues_them_without_waiting() -> N
             waited.append((self.micro_batch, self.seq))
             return 1
 
-    HOST, DEVICE = 7, 1
-    on_host = {4}
-    fast = NS(state=lambda h: (0, HOST if h in on_host else DEVICE, 0, 0))
-    enforcer = NS(fast=fast, vocab=NS(place_host=HOST))
     waited: list = []
     recs = [Rec(0, 5, 1), Rec(1, 9, 2), Rec(1, 3, 3), Rec(0, 1, 4), Rec(0, 2, 5, planned=False)]
     counters = {"early_offloads": 0}
-    mover = NS(offload_behind=True, planned={r.enf: r for r in recs}, counters=counters,
-               enforcer=enforcer)
+    mover = NS(offload_behind=True, planned={r.enf: r for r in recs}, counters=counters)
     Mover.flush_pending(mover)
     assert issued == [(1, 3), (1, 9), (0, 5)]  # (0, 1) is on the host already; (0, 2) unplanned
     assert counters["early_offloads"] == 3 and not waited

@@ -212,8 +212,8 @@ def test_fp8_roundtrip_through_the_enforcer(dtype: torch.dtype) -> None:
     blocks = (1000 + 127) // 128
     assert enf.vocab.placement[enf.query(h).placement] == "fp8"
     assert fp8_bytes == (1000 + 15) // 16 * 16 + blocks * 4  # e4m3 data, padding, scales
-    done = []
-    back = enf.acquire(h, x.nbytes, lambda: done.append(1))
+    back = enf.acquire(h, x.nbytes)  # no record: the block goes back when torch lets go
+    assert enf.live_blocks == 1
     y = torch.empty(0, dtype=dtype).set_(back, 0, (1000,), (1,)).float()
     xf = x.float()
     for b in range(blocks):
@@ -222,7 +222,7 @@ def test_fp8_roundtrip_through_the_enforcer(dtype: torch.dtype) -> None:
         assert float((y[sl] - xf[sl]).abs().max()) <= float(xf[sl].abs().max()) / 16 + 1e-6
     del y, back
     gc.collect()
-    assert done == [1]
+    assert enf.live_blocks == 0  # the block's end ran (the binding's BlockDone)
     enf.retire(h)
     assert enf.stats()["tracked"] == 0
     enf.close()
@@ -408,6 +408,75 @@ def test_a_record_released_while_its_copy_runs_waits_for_it(tmp_path) -> None:
         assert st["tracked"] == 0 and st["pinned_in_use"] == 0
     finally:
         t.scope.clear()
+        t.end_forward()
+        bagualu.uninstall()
+
+
+def test_a_reload_by_record_materialize_ends_in_the_binding() -> None:
+    """The Python path's reload (Record.materialize, e.g. where the binding's unpack leaves an
+    acquire to retry after an eviction) gives its block the binding's end (_C.block_done, the
+    one definition with the binding's own reloads): while the record holds it the block stays,
+    and when the released record's block dies the record is retired with it (nothing stays
+    tracked, no block stays live)."""
+    require_libs()
+    rt, m, x = install_tiny()
+    bagualu.force_strategies({n: bagualu.OFFLOAD for n in ("attn_norm", "qkv_proj", "out_proj")})
+    with bagualu.forward(0):
+        y = m(x).square().sum()
+    moved = [r for r in rt.tracker.by_mb[0] if r.placement == "host"]
+    assert moved
+    for r in moved:
+        st = r.materialize()
+        assert r.live_block and r.storage is st and r.placement == "device"
+    del st
+    assert rt.enforcer.live_blocks == len(moved)
+    assert rt.tracker.counters["reloads"] == len(moved)
+    with bagualu.backward(0):
+        y.backward()  # each unpack finds its record's data on the device
+    assert rt.tracker.counters["reloads"] == len(moved)
+    del y
+    gc.collect()
+    assert all(r.released and not r.live_block and r.enf == 0 for r in moved)
+    assert rt.enforcer.live_blocks == 0 and rt.enforcer.stats()["tracked"] == 0
+
+
+def test_a_records_offload_state_is_the_enforcers() -> None:
+    """A record's ``planned`` and ``issued`` are derived from its enforcer handle, never stored
+    (they cannot be set): untracked or without its storage, neither; its offload left to the
+    plan's issue order, planned; an offload that moved it while the record holds the device
+    data, planned and issued; once the record lets go of the data, neither. A handle the
+    enforcer does not know while the record holds its data is an error naming it."""
+    require_libs()
+    from bagualu.vocabulary import Op
+    rt = bagualu.install(capacity="1MiB", policy="keep-all", governor="none",
+                         log_iterations=False)
+    t = rt.tracker
+    t.begin_forward(0, capture=False)
+    try:
+        src = torch.randn(4096)
+        rec = t.new_record(src.untyped_storage(), src.dtype, Op("w", "linear", 0))
+        assert rec.enf and not rec.planned and not rec.issued
+        with pytest.raises(AttributeError):
+            rec.planned = True
+        with pytest.raises(AttributeError):
+            rec.issued = True
+        rec.plan_offload()
+        assert rec.planned and not rec.issued
+        rt.enforcer.offload(rec.enf, wait=False)
+        assert rec.planned and rec.issued and rec.storage is not None
+        rec.left_for_host()
+        assert rec.placement == "host" and not rec.planned and not rec.issued
+        other = t.new_record(src.untyped_storage(), src.dtype, Op("v", "linear", 0),
+                             register=False)
+        assert not other.enf and not other.planned and not other.issued
+        other.enf = 12345  # a handle no enforcer gave
+        with pytest.raises(RuntimeError, match="enforcer handle 12345 is unknown"):
+            other.planned
+        other.enf = 0
+        other.release()
+        rec.release()
+        assert rt.enforcer.stats()["tracked"] == 0
+    finally:
         t.end_forward()
         bagualu.uninstall()
 

@@ -42,7 +42,10 @@ class Record(_C.RecordBase):
     """One saved storage of one micro-batch (its fields: the binding's RecordBase). Its
     ``placement`` is derived, never stored: on the device while the record holds its storage,
     else the enforcer's placement of its handle (the one state machine, TrackedTensor), else
-    dropped while a rerun can make it."""
+    dropped while a rerun can make it. So are ``planned`` (its offload left to the plan's issue
+    order, or issued) and ``issued`` (an offload moved the data to the host while the record
+    still holds the device data the copy reads): the enforcer's strategy and moves of its
+    handle (csrc/record.cc OffloadOf)."""
 
     __slots__ = ()
 
@@ -71,8 +74,6 @@ class Record(_C.RecordBase):
         self.released = False    # every holder is gone
         self.regen: Any = None   # the recompute.Call that regenerates it while dropped
         self.regenerating = False
-        self.planned = False     # offload left to the plan's issue order, or issued:
-        self.issued = False      # its copy issued without waiting (offload_behind)
         # Kept: registered with the enforcer only once something must move it (enf 0 till
         # then); set by the tracker where the enforcer could move it.
         self.lazy = False
@@ -145,7 +146,7 @@ class Record(_C.RecordBase):
         try:
             if not self.tracked():
                 return 0
-            if not (self.planned and t.enforcer.offloaded(self.enf)):
+            if not (self.issued and t.enforcer.offloaded(self.enf)):
                 t.enforcer.offload(self.enf)  # in need order (given at registration)
         except BagualuError as e:  # e.g. the pinned pool is full: the data stays
             t.mover.enforcer_failed("offload", e)
@@ -155,7 +156,8 @@ class Record(_C.RecordBase):
     def offload_behind(self) -> bool:
         """Issues the offload without waiting for its copy (the host backend's copy threads
         overlap compute): the device data stays, the copy reading it, until the Mover sees
-        the copy done (Mover.poll_copies: left_for_host); whether it was issued."""
+        the copy done (Mover.poll_copies: left_for_host); whether it was issued. Issued, the
+        record is planned and issued (the enforcer's state: offload() completes it)."""
         if not self.movable():
             return False
         t = self.tracker
@@ -166,24 +168,21 @@ class Record(_C.RecordBase):
         except BagualuError as e:
             t.mover.enforcer_failed("offload", e)
             return False
-        self.planned = self.issued = True  # offload() completes it as a planned offload
         t.mover.planned[self.enf] = self
         t.mover.copying.append(self)
         return True
 
     def plan_offload(self) -> None:
         """The offload is left to the plan's issue order: the stream scheduler issues it when
-        compute reaches its round (left_for_host follows)."""
-        self.planned = True
+        compute reaches its round (left_for_host follows); planned from now on (the
+        enforcer's strategy)."""
         self.tracker.enforcer.set_strategy(self.enf, OFFLOAD)
 
     def left_for_host(self) -> int:
         """The enforcer holds the data in its pinned pool now: let the device copy go; bytes
         freed."""
         t = self.tracker
-        if self.planned:  # carried out before its O chain round (pressure, or no room)
-            self.planned = self.issued = False
-            t.mover.planned.pop(self.enf, None)
+        t.mover.planned.pop(self.enf, None)  # a planned one: carried out (no longer planned)
         self._leave_device()
         self.storage = None  # the enforcer's placement (host) is the record's now
         freed = self.pool_bytes
@@ -259,7 +258,7 @@ class Record(_C.RecordBase):
                 self.regen.regenerate()
             return self.storage
         placement = self.placement
-        self.storage = t.enforcer.acquire(self.enf, self.nbytes, self._block_died)
+        self.storage = t.enforcer.acquire(self.enf, self.nbytes, self)  # its end: the binding's
         self.live_block = True
         self._enforcer_bytes(self.nbytes)
         if placement == HOST:
@@ -283,14 +282,6 @@ class Record(_C.RecordBase):
             raise BagualuError(f"recompute of {self.producer.qualname}: the rerun did not "
                                "regenerate this storage")
         return self.storage.data_ptr()
-
-    def _block_died(self) -> bool:
-        """PyTorch let go of the enforcer's block; True when that retired the record."""
-        self.live_block = False
-        if self.released and self.enf:
-            self._retire()
-            return True
-        return False
 
     def _retire(self) -> None:
         if self.enf:
@@ -316,8 +307,7 @@ class Record(_C.RecordBase):
             self.tracker.enforcer.wait_until_copied(self.enf)
             self.left_for_host()  # the offload it was, counted
         self._unaccount()
-        if self.planned:
-            self.planned = False
+        if self.enf:  # a planned offload not carried out: not planned once the storage goes
             self.tracker.mover.planned.pop(self.enf, None)
         self.storage = self.regen = None
         self.packs = None

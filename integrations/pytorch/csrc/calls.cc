@@ -401,6 +401,15 @@ int QueryPlacement(PyObject* enforcer, uint64_t handle, int* placement) {
   return rc;
 }
 
+int QueryOffload(PyObject* enforcer, uint64_t handle, bool* waiting, bool* issued) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  bgl_enf_tensor_info info{};
+  const int rc = o->api.query(o->enf, handle, &info);
+  *waiting = rc == 0 && info.planned == BGL_STRATEGY_OFFLOAD && info.applied == BGL_STRATEGY_KEEP;
+  *issued = rc == 0 && info.applied == BGL_STRATEGY_OFFLOAD && info.placement == BGL_PLACE_HOST;
+  return rc;
+}
+
 bool IsPool(PyObject* obj) {
   return pool_type != nullptr && Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(pool_type);
 }

@@ -70,6 +70,13 @@ int Unregister(PyObject* enforcer, uint64_t handle);
 // status (BGL_ERR_UNKNOWN_HANDLE for a handle, or an enforcer, that is gone).
 int QueryPlacement(PyObject* enforcer, uint64_t handle, int* placement);
 
+// Where an offload of a tensor stands, from bgl_enf_query of `handle` through an Enforcer (its
+// one state machine, the enforcer's TrackedTensor): *waiting, the plan's strategy is offload and
+// nothing moved the tensor yet (the plan's issue order will); *issued, an offload moved it to
+// the host (its copy issued, perhaps still running: what it read is PyTorch's until the package
+// lets go of it). The status (BGL_ERR_UNKNOWN_HANDLE for a handle that is gone).
+int QueryOffload(PyObject* enforcer, uint64_t handle, bool* waiting, bool* issued);
+
 // Whether `obj` is a Pool.
 bool IsPool(PyObject* obj);
 

@@ -16,8 +16,9 @@ namespace bgl::torch_ext {
 namespace {
 
 // The version of this binding's interface to the package (native/ext.py checks it): raised when
-// a call's arguments or results change, so a stale build is refused by name, not misused.
-constexpr int64_t kAbiVersion = 4;
+// a call is added or its arguments or results change, so a stale build is refused by name,
+// not misused.
+constexpr int64_t kAbiVersion = 5;
 
 int64_t AbiVersion() { return kAbiVersion; }
 
@@ -26,6 +27,10 @@ PyMethodDef module_methods[] = {
      METH_FASTCALL,
      "block_storage(ptr, nbytes, device_type, device_index, done): the enforcer's block as a "
      "torch.UntypedStorage (no copy); done() runs when torch frees it."},
+    {"block_done", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(BlockDoneFor)),
+     METH_FASTCALL,
+     "block_done(enforcer, handle, rec): the end of a block the enforcer reloaded or uncast for "
+     "handle, to pass to block_storage as done (rec: its record or None)."},
     {"light_count", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(LightCount)),
      METH_FASTCALL,
      "light_count(light_set, storage, key, nbytes, inside): LightSet.count (capture/light.py)."},

@@ -40,11 +40,11 @@ ViewMeta* MakeMeta(const at::Tensor& t) {
 bool OnDevice(RecordObject* r) { return r->storage != nullptr && r->storage != Py_None; }
 
 // --- a block's end -----------------------------------------------------------------------------
-// The callable a reloaded block's storage runs when torch frees it (blocks.cc RunDone): what
-// enforce/enforcer.py's block_done(handle, record._block_died) does for the Python path's
-// blocks, here without a Python frame.
+// The callable a reloaded or uncast block's storage runs when torch frees it (blocks.cc RunDone),
+// without a Python frame: the one definition of a block's end, for this file's reloads and for
+// enforce/enforcer.py's acquire (the Python path's, through block_done()).
 struct BlockDoneObject {
-  PyObject_HEAD PyObject* rec;  // the RecordBase whose block it is
+  PyObject_HEAD PyObject* rec;  // the RecordBase whose block it is, or nullptr (none)
   PyObject* enforcer;           // its Enforcer (Python): live_blocks, destroyed, closing
   PyObject* fast;               // that enforcer's _C.Enforcer
   unsigned long long handle;    // the enforcer's handle of the tensor
@@ -54,9 +54,11 @@ PyTypeObject* block_done_type = nullptr;
 
 bool Retire(PyObject* enf, PyObject* fast, RecordObject* r);
 
-// Record._block_died: PyTorch let go of the enforcer's block; 1 when that retired the record, 0
-// when the record still holds the tensor, -1 with the error set.
+// PyTorch let go of the enforcer's block; 1 when that retired the record, 0 when the record
+// still holds the tensor (or the block has no record: its caller retires the handle), -1 with the
+// error set.
 int BlockDied(BlockDoneObject* d, RecordObject* r) {
+  if (r == nullptr) return 0;
   r->live_block = 0;
   if (!r->released || r->enf == 0) return 0;
   return Retire(d->enforcer, d->fast, r) ? 1 : -1;
@@ -110,6 +112,22 @@ void BlockDoneDealloc(PyObject* self) {
   PyTypeObject* type = Py_TYPE(self);
   type->tp_free(self);
   Py_DECREF(type);
+}
+
+// A new BlockDone over `rec` (a RecordBase, or nullptr), the Python Enforcer `enf` and its
+// _C.Enforcer `fast`; nullptr with the error set.
+PyObject* NewBlockDone(PyObject* rec, PyObject* enf, PyObject* fast, uint64_t handle, bool cuda) {
+  auto* d = reinterpret_cast<BlockDoneObject*>(block_done_type->tp_alloc(block_done_type, 0));
+  if (d == nullptr) return nullptr;
+  Py_XINCREF(rec);
+  d->rec = rec;
+  Py_INCREF(enf);
+  d->enforcer = enf;
+  Py_INCREF(fast);
+  d->fast = fast;
+  d->handle = static_cast<unsigned long long>(handle);
+  d->cuda = cuda;
+  return reinterpret_cast<PyObject*>(d);
 }
 
 // --- accounting --------------------------------------------------------------------------------
@@ -195,7 +213,10 @@ bool Forget(RecordObject* r) {
 // set when record.py must release it.
 bool ReleaseHere(RecordObject* r, bool* done) {
   *done = false;
-  if (r->issued || r->planned || r->tracker == nullptr) return true;
+  if (r->tracker == nullptr) return true;
+  bool planned = false, issued = false;  // issued is planned too
+  if (!OffloadOf(r, &planned, &issued)) return false;
+  if (planned) return true;
   HooksObject* h = HooksOf(r);
   if (h == nullptr || (r->enf != 0 && !r->live_block && h->fast == nullptr)) return true;
   *done = true;
@@ -240,18 +261,10 @@ PyObject* ReloadHere(RecordObject* r, bool* done) {
   if (Acquire(h->fast, static_cast<uint64_t>(r->enf), stream, &ptr) != 0) return nullptr;
   *done = true;
   life->live_blocks += 1;
-  auto* d = reinterpret_cast<BlockDoneObject*>(block_done_type->tp_alloc(block_done_type, 0));
+  PyObject* d = NewBlockDone(reinterpret_cast<PyObject*>(r), enf, h->fast,
+                             static_cast<uint64_t>(r->enf), h->enforcer_cuda);
   if (d == nullptr) return nullptr;
-  Py_INCREF(r);
-  d->rec = reinterpret_cast<PyObject*>(r);
-  Py_INCREF(enf);
-  d->enforcer = enf;
-  Py_INCREF(h->fast);
-  d->fast = h->fast;
-  d->handle = static_cast<unsigned long long>(r->enf);
-  d->cuda = h->enforcer_cuda;
-  PyObject* storage = MakeBlockStorage(ptr, r->nbytes, h->enforcer_cuda, h->device_index,
-                                       reinterpret_cast<PyObject*>(d));
+  PyObject* storage = MakeBlockStorage(ptr, r->nbytes, h->enforcer_cuda, h->device_index, d);
   Py_DECREF(d);
   if (storage == nullptr) return nullptr;
   Py_INCREF(storage);
@@ -488,6 +501,51 @@ PyObject* NewPacked(PyObject* rec, PyObject* t) {
 
 PyObject* UnpackPacked(PyObject* packed) { return Unpack(reinterpret_cast<PackedObject*>(packed)); }
 
+}  // namespace bgl::torch_ext::detail
+
+namespace bgl::torch_ext {
+
+PyObject* BlockDoneFor(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  using detail::NewBlockDone;
+  using detail::record_base;
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "block_done(enforcer, handle, rec): 3 arguments");
+    return nullptr;
+  }
+  PyObject* enf = args[0];
+  PyObject* rec = args[2] == Py_None ? nullptr : args[2];
+  if (rec != nullptr && !PyObject_TypeCheck(rec, record_base)) {
+    PyErr_Format(PyExc_TypeError, "block_done: rec must be a record or None, not %.100s",
+                 Py_TYPE(rec)->tp_name);
+    return nullptr;
+  }
+  const unsigned long long handle = PyLong_AsUnsignedLongLong(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  if (handle == 0) {
+    PyErr_SetString(PyExc_ValueError, "block_done: handle 0 is no enforcer handle");
+    return nullptr;
+  }
+  PyObject* fast = PyObject_GetAttrString(enf, "fast");
+  if (fast == nullptr || !IsEnforcer(fast)) {
+    Py_XDECREF(fast);
+    PyErr_Format(PyExc_TypeError,
+                 "block_done: enforcer must be an Enforcer (enforce/enforcer.py) whose fast is a "
+                 "bagualu._C.Enforcer, not %.100s",
+                 Py_TYPE(enf)->tp_name);
+    return nullptr;
+  }
+  PyObject* cuda_attr = PyObject_GetAttrString(enf, "cuda");
+  const int cuda = cuda_attr == nullptr ? -1 : PyObject_IsTrue(cuda_attr);
+  Py_XDECREF(cuda_attr);
+  PyObject* out = cuda < 0 ? nullptr : NewBlockDone(rec, enf, fast, handle, cuda == 1);
+  Py_DECREF(fast);
+  return out;
+}
+
+}  // namespace bgl::torch_ext
+
+namespace bgl::torch_ext::detail {
+
 bool AddPackedType(PyObject* module, PyTypeObject** type) {
   PyType_Slot slots[] = {
       {Py_tp_doc, const_cast<char*>("What autograd keeps for one saved tensor: Packed(rec, t).")},
@@ -501,7 +559,7 @@ bool AddPackedType(PyObject* module, PyTypeObject** type) {
   PyType_Spec spec = {"bagualu._C.Packed", sizeof(PackedObject), 0,
                       Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, slots};
   PyType_Slot done_slots[] = {
-      {Py_tp_doc, const_cast<char*>("A reloaded block's end (enforcer.block_done, natively).")},
+      {Py_tp_doc, const_cast<char*>("A reloaded or uncast block's end (block_done()).")},
       {Py_tp_call, reinterpret_cast<void*>(BlockDoneCall)},
       {Py_tp_traverse, reinterpret_cast<void*>(BlockDoneTraverse)},
       {Py_tp_clear, reinterpret_cast<void*>(BlockDoneClear)},

@@ -4,6 +4,7 @@
 #include <structmember.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "calls.h"
 #include "detail/saved_types.h"
@@ -147,6 +148,25 @@ bool PlacementOf(RecordObject* r, Placement* out) {
   return true;
 }
 
+bool OffloadOf(RecordObject* r, bool* planned, bool* issued) {
+  *planned = *issued = false;
+  if (r->storage == nullptr || r->storage == Py_None || r->enf == 0 || r->live_block) return true;
+  HooksObject* h = HooksOf(r);
+  PyObject* fast = h != nullptr ? h->fast : nullptr;
+  if (fast == nullptr || LifeOf(fast)->destroyed) return true;  // nothing moves it any more
+  bool waiting = false;
+  const int rc = QueryOffload(fast, static_cast<uint64_t>(r->enf), &waiting, issued);
+  if (rc != 0) {
+    PyErr_Format(PyExc_RuntimeError,
+                 "record of %lld bytes: its enforcer handle %lld is unknown there (status %d): "
+                 "the record was retired while it held its data",
+                 r->nbytes, r->enf, rc);
+    return false;
+  }
+  *planned = waiting || *issued;
+  return true;
+}
+
 HooksObject* HooksOf(RecordObject* r) {
   if (r->tracker == nullptr) return nullptr;
   PyObject* h = Get(r->tracker, names.hooks);
@@ -180,8 +200,6 @@ PyMemberDef record_members[] = {
     BGL_FLAG(live_block),
     BGL_FLAG(released),
     BGL_FLAG(regenerating),
-    BGL_FLAG(planned),
-    BGL_FLAG(issued),
     BGL_FLAG(lazy),
     BGL_OBJ(tracker),
     BGL_OBJ(dtype),
@@ -207,10 +225,30 @@ PyObject* GetPlacement(PyObject* self, void*) {
   return name;
 }
 
+PyObject* GetPlanned(PyObject* self, void*) {
+  bool planned = false, issued = false;
+  if (!OffloadOf(reinterpret_cast<RecordObject*>(self), &planned, &issued)) return nullptr;
+  return PyBool_FromLong(planned);
+}
+
+PyObject* GetIssued(PyObject* self, void*) {
+  bool planned = false, issued = false;
+  if (!OffloadOf(reinterpret_cast<RecordObject*>(self), &planned, &issued)) return nullptr;
+  return PyBool_FromLong(issued);
+}
+
 PyGetSetDef record_getset[] = {
     {"placement", GetPlacement, nullptr,
      const_cast<char*>("Where the data is (device, host, fp8, dropped), from its one owner: the "
                        "record's storage, else the enforcer's placement of its handle."),
+     nullptr},
+    {"planned", GetPlanned, nullptr,
+     const_cast<char*>("Whether its offload is left to the plan's issue order, or issued while "
+                       "the record still holds the device data (the enforcer's state)."),
+     nullptr},
+    {"issued", GetIssued, nullptr,
+     const_cast<char*>("Whether an offload moved its data to the host while the record still "
+                       "holds the device data the copy reads (the enforcer's state)."),
      nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 

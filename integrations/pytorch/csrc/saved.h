@@ -24,6 +24,13 @@ bool AddSavedTypes(PyObject* module);
 // one definition: the pack's small storages and light capture both count through it).
 PyObject* LightCount(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 
+// block_done(enforcer, handle, rec): the callable a block the enforcer reloaded or uncast for
+// `handle` runs when torch frees its storage (block_storage's done), the same end as this
+// binding's own reloads: the block goes back to the enforcer (`enforcer`: enforce/enforcer.py's
+// Enforcer), or retires the record `rec` (a RecordBase, or None: the caller retires the handle)
+// when it was released meanwhile; a closing enforcer is destroyed once nothing is outstanding.
+PyObject* BlockDoneFor(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+
 }  // namespace bgl::torch_ext
 
 #endif  // BGL_TORCH_SAVED_H_

@@ -21,7 +21,6 @@ runs unpack hooks while the training thread waits in backward()).
 """
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable, Optional, Tuple
 
@@ -59,6 +58,7 @@ class Enforcer(EnforcerHandle):
         self.evict = evict  # frees device bytes when a reload finds no room (may be None)
         self.scheduler = StreamScheduler(self)  # the plan's issue order
         self._block_storage = ext.load().block_storage
+        self._block_done = ext.load().block_done
         self._device_type = 1 if self.cuda else 0
         self._device_index = (device.index or 0) if self.cuda else 0
         self._dtypes = dict(self.vocab.dtype)
@@ -252,30 +252,19 @@ class Enforcer(EnforcerHandle):
         self.check(rc, "prefetch")
 
     # -- the data back on the device --------------------------------------------------------
-    def acquire(self, handle: int, nbytes: int,
-                on_done: Callable[[], bool]) -> torch.UntypedStorage:
+    def acquire(self, handle: int, nbytes: int, rec: Any = None) -> torch.UntypedStorage:
         """The full-precision data of an offloaded or FP8 tensor as a storage on the device
         (reloaded or uncast into a block of the enforcer); the current stream waits for it.
-        ``on_done`` runs when the storage dies and says whether it retired the tensor (on
-        the host backend, whose memory no stream order guards, the retirement frees the block
-        in the same call; on CUDA the release first tells the pool PyTorch's stream)."""
+        When the storage dies the block ends as the binding's own reloads end (csrc/packed.cc
+        BlockDoneCall, made by ``_C.block_done``): it goes back to the enforcer (on CUDA after
+        the pool learns PyTorch's stream), or, where ``rec`` (the record whose block it is;
+        None: the caller retires ``handle``) was released meanwhile, the record is retired
+        (on the host backend, whose memory no stream order guards, that frees the block in the
+        same call)."""
+        done = self._block_done(self, handle, rec)
         ptr = self._acquire(handle, nbytes)
         self.fast.live_blocks += 1
-        return self._block_storage(ptr, nbytes, self._device_type, self._device_index,
-                                   functools.partial(self.block_done, handle, on_done))
-
-    def block_done(self, handle: int, on_done: Callable[[], bool]) -> None:
-        """PyTorch let go of the block acquire() made for ``handle`` (the binding's reloads
-        call this too); ``on_done`` says whether that retired the tensor."""
-        self.fast.live_blocks -= 1
-        if self.fast.destroyed:
-            on_done()
-        elif self.cuda:  # the pool learns PyTorch's stream before the block goes
-            self.fast.release(handle, self.current_stream() or 0)
-            on_done()
-        elif not on_done():  # not retired yet: the record still holds the tensor
-            self.fast.release(handle, 0)
-        self._destroy_if_done()
+        return self._block_storage(ptr, nbytes, self._device_type, self._device_index, done)
 
     def recompute(self, handle: int) -> None:
         """Brings a dropped tensor back through its regenerator (borrowed again: the package

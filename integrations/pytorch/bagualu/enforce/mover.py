@@ -284,15 +284,13 @@ class Mover:
         for rec in sorted(self.planned.values(), key=lambda r: (-r.micro_batch, r.seq)):
             if not rec.planned or not rec.movable():
                 continue
-            issued = rec.issued  # its copy runs already: completing it is no early offload
+            issued = rec.issued  # its copy runs already (behind, or its O chain issued it):
+            # completing it is no early offload
             if not self.offload_behind:
                 if rec.offload() and not issued:
                     self.counters["early_offloads"] += 1
                 continue
-            if issued or not rec.tracked():
-                continue
-            rc, placement, _, _ = self.enforcer.fast.state(rec.enf)
-            if rc == 0 and placement == self.enforcer.vocab.place_host:
+            if issued or not rec.tracked():  # issued: by offload_behind or by its O chain
                 continue
             if rec.offload_behind() or rec.offload():
                 self.counters["early_offloads"] += 1

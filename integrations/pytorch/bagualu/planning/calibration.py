@@ -208,7 +208,6 @@ def _host_moves(enforcer: Any, largest: int, make_enforcer: Callable[..., Any],
     (_host_overlap). Reloads and casts take blocks of the (empty) device pool of ``capacity``
     bytes: ``largest`` fits it."""
     mb = -(1 << 30)  # a micro-batch id no training uses
-    none = lambda: None  # noqa: E731
     points: Dict[str, List[Tuple[int, float]]] = {"offload": [], "reload": [], "fp8_cast": []}
     for nbytes in (16 << 10, largest):
         t_off, t_re, t_cast = [], [], []
@@ -218,7 +217,7 @@ def _host_moves(enforcer: Any, largest: int, make_enforcer: Callable[..., Any],
             t0 = time.perf_counter()
             enforcer.offload(h)
             t1 = time.perf_counter()
-            st = enforcer.acquire(h, nbytes, none)
+            st = enforcer.acquire(h, nbytes)
             t2 = time.perf_counter()
             del st
             enforcer.retire(h)
@@ -228,7 +227,7 @@ def _host_moves(enforcer: Any, largest: int, make_enforcer: Callable[..., Any],
             h = enforcer.register(src.untyped_storage(), src.dtype, 0, mb)
             t0 = time.perf_counter()
             enforcer.store_fp8(h)
-            st = enforcer.acquire(h, nbytes, none)
+            st = enforcer.acquire(h, nbytes)
             t1 = time.perf_counter()
             del st
             enforcer.retire(h)

@@ -38,7 +38,7 @@ bool AddTo(PyObject* dict, PyObject* key, long long by);
 // The fields of record.py's Record, by its names.
 struct RecordObject {
   PyObject_HEAD long long ptr, nbytes, micro_batch, seq, refs, pool_block, pool_bytes, enf;
-  char in_backward, enf_block, live_block, released, regenerating, planned, issued, lazy;
+  char in_backward, enf_block, live_block, released, regenerating, lazy;
   PyObject *tracker, *dtype, *device, *producer, *consumers, *storage, *ref, *packs, *regen,
       *stream;
   PyObject* weakreflist;
@@ -54,6 +54,13 @@ enum class Placement : int { kDevice = 0, kHost = 1, kFp8 = 2, kDropped = 3 };
 // (regen) or is on the device. False with the error set when the enforcer cannot say (an unknown
 // handle).
 bool PlacementOf(RecordObject* r, Placement* out);
+// Where the record's offload stands (record.py's planned and issued), from the same one owner:
+// *issued, an offload moved its data to the host (issued behind the copy threads, or by the
+// plan's issue order) while the record still holds the device data the copy reads; *planned,
+// that, or its offload is left to the plan's issue order. Both false, with no enforcer call,
+// where the record holds no storage, is not tracked or holds an enforcer block (its data came
+// back). False with the error set when the enforcer cannot say (an unknown handle).
+bool OffloadOf(RecordObject* r, bool* planned, bool* issued);
 // The placement's name, a borrowed interned string ("device", "host", "fp8", "dropped").
 PyObject* PlacementName(Placement p);
 extern PyTypeObject* record_base;
