@@ -382,6 +382,59 @@ TEST(Warmup, NeverEvictsItsOwnPlans) {
   EXPECT_TRUE(s.warm_complete);
 }
 
+// The order of the keys a met budget adds (WarmObserved): the budgets the points meet (the met one
+// and the buckets beside it), lowest load first across all of them, and a key a miss's full
+// search already holds is skipped. With room under the cap for 4 more keys after the replay's,
+// a point at a new budget and load 1 (its own key planned by the full search on the call) gets:
+// load bucket 1.0 at the two budgets beside, then 1.05 at the lower one beside and at the met one.
+// Budgets first (every load of one budget before the next), highest load first, or the miss's key
+// searched again would leave the met budget's 1.05 cold. Under a second.
+TEST(Warmup, AMetBudgetIsWarmedLowestLoadFirstSkippingWhatAMissHolds) {
+  PlannerOptions options = Warm(2.0);
+  options.warm_rounds = 1;
+  size_t replayed = 0;
+  {
+    auto first = Glm423(options);
+    ASSERT_TRUE(first.ok());
+    ASSERT_TRUE((*first)->StartWarmup().ok());
+    (*first)->WaitForWarmup();
+    replayed = (*first)->cache_stats().warm_submitted;
+  }
+  ASSERT_GT(replayed, 0u);
+  options.warm_max_keys = replayed + 4;
+  auto made = Glm423(options);
+  ASSERT_TRUE(made.ok());
+  StagePlanner& p = **made;
+  ASSERT_TRUE(p.StartWarmup().ok());
+  p.WaitForWarmup();
+  ASSERT_EQ(p.cache_stats().warm_submitted, replayed);
+  SchedulePoint point;
+  point.forward_micro_batch = 0;
+  point.load_factor = 1.0;
+  // Room for 1.1 M0 more: a budget below keep-all at load 1 that no replayed point has.
+  point.bytes_in_use = static_cast<int64_t>(p.activation_capacity() - 1.1 * p.m0());
+  auto met = p.PlanPoint(point);
+  ASSERT_TRUE(met.ok());
+  ASSERT_LT(met->predicted_bytes, met->keep_all_bytes);
+  ASSERT_FALSE(met->warm);          // not among the replay's keys
+  ASSERT_FALSE(met->first_answer);  // the full search on the call
+  p.ResetIteration();
+  p.WaitForWarmup();  // the round the met budget started
+  EXPECT_EQ(p.cache_stats().warm_submitted, replayed + 4);
+  // The met budget at load buckets 1.0 (the miss's plan), 1.05 (warm) and 1.1 (cold: the cap).
+  const bool expect_warm[] = {false, true, false};
+  for (int i = 0; i < 3; ++i) {
+    SchedulePoint probe = point;
+    probe.load_factor = 1.0 + 0.05 * i;
+    auto plan = p.PlanPoint(probe);
+    ASSERT_TRUE(plan.ok());
+    ASSERT_EQ(plan->budget_bytes, met->budget_bytes);
+    ASSERT_LT(plan->predicted_bytes, plan->keep_all_bytes) << probe.load_factor;
+    EXPECT_EQ(plan->warm, expect_warm[i]) << "load " << probe.load_factor;
+    p.ResetIteration();
+  }
+}
+
 // The first planned point starts the warm-up at its host limit and bandwidth share; clearing the
 // caches starts it again.
 TEST(Warmup, TheFirstPointStartsItAndClearCachesRestartsIt) {
