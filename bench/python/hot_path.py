@@ -213,6 +213,22 @@ class Bench:
                 row(back, lambda i: tr.unpack(packed[k - 1 - i]), k)
                 row(f"release after {strategy}", lambda i: packed.__setitem__(k - 1 - i, None), k)
                 tr.begin_forward(mb, capture=False)
+            # The Python path's reload (Record.materialize: where the binding's unpack leaves
+            # an acquire to retry after an eviction), and the release after it, whose block's
+            # end is the binding's (_C.block_done) since 5d24ee3.
+            self.strategy = OFFLOAD
+            ts = self.tensors(k, nbytes)
+            timed(lambda i: packed.__setitem__(i, tr.pack(ts[i])), k)
+            del ts
+            tr.end_forward()
+            tr.scope.append(self.op)
+            tr.begin_backward(mb)
+            row("Record.materialize, reload (the Python path; includes the H2D copy)",
+                lambda i: packed[k - 1 - i].rec.materialize(), k)
+            timed(lambda i: tr.unpack(packed[k - 1 - i]), k)
+            row("release after a reload by Record.materialize",
+                lambda i: packed.__setitem__(k - 1 - i, None), k)
+            tr.begin_forward(mb, capture=False)
             self.strategy = KEEP
 
             # A storage of at most the tracker's min_move_bytes under offload: counted in the
