@@ -600,6 +600,15 @@ def emulated_link(tmp_path_factory: Any) -> str:
     return str(path)
 
 
+# The planner's bytes at each point of a run with recompute variants against the bytes placed
+# there: within 2%, beside the routing weights the experts' variant saves on Qwen3-MoE and
+# the plain partition does not (tokens x top-k floats per block: 2 x 32 x 4 x 4 bytes, 1 KB),
+# which the planner's graph has no term for (at the smallest points, 64 KB, they alone are
+# 3.2%; docs/pytorch.md, "Compiled blocks").
+VARIANT_POINTS = 0.02
+ROUTING_BYTES = RUN["layers"] * 2 * 32 * 4 * 4
+
+
 @per_operator
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_operators_recomputed_inside_compiled_blocks(name: str, emulated_link: str,
@@ -616,9 +625,11 @@ def test_operators_recomputed_inside_compiled_blocks(name: str, emulated_link: s
     plan): the plain variant, and the experts recomputed beside an offloaded and kept
     operators: the planner's bytes of the experts' variant (the plain variant's less the
     group's operators' tensors) within 1.5% of an independent count of what its graphs
-    save (SavedBytes); the mix bit for bit. The points' placed bytes are not checked against
-    the planner's here: a variant saves the norm's output under another operator than the
-    plain partition (docs/pytorch.md, "Compiled blocks"), up to 10% at the smallest points."""
+    save (SavedBytes); the mix bit for bit. The points' placed bytes of the planner's run
+    within VARIANT_POINTS of its bytes, beside the routing weights (ROUTING_BYTES): the
+    variant's saved input of the experts that the gate reads too (the norm's output) is
+    placed by the gate's plan, as the plain partition's is (capture/stash.py,
+    ``_recompute_input_owner``; before, by ``mlp``'s: up to 10% off)."""
     require_libs()
     link = emulated_link
     count = parameters(name)
@@ -646,6 +657,12 @@ def test_operators_recomputed_inside_compiled_blocks(name: str, emulated_link: s
     assert r["losses"] == plain["losses"]
     assert_grads(plain["grads"], r["grads"], count, what="recompute per operator")
     assert max(line["peak_bytes"] for line in r["lines"]) <= cap, r["lines"]
+    points = [p for line in r["lines"] for p in line["points"]
+              if p.get("predicted_bytes") and p.get("actual_bytes")]
+    assert points, r["lines"]
+    for p in points:  # the variant's saved tensors placed as the planner's graph counts them
+        assert abs(p["actual_bytes"] - p["predicted_bytes"]) <= \
+            VARIANT_POINTS * p["predicted_bytes"] + ROUTING_BYTES, p
     again = run("bagualu", fresh=False, **kw)
     assert again["dynamo"] == (0, 0), again["dynamo"]  # every variant hit its cache entry
     assert again["stats"]["compiled"]["recompute"]["operators_recomputed"] > 0

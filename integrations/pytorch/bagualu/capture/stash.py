@@ -207,6 +207,8 @@ def _pack(t: torch.Tensor) -> Tuple[Any, ...]:
     _check_saved_values(ctx["_fw_graph"])
     node = ctx["_node"]
     op = _op_of(node)
+    if _frames and _frames[-1].variant:
+        op = _recompute_input_owner(node, op, _frames[-1].variant)
     if _frames and (_frames[-1].dynamic or _dispatches) and op_name(op) in _scaling and \
             not free_unbacked_symbols(node.meta.get("val")):
         # Expert parallelism, simulated or real: the tokens an operator that scales with the
@@ -230,6 +232,25 @@ def _pack(t: torch.Tensor) -> Tuple[Any, ...]:
     else:
         h = torch.ops.bagualu.stash(t, op)
     return (h, *t.size(), *t.stride())
+
+
+def _recompute_input_owner(node: fx.Node, op: int, variant: FrozenSet[str]) -> int:
+    """The operator that places saved ``node`` of a recompute variant's forward graph: a
+    node that a recomputed operator reads (the partition saves it as the recomputed region's
+    input) and that an operator outside the variant reads too is that operator's (its first
+    such reader): the plain partition saved it as that reader's input, under that operator,
+    so the planner's graph counts it there. On Qwen3-MoE and Mixtral the experts' variant
+    saves the MoE block's reshaped input (operator ``mlp``) where the plain partition saved
+    the gate's view of it (``mlp.gate``); placed by ``mlp``'s plan instead of the gate's,
+    the points' bytes were up to 10% off the planner's (docs/pytorch.md, "Compiled
+    blocks"). Any other node keeps ``op``."""
+    readers = [_op_of(u) for u in node.users if u.op == "call_function"]
+    if not any(op_name(r) in variant for r in readers):
+        return op
+    for r in readers:
+        if r != op and r >= 0 and op_name(r) not in variant:
+            return r
+    return op
 
 
 def _received_symbols(graph: fx.Graph) -> Set[Any]:
