@@ -106,9 +106,10 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
 // known, re-checks `planned` against the budget (and `host_limit_bytes` when >= 0). If it no
 // longer fits, the operators not run yet (that layer's MoE block on, and later layers) are
 // planned again at the observed load (the priced candidates of priced_greedy.h with the others
-// pinned), and the fixed rule is the alternative: the MoE block of that layer and later layers
-// to recompute, then, over the host limit, their offloads to recompute. The cheaper of the two
-// that fits wins (issue 43; the rule alone before). Earlier operators are already executed.
+// pinned, then the operator DP of operator_dp.h over them below the best so far), and the fixed
+// rule is the alternative: the MoE block of that layer and later layers to recompute, then, over
+// the host limit, their offloads to recompute. The cheapest that fits wins (issue 43; the rule
+// alone before). Earlier operators are already executed.
 // `allowed`: the strategies the planner may use (its MitigationOptions' allow_*; the rest of
 // those options is not read here). `warm`: full-search plans of the whole chunk at (or near)
 // the observed load (the planner's cached plans, issue 43), each a third alternative with the

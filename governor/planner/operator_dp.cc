@@ -48,7 +48,8 @@ uint8_t Code(Strategy s) {
 // The graph's costs at one load factor, and for every cut the tensors open there.
 class Problem {
  public:
-  Problem(const CostEvaluator& eval, double r, const MitigationOptions& options)
+  Problem(const CostEvaluator& eval, double r, const MitigationOptions& options,
+          const Pinned* pinned)
       : g_(eval.graph()) {
     const HardwareProfile& hw = eval.hw();
     const size_t n = g_.ops.size(), nt = g_.tensors.size();
@@ -74,8 +75,14 @@ class Problem {
       const Operator& op = g_.ops[o];
       OpInfo& info = ops_[o];
       info.forward_s = hw.RerunTime(op.ForwardTime(r));
-      for (Strategy s : kAllStrategies) {
-        if (options.Permits(s) && eval.Allowed(static_cast<int>(o), s)) info.choices.push_back(s);
+      if (pinned != nullptr && pinned->pinned[o]) {
+        info.choices.push_back(pinned->strategies[o]);  // as it ran, whatever the options say
+      } else {
+        for (Strategy s : kAllStrategies) {
+          if (options.Permits(s) && eval.Allowed(static_cast<int>(o), s)) {
+            info.choices.push_back(s);
+          }
+        }
       }
       for (int t : op.saves) {
         if (!tensors_[t].skip) info.saves.push_back(t);
@@ -106,6 +113,41 @@ class Problem {
         }
       }
       max_open_ = std::max(max_open_, open_[c].size());
+    }
+    // What the operators still to decide (those before a cut) add for certain: a tensor they
+    // produce (or one from outside the chunk) whose savers are all pinned is placed as those
+    // savers agree, whatever the free operators do. fixed_[c]: the sum over the tensors produced
+    // before operator c; a label whose terms plus it pass the budget or the bound is cut (issue
+    // 43: in the revision after the gate the operators that ran hold most of the bytes).
+    fixed_.assign(n + 1, Terms{});
+    if (pinned != nullptr) {
+      std::vector<Terms> by_producer(n + 1);  // index producer + 1 (0: outside the chunk)
+      for (size_t t = 0; t < nt; ++t) {
+        if (tensors_[t].skip || !tensors_[t].saved) continue;
+        uint8_t m = 0;
+        bool fixed = true;
+        for (int saver : g_.tensors[t].savers) {
+          if (!pinned->pinned[saver]) {
+            fixed = false;
+            break;
+          }
+          const uint8_t code = Code(pinned->strategies[saver]);
+          if (code == 0) continue;
+          if (m != 0 && m != code) {
+            fixed = false;  // a conflict: the DP drops such a label itself
+            break;
+          }
+          m = code;
+        }
+        if (fixed) Place(static_cast<int>(t), m, by_producer[g_.tensors[t].producer + 1]);
+      }
+      // fixed_[c] = outside the chunk + producers 0 .. c-1 for c >= 1; fixed_[0] stays empty
+      // (deciding operator 0 places the tensors from outside).
+      Terms sum = by_producer[0];
+      for (size_t c = 1; c <= n; ++c) {
+        Add(by_producer[c], sum);
+        fixed_[c] = sum;
+      }
     }
     // The compute the copies hide under (none where they are synchronous: copy_overlap 0).
     forward_s_ = hw.copy_overlap * g_.ForwardTime(r);
@@ -145,8 +187,17 @@ class Problem {
     }
   }
 
+  static void Add(const Terms& a, Terms& to) {
+    to.mem += a.mem;
+    to.local += a.local;
+    to.d2h += a.d2h;
+    to.h2d += a.h2d;
+    to.host += a.host;
+  }
+
   const StageGraph& g_;
   std::vector<TensorCost> tensors_;
+  std::vector<Terms> fixed_;
   std::vector<OpInfo> ops_;
   std::vector<int> externals_;
   std::vector<std::vector<int>> open_;
@@ -269,11 +320,14 @@ bool Reduce(std::vector<Label>& labels, const Problem& p, double mem_limit, bool
 
 std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, double budget,
                                            double bound, const MitigationOptions& options,
-                                           int max_states) {
+                                           int max_states, const Pinned* pinned) {
   const StageGraph& g = eval.graph();
   const size_t n = g.ops.size();
   if (n == 0) return std::nullopt;
-  const Problem p(eval, r, options);
+  if (pinned != nullptr && (pinned->pinned.size() != n || pinned->strategies.size() != n)) {
+    return std::nullopt;
+  }
+  const Problem p(eval, r, options, pinned);
   if (p.max_open_ > static_cast<size_t>(kMaxSlots)) return std::nullopt;
   const double mem_limit = budget - g.M0(r);
   const double slack = 1e-9 * std::max(1.0, budget);
@@ -351,8 +405,10 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
         if (o == 0) {
           for (int t : p.externals_) p.Place(t, val[t] & 3u, x.terms);
         }
-        if (x.terms.mem > mem_limit + slack || (with_host && x.terms.host > host_limit) ||
-            p.Overhead(x.terms) >= bound) {
+        Terms least = x.terms;  // with what the operators before o add for certain
+        Problem::Add(p.fixed_[o], least);
+        if (least.mem > mem_limit + slack || (with_host && least.host > host_limit) ||
+            p.Overhead(least) >= bound) {
           continue;
         }
         uint64_t sig = 0;

@@ -23,6 +23,7 @@
 
 #include "governor/planner/assignment.h"
 #include "governor/planner/mitigation.h"
+#include "governor/planner/priced_greedy.h"
 
 namespace bgl::plan {
 
@@ -34,9 +35,11 @@ struct OperatorDpResult {
 
 // The cheapest conflict-free assignment within `budget` (and options.host_limit_bytes) with an
 // exposed overhead below `bound`, or nothing (none below the bound, or more than 21 tensors open
-// at one cut). `max_states` caps the states kept per cut (options.dp_states when 0).
+// at one cut). `max_states` caps the states kept per cut (options.dp_states when 0). With
+// `pinned`, a pinned operator's only choice is its pinned strategy (the revision after the gate:
+// the operators the forward has run, issue 43); `exact` then means the optimum over the others.
 std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, double budget,
                                            double bound, const MitigationOptions& options,
-                                           int max_states = 0);
+                                           int max_states = 0, const Pinned* pinned = nullptr);
 
 }  // namespace bgl::plan

@@ -206,7 +206,7 @@ int MissWarm(int rounds) {
 // pinned optimum and the instance is counted apart.
 int GateReference(uint32_t seed, int count, int64_t max_labels) {
   const HardwareProfile hw = *HardwareProfileByName("h200");
-  std::vector<double> ratios, warm_ratios, unpinned_ratios;
+  std::vector<double> ratios, warm_ratios, unpinned_ratios, cpu, warm_cpu;
   int fired = 0, proven = 0, unproven = 0, infeasible = 0, i = -1;
   for (const testing::GateInstance& x : testing::GateInstances(seed, count)) {
     ++i;
@@ -220,8 +220,10 @@ int GateReference(uint32_t seed, int count, int64_t max_labels) {
     const AssignmentCost at_observed = eval.Evaluate(planned->assignment, observed);
     if (!at_observed.conflict && at_observed.device_bytes <= budget) continue;  // still fits
     ++fired;
+    double c0 = ThreadCpuSeconds();
     const MitigationResult revised =
         ReplanAfterGate(eval, planned->assignment, gate, observed, budget);
+    cpu.push_back(ThreadCpuSeconds() - c0);
     reference::Options ro;
     ro.max_labels = max_labels;
     // ReplanAfterGate's operators that ran: before the gate's layer, and in it up to its first
@@ -243,8 +245,10 @@ int GateReference(uint32_t seed, int count, int64_t max_labels) {
     // With the warm-up (PlanAfterGate): the warm plan of the observed load is an alternative.
     std::vector<Assignment> warm;
     if (full.ok()) warm.push_back(full->assignment);
+    c0 = ThreadCpuSeconds();
     const MitigationResult with_warm = ReplanAfterGate(eval, planned->assignment, gate, observed,
                                                        budget, -1, MitigationOptions{}, &warm);
+    warm_cpu.push_back(ThreadCpuSeconds() - c0);
     const reference::Optimum unpinned = reference::Solve(
         g, hw, observed, budget, free, full.ok() ? full->assignment : Assignment{});
     if (!opt.proven) {
@@ -264,10 +268,12 @@ int GateReference(uint32_t seed, int count, int64_t max_labels) {
       unpinned_ratios.push_back((revised.cost.exposed_s + 1e-5) / (unpinned.exposed_s + 1e-5));
     }
     std::printf(
-        "%8.3f (warm %8.3f) %s revised %.1fus pinned optimum %.1fus unpinned %s%.1fus fits=%d %s\n",
+        "%8.3f (warm %8.3f) %s revised %.1fus pinned optimum %.1fus unpinned %s%.1fus fits=%d "
+        "cpu %.0f/%.0fus %s\n",
         ratio, warm_ratio, opt.proven ? (opt.feasible ? "proven" : "infeasible") : "unprov",
         revised.cost.exposed_s * 1e6, opt.exposed_s * 1e6, unpinned.proven ? "" : "(unproven) ",
-        unpinned.exposed_s * 1e6, revised.fits ? 1 : 0, label.c_str());
+        unpinned.exposed_s * 1e6, revised.fits ? 1 : 0, cpu.back() * 1e6, warm_cpu.back() * 1e6,
+        label.c_str());
     if (std::getenv("DUMP") && std::atoi(std::getenv("DUMP")) == i) {
       for (size_t o = 0; o < g.ops.size(); ++o) {
         double bytes = 0;
@@ -292,6 +298,11 @@ int GateReference(uint32_t seed, int count, int64_t max_labels) {
     return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
   };
   std::printf("downgrades: %d unproven, %d with no completion that fits\n", unproven, infeasible);
+  std::printf(
+      "the downgrade's CPU time (ReplanAfterGate): alone p50 %.0f p99 %.0f max %.0f us; with the "
+      "warm plan p50 %.0f p99 %.0f max %.0f us\n",
+      at(cpu, 0.5) * 1e6, at(cpu, 0.99) * 1e6, at(cpu, 1.0) * 1e6, at(warm_cpu, 0.5) * 1e6,
+      at(warm_cpu, 0.99) * 1e6, at(warm_cpu, 1.0) * 1e6);
   std::printf("with the warm plan of the observed load: median %.3f p90 %.3f max %.3f\n",
               at(warm_ratios, 0.5), at(warm_ratios, 0.9), at(warm_ratios, 1.0));
   std::printf(

@@ -187,16 +187,18 @@ TEST(ReplanAfterGate, UsesOnlyTheStrategiesThePlannerMay) {
 }
 
 // Issue 43's bar for the downgrade (within 1.5x of the optimum for the rest of the chunk at the
-// observed load), against the exact reference with the operators that ran pinned: on these
-// unseen one-layer chunks (GateInstances 4343: the gate of layer 0 sees 1.6 or 2.0, the budget
-// near keep-all, copies that hide under the experts' compute) the priced candidates alone
-// recompute 0.9-3.6 ms where the optimum exposes nothing; with the warm plan of the observed
-// load (the full search of the whole chunk there, as PlanAfterGate finds it cached with the
-// warm-up), its operators that ran set back to their plan, the revision is within the bar.
-TEST(ReplanAfterGate, TheWarmPlanOfTheObservedLoadAgainstTheExactReference) {
+// observed load), against the exact reference with the operators that ran pinned, on unseen
+// chunks of planner_first_answer_study gate-reference 4343 (GateInstances 4343: the gate of a
+// random layer sees 1.3-2.6, the budget drawn below keep-all at load 1), alone and with the warm
+// plan of the observed load (the full search of the whole chunk there, as PlanAfterGate finds it
+// cached with the warm-up), its operators that ran set back to their plan. Before the operator DP
+// over the rest of the chunk (the priced candidates, the warm plan and the fixed rule only): #8,
+// #38, #68 and #83 alone recomputed 0.9-3.6 ms where the optimum exposes nothing (90-362x), and
+// #57 and #87 were 9.4x and 8.3x with the warm plan too (a keep and an offload traded at once).
+TEST(ReplanAfterGate, TheRestOfTheChunkAgainstTheExactReference) {
   const HardwareProfile hw = *HardwareProfileByName("h200");
-  const std::vector<testing::GateInstance> all = testing::GateInstances(4343, 84);
-  for (const int i : {8, 38, 68, 83}) {
+  const std::vector<testing::GateInstance> all = testing::GateInstances(4343, 88);
+  for (const int i : {8, 38, 57, 68, 83, 87}) {
     const testing::GateInstance& x = all[static_cast<size_t>(i)];
     const CostEvaluator eval(x.graph, hw);
     auto planned = SelectMitigation(eval, 1.0, x.budget);
@@ -217,14 +219,16 @@ TEST(ReplanAfterGate, TheWarmPlanOfTheObservedLoadAgainstTheExactReference) {
       if (op.layer < x.gate || (op.layer == x.gate && !moe_seen)) {
         ro.pinned[o] = static_cast<int>(planned->assignment[o]);
         EXPECT_EQ(revised.assignment[o], planned->assignment[o]) << x.label << " op " << o;
+        EXPECT_EQ(alone.assignment[o], planned->assignment[o]) << x.label << " op " << o;
       }
     }
     const reference::Optimum opt =
         reference::Solve(x.graph, hw, x.observed, x.budget, ro, revised.assignment);
     ASSERT_TRUE(opt.proven && opt.feasible) << x.label;
     ASSERT_TRUE(revised.fits) << x.label;
+    ASSERT_TRUE(alone.fits) << x.label;
     EXPECT_LE((revised.cost.exposed_s + 1e-5) / (opt.exposed_s + 1e-5), 1.5) << x.label;
-    EXPECT_GT((alone.cost.exposed_s + 1e-5) / (opt.exposed_s + 1e-5), 1.5) << x.label;
+    EXPECT_LE((alone.cost.exposed_s + 1e-5) / (opt.exposed_s + 1e-5), 1.5) << x.label;
   }
 }
 
