@@ -92,18 +92,20 @@ def run(assets: Path, tmp: Path, args: List[str], harness: Tuple[str, ...] = ())
 
 
 def plain_and_bagualu(assets: Path, tmp: Path, model: str, config: str, args: List[str],
-                      capacity: str, governor: str,
-                      harness: Tuple[str, ...] = ()) -> Tuple[str, str]:
+                      capacity: str, governor: str, harness: Tuple[str, ...] = (),
+                      ours_args: Tuple[str, ...] = (), force: str = "") -> Tuple[str, str]:
     """torchtitan's own run of ``model``/``config`` (no activation checkpointing) and the same
-    through bagualu's trainer at ``capacity`` planned by ``governor``, FP8 off (the tests
-    compare the two bit for bit); their outputs."""
+    through bagualu's trainer at ``capacity`` planned by ``governor`` with ``ours_args`` (and
+    the harness's ``--force``, if given), FP8 off (the tests compare the two bit for bit);
+    their outputs."""
     (tmp / "plain").mkdir()
     (tmp / "bagualu").mkdir()
     plain = run(assets, tmp / "plain", ["--module", model, "--config", config, *args,
                                         "activation-checkpoint:none"], harness)
     ours = run(assets, tmp / "bagualu", ["--module", "bagualu.torchtitan", "--config", config,
                                          *args, "--bagualu.capacity", capacity,
-                                         "--bagualu.governor", governor, *EXACT], harness)
+                                         "--bagualu.governor", governor, *EXACT, *ours_args],
+               harness + (("--force", force) if force else ()))
     return plain, ours
 
 
@@ -253,28 +255,36 @@ def test_compiled_recompute_flag_recomputes_the_experts_in_compiled_blocks(
     """--bagualu.compiled_recompute auto with --bagualu.compiled_operators operators and
     torchtitan's --compile.enable (aot_eager), FSDP2 (dp_shard 2, no EP: per operator under EP
     is refused, docs/torchtitan.md), deepseek_v3 debugmodel, the experts forced to recompute
-    (the harness's --force; the planner's own choice depends on the machine's times): on each
-    rank the experts' group is the one recompute group, every block call after the capture
-    runs the experts' compiled variant, dynamo makes one graph more than the two block
-    structures' (the MoE block's variant) and no break, and both ranks train the same finite
-    losses. One torchrun (about 35 s here); its losses against torchtitan's own compiled run
-    bit for bit were checked by hand (docs/torchtitan.md, "Compiled blocks")."""
-    (tmp_path / "bagualu").mkdir()
-    text = run(assets, tmp_path / "bagualu",
-               ["--module", "bagualu.torchtitan", "--config", "deepseek_v3_debugmodel",
-                *COMPILE, "--bagualu.capacity", "64MiB", "--bagualu.governor", "none", *EXACT,
-                "--bagualu.compiled_operators", "operators",
-                "--bagualu.compiled_recompute", "auto"],
-               ("--dynamo-counters", "--force", "moe.routed_experts.inner_experts=recompute"))
-    done = {int(m[1]): m for m in RECOMPUTED.finditer(text)}
-    assert sorted(done) == [0, 1], text[-3000:]
+    and the attention to offload (the harness's --force; the planner's own choice depends on
+    the machine's times): on each rank the experts' group is the one recompute group, every
+    block call after the capture runs the experts' compiled variant, the attention's stashed
+    tensors are offloaded in the same blocks (the step after the capture offloads), dynamo
+    makes one graph more than torchtitan's own compiled run of the config (the MoE block's
+    variant) and no break, and the losses and gradient norms are torchtitan's own compiled
+    run's bit for bit. Two torchruns, torchtitan's own and bagualu's (about 50 s here)."""
+    plain, ours = plain_and_bagualu(
+        assets, tmp_path, "deepseek_v3", "deepseek_v3_debugmodel", COMPILE, "64MiB", "none",
+        ("--dynamo-counters",),
+        ("--bagualu.compiled_operators", "operators", "--bagualu.compiled_recompute", "auto"),
+        "moe.routed_experts.inner_experts=recompute,attention=offload")
+    done = {int(m[1]): m for m in RECOMPUTED.finditer(ours)}
+    assert sorted(done) == [0, 1], ours[-3000:]
     for rank, m in done.items():
         assert m[2] == "[['moe.routed_experts.inner_experts']]", m[0]
         assert m[3] == "{'moe.routed_experts.inner_experts': 5}" and int(m[4]) == 5, m[0]
-    got_dynamo = dynamo_counters(text)
-    assert sorted(got_dynamo) == [0, 1], got_dynamo
-    assert all(c[0] == 3 and c[2] == 0 for c in got_dynamo.values()), got_dynamo
-    got = losses(text)
-    assert sorted(got) == [(0, 1), (0, 2), (1, 1), (1, 2)], got
-    assert got[(0, 1)] == got[(1, 1)] and got[(0, 2)] == got[(1, 2)], got
-    assert all(x == x and abs(x) < 1e3 for v in got.values() for x in v), got
+    by_rank = lines_by_rank(ours)
+    for rank in (0, 1):
+        lines = by_rank[rank]
+        assert len(lines) == 2, (rank, [m[0] for m in lines])
+        # the step after the capture: the experts' variant, the attention offloaded beside it
+        # (planned: no pressure eviction at 64 MiB)
+        assert int(lines[1][5]) > 0 and int(lines[1][8]) == 0, f"rank {rank}: {lines[1][0]}"
+    ref_dynamo, got_dynamo = dynamo_counters(plain), dynamo_counters(ours)
+    assert sorted(ref_dynamo) == [0, 1] and sorted(got_dynamo) == [0, 1], (ref_dynamo,
+                                                                          got_dynamo)
+    for rank in (0, 1):
+        assert got_dynamo[rank][0] == ref_dynamo[rank][0] + 1, (ref_dynamo, got_dynamo)
+        assert got_dynamo[rank][2] == 0 and ref_dynamo[rank][2] == 0, (ref_dynamo, got_dynamo)
+    ref, got = losses(plain), losses(ours)
+    assert len(ref) == 4 and sorted(got) == sorted(ref), (ref, got)
+    assert ref == got, (ref, got)
