@@ -705,6 +705,28 @@ def test_operators_recomputed_inside_compiled_blocks(name: str, emulated_link: s
 
 
 @per_operator
+def test_a_variants_joint_pass_copies_with_torchs_config() -> None:
+    """While a recompute variant's block call runs (its compile), its joint pass is
+    torch._functorch.config.joint_custom_pass, and dynamo deep-copies that config to log the
+    compile's metrics: the pass, whose on_tagged reaches bagualu's runtime and its native
+    handles (ctypes pointers here), copies as itself. Before, the copy raised and dynamo
+    logged the traceback at ERROR on every variant's compile (torchtitan's runs showed it)."""
+    import ctypes
+
+    class Runtime:
+        def __init__(self) -> None:
+            self.handle = ctypes.pointer(ctypes.c_int(1))
+
+        def note_tagged(self, variant: Any, nodes: int) -> None:
+            pass
+
+    with stash.Frame(None, variant=frozenset({"mlp.experts"}), on_tagged=Runtime().note_tagged):
+        joint = torch._functorch.config.joint_custom_pass
+        copied = torch._functorch.config.get_config_copy()
+    assert joint is not None and copied["joint_custom_pass"] is joint
+
+
+@per_operator
 def test_too_many_recompute_variants_are_refused() -> None:
     """More compiled variants than half of dynamo's recompile limit (past it dynamo would run
     the block uncompiled) is an InstrumentError naming the groups, the bound and what to do;

@@ -402,6 +402,13 @@ class _JointPass:
         self.then = then
         self.on_tagged = on_tagged
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_JointPass":
+        """Itself: dynamo deep-copies torch._functorch.config to log each compile's metrics,
+        and ``on_tagged`` reaches the runtime's native handles (ctypes pointers), which do
+        not copy (dynamo logged that failure's traceback at ERROR on every variant's
+        compile)."""
+        return self
+
     def __call__(self, gm: fx.GraphModule, inputs: Any) -> fx.GraphModule:
         from torch.utils.checkpoint import CheckpointPolicy
         tagged = 0
