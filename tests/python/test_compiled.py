@@ -704,6 +704,21 @@ def test_operators_recomputed_inside_compiled_blocks(name: str, emulated_link: s
     assert_grads(plain["grads"], mix["grads"], count, what="forced recompute and offload")
 
 
+def test_module_paths_through_wrapped_forwards() -> None:
+    """A compiled block's module stack names a module whose forward an instance attribute
+    wraps (torchtitan's Module.parallelize: a closure over the bound forward) through that
+    closure; its children keep their operators (before, everything under a wrapped module
+    was its own: torchtitan's attention projections and experts were 'attention' and 'moe',
+    and the experts' recompute variant tagged nothing)."""
+    wrapped = "L['self'].attention.forward.__closure__[0].cell_contents.__self__.wq"
+    assert stash.module_path(wrapped) == "attention.wq"
+    nested = ("L['self'].moe.forward.__closure__[0].cell_contents.__closure__[1].cell_contents"
+              ".__self__.experts[0]")
+    assert stash.module_path(nested) == "moe.experts.0"
+    assert stash.module_path("L['self']._modules['mlp'].experts[3]") == "mlp.experts.3"
+    assert stash.module_path("L['self'].forward_proj") == "forward_proj"
+
+
 @per_operator
 def test_a_variants_joint_pass_copies_with_torchs_config() -> None:
     """While a recompute variant's block call runs (its compile), its joint pass is

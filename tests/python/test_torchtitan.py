@@ -247,7 +247,8 @@ def test_compiled_blocks_with_expert_parallel_and_fsdp_deepseek_v3_on_two_ranks(
 
 
 RECOMPUTED = re.compile(r"\[rank(\d)\]:.*bagualu: compiled recompute: groups (\[.*?\]), block "
-                        r"calls per variant (\{.*?\}), operators recomputed (\d+)")
+                        r"calls per variant (\{.*?\}), operators recomputed (\d+), nodes tagged "
+                        r"per variant \{'moe.routed_experts.inner_experts': (\d+)\}")
 
 
 def test_compiled_recompute_flag_recomputes_the_experts_in_compiled_blocks(
@@ -255,10 +256,12 @@ def test_compiled_recompute_flag_recomputes_the_experts_in_compiled_blocks(
     """--bagualu.compiled_recompute auto with --bagualu.compiled_operators operators and
     torchtitan's --compile.enable (aot_eager), FSDP2 (dp_shard 2, no EP: per operator under EP
     is refused, docs/torchtitan.md), deepseek_v3 debugmodel, the experts forced to recompute
-    and the attention to offload (the harness's --force; the planner's own choice depends on
-    the machine's times): on each rank the experts' group is the one recompute group, every
-    block call after the capture runs the experts' compiled variant, the attention's stashed
-    tensors are offloaded in the same blocks (the step after the capture offloads), dynamo
+    and the attention's output projection to offload (the harness's --force; the planner's own
+    choice depends on the machine's times): on each rank the experts' group is the one
+    recompute group, every block call after the capture runs the experts' compiled variant,
+    whose joint pass tagged the experts' nodes, and the projection's stashed tensors are
+    offloaded in the same blocks (the step after the capture offloads). Both need the
+    operators named through torchtitan's wrapped forwards (before, neither happened). Dynamo
     makes one graph more than torchtitan's own compiled run of the config (the MoE block's
     variant) and no break, and the losses and gradient norms are torchtitan's own compiled
     run's bit for bit. Two torchruns, torchtitan's own and bagualu's (about 50 s here)."""
@@ -266,17 +269,20 @@ def test_compiled_recompute_flag_recomputes_the_experts_in_compiled_blocks(
         assets, tmp_path, "deepseek_v3", "deepseek_v3_debugmodel", COMPILE, "64MiB", "none",
         ("--dynamo-counters",),
         ("--bagualu.compiled_operators", "operators", "--bagualu.compiled_recompute", "auto"),
-        "moe.routed_experts.inner_experts=recompute,attention=offload")
+        "moe.routed_experts.inner_experts=recompute,attention.wo=offload")
     done = {int(m[1]): m for m in RECOMPUTED.finditer(ours)}
     assert sorted(done) == [0, 1], ours[-3000:]
     for rank, m in done.items():
         assert m[2] == "[['moe.routed_experts.inner_experts']]", m[0]
         assert m[3] == "{'moe.routed_experts.inner_experts': 5}" and int(m[4]) == 5, m[0]
+        # the variant's joint pass found the experts' nodes (inside torchtitan's wrapped
+        # forwards: capture/stash.py, module_path)
+        assert int(m[5]) > 0, m[0]
     by_rank = lines_by_rank(ours)
     for rank in (0, 1):
         lines = by_rank[rank]
         assert len(lines) == 2, (rank, [m[0] for m in lines])
-        # the step after the capture: the experts' variant, the attention offloaded beside it
+        # the step after the capture: the experts' variant, the projection offloaded beside it
         # (planned: no pressure eviction at 64 MiB)
         assert int(lines[1][5]) > 0 and int(lines[1][8]) == 0, f"rank {rank}: {lines[1][0]}"
     ref_dynamo, got_dynamo = dynamo_counters(plain), dynamo_counters(ours)

@@ -95,12 +95,16 @@ def op_name(op: int) -> Optional[str]:
 
 _ROOT = re.compile(r"^L\['[^']*'\]")
 _INDEX = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
+# A module whose forward an instance attribute wraps (torchtitan's Module.parallelize: a
+# closure over the bound forward) is reached through that closure:
+# ``attention.forward.__closure__[0].cell_contents.__self__.wq`` is ``attention.wq``.
+_WRAPPED = re.compile(r"\.forward(?:\.__closure__\[\d+\]\.cell_contents)+(?:\.__self__)?")
 
 
 def module_path(stack_entry: str) -> str:
-    """A dynamo nn_module_stack path (``L['self'].mlp.experts[0]``, ``._modules['x']``)
-    relative to the compiled block: ``mlp.experts.0``."""
-    p = _ROOT.sub("", stack_entry)
+    """A dynamo nn_module_stack path (``L['self'].mlp.experts[0]``, ``._modules['x']``, a
+    wrapped forward's closure) relative to the compiled block: ``mlp.experts.0``."""
+    p = _WRAPPED.sub("", _ROOT.sub("", stack_entry))
     p = p.replace("._orig_mod", "").replace("._modules", "")
     p = _INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), p)
     return p.strip(".").replace("..", ".")

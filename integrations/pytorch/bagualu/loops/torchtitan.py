@@ -274,8 +274,8 @@ class BagualuTrainer(Trainer):
             rec = st.get("compiled", {}).get("recompute", {})
             if rec.get("groups"):
                 log.info("bagualu: compiled recompute: groups %s, block calls per variant %s, "
-                         "operators recomputed %d", rec["groups"], rec["calls"],
-                         rec["operators_recomputed"])
+                         "operators recomputed %d, nodes tagged per variant %s", rec["groups"],
+                         rec["calls"], rec["operators_recomputed"], rec["tagged"])
         bagualu.uninstall()
 
 
