@@ -250,7 +250,9 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
-    ``save_on_cpu``: torch.autograd.graph.save_on_cpu). Returns losses, gradients, bagualu's
+    ``save_on_cpu``: torch.autograd.graph.save_on_cpu with ``pin_memory=True``, which copies each
+    saved tensor at its pack: pinned and asynchronous on CUDA, a plain copy on a CPU "device",
+    where ``pin_memory=False`` would keep the tensor itself and copy nothing). Returns losses, gradients, bagualu's
     iteration lines and stats, and whether it ran out of memory (``issue_order``: bagualu's
     install option, dual-batch or serial). ``ep`` False: every expert
     is computed here (the model exactly as plain PyTorch runs it). ``width`` and ``seq``: a
@@ -320,7 +322,7 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
                         with bagualu.forward(f):
                             losses[f] = loss_of(model, x)
                     elif save_on_cpu:
-                        with torch.autograd.graph.save_on_cpu():
+                        with torch.autograd.graph.save_on_cpu(pin_memory=True):
                             losses[f] = loss_of(model, x)
                     elif saved is not None:
                         with saved.forward(f):
