@@ -205,16 +205,18 @@ class Problem {
   double forward_s_ = 0, backward_s_ = 0;
 };
 
-bool Dominates(const Terms& a, const Terms& b, bool with_host) {
-  return a.mem <= b.mem && a.local <= b.local && a.d2h <= b.d2h && a.h2d <= b.h2d &&
-         (!with_host || a.host <= b.host);
-}
+// Buffers Reduce reuses from one cut to the next.
+struct Scratch {
+  std::vector<Label> kept;
+  std::vector<double> local, d2h, h2d, host;  // the kept labels of one signature
+  std::vector<char> keep;
+};
 
 // Keeps, per signature, the labels no other label of that signature dominates. Past `cap`
 // labels in all, each signature's labels are thinned on a grid of bytes and D2H seconds: each
 // cell keeps its cheapest label and its least-bytes one. Returns false when it thinned.
 bool Reduce(std::vector<Label>& labels, const Problem& p, double mem_limit, bool with_host,
-            size_t cap) {
+            size_t cap, Scratch& scratch) {
   std::sort(labels.begin(), labels.end(), [](const Label& a, const Label& b) {
     if (a.sig != b.sig) return a.sig < b.sig;
     if (a.terms.mem != b.terms.mem) return a.terms.mem < b.terms.mem;
@@ -223,20 +225,43 @@ bool Reduce(std::vector<Label>& labels, const Problem& p, double mem_limit, bool
     return a.terms.h2d < b.terms.h2d;
   });
   constexpr size_t kExactGroup = 2048;
-  std::vector<Label> kept;
+  std::vector<Label>& kept = scratch.kept;
+  kept.clear();
   kept.reserve(labels.size());
   bool exact = true;
+  const bool no_host = !with_host;
   for (size_t i = 0; i < labels.size();) {
     size_t j = i;
     while (j < labels.size() && labels[j].sig == labels[i].sig) ++j;
-    const size_t start = kept.size();
     if (j - i <= kExactGroup) {
+      // The kept labels' terms side by side, ordered by recompute seconds: only those at or
+      // below the label's can dominate it, and the labels come in order of bytes, so every kept
+      // one has no more bytes than it (the same answer as comparing it with each kept label).
+      // Along a front, a label with more bytes mostly has fewer seconds: few to compare.
+      scratch.local.clear();
+      scratch.d2h.clear();
+      scratch.h2d.clear();
+      scratch.host.clear();
       for (size_t k = i; k < j; ++k) {
+        const Label& label = labels[k];
+        const Terms& t = label.terms;
+        const size_t below = static_cast<size_t>(
+            std::upper_bound(scratch.local.begin(), scratch.local.end(), t.local) -
+            scratch.local.begin());
+        const double* kd = scratch.d2h.data();
+        const double* kh = scratch.h2d.data();
+        const double* kx = scratch.host.data();
         bool dominated = false;
-        for (size_t q = start; q < kept.size() && !dominated; ++q) {
-          dominated = Dominates(kept[q].terms, labels[k].terms, with_host);
+        for (size_t q = 0; q < below && !dominated; ++q) {
+          dominated = kd[q] <= t.d2h && kh[q] <= t.h2d && (no_host || kx[q] <= t.host);
         }
-        if (!dominated) kept.push_back(labels[k]);
+        if (dominated) continue;
+        kept.push_back(label);
+        const auto at = static_cast<long>(below);
+        scratch.local.insert(scratch.local.begin() + at, t.local);
+        scratch.d2h.insert(scratch.d2h.begin() + at, t.d2h);
+        scratch.h2d.insert(scratch.h2d.begin() + at, t.h2d);
+        scratch.host.insert(scratch.host.begin() + at, t.host);
       }
     } else {
       exact = false;
@@ -268,13 +293,35 @@ bool Reduce(std::vector<Label>& labels, const Problem& p, double mem_limit, bool
                   static_cast<int64_t>(std::min(t.d2h / dd, 4.0) * cells), p.Overhead(t),
                   static_cast<int>(i)};
     }
-    std::sort(order.begin(), order.end(), [](const Cell& a, const Cell& b) {
+    const auto before = [](const Cell& a, const Cell& b) {
       if (a.sig != b.sig) return a.sig < b.sig;
       if (a.m != b.m) return a.m < b.m;
       if (a.d != b.d) return a.d < b.d;
       return a.cost < b.cost || (a.cost == b.cost && a.index < b.index);
-    });
-    std::vector<char> keep(labels.size(), 0);
+    };
+    // The labels come sorted by signature and bytes, so their cells (signature, bytes column)
+    // already ascend: sorting within each column gives the order of the full sort (the index
+    // makes the order total). Otherwise the full sort.
+    bool columns_ascend = true;
+    for (size_t i = 1; i < order.size() && columns_ascend; ++i) {
+      columns_ascend = order[i - 1].sig < order[i].sig ||
+                       (order[i - 1].sig == order[i].sig && order[i - 1].m <= order[i].m);
+    }
+    if (columns_ascend) {
+      for (size_t i = 0; i < order.size();) {
+        size_t j = i + 1;
+        while (j < order.size() && order[j].sig == order[i].sig && order[j].m == order[i].m) ++j;
+        if (j - i > 1) {
+          std::sort(order.begin() + static_cast<long>(i), order.begin() + static_cast<long>(j),
+                    before);
+        }
+        i = j;
+      }
+    } else {
+      std::sort(order.begin(), order.end(), before);
+    }
+    std::vector<char>& keep = scratch.keep;
+    keep.assign(labels.size(), 0);
     for (size_t i = 0; i < order.size();) {
       size_t j = i;
       int least = order[i].index;
@@ -340,6 +387,19 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
 
   std::vector<std::vector<Label>> cuts(n + 1);
   cuts[n].push_back({});
+  Scratch scratch;
+  // One choice's move from a signature (see below).
+  struct Move {
+    bool conflict = false, rerun = false;
+    uint64_t sig = 0;
+    size_t begin = 0, middle = 0, end = 0;  // its placements: outputs, then tensors from outside
+  };
+  struct Placement {
+    int tensor;
+    uint8_t code;
+  };
+  std::vector<Move> moves;
+  std::vector<Placement> places;
   std::vector<uint8_t> val(g.tensors.size(), 0);
   OperatorDpResult result;
   result.exact = true;
@@ -350,60 +410,87 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
     std::vector<Label>& next = cuts[o];
     const std::vector<Label>& prev = cuts[o + 1];
     next.reserve(prev.size() * op.choices.size());
-    // A choice changes only the codes of the operator's saves and inputs: the label's signature
-    // is decoded once and those codes are restored before each choice.
+    // A choice changes only the codes of the operator's saves and inputs, and what it adds depends
+    // only on the label's signature: for each run of labels of one signature (the front comes
+    // sorted by signature) the signature is decoded once and each choice's move is worked out
+    // once (its conflict, its placements in order, its rerun, the signature it leads to); each
+    // label then adds those placements to its own terms in the same order as before.
     std::vector<uint8_t> touched(op.saves.size() + op.inputs.size());
+    const size_t nc = op.choices.size();
+    moves.resize(nc);
     for (size_t s = 0; s < prev.size(); ++s) {
       if (deadline != nullptr) deadline->Check();
       const Label& from = prev[s];
-      for (int t : after) val[t] = 0;
-      for (int t : op.outputs) val[t] = 0;
-      for (int t : op.saves) val[t] = 0;
-      for (size_t i = 0; i < before.size(); ++i) {
-        val[before[i]] = static_cast<uint8_t>((from.sig >> (kSlotBits * i)) & 7u);
-      }
-      for (size_t i = 0; i < op.saves.size(); ++i) touched[i] = val[op.saves[i]];
-      for (size_t i = 0; i < op.inputs.size(); ++i) {
-        touched[op.saves.size() + i] = val[op.inputs[i]];
-      }
-      for (Strategy choice : op.choices) {
-        // Every snapshot was taken from the same decoded state, so the order does not matter.
-        for (size_t i = 0; i < op.saves.size(); ++i) val[op.saves[i]] = touched[i];
-        for (size_t i = 0; i < op.inputs.size(); ++i) {
-          val[op.inputs[i]] = touched[op.saves.size() + i];
+      if (s == 0 || from.sig != prev[s - 1].sig) {
+        for (int t : after) val[t] = 0;
+        for (int t : op.outputs) val[t] = 0;
+        for (int t : op.saves) val[t] = 0;
+        for (size_t i = 0; i < before.size(); ++i) {
+          val[before[i]] = static_cast<uint8_t>((from.sig >> (kSlotBits * i)) & 7u);
         }
-        bool conflict = false;
-        const uint8_t code = Code(choice);
-        if (code != 0) {
-          for (int t : op.saves) {
-            const uint8_t m = val[t] & 3u;
-            if (m == 0) {
-              val[t] |= code;
-            } else if (m != code) {
-              conflict = true;
-              break;
+        for (size_t i = 0; i < op.saves.size(); ++i) touched[i] = val[op.saves[i]];
+        for (size_t i = 0; i < op.inputs.size(); ++i) {
+          touched[op.saves.size() + i] = val[op.inputs[i]];
+        }
+        places.clear();
+        for (size_t c = 0; c < nc; ++c) {
+          Move& move = moves[c];
+          // Every snapshot was taken from the same decoded state, so the order does not matter.
+          for (size_t i = 0; i < op.saves.size(); ++i) val[op.saves[i]] = touched[i];
+          for (size_t i = 0; i < op.inputs.size(); ++i) {
+            val[op.inputs[i]] = touched[op.saves.size() + i];
+          }
+          move.conflict = false;
+          const uint8_t code = Code(op.choices[c]);
+          if (code != 0) {
+            for (int t : op.saves) {
+              const uint8_t m = val[t] & 3u;
+              if (m == 0) {
+                val[t] |= code;
+              } else if (m != code) {
+                move.conflict = true;
+                break;
+              }
             }
           }
+          if (move.conflict) continue;
+          move.begin = places.size();
+          move.rerun = false;
+          for (int t : op.outputs) {
+            const uint8_t m = val[t] & 3u;
+            if (p.tensors_[t].saved) {
+              places.push_back({t, m});
+              if (m == 0) move.rerun = true;  // dropped: every saver recomputes
+            } else if (val[t] & kNeeded) {
+              move.rerun = true;  // unsaved, read by an operator that reruns
+            }
+          }
+          if (move.rerun) {
+            for (int u : op.inputs) val[u] |= kNeeded;
+          }
+          move.middle = places.size();
+          if (o == 0) {
+            for (int t : p.externals_) places.push_back({t, static_cast<uint8_t>(val[t] & 3u)});
+          }
+          move.end = places.size();
+          uint64_t sig = 0;
+          for (size_t i = 0; i < after.size(); ++i) {
+            sig |= static_cast<uint64_t>(val[after[i]]) << (kSlotBits * i);
+          }
+          move.sig = sig;
         }
-        if (conflict) continue;
+      }
+      for (size_t c = 0; c < nc; ++c) {
+        const Move& move = moves[c];
+        if (move.conflict) continue;
         Label x;
         x.terms = from.terms;
-        bool rerun = false;
-        for (int t : op.outputs) {
-          const uint8_t m = val[t] & 3u;
-          if (p.tensors_[t].saved) {
-            p.Place(t, m, x.terms);
-            if (m == 0) rerun = true;  // dropped: every saver recomputes
-          } else if (val[t] & kNeeded) {
-            rerun = true;  // unsaved, read by an operator that reruns
-          }
+        for (size_t i = move.begin; i < move.middle; ++i) {
+          p.Place(places[i].tensor, places[i].code, x.terms);
         }
-        if (rerun) {
-          x.terms.local += op.forward_s;
-          for (int u : op.inputs) val[u] |= kNeeded;
-        }
-        if (o == 0) {
-          for (int t : p.externals_) p.Place(t, val[t] & 3u, x.terms);
+        if (move.rerun) x.terms.local += op.forward_s;
+        for (size_t i = move.middle; i < move.end; ++i) {
+          p.Place(places[i].tensor, places[i].code, x.terms);
         }
         Terms least = x.terms;  // with what the operators before o add for certain
         Problem::Add(p.fixed_[o], least);
@@ -411,19 +498,15 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
             p.Overhead(least) >= bound) {
           continue;
         }
-        uint64_t sig = 0;
-        for (size_t i = 0; i < after.size(); ++i) {
-          sig |= static_cast<uint64_t>(val[after[i]]) << (kSlotBits * i);
-        }
-        x.sig = sig;
+        x.sig = move.sig;
         x.parent = static_cast<int>(s);
-        x.strategy = choice;
+        x.strategy = op.choices[c];
         next.push_back(x);
       }
     }
     result.states += static_cast<int>(next.size());
     if (next.empty()) return std::nullopt;
-    if (!Reduce(next, p, mem_limit, with_host, cap)) result.exact = false;
+    if (!Reduce(next, p, mem_limit, with_host, cap, scratch)) result.exact = false;
   }
   // The cheapest final labels first; the first the full evaluator confirms wins (the sums above
   // add in another order, so a label at the budget is checked again).

@@ -10,6 +10,7 @@
 //        and coverage on the Table II models and the large-chunk stage).
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -98,12 +99,23 @@ int Miss(int rounds) {
   return 0;
 }
 
+// FNV-1a over an assignment's strategies, continuing from `h`: the studies print it so that a
+// change meant to keep every plan (issue 43: the downgrade's DP made cheaper) is checked by a diff.
+uint64_t PlanHash(const Assignment& a, uint64_t h = 1469598103934665603ull) {
+  for (Strategy s : a) {
+    h ^= static_cast<uint64_t>(s) + 1;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
 // The revision after the gate (ReplanAfterGate): each production chunk planned at load 1 within
 // its budget (the first answer), then 2.6 seen at the gate of layer 1.
 int Gate(int rounds) {
   const HardwareProfile hw = *HardwareProfileByName("h200");
   std::vector<double> cpu;
   int revised = 0, planned_chunks = 0;
+  uint64_t plans = PlanHash({});
   for (int round = 0; round < rounds; ++round) {
     for (const auto& x : testing::ProductionInstances(3232, 40, 4)) {
       const CostEvaluator eval(x.graph, hw);
@@ -117,6 +129,7 @@ int Gate(int rounds) {
       const MitigationResult m = ReplanAfterGate(eval, planned->assignment, 1, 2.6, budget);
       cpu.push_back(ThreadCpuSeconds() - c0);
       revised += m.assignment != planned->assignment ? 1 : 0;
+      plans = PlanHash(m.assignment, plans);
     }
   }
   std::sort(cpu.begin(), cpu.end());
@@ -125,8 +138,8 @@ int Gate(int rounds) {
   };
   std::printf(
       "ReplanAfterGate, 32 ops x 4 layers, gate of layer 1 at 2.6: cpu p50 %.0f p99 %.0f "
-      "max %.0f us (%d of %d revised)\n",
-      at(0.5), at(0.99), at(1.0), revised, planned_chunks);
+      "max %.0f us (%d of %d revised; plans %016llx)\n",
+      at(0.5), at(0.99), at(1.0), revised, planned_chunks, static_cast<unsigned long long>(plans));
   return 0;
 }
 
@@ -269,11 +282,12 @@ int GateReference(uint32_t seed, int count, int64_t max_labels) {
     }
     std::printf(
         "%8.3f (warm %8.3f) %s revised %.1fus pinned optimum %.1fus unpinned %s%.1fus fits=%d "
-        "cpu %.0f/%.0fus %s\n",
+        "cpu %.0f/%.0fus plan %016llx/%016llx %s\n",
         ratio, warm_ratio, opt.proven ? (opt.feasible ? "proven" : "infeasible") : "unprov",
         revised.cost.exposed_s * 1e6, opt.exposed_s * 1e6, unpinned.proven ? "" : "(unproven) ",
         unpinned.exposed_s * 1e6, revised.fits ? 1 : 0, cpu.back() * 1e6, warm_cpu.back() * 1e6,
-        label.c_str());
+        static_cast<unsigned long long>(PlanHash(revised.assignment)),
+        static_cast<unsigned long long>(PlanHash(with_warm.assignment)), label.c_str());
     if (std::getenv("DUMP") && std::atoi(std::getenv("DUMP")) == i) {
       for (size_t o = 0; o < g.ops.size(); ++o) {
         double bytes = 0;
