@@ -44,10 +44,14 @@ if [[ -f $venv/.bgl-stamp && $(cat $venv/.bgl-stamp) == "$stamp" ]] &&
   exit 0
 fi
 
-# torch with its CUDA runtime wheels takes about 5.6 GiB installed, and pip unpacks each wheel in
-# $TMPDIR first: say so up front rather than fail with ENOSPC halfway through (BGL_MIN_FREE_GIB
-# lowers the bar where the wheels are known to fit).
-need_gib=${BGL_MIN_FREE_GIB:-8}
+# torch with its CUDA runtime wheels takes about 5.7 GiB installed. pip downloads every wheel of
+# one command into $TMPDIR before it installs any (2.9 GiB for torch's), so one command needs
+# about 8.8 GiB at its peak: the CI machine ran out of space there with 8 GiB free. The
+# requirements are resolved once (a dry run: metadata only) and installed a few at a time, torch's
+# large wheels one by one, so that at most one wheel waits in $TMPDIR (the peak 5.9 GiB, measured).
+# Say so up front rather than fail with ENOSPC halfway through (BGL_MIN_FREE_GIB lowers the bar
+# where the wheels are known to fit).
+need_gib=${BGL_MIN_FREE_GIB:-7}
 for dir in "$(dirname "$(realpath -m "$venv")")" "${TMPDIR:-/tmp}"; do
   free_gib=$(( $(df -Pk "$dir" | awk 'NR == 2 {print $4}') / 1048576 ))
   if (( free_gib < need_gib )); then
@@ -65,11 +69,29 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-
 "${pip[@]}" --upgrade pip setuptools wheel
 # The PyPI wheel of torch depends on the nvidia-* CUDA runtime wheels; it does not import on
 # CPU-only machines without them, so it is installed with its dependencies.
-# accelerate (transformers' Trainer) and matplotlib resolve with the pinned torch in one command,
-# so pip picks versions that accept that torch and this Python.
-"${pip[@]}" "torch==${torch_version}" "transformers==${transformers_version}" accelerate matplotlib \
-  numpy pytest grpcio grpcio-tools \
-  scikit-build-core  # the build backend of `pip install .` (tests/python/test_install.py)
+# accelerate (transformers' Trainer) and matplotlib resolve with the pinned torch in one
+# resolution, so pip picks versions that accept that torch and this Python.
+requirements=("torch==${torch_version}" "transformers==${transformers_version}" accelerate matplotlib
+              numpy pytest grpcio grpcio-tools
+              scikit-build-core)  # the build backend of `pip install .` (tests/python/test_install.py)
+report=$(mktemp "${TMPDIR:-/tmp}/bgl-pip-report.XXXXXX")
+trap 'rm -f "$report"' EXIT
+"${pip[@]}" --dry-run --ignore-installed --report "$report" "${requirements[@]}"
+large=(); small=()
+while read -r name version; do
+  case ${name,,} in
+    torch | triton | nvidia-* | cuda-*) large+=("$name==$version") ;;
+    *) small+=("$name==$version") ;;
+  esac
+done < <("$venv/bin/python" -c '
+import json, sys
+for item in json.load(open(sys.argv[1]))["install"]:
+    print(item["metadata"]["name"], item["metadata"]["version"])' "$report")
+echo "setup-python: installing ${#large[@]} large wheels one by one, then ${#small[@]} others"
+for r in "${large[@]}"; do "${pip[@]}" --no-deps "$r"; done
+"${pip[@]}" --no-deps "${small[@]}"
+"$venv/bin/python" -m pip check --disable-pip-version-check >/dev/null ||
+  { "$venv/bin/python" -m pip check --disable-pip-version-check >&2; exit 1; }
 # --no-deps: torch is pinned above (a venv below bagualu's minimum must not be upgraded)
 "${pip[@]}" --no-deps -e integrations/pytorch
 echo "$stamp" > $venv/.bgl-stamp
