@@ -1,6 +1,7 @@
 #include "enforcer/enforcer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 
 #include "kernels/fp8_cast.h"
@@ -29,6 +30,32 @@ class Busy {
  private:
   TrackedTensor& t_;
 };
+
+// Adds the scope's duration to a counter of blocked waits (stats' copy_wait_ns); a wait
+// inside another (a synchronize's pump waiting for a scheduled copy) counts once.
+class WaitTimer {
+ public:
+  explicit WaitTimer(std::atomic<std::uint64_t>& ns)
+      : ns_(ns), start_(std::chrono::steady_clock::now()) {
+    ++depth_;
+  }
+  ~WaitTimer() {
+    if (--depth_ > 0) return;
+    ns_.fetch_add(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                 std::chrono::steady_clock::now() - start_)
+                                                 .count()),
+                  std::memory_order_relaxed);
+  }
+  WaitTimer(const WaitTimer&) = delete;
+  WaitTimer& operator=(const WaitTimer&) = delete;
+
+ private:
+  static thread_local int depth_;
+  std::atomic<std::uint64_t>& ns_;
+  const std::chrono::steady_clock::time_point start_;
+};
+
+thread_local int WaitTimer::depth_ = 0;
 
 }  // namespace
 
@@ -326,7 +353,14 @@ void Enforcer::set_recompute(RecomputeFn fn) {
 Status Enforcer::after(Stream s, const Event& e, const std::string& what) {
   // On a null stream (synchronous copies) this is a host wait, bounded: work that was to
   // follow `e` must not start when it did not complete.
-  if (ops_->stream_wait(s, e) == Status::kOk) return Status::kOk;
+  Status st = Status::kOk;
+  if (s == nullptr) {
+    WaitTimer timer(copy_wait_ns_);
+    st = ops_->stream_wait(s, e);
+  } else {  // stream ordered: the caller does not wait
+    st = ops_->stream_wait(s, e);
+  }
+  if (st == Status::kOk) return Status::kOk;
   return fail(Status::kBackendError, what + ": " + ops_->last_error());
 }
 
@@ -635,7 +669,9 @@ void Enforcer::retire_locked(TrackedTensor& t, Stream s) {
 Status Enforcer::wait_tensor(std::uint64_t handle) {
   return with_tensor(handle, "wait_tensor", [&](TrackedTensor& t) {
     if (Status s = wait_events(t, "wait_tensor"); s != Status::kOk) return s;
-    if (t.placement == Placement::kFp8 && ops_->synchronize(t.desc.stream) != Status::kOk) {
+    if (t.placement != Placement::kFp8) return Status::kOk;
+    WaitTimer timer(copy_wait_ns_);
+    if (ops_->synchronize(t.desc.stream) != Status::kOk) {
       return fail(Status::kBackendError, "wait_tensor: " + tensor_name(t.handle) +
                                              ": the FP8 cast: " + ops_->last_error());
     }
@@ -644,6 +680,8 @@ Status Enforcer::wait_tensor(std::uint64_t handle) {
 }
 
 Status Enforcer::wait_events(TrackedTensor& t, const char* fn) {
+  if (!t.has_offload && !t.has_ready) return Status::kOk;  // nothing to wait for
+  WaitTimer timer(copy_wait_ns_);
   if (t.has_offload && ops_->wait(t.offload_done) != Status::kOk) {
     return fail(Status::kBackendError, std::string(fn) + ": " + tensor_name(t.handle) +
                                            ": its offload copy: " + ops_->last_error());
@@ -656,12 +694,18 @@ Status Enforcer::wait_events(TrackedTensor& t, const char* fn) {
 }
 
 Status Enforcer::wait(const Event& e) {
-  if (ops_->wait(e) == Status::kOk) return Status::kOk;
+  Status st = Status::kOk;
+  {
+    WaitTimer timer(copy_wait_ns_);
+    st = ops_->wait(e);
+  }
+  if (st == Status::kOk) return Status::kOk;
   return fail(Status::kBackendError, "scheduled copy: " + ops_->last_error());
 }
 
 Status Enforcer::synchronize() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
+  WaitTimer timer(copy_wait_ns_);
   for (Stream s : {options_.d2h, options_.h2d}) {
     if (ops_->synchronize(s) != Status::kOk) {
       return fail(Status::kBackendError, std::string("synchronize: the ") +
@@ -926,6 +970,7 @@ EnforcerStats Enforcer::stats() {
   s.pinned_failures = p.failures;
   s.scheduled_issued = sched_.issued();
   s.scheduled_max_inflight = sched_.max_inflight_seen();
+  s.copy_wait_ns = copy_wait_ns_.load(std::memory_order_relaxed);
   return s;
 }
 

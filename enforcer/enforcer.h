@@ -4,6 +4,7 @@
 // needed), the stream scheduler's O/R pieces and pressure eviction. C ABI: bgl/enforce.h.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -154,6 +155,8 @@ class Enforcer final : private WorkIssuer {
   int offload_mb_ = -1, recover_mb_ = -1;
   std::vector<std::uint64_t> scheduled_offloads_;  // issued by O pieces, not yet taken
   EnforcerStats stats_{};
+  // stats_.copy_wait_ns, added to by waits that may run without mu_ (Enforcer::wait).
+  std::atomic<std::uint64_t> copy_wait_ns_{0};
 };
 
 }  // namespace bgl::enf

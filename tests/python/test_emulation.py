@@ -178,9 +178,13 @@ def test_training_with_an_emulated_link_moves_through_it_and_keeps_gradients(
 
     kept, plain_stats = grad("keep", None)
     assert plain_stats["emulated_link"] is None
+    assert plain_stats["enforcer"]["copy_wait_ns"] == 0  # no copy, no wait
     moved, stats = grad("offload", str(path))
     assert stats["emulated_link"] == "H200 over PCIe Gen5 x16", stats["emulated_link"]
     assert stats["enforcer"]["offloads"] > 0 and stats["enforcer"]["reloads"] > 0
+    # Nothing issued the reloads ahead (no plan, no issue order): the backward waited for
+    # them on the link, and the enforcer counts that wait (the iteration line's copy_wait_ms).
+    assert stats["enforcer"]["copy_wait_ns"] > 0
     assert torch.equal(kept, moved)
 
 

@@ -153,7 +153,7 @@ def test_stats_snapshot_and_log_line(tmp_path) -> None:
         loss.backward()
     line = bagualu.end_iteration()
     for key in ("iteration", "load_factor", "budget_bytes", "peak_bytes", "strategies",
-                "overhead_ms"):
+                "overhead_ms", "copy_wait_ms"):
         assert key in line
     assert line["peak_bytes"] > 0
 

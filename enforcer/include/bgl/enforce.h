@@ -169,6 +169,10 @@ typedef struct bgl_enf_stats {
   uint64_t device_bytes, host_bytes, fp8_bytes; /* of tracked tensors, by placement */
   uint64_t pinned_in_use, pinned_cached, pinned_peak, pinned_capacity;
   uint64_t pinned_allocs, pinned_hits, pinned_failures;
+  /* Nanoseconds callers spent blocked in the enforcer waiting for copies and casts to finish
+   * (a consumer's reload, a release's offload, a synchronize): the copy time compute did not
+   * hide. Host waits only; on CUDA, stream-ordered waits cost the caller nothing. */
+  uint64_t copy_wait_ns;
 } bgl_enf_stats;
 
 /* One item of the plan's dual-batch issue order (planner IssueItem). first/last: tensor indices

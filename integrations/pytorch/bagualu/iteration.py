@@ -39,7 +39,7 @@ class IterationLog:
         self._counters0: Dict[str, int] = {}
         self._ooms0 = 0
 
-    def begin(self, counters: Dict[str, int], ooms: int) -> None:
+    def begin(self, counters: Dict[str, int], ooms: int, copy_wait_ns: int = 0) -> None:
         self.loads = []
         self.recompute_ms = 0.0
         self.recompute_ops = 0
@@ -51,6 +51,7 @@ class IterationLog:
         self._t0 = time.perf_counter()
         self._counters0 = dict(counters)
         self._ooms0 = ooms
+        self._copy_wait_ns0 = copy_wait_ns
 
     def note_plan(self, unit: int, plan: Dict[str, Any], ms: float, in_use: int,
                   evictions: int) -> None:
@@ -111,9 +112,10 @@ class IterationLog:
 
     def end(self, counters: Dict[str, int], ooms: int, budget: float, peak: int,
             strategies: Dict[str, int], deferred: int,
-            planner: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+            planner: Optional[Dict[str, Any]] = None, copy_wait_ns: int = 0) -> Dict[str, Any]:
         """Closes the iteration and logs its line; returns the line's fields. ``planner``:
-        the planner's counters now (bgl_planner_stats), for the warm-up's figures."""
+        the planner's counters now (bgl_planner_stats), for the warm-up's figures;
+        ``copy_wait_ns``: the enforcer's blocked waits for copies so far (its stats)."""
         c0, c = self._counters0, counters
         loads = self.loads or [1.0]
         elapsed = (time.perf_counter() - self._t0) * 1e3
@@ -139,6 +141,9 @@ class IterationLog:
                        for p in self.points],
             "deferred": deferred, "downgrades": [self._with_next(d) for d in self.downgrades],
             "overhead_ms": self.recompute_ms, "iteration_ms": elapsed,
+            # the time the training thread waited for copies and casts compute did not hide
+            # (host waits: on CUDA, where waits are stream-ordered, about 0)
+            "copy_wait_ms": max(copy_wait_ns - self._copy_wait_ns0, 0) / 1e6,
             "ooms": ooms - self._ooms0,
         }
         self.history.append(line)
@@ -147,7 +152,8 @@ class IterationLog:
             strat = " ".join(f"{k}={v}" for k, v in strategies.items() if v)
             log.info("bagualu: iter %d policy %s load %.2f (max %.2f) budget %s peak %s/%s "
                      "strategies %s offloads %d (early %d) fp8 %d recomputed %d evictions %d "
-                     "deferred %d overhead %.1fms (%.1f%%) plans %d hit %d miss %.1fms "
+                     "deferred %d overhead %.1fms (%.1f%%) copy wait %.1fms "
+                     "plans %d hit %d miss %.1fms "
                      "warm %d hit %d keys nearest %d",
                      line["iteration"], self.policy,
                      line["load_factor"], line["max_load_factor"], budget_text, _mib(peak),
@@ -155,7 +161,7 @@ class IterationLog:
                      line["early_offloads"], line["fp8_casts"],
                      line["recomputed_ops"], line["evictions"], line["deferred"],
                      line["overhead_ms"], 100 * line["overhead_ms"] / max(elapsed, 1e-9),
-                     self.cache_hits, self.cache_misses, self.plan_ms,
+                     line["copy_wait_ms"], self.cache_hits, self.cache_misses, self.plan_ms,
                      line["warm_hits"], line["warm_keys"], line["warm_nearest"])
             for d in line["downgrades"]:
                 nxt = d["next"]

@@ -110,7 +110,7 @@ class Runtime(HooksHost):
         self._layer_ops: Dict[int, List[Op]] = {}     # planned layer -> its operators
         self.model_info: Dict[str, Any] = {}
         self._capture_unit = -1
-        self.log.begin(self.tracker.counters, self.memory.oom_count)
+        self.log.begin(self.tracker.counters, self.memory.oom_count, self._copy_wait_ns())
 
     @property
     def layer_ops(self) -> Dict[int, List[Op]]:
@@ -311,7 +311,7 @@ class Runtime(HooksHost):
     # -- iterations and observability -------------------------------------------------------
     def begin_iteration(self) -> None:
         describe_backward(self)  # once, after the capture's backward
-        self.log.begin(self.tracker.counters, self.memory.oom_count)
+        self.log.begin(self.tracker.counters, self.memory.oom_count, self._copy_wait_ns())
         self.memory.reset_peak()
         self.planning.begin_iteration()
 
@@ -320,7 +320,12 @@ class Runtime(HooksHost):
         self.planning.end_iteration()
         return self.log.end(self.tracker.counters, self.memory.oom_count, self.planning.budget,
                             self.memory.peak(), self.strategies.counts(self.layer_ops.values()),
-                            self.planning.deferred, self._planner_stats())
+                            self.planning.deferred, self._planner_stats(),
+                            self._copy_wait_ns())
+
+    def _copy_wait_ns(self) -> int:
+        """The enforcer's blocked waits for copies and casts so far (ns)."""
+        return int(self.enforcer.stats().get("copy_wait_ns", 0))
 
     def _planner_stats(self) -> Optional[Dict[str, Any]]:
         """The embedded planner's counters (None without a planner)."""

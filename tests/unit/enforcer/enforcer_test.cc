@@ -1,6 +1,9 @@
 // Enforcer on the host backend with real host streams.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "kernels/fp8_cast.h"
 #include "tests/unit/enforcer/test_env.h"
 
@@ -65,6 +68,31 @@ TEST(Enforcer, ReloadNeverStartsBeforeItsOffloadFinished) {
     env.expect_data(h, data);
     env.enf->release(h, -1, &env.compute);
   }
+}
+
+TEST(Enforcer, CopyWaitCountsTheTimeACallerWasBlockedOnACopy) {
+  Env env;
+  std::vector<std::uint8_t> data;
+  const std::uint64_t h = env.make(1 << 20, &data);
+  std::thread opener;
+  {
+    Gate gate(env.d2h);  // the offload's copy cannot finish before open()
+    ASSERT_EQ(env.enf->offload(h), Status::kOk);
+    EXPECT_EQ(env.enf->stats().copy_wait_ns, 0u);  // queued, nobody waited
+    opener = std::thread([&gate] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      gate.open();
+    });
+    // Blocks until the gate opens: at least the 30 ms the copy was held (a lower bound a
+    // loaded machine only lengthens).
+    ASSERT_EQ(env.enf->wait_tensor(h), Status::kOk) << last_error();
+    opener.join();
+  }
+  const std::uint64_t blocked = env.enf->stats().copy_wait_ns;
+  EXPECT_GE(blocked, 30'000'000u);
+  env.expect_data(h, data);  // the reload's wait adds to it, never takes away
+  EXPECT_GE(env.enf->stats().copy_wait_ns, blocked);
+  ASSERT_EQ(env.enf->release(h, -1, &env.compute), Status::kOk);
 }
 
 TEST(Enforcer, TensorWithTwoConsumersMovesOnceAndBothGetIt) {

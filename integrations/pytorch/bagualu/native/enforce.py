@@ -44,7 +44,7 @@ STAT_FIELDS = ("tracked", "registered", "retired", "offloads", "reloads", "fp8_c
                 "evictions", "evicted_bytes", "pressure_calls", "unreloads", "scheduled_issued",
                 "scheduled_max_inflight", "device_bytes", "host_bytes", "fp8_bytes",
                 "pinned_in_use", "pinned_cached", "pinned_peak", "pinned_capacity",
-                "pinned_allocs", "pinned_hits", "pinned_failures")
+                "pinned_allocs", "pinned_hits", "pinned_failures", "copy_wait_ns")
 
 
 class Item(ctypes.Structure):
