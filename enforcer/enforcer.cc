@@ -728,7 +728,9 @@ Status Enforcer::schedule_begin(const std::vector<plan::IssueItem>& order, int o
   if (probe.load(order, &error) != Status::kOk) {
     return fail(Status::kInvalidArgument, "schedule_begin: " + error);
   }
-  Status first = sched_.finish(&error);  // the previous point's leftovers
+  // The previous point's leftovers are issued (their micro-batches are named by the order they
+  // came with); those in flight complete beside this order.
+  Status first = sched_.hand_over(&error);
   if (first != Status::kOk) report_error(options_.log, "schedule_begin: previous order: " + error);
   sched_.load(order, &error);
   offload_mb_ = offload_micro_batch;

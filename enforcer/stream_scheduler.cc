@@ -135,4 +135,26 @@ Status StreamScheduler::finish(std::string* error) {
   return first;
 }
 
+Status StreamScheduler::hand_over(std::string* error) {
+  frontier_ = std::numeric_limits<int>::max();
+  Status first = Status::kOk;
+  while (true) {
+    std::string why;
+    const Status s = pump(&why);
+    if (s != Status::kOk && first == Status::kOk) {
+      first = s;
+      *error = why;
+    }
+    if (queue_.empty() || inflight_.empty()) break;  // all issued (an empty flight: pumped)
+    if (issuer_->wait(inflight_.front().done) != Status::kOk) {
+      if (first == Status::kOk) {
+        first = Status::kBackendError;
+        *error = alloc::detail::wait_timeout_message("a scheduled offload or reload");
+      }
+      return first;
+    }
+  }
+  return first;
+}
+
 }  // namespace bgl::enf

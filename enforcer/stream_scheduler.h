@@ -42,6 +42,11 @@ class StreamScheduler {
   // Makes everything issuable, issues it all and waits for it. kBackendError when a piece did
   // not complete within the wait timeout (it stays in flight).
   Status finish(std::string* error);
+  // Makes everything issuable and issues it all, waiting only while the bound holds an issue
+  // back (for the oldest piece in flight); what is still in flight stays there, completing
+  // beside the next order and counted against its bound (a copy engine has no barrier between
+  // scheduling points). Errors as finish.
+  Status hand_over(std::string* error);
 
   std::size_t waiting() const { return queue_.size(); }
   std::size_t inflight() const { return inflight_.size(); }

@@ -312,7 +312,9 @@ BGL_ALLOC_API int bgl_enf_synchronize(bgl_enforcer* enf);
 /* Loads a scheduling point's issue order. OFFLOAD items move tensors of offload_micro_batch whose
  * planned strategy is OFFLOAD; RECOVER items bring back tensors of recover_micro_batch. Items of
  * a chain must have increasing stages and rounds must not decrease (BGL_ERR_INVALID_ARGUMENT).
- * Work left from a previous order is finished first. */
+ * Work left from a previous order is issued first (waiting only where max_inflight holds an
+ * issue back); what is still in flight completes beside the new order and counts against its
+ * bound: no wait for the previous point's copies (bgl_enf_schedule_finish waits for all). */
 BGL_ALLOC_API int bgl_enf_schedule_begin(bgl_enforcer* enf, const bgl_enf_issue_item* items,
                                          size_t count, int offload_micro_batch,
                                          int recover_micro_batch);

@@ -354,6 +354,15 @@ def _copies_alone_ms(r: Dict, iterations: int):
     return 1e3 * total
 
 
+def _spent_cell(spent: Optional[Dict[str, List[float]]]) -> str:
+    """Reruns / copy wait (ms per iteration, the median over runs of each run's median), or
+    empty for a run without bagualu's lines."""
+    if not spent:
+        return ""
+    return (f"{statistics.median(spent['overhead_ms']):.1f} / "
+            f"{statistics.median(spent['copy_wait_ms']):.1f}")
+
+
 def _range_cell(v) -> str:
     """median (min-max) of ``v``, or empty."""
     return f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" if v else ""
@@ -403,8 +412,9 @@ def same_capacity(args: argparse.Namespace) -> int:
     print(f"| model | policy | ms/iteration from iteration {w}, median (range) | vs plain | "
           f"vs checkpoint | warm-up: ms/iteration of iterations 0-{w - 1}, median (range) | "
           "activation peak | fits | evictions/iteration | strategies (last iteration) | "
-          "max load factor | its copies alone: ms/iteration, median (range) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "max load factor | its copies alone: ms/iteration, median (range) | "
+          "reruns / copy wait: ms/iteration, medians |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models.split(","):
         peak = u.keep_all_peak(name, **kw)
         cap = peak // 2
@@ -415,6 +425,7 @@ def same_capacity(args: argparse.Namespace) -> int:
         warm: Dict[str, List[float]] = {k: [] for k in policies}
         info: Dict[str, Dict] = {}
         copies_ms: Dict[str, List[float]] = {}  # _copies_alone_ms per run
+        spent: Dict[str, Dict[str, List[float]]] = {}  # reruns and copy waits, per run
         for _ in range(args.repeats):
             for k in policies:
                 if "oom" in info.get(k, {}):
@@ -449,6 +460,10 @@ def same_capacity(args: argparse.Namespace) -> int:
                 if copies is not None:
                     copies_ms.setdefault(k, []).append(copies)
                 if lines:
+                    # where the time went after the warm-up: reruns, and waits for copies
+                    for key in ("overhead_ms", "copy_wait_ms"):
+                        spent.setdefault(k, {}).setdefault(key, []).append(
+                            statistics.median(x.get(key, 0.0) for x in lines[w:]))
                     info[k] = {**info.get(k, {}), "peak": max(x["peak_bytes"] for x in lines),
                                "evictions": max(x["evictions"] for x in lines),
                                "max_load": max(x["max_load_factor"] for x in lines),
@@ -459,16 +474,19 @@ def same_capacity(args: argparse.Namespace) -> int:
         table[name] = {"capacity_bytes": cap, "keep_all_peak_bytes": peak,
                        "warmup_iterations": w,
                        "runs": {k: {"ms": times[k], "warmup_ms": warm[k],
-                                    "copies_alone_ms": copies_ms.get(k, []), **info.get(k, {})}
+                                    "copies_alone_ms": copies_ms.get(k, []),
+                                    "rerun_ms": spent.get(k, {}).get("overhead_ms", []),
+                                    "copy_wait_ms": spent.get(k, {}).get("copy_wait_ms", []),
+                                    **info.get(k, {})}
                                 for k in policies}}
         for k in policies:
             v, i = times[k], info.get(k, {})
             if "oom" in i:
-                print(f"| {name} | {k} | out of memory | | | | | no | | | | |", flush=True)
+                print(f"| {name} | {k} | out of memory | | | | | no | | | | | |", flush=True)
                 continue
             if not v:  # WORST_LOAD without a plan: bagualu ran out of memory every round
                 print(f"| {name} | {k} | not run (no bagualu run to take the plan from) | | | "
-                      f"| | | | | | |", flush=True)
+                      f"| | | | | | | |", flush=True)
                 continue
             med = statistics.median(v)
             label = f"{k} (planned at load {i['planned_load']:.2f})" if "planned_load" in i else k
@@ -493,19 +511,19 @@ def same_capacity(args: argparse.Namespace) -> int:
                   f"{peak_cell} | {fits} | {i.get('evictions', '')} | "
                   f"{i.get('strategies', '')} | "
                   f"{format(i['max_load'], '.2f') if 'max_load' in i else ''} | "
-                  f"{_range_cell(copies_ms.get(k))} |", flush=True)
+                  f"{_range_cell(copies_ms.get(k))} | {_spent_cell(spent.get(k))} |", flush=True)
         print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
-              f"{peak / 2**20:.2f} MiB) | | | | | | | | | |", flush=True)
+              f"{peak / 2**20:.2f} MiB) | | | | | | | | | | |", flush=True)
         if args.spike:
             print(f"| {name} | note | {', '.join(ALL_EXPERTS)} compute all experts (no "
                   f"bagualu to skip the other ranks'): the other rows, this rank's only, are "
-                  f"compared with {EP_BASELINE} | | | | | | | | | |", flush=True)
+                  f"compared with {EP_BASELINE} | | | | | | | | | | |", flush=True)
         paired = _paired(times, args.spike)
         if paired:
             table[name]["paired"] = paired
             print(f"| {name} | paired, same round | " + "; ".join(
                 f"{k} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"
-                for k, v in paired.items()) + " | | | | | | | | | |", flush=True)
+                for k, v in paired.items()) + " | | | | | | | | | | |", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": args.device, "width": args.width, "seq": args.seq,

@@ -109,6 +109,37 @@ TEST(StreamScheduler, BoundOfOneSerialisesEveryPiece) {
   EXPECT_EQ(fake.max_open, 1u);
 }
 
+TEST(StreamScheduler, HandingOverIssuesTheRestAndLeavesItsCopiesInFlight) {
+  FakeIssuer fake;
+  StreamScheduler s(&fake, /*max_inflight=*/8);
+  std::string error;
+  ASSERT_EQ(s.load(sample_order(), &error), Status::kOk);
+  ASSERT_EQ(s.reached(Chain::kForward, 0, &error), Status::kOk);  // O0 issued
+  // The next point: the rest is issued, nothing is waited for (a wait completes a piece).
+  ASSERT_EQ(s.hand_over(&error), Status::kOk) << error;
+  EXPECT_EQ(fake.issued.size(), 6u);
+  EXPECT_EQ(s.waiting(), 0u);
+  EXPECT_EQ(fake.open(), 6u);
+  EXPECT_EQ(s.inflight(), 6u);
+  // They complete beside the next order, counted against its bound.
+  ASSERT_EQ(s.load(sample_order(), &error), Status::kOk);
+  EXPECT_EQ(s.inflight(), 6u);
+  for (auto& [id, c] : fake.complete) c = true;
+  ASSERT_EQ(s.reached(Chain::kForward, 0, &error), Status::kOk);
+  EXPECT_EQ(s.inflight(), 1u);  // the old ones retired, the new O0 issued
+}
+
+TEST(StreamScheduler, HandingOverWaitsOnlyWhereTheBoundHoldsAnIssueBack) {
+  FakeIssuer fake;
+  StreamScheduler s(&fake, /*max_inflight=*/2);
+  std::string error;
+  ASSERT_EQ(s.load(sample_order(), &error), Status::kOk);
+  ASSERT_EQ(s.hand_over(&error), Status::kOk) << error;
+  EXPECT_EQ(fake.issued.size(), 6u);  // all issued
+  EXPECT_LE(fake.max_open, 2u);       // never more than the bound in flight
+  EXPECT_EQ(fake.open(), 2u);         // the last two were not waited for
+}
+
 TEST(StreamScheduler, RejectsBadOrdersAndUnknownStages) {
   FakeIssuer fake;
   StreamScheduler s(&fake, 2);

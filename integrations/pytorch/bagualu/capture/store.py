@@ -133,6 +133,13 @@ class RecordStore:
         brings back to the device)."""
         return sum(r.nbytes for r in self.by_mb.get(micro_batch, ()) if r.placement == HOST)
 
+    def reload_bytes(self, micro_batch: int, ahead: int) -> int:
+        """Device bytes reloading ``micro_batch`` ahead brings back at once: its ``ahead`` + 1
+        largest offloaded records (the enforcer's prefetch bound)."""
+        moved = sorted((r.nbytes for r in self.by_mb.get(micro_batch, ()) if r.placement == HOST),
+                       reverse=True)
+        return sum(moved[:ahead + 1])
+
     def backward_bytes(self, micro_batch: int, ahead: int) -> int:
         """Device bytes the backward of ``micro_batch`` brings back at once beyond what it
         holds: its ``ahead`` + 1 largest offloaded (or FP8-stored) records, which come back a

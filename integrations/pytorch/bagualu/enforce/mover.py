@@ -318,6 +318,13 @@ class Mover:
         if self.reload_ahead:
             self._prefetch(micro_batch)
 
+    def reload_early(self, micro_batch: int) -> None:
+        """Starts reloading ``micro_batch``'s offloaded records before its backward begins
+        (the first ones in need order, as many as the enforcer's bound lets ahead), where the
+        caller made room for them: the copies then run under the compute before it."""
+        if self.enforcer is not None and self.reload_ahead:
+            self._prefetch(micro_batch)
+
     def acquired(self, micro_batch: int) -> None:
         """A reload of ``micro_batch`` was consumed: the enforcer may issue the next one (the
         binding's unpack calls this too)."""

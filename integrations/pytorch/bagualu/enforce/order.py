@@ -23,6 +23,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..vocabulary import Op
 
 Unit = Tuple[int, int]  # (micro-batch, chunk)
+UNIT_STRIDE = 1 << 20  # unit id = micro-batch + chunk * UNIT_STRIDE
+
+
+def unit_id(mb: int, chunk: int) -> int:
+    """The id of micro-batch ``mb`` of local stage ``chunk`` (interleaved schedules run each
+    micro-batch once per chunk): what the tracker and the plans are keyed by."""
+    return mb + chunk * UNIT_STRIDE
 
 
 class StageGraphIndex:
@@ -62,6 +69,10 @@ class RankSchedule:
                                       for s in steps if not s["forward"]]
         self._f = {u: i for i, u in enumerate(self.forwards)}
         self._b = {u: i for i, u in enumerate(self.backwards)}
+        # the backwards whose step follows another backward's (no forward between them)
+        self._after_backward = {(s["micro_batch"], s.get("chunk", 0))
+                                for prev, s in zip(steps, steps[1:])
+                                if not prev["forward"] and not s["forward"]}
 
     def forward_before(self, unit: Unit) -> Optional[Unit]:
         i = self._f.get(unit, 0)
@@ -70,6 +81,11 @@ class RankSchedule:
     def backward_after(self, unit: Optional[Unit]) -> Optional[Unit]:
         i = self._b.get(unit, len(self.backwards)) if unit is not None else len(self.backwards)
         return self.backwards[i + 1] if i + 1 < len(self.backwards) else None
+
+    def backs_to_back(self, unit: Unit) -> bool:
+        """Whether ``unit``'s backward directly follows another backward in this rank's steps
+        (the cool-down: no forward runs between them)."""
+        return unit in self._after_backward
 
     def has_later_forward(self, unit: Unit) -> bool:
         """Whether a forward follows ``unit``'s (so a later point's O chain offloads it)."""
@@ -99,7 +115,8 @@ class PointIssuer:
 
     def begin(self, order: Sequence[Dict[str, Any]], forward_key: int, backward_key: int,
               offload_key: int, recover_key: int) -> None:
-        """Loads a point's order (the previous point's pieces are finished first)."""
+        """Loads a point's order (the previous point's pieces are issued first; those still
+        in flight complete beside it)."""
         self.scheduler.begin(order, offload_key, recover_key)
         self.active = True
         self.forward_key, self.backward_key = forward_key, backward_key

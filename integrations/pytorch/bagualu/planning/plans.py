@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..capture.tracker import Tracker
 from ..enforce import order
+from ..enforce.order import UNIT_STRIDE, unit_id
 from ..enforce.enforcer import Enforcer
 from ..errors import PolicyError
 from ..iteration import IterationLog
@@ -19,16 +20,10 @@ from ..record import Record
 from ..settings import Settings
 from . import graph
 from .governor import Governor
+from .reloads import EarlyReloads
 from .strategies import Strategies
 
-UNIT_STRIDE = 1 << 20  # unit id = micro-batch + chunk * UNIT_STRIDE
 SERVED_KEPT = 64  # iterations whose served plans are kept (served_plans)
-
-
-def unit_id(mb: int, chunk: int) -> int:
-    """The id of micro-batch ``mb`` of local stage ``chunk`` (interleaved schedules run each
-    micro-batch once per chunk): what the tracker and the plans are keyed by."""
-    return mb + chunk * UNIT_STRIDE
 
 
 class Planning:
@@ -63,6 +58,7 @@ class Planning:
         # unit -> the plan its forward ran under, this iteration (served, not popped)
         self._served_now: Dict[int, Dict[str, Any]] = {}
         self.served_log: deque = deque(maxlen=SERVED_KEPT)  # per iteration: _served_now
+        self.reloads = EarlyReloads(self)  # when backwards' reloads start
 
     @property
     def ready(self) -> bool:
@@ -161,7 +157,7 @@ class Planning:
             # enforcer's bound ahead of need, or one at a time on synchronous copies).
             in_use += memory.backward_bytes(unit_id(*backward),
                                             self.enforcer.max_inflight if t.reload_ahead else 0)
-        recover = self._reload_ahead(backward, load, in_use)
+        recover = self.reloads.ahead_of_point(backward, load, in_use)
         if recover is not None:
             in_use += memory.host_bytes(unit_id(*recover))
         point: Dict[str, Any] = {"phase": phase, "forward_micro_batch": int(forward_mb),
@@ -198,26 +194,8 @@ class Planning:
         if recover is not None and self.tracker.issuer is not None and plan.get("issue_order"):
             self.reloaded_ahead.add(unit_id(*recover))  # only once an R chain is issued
         self._issue(plan, forward, backward, recover, defer)
+        self.reloads.under_point(backward)
         return plan
-
-    def _reload_ahead(self, backward: Optional[Tuple[int, int]], load: float,
-                      in_use: int) -> Optional[Tuple[int, int]]:
-        """The unit whose offloaded activations this point's R chain reloads ahead of its
-        backward (the backward after ``backward``), or None: only when they fit beside the
-        forward's keep-all, so that reloading early never costs the forward a mitigation.
-        Without it they come back during their own backward, a bounded number ahead of
-        need (the enforcer's prefetch)."""
-        rank = self.rank_schedule
-        if backward is None or rank is None or self.tracker.issuer is None:
-            return None
-        after = rank.backward_after(backward)
-        if after is None:
-            return None
-        keep_all = graph.keep_all_bytes(self.description, load)
-        if in_use + self.tracker.store.host_bytes(unit_id(*after)) + keep_all \
-                > self.plan_capacity:
-            return None
-        return after
 
     def apply_grant(self) -> None:
         """Sizes the enforcer's pinned pool to the node's grant for this process, never above

@@ -1,0 +1,99 @@
+"""Reloads that start before their backward (issue 42: where bagualu's time went over the
+emulated link): a point's own backward starts reloading under the point's forward, whose bytes
+in use counted it; a backward starts the next one's reloads under itself where that one was
+reloaded ahead at a point, or follows with no forward between and fits. The decisions of
+planning/reloads.py on a fake tracker (no model, no planner); the time they save is measured in
+docs/benchmarks/same-capacity.md, "Where the time goes over the emulated link"."""
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+from typing import Dict, List
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "integrations" / "pytorch"))
+
+from bagualu.enforce.order import RankSchedule  # noqa: E402
+from bagualu.planning.plans import Planning, unit_id  # noqa: E402
+
+# Stage 0 of a 4-stage 1F1B over 4 micro-batches: F0 F1 F2 F3 B0 B1 B2 B3 (the cool-down
+# runs B1..B3 back to back); and over 6: F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5.
+FOUR = [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("B", 1), ("B", 2), ("B", 3)]
+SIX = [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1), ("F", 5),
+       ("B", 2), ("B", 3), ("B", 4), ("B", 5)]
+
+
+def steps(order):
+    return [{"forward": kind == "F", "micro_batch": mb, "phase": "steady"} for kind, mb in order]
+
+
+class Store:
+    """What the decision reads of the tracker's store: bytes per unit."""
+
+    def __init__(self, layer: int, host: Dict[int, int]) -> None:
+        self.layer, self.host = layer, host
+
+    def layer_bytes(self) -> int:
+        return self.layer
+
+    def host_bytes(self, unit: int) -> int:
+        return self.host.get(unit, 0)
+
+    def reload_bytes(self, unit: int, ahead: int) -> int:
+        return self.host.get(unit, 0)
+
+    def backward_bytes(self, unit: int, ahead: int) -> int:
+        return self.host.get(unit, 0)
+
+
+def planning(order, capacity: int, layer: int, host: Dict[int, int]):
+    early: List[int] = []
+    tracker = SimpleNamespace(reload_ahead=True, store=Store(layer, host),
+                              mover=SimpleNamespace(reload_early=early.append))
+    p = Planning(SimpleNamespace(policy="bagualu"), None, None, tracker,
+                 SimpleNamespace(max_inflight=2))
+    p.rank_schedule = RankSchedule(steps(order))
+    p.plan_capacity = capacity
+    return p, early
+
+
+def test_backs_to_back_names_the_cool_downs_backwards() -> None:
+    rank = RankSchedule(steps(SIX))
+    assert [mb for mb in range(6) if rank.backs_to_back((mb, 0))] == [3, 4, 5]
+    four = RankSchedule(steps(FOUR))
+    assert [mb for mb in range(4) if four.backs_to_back((mb, 0))] == [1, 2, 3]
+
+
+def test_the_cool_down_starts_the_next_backwards_reloads_where_they_fit() -> None:
+    p, early = planning(FOUR, capacity=100, layer=60, host={1: 10, 2: 10, 3: 10})
+    p.reloads.backward_began(unit_id(0, 0))  # B1 follows B0 with no forward between: 60 + 0 + 10
+    p.reloads.backward_began(unit_id(1, 0))  # B2: 60 + 10 (B1's) + 10
+    p.reloads.backward_began(unit_id(3, 0))  # the last backward: nothing after it
+    assert early == [unit_id(1, 0), unit_id(2, 0)]
+
+
+def test_reloads_that_would_not_fit_wait_for_their_backward() -> None:
+    p, early = planning(FOUR, capacity=100, layer=85, host={1: 10, 2: 10})
+    p.reloads.backward_began(unit_id(0, 0))  # 85 + 0 + 10 fits
+    p.reloads.backward_began(unit_id(1, 0))  # 85 + 10 + 10 does not
+    assert early == [unit_id(1, 0)]
+
+
+def test_a_forward_between_backwards_holds_them_back_unless_a_point_counted_them() -> None:
+    p, early = planning(SIX, capacity=100, layer=10, host={1: 10, 2: 10})
+    p.reloads.backward_began(unit_id(0, 0))  # F4 runs between B0 and B1, its budget did not count B1
+    assert early == []
+    p.reloaded_ahead.add(unit_id(2, 0))  # the point of F5 counted B2's host bytes (R chain)
+    p.reloads.backward_began(unit_id(1, 0))
+    assert early == [unit_id(2, 0)]
+
+
+def test_other_policies_and_synchronous_copies_reload_nothing_early() -> None:
+    p, early = planning(FOUR, capacity=100, layer=0, host={1: 10})
+    p.tracker.reload_ahead = False  # synchronous copies: the acquire reloads
+    p.reloads.backward_began(unit_id(0, 0))
+    p.tracker.reload_ahead = True
+    p.settings = SimpleNamespace(policy="keep-all")
+    p.reloads.backward_began(unit_id(0, 0))
+    assert early == []
