@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..capture.tracker import Tracker
 from ..enforce import order
-from ..enforce.order import UNIT_STRIDE, unit_id
 from ..enforce.enforcer import Enforcer
+from ..enforce.order import UNIT_STRIDE, unit_id
 from ..errors import PolicyError
 from ..iteration import IterationLog
 from ..record import Record
