@@ -51,11 +51,18 @@ def planning(order, capacity: int, layer: int, host: Dict[int, int]):
     early: List[int] = []
     tracker = SimpleNamespace(reload_ahead=True, store=Store(layer, host),
                               mover=SimpleNamespace(reload_early=early.append))
-    p = Planning(SimpleNamespace(policy="bagualu"), None, None, tracker,
+    p = Planning(SimpleNamespace(policy="bagualu", chunks=1), None, None, tracker,
                  SimpleNamespace(max_inflight=2))
     p.rank_schedule = RankSchedule(steps(order))
     p.plan_capacity = capacity
     return p, early
+
+
+def test_next_backward_is_the_first_backward_after_a_forward() -> None:
+    four, six = RankSchedule(steps(FOUR)), RankSchedule(steps(SIX))
+    assert [four.next_backward((mb, 0)) for mb in range(4)] == [(0, 0)] * 4
+    assert [six.next_backward((mb, 0)) for mb in range(6)] == [(0, 0)] * 4 + [(1, 0), (2, 0)]
+    assert six.next_backward((9, 0)) is None
 
 
 def test_backs_to_back_names_the_cool_downs_backwards() -> None:
@@ -97,3 +104,35 @@ def test_other_policies_and_synchronous_copies_reload_nothing_early() -> None:
     p.settings = SimpleNamespace(policy="keep-all")
     p.reloads.backward_began(unit_id(0, 0))
     assert early == []
+
+
+class Governor:
+    """Answers every point with an empty plan and keeps the points it was asked."""
+    ready = True
+
+    def __init__(self) -> None:
+        self.points: List[dict] = []
+
+    def plan(self, point: dict) -> dict:
+        self.points.append(point)
+        return {"operators": [], "predicted_bytes": 0, "budget_bytes": 1 << 30}
+
+
+def test_the_forwards_before_a_backward_set_aside_what_it_brings_back() -> None:
+    """Algorithm 1's bytes in use at each point: the steady point counts what its backward
+    brings back (B0's: 7) and the room for the cool-down's first early reloads (B1's: 3); in
+    the next iteration each warm-up forward before B0 sets aside the same 10, so that the four
+    forwards share what is left alike."""
+    p, early = planning(FOUR, capacity=100, layer=20, host={0: 7, 1: 3})
+    p.governor = gov = Governor()
+    p.strategies = SimpleNamespace(set_plan=lambda *a: True)
+    p.tracker.mover.pending_bytes = lambda: 0
+    p.tracker.issuer = None
+    schedule = [("warmup", 0, None), ("warmup", 1, None), ("warmup", 2, None), ("steady", 3, 0)]
+    for _ in range(2):
+        for phase, f, b in schedule:
+            p.step_point(phase, f, b, 0, 0)
+    used = [pt["bytes_in_use"] for pt in gov.points]
+    assert used[:4] == [20, 20, 20, 20 + 7 + 3]
+    assert used[4:] == [20 + 10] * 4
+    assert unit_id(0, 0) in early  # the steady point's own backward reloads under its forward

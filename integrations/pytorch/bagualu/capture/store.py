@@ -135,9 +135,10 @@ class RecordStore:
 
     def reload_bytes(self, micro_batch: int, ahead: int) -> int:
         """Device bytes reloading ``micro_batch`` ahead brings back at once: its ``ahead`` + 1
-        largest offloaded records (the enforcer's prefetch bound)."""
-        moved = sorted((r.nbytes for r in self.by_mb.get(micro_batch, ()) if r.placement == HOST),
-                       reverse=True)
+        largest offloaded records (the enforcer's prefetch bound), those still waiting for
+        their O chain included (layer_bytes counts them gone already)."""
+        moved = sorted((r.nbytes for r in self.by_mb.get(micro_batch, ())
+                        if r.placement == HOST or r.planned), reverse=True)
         return sum(moved[:ahead + 1])
 
     def backward_bytes(self, micro_batch: int, ahead: int) -> int:

@@ -69,6 +69,16 @@ class RankSchedule:
                                       for s in steps if not s["forward"]]
         self._f = {u: i for i, u in enumerate(self.forwards)}
         self._b = {u: i for i, u in enumerate(self.backwards)}
+        # per forward, the first backward after it in this rank's steps
+        self._next_backward: Dict[Unit, Unit] = {}
+        pending: List[Unit] = []
+        for s in steps:
+            unit = (s["micro_batch"], s.get("chunk", 0))
+            if s["forward"]:
+                pending.append(unit)
+            else:
+                self._next_backward.update((f, unit) for f in pending)
+                pending = []
         # the backwards whose step follows another backward's (no forward between them)
         self._after_backward = {(s["micro_batch"], s.get("chunk", 0))
                                 for prev, s in zip(steps, steps[1:])
@@ -81,6 +91,10 @@ class RankSchedule:
     def backward_after(self, unit: Optional[Unit]) -> Optional[Unit]:
         i = self._b.get(unit, len(self.backwards)) if unit is not None else len(self.backwards)
         return self.backwards[i + 1] if i + 1 < len(self.backwards) else None
+
+    def next_backward(self, unit: Unit) -> Optional[Unit]:
+        """The first backward after ``unit``'s forward in this rank's steps (None: none)."""
+        return self._next_backward.get(unit)
 
     def backs_to_back(self, unit: Unit) -> bool:
         """Whether ``unit``'s backward directly follows another backward in this rank's steps

@@ -59,6 +59,8 @@ class Planning:
         self._served_now: Dict[int, Dict[str, Any]] = {}
         self.served_log: deque = deque(maxlen=SERVED_KEPT)  # per iteration: _served_now
         self.reloads = EarlyReloads(self)  # when backwards' reloads start
+        # backward unit -> the bytes its backward brought back, as its point last counted them
+        self.bring_back: Dict[int, int] = {}
 
     @property
     def ready(self) -> bool:
@@ -151,15 +153,28 @@ class Planning:
         # the bytes outside the layers were set aside from the capacity at register) and what
         # R chains brought back, or this point's brings back, ahead of a backward.
         in_use = memory.layer_bytes() + sum(memory.host_bytes(u) for u in self.reloaded_ahead)
+        back = 0
         if backward is not None and unit_id(*backward) not in self.reloaded_ahead:
             # This point's backward runs after the forward planned here, and brings its
             # offloaded and dropped activations back while it runs: their room at once (the
             # enforcer's bound ahead of need, or one at a time on synchronous copies).
-            in_use += memory.backward_bytes(unit_id(*backward),
-                                            self.enforcer.max_inflight if t.reload_ahead else 0)
-        recover = self.reloads.ahead_of_point(backward, load, in_use)
+            back = memory.backward_bytes(unit_id(*backward),
+                                         self.enforcer.max_inflight if t.reload_ahead else 0)
+        elif backward is None and self.rank_schedule is not None:
+            # Every forward until the next backward is still live while that backward brings
+            # its activations back: that room (as its point last counted it) is set aside at
+            # each of them, so that they share what is left alike (Algorithm 1's free / k)
+            # rather than the last of them giving up the whole of it.
+            nxt = self.rank_schedule.next_backward(forward)
+            in_use += self.bring_back.get(unit_id(*nxt), 0) if nxt is not None else 0
+        recover = self.reloads.ahead_of_point(backward, load, in_use + back)
         if recover is not None:
             in_use += memory.host_bytes(unit_id(*recover))
+        elif backward is not None:  # the next backward's first reloads, in the cool-down
+            back += self.reloads.cool_down_room(backward)
+        if backward is not None:
+            self.bring_back[unit_id(*backward)] = back
+        in_use += back
         point: Dict[str, Any] = {"phase": phase, "forward_micro_batch": int(forward_mb),
                                  "load_factor": load, "bytes_in_use": int(in_use)}
         if backward_mb is not None:

@@ -10,7 +10,8 @@ the room for them was counted:
   use counted them (``under_point``: Planning.step_point adds its backward_bytes);
 - a backward starts the next one's first reloads under itself where that one was reloaded
   ahead at a point, or follows with no forward between (the cool-down) and fits beside what
-  this one holds and brings back (``backward_began``).
+  this one holds and brings back (``backward_began``; the point of the backward before the
+  cool-down sets that room aside, ``cool_down_room``).
 
 Not thread-safe: the training thread."""
 from __future__ import annotations
@@ -53,6 +54,19 @@ class EarlyReloads:
         p = self.planning
         if backward is not None and unit_id(*backward) not in p.reloaded_ahead:
             p.tracker.mover.reload_early(unit_id(*backward))
+
+    def cool_down_room(self, backward: Tuple[int, int]) -> int:
+        """The room a point sets aside for the next backward's first reloads when that one
+        follows ``backward`` in the cool-down (backward_began starts them under it): their
+        bytes at the enforcer's bound, else 0."""
+        p = self.planning
+        rank, t = p.rank_schedule, p.tracker
+        if rank is None or not t.reload_ahead:
+            return 0
+        after = rank.backward_after(backward)
+        if after is None or not rank.backs_to_back(after):
+            return 0
+        return t.store.reload_bytes(unit_id(*after), p.enforcer.max_inflight)
 
     def backward_began(self, unit: int) -> None:
         """The backward of ``unit`` starts: the next backward's first reloads start under it
