@@ -109,7 +109,11 @@ Status StreamScheduler::pump(std::string* error) {
   return first;
 }
 
-Status StreamScheduler::finish(std::string* error) {
+Status StreamScheduler::finish(std::string* error) { return drain(/*wait_all=*/true, error); }
+
+Status StreamScheduler::hand_over(std::string* error) { return drain(/*wait_all=*/false, error); }
+
+Status StreamScheduler::drain(bool wait_all, std::string* error) {
   frontier_ = std::numeric_limits<int>::max();
   Status first = Status::kOk;
   while (true) {
@@ -119,34 +123,10 @@ Status StreamScheduler::finish(std::string* error) {
       first = s;
       *error = why;
     }
-    if (inflight_.empty()) {
-      if (queue_.empty()) break;
-      continue;
-    }
+    if (queue_.empty() && (!wait_all || inflight_.empty())) break;
+    if (inflight_.empty()) continue;  // pump issues the next one
     if (issuer_->wait(inflight_.front().done) != Status::kOk) {
       // Bounded (BGL_WAIT_TIMEOUT_MS): the piece stays in flight; a later pump retires it.
-      if (first == Status::kOk) {
-        first = Status::kBackendError;
-        *error = alloc::detail::wait_timeout_message("a scheduled offload or reload");
-      }
-      return first;
-    }
-  }
-  return first;
-}
-
-Status StreamScheduler::hand_over(std::string* error) {
-  frontier_ = std::numeric_limits<int>::max();
-  Status first = Status::kOk;
-  while (true) {
-    std::string why;
-    const Status s = pump(&why);
-    if (s != Status::kOk && first == Status::kOk) {
-      first = s;
-      *error = why;
-    }
-    if (queue_.empty() || inflight_.empty()) break;  // all issued (an empty flight: pumped)
-    if (issuer_->wait(inflight_.front().done) != Status::kOk) {
       if (first == Status::kOk) {
         first = Status::kBackendError;
         *error = alloc::detail::wait_timeout_message("a scheduled offload or reload");

@@ -60,6 +60,9 @@ class StreamScheduler {
     Event done;
   };
   void retire();
+  // finish (wait_all) and hand_over: every piece issuable, issued; waits for the oldest in
+  // flight while the bound holds one back, and for all of them with wait_all.
+  Status drain(bool wait_all, std::string* error);
 
   WorkIssuer* issuer_;
   int max_inflight_;
