@@ -136,3 +136,21 @@ def test_the_forwards_before_a_backward_set_aside_what_it_brings_back() -> None:
     assert used[:4] == [20, 20, 20, 20 + 7 + 3]
     assert used[4:] == [20 + 10] * 4
     assert unit_id(0, 0) in early  # the steady point's own backward reloads under its forward
+
+
+def test_the_next_point_plans_with_the_median_load_of_recent_forwards() -> None:
+    """A spike seen in one forward is not planned for again at the next point (its router
+    downgrades a spiked forward); a lasting change is, once it holds in most of the window.
+    forward_ended still returns each forward's own load (the iteration line's)."""
+    p, _ = planning(FOUR, capacity=100, layer=0, host={})
+    seen = []
+    for unit, load in enumerate([1.0, 1.0, 3.0, 1.0]):
+        p.loads[unit] = [load]
+        seen.append(p.forward_ended(unit))
+        if unit == 2:
+            assert p.last_load == 1.0  # the spike: planned for at no later point
+    assert seen == [1.0, 1.0, 3.0, 1.0]
+    for unit in range(4, 12):  # the load stays at 2.0
+        p.loads[unit] = [2.0]
+        p.forward_ended(unit)
+    assert p.last_load == 2.0

@@ -6,6 +6,7 @@ Not thread-safe: the training thread."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -24,6 +25,7 @@ from .reloads import EarlyReloads
 from .strategies import Strategies
 
 SERVED_KEPT = 64  # iterations whose served plans are kept (served_plans)
+LOAD_WINDOW = 8  # forwards whose median load factor the next point plans with
 
 
 class Planning:
@@ -47,7 +49,8 @@ class Planning:
         # unit -> the plan its forward runs under: its plan, or the revision after a gate
         self.served: Dict[int, Dict[str, Any]] = {}
         self.loads: Dict[int, List[float]] = {}        # unit -> its routers' load factors
-        self.last_load = 1.0
+        self.last_load = 1.0  # the load factor the next point plans with
+        self.recent_loads: deque = deque(maxlen=LOAD_WINDOW)  # the last forwards' loads
         self.rank_schedule: Optional[order.RankSchedule] = None
         self.index: Optional[order.StageGraphIndex] = None
         self._pinned_size: Optional[int] = None
@@ -269,11 +272,15 @@ class Planning:
         return True
 
     def forward_ended(self, unit: int) -> float:
-        """The forward of ``unit`` ended: its mean load factor (the last one's when it has no
-        router), which the next point plans with."""
+        """The forward of ``unit`` ended: returns its mean load factor (the planned one where
+        it has no router). The next point plans with the median of the last LOAD_WINDOW
+        forwards': a spike seen in one forward is not planned for again in the next (a spiked
+        forward is downgraded after its router), a lasting change is after a few forwards."""
         loads = self.loads.get(unit) or [self.last_load]
-        self.last_load = sum(loads) / len(loads)
-        return self.last_load
+        mean = sum(loads) / len(loads)
+        self.recent_loads.append(mean)
+        self.last_load = statistics.median(self.recent_loads)
+        return mean
 
     def in_effect(self) -> Dict[str, Any]:
         """The micro-batches in flight (forward planned and run, backward not yet) under the
