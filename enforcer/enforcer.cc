@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 
 #include "kernels/fp8_cast.h"
 
@@ -353,14 +354,9 @@ void Enforcer::set_recompute(RecomputeFn fn) {
 Status Enforcer::after(Stream s, const Event& e, const std::string& what) {
   // On a null stream (synchronous copies) this is a host wait, bounded: work that was to
   // follow `e` must not start when it did not complete.
-  Status st = Status::kOk;
-  if (s == nullptr) {
-    WaitTimer timer(copy_wait_ns_);
-    st = ops_->stream_wait(s, e);
-  } else {  // stream ordered: the caller does not wait
-    st = ops_->stream_wait(s, e);
-  }
-  if (st == Status::kOk) return Status::kOk;
+  std::optional<WaitTimer> timer;  // stream ordered (non-null): the caller does not wait
+  if (s == nullptr) timer.emplace(copy_wait_ns_);
+  if (ops_->stream_wait(s, e) == Status::kOk) return Status::kOk;
   return fail(Status::kBackendError, what + ": " + ops_->last_error());
 }
 

@@ -74,35 +74,35 @@ def test_backs_to_back_names_the_cool_downs_backwards() -> None:
 
 def test_the_cool_down_starts_the_next_backwards_reloads_where_they_fit() -> None:
     p, early = planning(FOUR, capacity=100, layer=60, host={1: 10, 2: 10, 3: 10})
-    p.reloads.backward_began(unit_id(0, 0))  # B1 follows B0 with no forward between: 60 + 0 + 10
-    p.reloads.backward_began(unit_id(1, 0))  # B2: 60 + 10 (B1's) + 10
-    p.reloads.backward_began(unit_id(3, 0))  # the last backward: nothing after it
+    p.reloads.backward_began((0, 0))  # B1 follows B0 with no forward between: 60 + 0 + 10
+    p.reloads.backward_began((1, 0))  # B2: 60 + 10 (B1's) + 10
+    p.reloads.backward_began((3, 0))  # the last backward: nothing after it
     assert early == [unit_id(1, 0), unit_id(2, 0)]
 
 
 def test_reloads_that_would_not_fit_wait_for_their_backward() -> None:
     p, early = planning(FOUR, capacity=100, layer=85, host={1: 10, 2: 10})
-    p.reloads.backward_began(unit_id(0, 0))  # 85 + 0 + 10 fits
-    p.reloads.backward_began(unit_id(1, 0))  # 85 + 10 + 10 does not
+    p.reloads.backward_began((0, 0))  # 85 + 0 + 10 fits
+    p.reloads.backward_began((1, 0))  # 85 + 10 + 10 does not
     assert early == [unit_id(1, 0)]
 
 
 def test_a_forward_between_backwards_holds_them_back_unless_a_point_counted_them() -> None:
     p, early = planning(SIX, capacity=100, layer=10, host={1: 10, 2: 10})
-    p.reloads.backward_began(unit_id(0, 0))  # F4 runs between B0 and B1, its budget did not count B1
+    p.reloads.backward_began((0, 0))  # F4 runs between B0 and B1, its budget did not count B1
     assert early == []
     p.reloaded_ahead.add(unit_id(2, 0))  # the point of F5 counted B2's host bytes (R chain)
-    p.reloads.backward_began(unit_id(1, 0))
+    p.reloads.backward_began((1, 0))
     assert early == [unit_id(2, 0)]
 
 
 def test_other_policies_and_synchronous_copies_reload_nothing_early() -> None:
     p, early = planning(FOUR, capacity=100, layer=0, host={1: 10})
     p.tracker.reload_ahead = False  # synchronous copies: the acquire reloads
-    p.reloads.backward_began(unit_id(0, 0))
+    p.reloads.backward_began((0, 0))
     p.tracker.reload_ahead = True
     p.settings = SimpleNamespace(policy="keep-all")
-    p.reloads.backward_began(unit_id(0, 0))
+    p.reloads.backward_began((0, 0))
     assert early == []
 
 

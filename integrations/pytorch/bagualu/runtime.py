@@ -300,7 +300,7 @@ class Runtime(HooksHost):
         activations are gone."""
         unit = self.unit_id(mb, chunk)
         self.tracker.begin_backward(unit)
-        self.planning.reloads.backward_began(unit)
+        self.planning.reloads.backward_began((mb, chunk))
         try:
             yield
         finally:

@@ -41,7 +41,9 @@ planner.md, "An emulated device link") every policy under bagualu copies over th
 plans with it; the table's header names the regime.
 
 ``--train POLICY`` (one of the same-capacity policies): one run of it on the first of
-``--models`` at that setup, its iteration times printed: the process to profile.
+``--models`` at that setup, its iteration times printed, and per iteration its reruns' time,
+copy wait, strategies and each point's budget, bytes in use and prediction: the process to
+profile.
 
 ``--pool A.json,B.json,...``: no run; the rounds of several ``--same-capacity --json-out``
 files of the same device, width and seq pooled per model: the median (range) of every policy's
@@ -388,6 +390,14 @@ def train_one(args: argparse.Namespace) -> int:
         print(f"{name} {args.train}: out of memory: {r['oom'].splitlines()[0]}")
         return 1
     print(f"{name} {args.train}: ms/iteration {[round(t) for t in r['times_ms']]}", flush=True)
+    mb = 1e6
+    for line in r["lines"]:  # where each iteration's time and memory went (bagualu's lines)
+        points = line["points"]
+        print(f"  iteration {line['iteration']}: reruns {line['overhead_ms']:.1f} ms, copy wait "
+              f"{line['copy_wait_ms']:.1f} ms, strategies {line['strategies']}, evictions "
+              f"{line['evictions']}; points' budget / in use / predicted (MB): "
+              + ", ".join(f"{p['budget_bytes'] / mb:.2f} / {p['in_use_bytes'] / mb:.2f} / "
+                          f"{p['predicted_bytes'] / mb:.2f}" for p in points), flush=True)
     return 0
 
 

@@ -155,7 +155,7 @@ class Planning:
         # out (docs/algorithms.md sec. 3: a planned offload waiting for its O chain is gone;
         # the bytes outside the layers were set aside from the capacity at register) and what
         # R chains brought back, or this point's brings back, ahead of a backward.
-        in_use = memory.layer_bytes() + sum(memory.host_bytes(u) for u in self.reloaded_ahead)
+        in_use = self.reloads.held_bytes()
         back = 0
         if backward is not None and unit_id(*backward) not in self.reloaded_ahead:
             # This point's backward runs after the forward planned here, and brings its

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from ..enforce.order import UNIT_STRIDE, unit_id
+from ..enforce.order import unit_id
 from . import graph
 
 
@@ -29,6 +29,13 @@ class EarlyReloads:
 
     def __init__(self, planning: Any) -> None:
         self.planning = planning
+
+    def held_bytes(self) -> int:
+        """What Algorithm 1 counts in use now: the live micro-batches' in-layer bytes once
+        their plans are carried out, and what R chains reloaded ahead of a backward."""
+        p = self.planning
+        memory = p.tracker.store
+        return memory.layer_bytes() + sum(memory.host_bytes(u) for u in p.reloaded_ahead)
 
     def ahead_of_point(self, backward: Optional[Tuple[int, int]], load: float,
                        in_use: int) -> Optional[Tuple[int, int]]:
@@ -68,8 +75,8 @@ class EarlyReloads:
             return 0
         return t.store.reload_bytes(unit_id(*after), p.enforcer.max_inflight)
 
-    def backward_began(self, unit: int) -> None:
-        """The backward of ``unit`` starts: the next backward's first reloads start under it
+    def backward_began(self, backward: Tuple[int, int]) -> None:
+        """The backward of ``backward`` (micro-batch, chunk) starts: the next backward's first reloads start under it
         where their room is counted: that backward's unit was reloaded ahead at a point (its
         host bytes were in use there), or it follows this one with no forward between (the
         cool-down, where nothing else is allocated) and its first reloads fit beside what
@@ -78,7 +85,7 @@ class EarlyReloads:
         rank, t = p.rank_schedule, p.tracker
         if rank is None or not t.reload_ahead or p.settings.policy != "bagualu":
             return
-        after = rank.backward_after((unit % UNIT_STRIDE, unit // UNIT_STRIDE))
+        after = rank.backward_after(backward)
         if after is None:
             return
         nxt = unit_id(*after)
@@ -86,8 +93,7 @@ class EarlyReloads:
             if not rank.backs_to_back(after):
                 return
             memory, ahead = t.store, p.enforcer.max_inflight
-            in_use = (memory.layer_bytes() + memory.backward_bytes(unit, ahead)
-                      + sum(memory.host_bytes(u) for u in p.reloaded_ahead))
+            in_use = self.held_bytes() + memory.backward_bytes(unit_id(*backward), ahead)
             if in_use + memory.reload_bytes(nxt, ahead) > p.plan_capacity:
                 return
         t.mover.reload_early(nxt)
