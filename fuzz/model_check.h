@@ -16,8 +16,10 @@ inline void CheckModelFile(const std::string& path) {
   if (!config.ok()) return;
   const plan::ModelConfig& c = *config;
   volatile double sink = c.ParamsPerGpu() + c.StaticBytesPerGpu();
-  sink = sink + static_cast<double>(c.LayersPerChunk() + c.Heads() + c.SharedHidden() +
-                                    c.MicroBatches() + c.Chunks());
+  // Each as a double: their integer sum may overflow (a hidden size near INT64_MAX loads).
+  sink = sink + static_cast<double>(c.LayersPerChunk()) + static_cast<double>(c.Heads()) +
+         static_cast<double>(c.SharedHidden()) + static_cast<double>(c.MicroBatches()) +
+         static_cast<double>(c.Chunks());
   (void)sink;
   auto hw = plan::HardwareProfileByName(c.gpu);
   if (!hw.ok()) return;
