@@ -194,24 +194,21 @@ def test_selective_keeps_the_outputs_of_matmul_kinds_and_recomputes_the_rest() -
     assert forced["mlp"] == forced["mlp.experts.act_fn"] == "recompute"
 
 
-def test_the_worst_load_plan_is_the_latest_plan_of_the_highest_load() -> None:
-    def plan(load, strategy):
-        return {"micro_batch": 0, "load_factor": load,
-                "operators": [{"name": "L0.x", "strategy": strategy}]}
-    served = {"iterations": [{"plans": [plan(9.0, "fp8")]},  # the capture's: left out
-                             {"plans": [plan(1.0, "keep"), plan(2.5, "offload")]},
-                             {"plans": [plan(2.5, "recompute"), plan(1.2, "keep")]}]}
-    assert bench_unmodified.worst_load_plan(served) == ({"L0.x": "recompute"}, 2.5)
-    with pytest.raises(ValueError, match="no plan with operators after its first iteration"):
-        bench_unmodified.worst_load_plan({"iterations": served["iterations"][:1]})
+def test_the_worst_load_plan_is_the_runs_static_plan_or_a_clear_error() -> None:
+    r = {"worst_load_plan": {"load_factor": 2.5, "strategies": {"L0.x": "recompute"}}}
+    assert bench_unmodified.worst_load_plan(r) == ({"L0.x": "recompute"}, 2.5)
+    for bad in ({}, {"worst_load_plan": {"load_factor": 1.0, "strategies": {}}}):
+        with pytest.raises(ValueError, match="no worst-load plan"):
+            bench_unmodified.worst_load_plan(bad)
 
 
 def test_static_under_and_the_worst_load_plan_at_half_the_peak_on_qwen2_moe() -> None:
     """The table's static rows on its third model family (Qwen2-MoE, a shared expert behind a
     gate of its own): static-under finishes at half of keep-all's peak without a spike (its
     capture recomputes, as the plan it has not yet can't move anything on pressure) and runs
-    out of memory with one; bagualu's plan of the highest load its run saw, forced on every
-    micro-batch, names operators the model has and fits."""
+    out of memory with one; the planner's plan for the highest load bagualu's run saw
+    (bagualu.static_plan), forced on every micro-batch, moves something and fits, the spike's
+    included."""
     require_libs()
     name, kw = "qwen2_moe", {"micro_batches": 8}
     cap = unmodified.keep_all_peak(name, ep=False, **kw) // 2
@@ -221,7 +218,7 @@ def test_static_under_and_the_worst_load_plan_at_half_the_peak_on_qwen2_moe() ->
     assert under["lines"][-1]["strategies"]["recompute"] > 0
     ours = bench_unmodified._run(name, "bagualu", cap, {}, 2, dict(kw, ep=False))
     assert ours["oom"] is None, ours["oom"]
-    plan, load = bench_unmodified.worst_load_plan(ours["served_plans"])
+    plan, load = bench_unmodified.worst_load_plan(ours)
     assert load >= 1.0 and any(s != "keep" for s in plan.values())
     worst = bench_unmodified._run(name, bench_unmodified.WORST_LOAD, cap,
                                   {bench_unmodified.WORST_LOAD: plan}, 2, dict(kw, ep=False))
@@ -231,3 +228,47 @@ def test_static_under_and_the_worst_load_plan_at_half_the_peak_on_qwen2_moe() ->
     cap = unmodified.keep_all_peak(name, **spiked) // 2
     under = bench_unmodified._run(name, "static-under", cap, {}, 2, spiked)
     assert under["oom"] is not None and "out of memory" in under["oom"]
+    ours = bench_unmodified._run(name, "bagualu", cap, {}, 2, spiked)
+    assert ours["oom"] is None, ours["oom"]
+    plan, load = bench_unmodified.worst_load_plan(ours)
+    assert load == max(ln["max_load_factor"] for ln in ours["lines"]) and load >= 2.0
+    worst = bench_unmodified._run(name, bench_unmodified.WORST_LOAD, cap,
+                                  {bench_unmodified.WORST_LOAD: plan}, 2, spiked)
+    assert worst["oom"] is None, worst["oom"]
+    assert max(ln["peak_bytes"] for ln in worst["lines"]) <= cap
+    assert max(ln["max_load_factor"] for ln in worst["lines"]) >= 2.0  # the spike ran
+
+
+def test_static_plan_is_a_clear_error_before_the_capture_and_for_a_bad_load() -> None:
+    """bagualu.static_plan: PlannerError naming what is wrong before the capture registered
+    the model and for a load outside [1, 64]; after it, a plan with recompute only where moves
+    are not asked for, naming the model's operators."""
+    require_libs()
+    bagualu.install(capacity="64MiB", policy="bagualu", pipeline_stages=1, micro_batches=1,
+                    governor="none", log_iterations=False)
+    try:
+        model = unmodified.build("qwen2_moe", ep_size=1)
+        bagualu.instrument(model)
+        with pytest.raises(bagualu.PlannerError, match="no model registered yet"):
+            bagualu.static_plan(2.0)
+        x = unmodified.batches(1)[0]
+        for _ in range(2):
+            bagualu.begin_iteration()
+            for phase, f, b in bagualu.schedule.one_f_one_b(1, 1, 0):
+                bagualu.step_point(phase, f, b)
+                if f is not None:
+                    with bagualu.forward(f):
+                        loss = unmodified.loss_of(model, x)
+                if b is not None:
+                    with bagualu.backward(b):
+                        loss.backward()
+            bagualu.end_iteration()
+        for bad in (0.5, 65.0):
+            with pytest.raises(bagualu.PlannerError, match=f"load_factor {bad} is not in"):
+                bagualu.static_plan(bad)
+        plan = bagualu.static_plan(3.0, moves=False)
+        assert plan and set(plan.values()) <= {"keep", "recompute"}
+        known = {f"L{i}.{op}" for i in range(3) for op in bagualu.operators(model)}
+        assert set(plan) <= known
+    finally:
+        bagualu.uninstall()

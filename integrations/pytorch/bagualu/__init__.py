@@ -24,8 +24,8 @@ from .api import (FP8, KEEP, OFFLOAD, POLICIES, RECOMPUTE, BagualuError, Install
                   PolicyError, Step, backward, begin_iteration, current, describe,
                   dump_snapshot, end_iteration, force_strategies, forward, history, install,
                   instrument, layers, model_document, operators, parse_size, plot_iteration,
-                  record_iteration, served_plans, sessions, stage_graph, stats, step_point,
-                  uninstall)
+                  record_iteration, served_plans, sessions, stage_graph, static_plan, stats,
+                  step_point, uninstall)
 from .loops import pipelining, schedule
 from .loops.accumulate import accumulate_gradients, micro_batches
 from .loops.hf_trainer import trainer_callback  # Hugging Face's Trainer (imports it when called)

@@ -21,7 +21,8 @@ from .vocabulary import FP8, KEEP, OFFLOAD, RECOMPUTE
 
 __all__ = ["install", "uninstall", "instrument", "describe", "operators", "layers", "step_point", "forward",
            "backward", "begin_iteration", "end_iteration", "history", "stats", "dump_snapshot",
-           "force_strategies", "model_document", "served_plans", "stage_graph", "sessions",
+           "force_strategies", "model_document", "served_plans", "static_plan", "stage_graph",
+           "sessions",
            "parse_size",
            "OpBlock", "Step", "POLICIES", "KEEP", "OFFLOAD", "FP8", "RECOMPUTE",
            "BagualuError", "InstallError", "InstrumentError", "LibraryNotFound",
@@ -159,6 +160,20 @@ def served_plans() -> Dict[str, Any]:
     (an iteration with no plan has none): what ``bgl-sim --plans`` replays (planning/plans.py's
     ``served_plans``)."""
     return current().planning.served_plans()
+
+
+def static_plan(load_factor: float = 1.0, moves: bool = True) -> Dict[str, str]:
+    """The strategies (qualified operator name -> strategy) a static policy sized for
+    ``load_factor`` would run on every micro-batch: the planner's full search at that load for
+    the tightest forward of the schedule, from a fresh point (no plan cache, no router's
+    revision), with offload and FP8 where the install allows them (``moves`` False: recompute
+    only, static-under's plan at 1.0). ``force_strategies`` takes it. PlannerError before the
+    capture registered the model, or for a load outside [1, 64]."""
+    p = current().planning
+    if p.governor is None:
+        raise PlannerError("static_plan: this install has no planner (policy "
+                           f"{current().settings.policy!r})")
+    return p.governor.static_plan((p.description or {}).get("steps", []), load_factor, moves)
 
 
 def stage_graph() -> Optional[Dict[str, Any]]:

@@ -10,28 +10,27 @@ times wider with ``--seq``-token micro-batches; per model the median over repeat
 run's median CPU time per iteration, and the overhead as the median (range) of the per-pair
 ratios.
 
-``--same-capacity``: at half of keep-all's peak (``--width``, ``--seq``, every expert local):
-plain PyTorch, torch.utils.checkpoint around every block, save_on_cpu, the static policies
-(full recompute: bagualu's static-over; offload-all: every operator forced to offload;
-"selective (matmul outputs kept)": torchtitan's op-level selective checkpointing as forced
-strategies, the operators of matmul kinds kept and the rest recomputed; "bagualu, worst-load
-plan": the plan bagualu's first run was served at the highest load it saw, forced on every
+``--same-capacity``: at half of keep-all's peak (``--width``, ``--seq``, every expert local): plain
+PyTorch, torch.utils.checkpoint around every block, save_on_cpu, the static policies (full
+recompute: bagualu's static-over; offload-all: every operator forced to offload; "selective (matmul
+outputs kept)": torchtitan's op-level selective checkpointing as forced strategies, the operators of
+matmul kinds kept and the rest recomputed; "bagualu, worst-load plan": the planner's full search at
+the highest load bagualu's first run saw, from a fresh point (bagualu.static_plan), forced on every
 micro-batch; static-under: recompute only, sized for load 1.0, out of memory at a spike) and
-bagualu, alternating (a policy that runs out of memory is a row saying so); the steady
-iteration time (median and range of each run's median over iterations ``--warmup``..,
-default 3 of ``--iterations`` 10), the warm-up (each run's mean over its first ``--warmup``
-iterations: bagualu's first plans are coarse while it refines them in the background, and its
-pools grow), the peak of the activations on the simulated device and the
-pressure evictions per iteration (both over every iteration, the warm-up included); and the
-paired ratios of the steady times, per round, of bagualu over plain and of checkpointing over
-bagualu (each run right after the other, so a drift of the machine's speed over minutes
-cancels), median and range over rounds. ``--policies bagualu,...``: only those (and plain).
-``--spike N``: the same with expert parallelism simulated (4 ranks, this one's experts computed)
-and every N-th micro-batch a batch of the two tokens whose routing lands most on one rank,
-which this process stands for (unmodified.spike_rank: a load of 2.67x balance on Qwen3-MoE and
-2.0x on Mixtral at width 4), so routing spikes there. Only bagualu skips the other ranks'
-experts (its ``expert_parallel``): plain, checkpointing and save_on_cpu compute all of them, so
-the policies under bagualu are compared with keep-all at twice keep-all's peak (bagualu
+bagualu, alternating (a policy that runs out of memory is a row saying so); the steady iteration
+time (median and range of each run's median over iterations ``--warmup``.., default 3 of
+``--iterations`` 10), the warm-up (each run's mean over its first ``--warmup`` iterations: bagualu's
+first plans are coarse while it refines them in the background, and its pools grow), the peak of the
+activations on the simulated device and the pressure evictions per iteration (both over every
+iteration, the warm-up included); and the paired ratios of the steady times, per round, of bagualu
+over plain and of checkpointing over bagualu (each run right after the other, so a drift of the
+machine's speed over minutes cancels), median and range over rounds. ``--policies bagualu,...``:
+only those (and plain). ``--spike N``: the same with expert parallelism simulated (4 ranks, this
+one's experts computed) and every N-th micro-batch a batch of the two tokens whose routing lands
+most on one rank, which this process stands for (unmodified.spike_rank: a load of 2.67x balance on
+Qwen3-MoE and 2.0x on Mixtral at width 4), so routing spikes there. Only bagualu skips the other
+ranks' experts (its ``expert_parallel``): plain, checkpointing and save_on_cpu compute all of them,
+so the policies under bagualu are compared with keep-all at twice keep-all's peak (bagualu
 installed, nothing moved, this rank's experts: ``keep-all, room to spare``), not with plain;
 keep-all at the same capacity runs too (it runs out of memory).
 
@@ -213,7 +212,7 @@ def overhead(args: argparse.Namespace) -> int:
 # bagualu runs right after plain and checkpointing right after bagualu in every round, so that
 # the paired ratios compare runs seconds apart (the machine's speed drifts over minutes).
 # The static policies after bagualu: SELECTIVE (torchtitan's op-level selective checkpointing:
-# the outputs of matmuls kept, the rest recomputed), WORST_LOAD (bagualu's plan of the highest
+# the outputs of matmuls kept, the rest recomputed), WORST_LOAD (bagualu's plan for the highest
 # load its run of the round saw, forced on every micro-batch: it needs that run before it) and
 # static-under (recompute only, sized for load 1.0: under a spike it runs out of memory).
 SELECTIVE = "selective (matmul outputs kept)"
@@ -266,22 +265,17 @@ def selective_forced(kinds: Dict[str, str]) -> Dict[str, str]:
     return {op: "keep" if kind in MATMUL_KINDS else "recompute" for op, kind in kinds.items()}
 
 
-def worst_load_plan(served: Dict) -> Tuple[Dict[str, str], float]:
-    """WORST_LOAD's strategies (qualname -> strategy) and the load they were planned for: of
-    the plans a bagualu run was served (bagualu.served_plans()), after its first iteration
-    (the capture's), the one of the highest load factor, the latest of those (the planner's
-    refined plan, and a gate's revision where one replaced it). ValueError naming what is
-    missing when there is no such plan."""
-    best: Optional[Dict] = None
-    for it in served.get("iterations", [])[1:]:
-        for p in it.get("plans", []):
-            if p.get("operators") and (best is None
-                                       or p["load_factor"] >= best["load_factor"]):
-                best = p
-    if best is None:
-        raise ValueError("the bagualu run was served no plan with operators after its first "
-                         "iteration (its capture)")
-    return ({o["name"]: o["strategy"] for o in best["operators"]}, float(best["load_factor"]))
+def worst_load_plan(r: Dict) -> Tuple[Dict[str, str], float]:
+    """WORST_LOAD's strategies (qualname -> strategy) and the load they were planned for, of a
+    bagualu run made with ``worst_load_plan=True``: the planner's full search at the highest
+    load factor the run saw, from a fresh point (``bagualu.static_plan``), not one of the plans
+    the run was served (a router's revision of a plan made for a lower load). ValueError naming
+    what is missing when the run has none."""
+    w = r.get("worst_load_plan")
+    if not w or not w.get("strategies"):
+        raise ValueError("the bagualu run has no worst-load plan (run it with "
+                         "worst_load_plan=True; a run that ended in its capture has none)")
+    return dict(w["strategies"]), float(w["load_factor"])
 
 
 def _run(name: str, k: str, cap: int, forced: Dict[str, Dict[str, str]], iterations: int,
@@ -294,7 +288,8 @@ def _run(name: str, k: str, cap: int, forced: Dict[str, Dict[str, str]], iterati
               "bagualu": "bagualu", "keep-all": "keep-all", EP_BASELINE: "keep-all"}.get(k)
     return u.train(name, policy, capacity=cap, iterations=iterations,
                    checkpoint_layers=k == "checkpoint every block",
-                   save_on_cpu=k == "save_on_cpu", forced=forced.get(k), **kw)
+                   save_on_cpu=k == "save_on_cpu", forced=forced.get(k),
+                   worst_load_plan=k == "bagualu", **kw)
 
 
 def forced_policies(name: str, width: int) -> Dict[str, Dict[str, str]]:
@@ -383,7 +378,7 @@ def train_one(args: argparse.Namespace) -> int:
     forced = forced_policies(name, args.width)
     if args.train == WORST_LOAD:
         r = _run(name, "bagualu", cap, forced, args.iterations, kw)
-        forced[WORST_LOAD], load = worst_load_plan(r["served_plans"])
+        forced[WORST_LOAD], load = worst_load_plan(r)
         print(f"{name}: bagualu's plan at load {load:.2f}, forced on every micro-batch")
     r = _run(name, args.train, cap, forced, args.iterations, kw)
     if r["oom"] is not None:
@@ -462,7 +457,7 @@ def same_capacity(args: argparse.Namespace) -> int:
                         json.dump(r["served_plans"], f)
                 if k == "bagualu" and not times[k]:
                     # WORST_LOAD's plan: computed once, from the first round's bagualu run
-                    worst_plan, forced_load = worst_load_plan(r["served_plans"])
+                    worst_plan, forced_load = worst_load_plan(r)
                 times[k].append(statistics.median(r["times_ms"][w:]))
                 warm[k].append(statistics.fmean(r["times_ms"][:w]))
                 lines = r["lines"]  # peak and evictions: every iteration, the warm-up too

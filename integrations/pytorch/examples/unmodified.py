@@ -246,7 +246,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           measure_saved: bool = False,
           seqs: Optional[Sequence[int]] = None,
           compiled_recompute: Any = None,
-          calibration: Optional[str] = None) -> Dict[str, Any]:
+          calibration: Optional[str] = None,
+          worst_load_plan: bool = False) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
     process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
     PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
@@ -268,7 +269,9 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     activations (storages, parameters left out) held at once over the schedule. ``seqs``:
     the micro-batches' sequence length in each iteration (a shape change between iterations:
     dynamic shapes), in place of ``seq``. ``compiled_recompute`` and ``calibration``: bagualu's
-    install options."""
+    install options. ``worst_load_plan`` (policy bagualu): ``out["worst_load_plan"]``, the
+    plan a static policy sized for the highest load factor the run saw would force on every
+    micro-batch (``bagualu.static_plan``) and that load."""
     import bagualu
     one_f_one_b = bagualu.schedule.one_f_one_b
     cuda = device.startswith("cuda")
@@ -359,6 +362,10 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
         out["plan_capacity"] = out["stats"]["planning"]["capacity_bytes"]
         # (load, predicted, captured) of every forward nothing was mitigated in
         out["accuracy"] = out["stats"].get("memory_model", {}).get("points", [])
+        if worst_load_plan and out["lines"]:
+            load = max(line["max_load_factor"] for line in out["lines"])
+            out["worst_load_plan"] = {"load_factor": load,
+                                      "strategies": bagualu.static_plan(max(load, 1.0))}
         bagualu.uninstall()
     return out
 

@@ -330,25 +330,39 @@ class Governor:
             log.debug("bagualu: planner stats: %s", e)
             return None
 
-    def static_plan(self, steps: List[Dict[str, Any]]) -> Dict[str, str]:
-        """Strategies sized for load 1.0 at the iteration's tightest forward, with recompute
-        only (the static-under baseline), computed on a private embedded planner."""
-        opts = dict(self._options, allow_offload=False, allow_fp8=False)
+    def static_plan(self, steps: List[Dict[str, Any]], load_factor: float = 1.0,
+                    moves: bool = False) -> Dict[str, str]:
+        """Strategies sized for ``load_factor`` at the iteration's tightest forward (the one
+        whose plan predicts the fewest bytes), computed by a full search on a private embedded
+        planner from a fresh point: with recompute only (``moves`` False: the static-under
+        baseline, at 1.0), or with every strategy the registered options allow (the plan a
+        static policy sized for the worst load would run on every micro-batch)."""
+        if self._model is None:
+            raise PlannerError("static_plan: no model registered yet (the capture's first "
+                               "iteration registers it)")
+        if not 1.0 <= load_factor <= 64.0:
+            raise PlannerError(f"static_plan: load_factor {load_factor} is not in [1, 64]")
+        opts = dict(self._options)
+        if not moves:
+            opts.update(allow_offload=False, allow_fp8=False)
         p = plannermod.EmbeddedPlanner(self._model, opts)
         best: Optional[Dict[str, Any]] = None
-        for i, s in enumerate(steps):
-            if not s["forward"]:
-                continue
-            point = {"phase": s["phase"], "forward_micro_batch": s["micro_batch"],
-                     "load_factor": 1.0}
-            nxt = steps[i + 1] if i + 1 < len(steps) else None
-            if nxt is not None and not nxt["forward"]:
-                point["backward_micro_batch"] = nxt["micro_batch"]
-            plan = p.plan(point)
-            p.report(s["micro_batch"], 0, int(plan["predicted_bytes"]))
-            if best is None or plan["predicted_bytes"] < best["predicted_bytes"]:
-                best = plan
-        p.close()
+        try:
+            for i, s in enumerate(steps):
+                if not s["forward"]:
+                    continue
+                point = {"phase": s["phase"], "forward_micro_batch": s["micro_batch"],
+                         "load_factor": float(load_factor)}
+                nxt = steps[i + 1] if i + 1 < len(steps) else None
+                if nxt is not None and not nxt["forward"] \
+                        and nxt["micro_batch"] != s["micro_batch"]:
+                    point["backward_micro_batch"] = nxt["micro_batch"]
+                plan = p.plan(point)
+                p.report(s["micro_batch"], 0, int(plan["predicted_bytes"]))
+                if best is None or plan["predicted_bytes"] < best["predicted_bytes"]:
+                    best = plan
+        finally:
+            p.close()
         return {o["name"]: o["strategy"] for o in (best or {}).get("operators", [])}
 
     def sessions(self) -> List[Dict[str, Any]]:
