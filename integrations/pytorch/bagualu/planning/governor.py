@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from . import embedded as plannermod
+from . import static
 from ..errors import PlannerError
 from ..settings import check_job_id, show_size
 from .remote import RemoteGovernor, error_kind
@@ -332,38 +333,11 @@ class Governor:
 
     def static_plan(self, steps: List[Dict[str, Any]], load_factor: float = 1.0,
                     moves: bool = False) -> Dict[str, str]:
-        """Strategies sized for ``load_factor`` at the iteration's tightest forward (the one
-        whose plan predicts the fewest bytes), computed by a full search on a private embedded
-        planner from a fresh point: with recompute only (``moves`` False: the static-under
-        baseline, at 1.0), or with every strategy the registered options allow (the plan a
-        static policy sized for the worst load would run on every micro-batch)."""
+        """planning/static.py's static_plan with the registered model and options."""
         if self._model is None:
             raise PlannerError("static_plan: no model registered yet (the capture's first "
                                "iteration registers it)")
-        if not 1.0 <= load_factor <= 64.0:
-            raise PlannerError(f"static_plan: load_factor {load_factor} is not in [1, 64]")
-        opts = dict(self._options)
-        if not moves:
-            opts.update(allow_offload=False, allow_fp8=False)
-        p = plannermod.EmbeddedPlanner(self._model, opts)
-        best: Optional[Dict[str, Any]] = None
-        try:
-            for i, s in enumerate(steps):
-                if not s["forward"]:
-                    continue
-                point = {"phase": s["phase"], "forward_micro_batch": s["micro_batch"],
-                         "load_factor": float(load_factor)}
-                nxt = steps[i + 1] if i + 1 < len(steps) else None
-                if nxt is not None and not nxt["forward"] \
-                        and nxt["micro_batch"] != s["micro_batch"]:
-                    point["backward_micro_batch"] = nxt["micro_batch"]
-                plan = p.plan(point)
-                p.report(s["micro_batch"], 0, int(plan["predicted_bytes"]))
-                if best is None or plan["predicted_bytes"] < best["predicted_bytes"]:
-                    best = plan
-        finally:
-            p.close()
-        return {o["name"]: o["strategy"] for o in (best or {}).get("operators", [])}
+        return static.static_plan(self._model, self._options, steps, load_factor, moves)
 
     def sessions(self) -> List[Dict[str, Any]]:
         """The daemon's sessions as dicts (protobuf field names); [] while planning
