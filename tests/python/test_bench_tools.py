@@ -177,7 +177,10 @@ def test_same_capacity_policies_by_name_and_a_typo_is_exit_2(capsys, monkeypatch
     assert bench_unmodified.main() == 2
     err = capsys.readouterr().err
     assert "unknown policies ['offload-al']" in err
-    assert "known: plain, bagualu," in err and "bagualu, worst-load plan, static-under" in err
+    assert "known: plain, bagualu," in err and ("bagualu, worst-load plan, bagualu, every point "
+                                                "at the worst load, static-under") in err
+    assert chosen(bench_unmodified.WORST_POINTS, 0) == (
+        "plain", "bagualu", bench_unmodified.WORST_POINTS)
 
 
 def test_selective_keeps_the_outputs_of_matmul_kinds_and_recomputes_the_rest() -> None:
@@ -237,6 +240,13 @@ def test_static_under_and_the_worst_load_plan_at_half_the_peak_on_qwen2_moe() ->
     assert worst["oom"] is None, worst["oom"]
     assert max(ln["peak_bytes"] for ln in worst["lines"]) <= cap
     assert max(ln["max_load_factor"] for ln in worst["lines"]) >= 2.0  # the spike ran
+    # bagualu with every point planned for that load: no downgrade after a router, fits
+    points = bench_unmodified._run(name, bench_unmodified.WORST_POINTS, cap, {}, 2, spiked, load)
+    assert points["oom"] is None, points["oom"]
+    assert max(ln["peak_bytes"] for ln in points["lines"]) <= cap
+    assert not any(ln["downgrades"] for ln in points["lines"])
+    served = [p for it in points["served_plans"]["iterations"][1:] for p in it["plans"]]
+    assert served and all(p["load_factor"] >= load for p in served)
 
 
 def test_static_plan_is_a_clear_error_before_the_capture_and_for_a_bad_load() -> None:

@@ -18,7 +18,8 @@ from .native import libs as _lib
 from .planning import calibration as calibrations
 from .planning.governor import Governor
 from .settings import (Settings, check_compiled_operators, check_compiled_recompute,
-                       check_governor_address, check_issue_order, check_policy, parse_size)
+                       check_governor_address, check_issue_order, check_min_load_factor,
+                       check_policy, parse_size)
 
 log = logging.getLogger("bagualu")
 
@@ -56,7 +57,8 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
             calibration: Optional[str] = None,
             allow_fp8: bool = True,
             compiled_operators: str = "operators",
-            compiled_recompute: Any = None) -> "runtime.Runtime":
+            compiled_recompute: Any = None,
+            min_load_factor: Optional[float] = None) -> "runtime.Runtime":
     """Installs bagualu in this process and returns its runtime.
 
     capacity: activation memory of the (simulated) device, bytes or '256MiB'. On CPU the host
@@ -94,11 +96,16 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
       names (bagualu.operators(model)). Each union of groups is one compiled variant
       of the blocks, picked per micro-batch from the plan; at most recompile_limit // 2
       variants (dynamo's recompile limit, 8: two groups).
+    min_load_factor: policy 'bagualu': every point plans for at least this load factor, a
+      number in [1, 64] (a worst load known in advance: its memory set aside at every point, no
+      downgrade after a router up to it); None (default): each point plans for the median load
+      of the last 8 forwards, a spike is met by the downgrade after its router.
     """
     check_policy(policy)
     check_issue_order(issue_order)
     check_compiled_operators(compiled_operators)
     compiled_recompute = check_compiled_recompute(compiled_recompute)
+    min_load_factor = check_min_load_factor(min_load_factor, policy)
     if governor is not None:
         check_governor_address(governor, "governor")
     else:
@@ -153,7 +160,7 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
         pinned_capacity=pinned, chunks=chunks, gc_freeze=gc_freeze,
         issue_order=issue_order, sync_copies=pool is not None and not calibrations.overlaps(cal),
         allow_fp8=bool(allow_fp8), compiled_operators=compiled_operators,
-        compiled_recompute=compiled_recompute,
+        compiled_recompute=compiled_recompute, min_load_factor=min_load_factor,
         emulated_link=json.dumps(cal) if cal and "emulated_link" in cal else None)
     rt = runtime.Runtime(settings, gov, pool)
     _active.runtime = rt

@@ -64,6 +64,21 @@ def check_issue_order(order: str) -> str:
 GOVERNOR_OFF = ("none", "embedded", "off")  # the embedded planner only (planning/governor.py)
 
 
+def check_min_load_factor(load: Any, policy: str) -> Optional[float]:
+    """Returns install(min_load_factor=...) as a float, or None; PolicyError naming the value
+    unless it is a number in [1, 64] under the bagualu policy (the planner's range of load
+    factors)."""
+    if load is None:
+        return None
+    if isinstance(load, bool) or not isinstance(load, (int, float)) or not 1.0 <= load <= 64.0:
+        raise PolicyError(f"min_load_factor: {load!r} is not a load factor in [1, 64] (None: "
+                          "plan each point for the load its recent forwards saw)")
+    if policy != "bagualu":
+        raise PolicyError(f"min_load_factor applies to policy 'bagualu' (its per-point plans), "
+                          f"not to '{policy}'")
+    return float(load)
+
+
 def check_governor_address(address: str, what: str = "governor") -> str:
     """Returns ``address`` (a gRPC target: 'unix:///run/bagualu/governor.sock', 'host:port',
     or one of GOVERNOR_OFF; '' is the default) or raises ValueError naming ``what``: an address
@@ -184,10 +199,14 @@ class Settings:
     compiled_operators: str = "operators"
     # Recompute groups inside compiled blocks (capture/compiled.py's variants): None, "auto".
     compiled_recompute: Optional[Union[str, RecomputeGroups]] = None
+    # Every point plans for at least this load factor (bagualu's plans sized for a known worst
+    # load); None: for the median load of the recent forwards (planning/plans.py).
+    min_load_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
         check_issue_order(self.issue_order)
         check_compiled_operators(self.compiled_operators)
+        check_min_load_factor(self.min_load_factor, self.policy)
         if self.chunks < 1:
             raise ValueError(f"chunks must be at least 1, got {self.chunks}")

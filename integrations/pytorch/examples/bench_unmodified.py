@@ -217,8 +217,11 @@ def overhead(args: argparse.Namespace) -> int:
 # static-under (recompute only, sized for load 1.0: under a spike it runs out of memory).
 SELECTIVE = "selective (matmul outputs kept)"
 WORST_LOAD = "bagualu, worst-load plan"
+# bagualu with every point planned for that highest load (install's min_load_factor): its plans
+# and issue order at the worst load, per point, no downgrade after a router.
+WORST_POINTS = "bagualu, every point at the worst load"
 SAME_CAPACITY = ("plain", "bagualu", "checkpoint every block", "save_on_cpu", "full recompute",
-                 "offload-all", SELECTIVE, WORST_LOAD, "static-under")
+                 "offload-all", SELECTIVE, WORST_LOAD, WORST_POINTS, "static-under")
 # The operator kinds (vocabulary.KINDS) whose outputs are a matmul's, or attention's (torchtitan's
 # op-level policy saves scaled_dot_product_attention's too), or a collective's: SELECTIVE keeps
 # them and recomputes every other operator.
@@ -279,17 +282,20 @@ def worst_load_plan(r: Dict) -> Tuple[Dict[str, str], float]:
 
 
 def _run(name: str, k: str, cap: int, forced: Dict[str, Dict[str, str]], iterations: int,
-         kw: Dict) -> Dict:
+         kw: Dict, worst_load: Optional[float] = None) -> Dict:
     """One run of policy ``k`` (a SAME_CAPACITY name, keep-all or EP_BASELINE) at capacity
     ``cap``; ``forced``: the strategies forced per operator of the policies made of them
-    (offload-all, SELECTIVE, WORST_LOAD), by policy."""
+    (offload-all, SELECTIVE, WORST_LOAD), by policy; ``worst_load``: WORST_POINTS's load."""
     policy = {"full recompute": "static-over", "offload-all": "keep-all", SELECTIVE: "keep-all",
-              WORST_LOAD: "keep-all", "static-under": "static-under",
+              WORST_LOAD: "keep-all", "static-under": "static-under", WORST_POINTS: "bagualu",
               "bagualu": "bagualu", "keep-all": "keep-all", EP_BASELINE: "keep-all"}.get(k)
+    if k == WORST_POINTS and worst_load is None:
+        raise ValueError(f"{WORST_POINTS!r} needs the worst load (bagualu's run before it)")
     return u.train(name, policy, capacity=cap, iterations=iterations,
                    checkpoint_layers=k == "checkpoint every block",
                    save_on_cpu=k == "save_on_cpu", forced=forced.get(k),
-                   worst_load_plan=k == "bagualu", **kw)
+                   worst_load_plan=k == "bagualu",
+                   min_load_factor=worst_load if k == WORST_POINTS else None, **kw)
 
 
 def forced_policies(name: str, width: int) -> Dict[str, Dict[str, str]]:
@@ -303,8 +309,8 @@ def forced_policies(name: str, width: int) -> Dict[str, Dict[str, str]]:
 def chosen_policies(text: str, spike: int) -> Tuple[str, ...]:
     """The same-capacity policies to run, in their running order: every one, or those named in
     ``text`` (comma-separated) with plain, the spike's baseline under a spike, and bagualu
-    where WORST_LOAD is named (its plan comes from bagualu's run). ValueError naming the
-    unknown ones and the known ones."""
+    where WORST_LOAD or WORST_POINTS is named (their load comes from bagualu's run).
+    ValueError naming the unknown ones and the known ones."""
     policies = SAME_CAPACITY + (("keep-all", EP_BASELINE) if spike else ())
     if not text:
         return policies
@@ -322,7 +328,7 @@ def chosen_policies(text: str, spike: int) -> Tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; known: {', '.join(policies)}")
     chosen = named | {"plain"} | ({EP_BASELINE} if spike else set()) | (
-        {"bagualu"} if WORST_LOAD in named else set())
+        {"bagualu"} if named & {WORST_LOAD, WORST_POINTS} else set())
     return tuple(k for k in policies if k in chosen)
 
 
@@ -376,11 +382,12 @@ def train_one(args: argparse.Namespace) -> int:
     name, kw = args.models.split(",")[0], _setup(args)
     cap = u.keep_all_peak(name, **kw) // 2
     forced = forced_policies(name, args.width)
-    if args.train == WORST_LOAD:
+    load = None
+    if args.train in (WORST_LOAD, WORST_POINTS):
         r = _run(name, "bagualu", cap, forced, args.iterations, kw)
         forced[WORST_LOAD], load = worst_load_plan(r)
-        print(f"{name}: bagualu's plan at load {load:.2f}, forced on every micro-batch")
-    r = _run(name, args.train, cap, forced, args.iterations, kw)
+        print(f"{name}: the worst load {load:.2f}")
+    r = _run(name, args.train, cap, forced, args.iterations, kw, load)
     if r["oom"] is not None:
         print(f"{name} {args.train}: out of memory: {r['oom'].splitlines()[0]}")
         return 1
@@ -435,14 +442,14 @@ def same_capacity(args: argparse.Namespace) -> int:
             for k in policies:
                 if "oom" in info.get(k, {}):
                     continue  # ran out of memory once: it will again
-                if k == WORST_LOAD and k not in forced:
+                if k in (WORST_LOAD, WORST_POINTS) and "planned_load" not in info.get(k, {}):
                     if "bagualu" not in times or not times["bagualu"]:
                         continue  # bagualu ran out of memory: no plan to take
                     info[k] = {"planned_load": forced_load}
-                    forced[k] = worst_plan
+                    forced[WORST_LOAD] = worst_plan
                 gc.collect()
                 r = _run(name, k, 2 * peak if k == EP_BASELINE else cap, forced,
-                         args.iterations, kw)
+                         args.iterations, kw, info.get(k, {}).get("planned_load"))
                 if r["oom"] is not None:
                     info[k] = {"oom": r["oom"]}
                     continue

@@ -247,31 +247,32 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           seqs: Optional[Sequence[int]] = None,
           compiled_recompute: Any = None,
           calibration: Optional[str] = None,
-          worst_load_plan: bool = False) -> Dict[str, Any]:
-    """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this
-    process) for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain
-    PyTorch (``checkpoint_layers``: torch.utils.checkpoint around every block;
-    ``save_on_cpu``: torch.autograd.graph.save_on_cpu with ``pin_memory=True``, which copies each
-    saved tensor at its pack: pinned and asynchronous on CUDA, a plain copy on a CPU "device",
-    where ``pin_memory=False`` would keep the tensor itself and copy nothing). Returns losses, gradients, bagualu's
-    iteration lines and stats, and whether it ran out of memory (``issue_order``: bagualu's
-    install option, dual-batch or serial). ``ep`` False: every expert
+          worst_load_plan: bool = False,
+          min_load_factor: Optional[float] = None) -> Dict[str, Any]:
+    """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this process)
+    for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain PyTorch
+    (``checkpoint_layers``: torch.utils.checkpoint around every block; ``save_on_cpu``:
+    torch.autograd.graph.save_on_cpu with ``pin_memory=True``, which copies each saved tensor at
+    its pack: pinned and asynchronous on CUDA, a plain copy on a CPU "device", where
+    ``pin_memory=False`` would keep the tensor itself and copy nothing). Returns losses,
+    gradients, bagualu's iteration lines and stats, and whether it ran out of memory
+    (``issue_order``: bagualu's install option, dual-batch or serial). ``ep`` False: every expert
     is computed here (the model exactly as plain PyTorch runs it). ``width`` and ``seq``: a
     larger model (``build``) and longer micro-batches. ``compiled``: every block compiled
     (``compile_blocks``: "in-place" or "wrapped", with ``compile_options``), before
     ``bagualu.instrument`` or, ``compile_after``, after it. Per iteration: wall and CPU times
     (``device`` "cuda": wall time after a synchronize). ``spike_on_rank`` (with ``ep`` and
     ``spike_every``): this process stands for the EP rank the spike lands on, and the spike's
-    batches repeat the tokens that put it there (``spike_rank``); else rank 0 and a batch of
-    few random tokens. ``compiled_operators``: bagualu's install option. ``selective`` (with
+    batches repeat the tokens that put it there (``spike_rank``); else rank 0 and a batch of few
+    random tokens. ``compiled_operators``: bagualu's install option. ``selective`` (with
     ``checkpoint_layers``): torch's selective checkpointing (matmul outputs saved, the rest
     recomputed). ``measure_saved`` (plain PyTorch): ``saved_peak``, the most bytes of saved
-    activations (storages, parameters left out) held at once over the schedule. ``seqs``:
-    the micro-batches' sequence length in each iteration (a shape change between iterations:
-    dynamic shapes), in place of ``seq``. ``compiled_recompute`` and ``calibration``: bagualu's
-    install options. ``worst_load_plan`` (policy bagualu): ``out["worst_load_plan"]``, the
-    plan a static policy sized for the highest load factor the run saw would force on every
-    micro-batch (``bagualu.static_plan``) and that load."""
+    activations (storages, parameters left out) held at once over the schedule. ``seqs``: the
+    micro-batches' sequence length in each iteration (a shape change between iterations: dynamic
+    shapes), in place of ``seq``. ``compiled_recompute``, ``calibration`` and
+    ``min_load_factor``: bagualu's install options. ``worst_load_plan`` (policy bagualu):
+    ``out["worst_load_plan"]``, the plan a static policy sized for the highest load factor the
+    run saw would force on every micro-batch (``bagualu.static_plan``) and that load."""
     import bagualu
     one_f_one_b = bagualu.schedule.one_f_one_b
     cuda = device.startswith("cuda")
@@ -280,7 +281,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
                         pipeline_stages=stages, micro_batches=micro_batches,
                         log_iterations=False, issue_order=issue_order, allow_fp8=allow_fp8,
                         compiled_operators=compiled_operators,
-                        compiled_recompute=compiled_recompute, calibration=calibration)
+                        compiled_recompute=compiled_recompute, calibration=calibration,
+                        min_load_factor=min_load_factor)
     model = build(name, seed, layers=layers, ep_size=4 if ep else 1, width=width).to(device)
     ep_kwargs = instrument_kwargs(name) if ep else {}
     tokens = None

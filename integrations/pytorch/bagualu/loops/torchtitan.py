@@ -99,6 +99,10 @@ class BagualuConfig:
     groups). Each union of groups is one compiled variant of the blocks (docs/torchtitan.md,
     "Compiled blocks")."""
 
+    min_load_factor: Optional[float] = None
+    """Policy bagualu: every point plans for at least this load factor, in [1, 64] (a worst
+    load known in advance; install's min_load_factor). None: the recent forwards' median."""
+
 
 def recompute_groups(value: Optional[str]) -> Any:
     """``--bagualu.compiled_recompute``'s value as install's ``compiled_recompute``: None,
@@ -136,6 +140,10 @@ def check_config(cfg: BagualuConfig) -> None:
         except errors.PolicyError as e:
             raise errors.PolicyError(f"--bagualu.{key}: {e}") from None
     settings.check_governor_address(cfg.governor, "--bagualu.governor")
+    try:
+        settings.check_min_load_factor(cfg.min_load_factor, cfg.policy)
+    except errors.PolicyError as e:
+        raise errors.PolicyError(f"--bagualu.{e}") from None
     recompute_groups(cfg.compiled_recompute)
     if cfg.compiled_recompute is not None and cfg.compiled_operators != "operators":
         raise errors.PolicyError(
@@ -225,7 +233,8 @@ class BagualuTrainer(Trainer):
                         issue_order=cfg.issue_order, allow_fp8=cfg.allow_fp8,
                         log_iterations=cfg.log_iterations,
                         compiled_operators=cfg.compiled_operators,
-                        compiled_recompute=recompute_groups(cfg.compiled_recompute))
+                        compiled_recompute=recompute_groups(cfg.compiled_recompute),
+                        min_load_factor=cfg.min_load_factor)
         return parallel_dims
 
     # -- the steps --------------------------------------------------------------------------

@@ -147,7 +147,7 @@ class Planning:
             raise ValueError(f"unknown phase '{phase}' (warmup, steady, cooldown)")
         if forward_mb is None or self.settings.policy != "bagualu" or not self.ready:
             return None
-        load = max(self.last_load, 0.05)
+        load = max(self.last_load, self.settings.min_load_factor or 0.05)
         forward = (forward_mb, forward_chunk)
         backward = (backward_mb, backward_chunk) if backward_mb is not None else None
         t, memory = self.tracker, self.tracker.store
