@@ -81,6 +81,9 @@ def main() -> int:
                     help="compare the dual-batch issue order with the serial one")
     ap.add_argument("--same-capacity", action="store_true",
                     help="every policy at half of keep-all's peak (issue 22's table)")
+    ap.add_argument("--capacity-fraction", type=float, default=0.5,
+                    help="--same-capacity, --train: the capacity as a fraction of keep-all's "
+                         "peak, in (0, 1] (default 0.5)")
     ap.add_argument("--spike", type=int, default=0,
                     help="--same-capacity: simulated EP, a skewed batch every N micro-batches")
     ap.add_argument("--device", default="cpu", help="--same-capacity: cpu or cuda")
@@ -109,6 +112,10 @@ def main() -> int:
         args.iterations = 10 if args.same_capacity or args.train else 3
     if args.pool:
         return pool(args.pool.split(","))
+    if not 0 < args.capacity_fraction <= 1:
+        print(f"bench_unmodified: --capacity-fraction {args.capacity_fraction} is not in (0, 1]",
+              file=sys.stderr)
+        return 2
     if args.train:
         return train_one(args)
     if args.same_capacity:
@@ -380,7 +387,7 @@ def train_one(args: argparse.Namespace) -> int:
               f"{', '.join(known)}", file=sys.stderr)
         return 2
     name, kw = args.models.split(",")[0], _setup(args)
-    cap = u.keep_all_peak(name, **kw) // 2
+    cap = int(u.keep_all_peak(name, **kw) * args.capacity_fraction)
     forced = forced_policies(name, args.width)
     load = None
     if args.train in (WORST_LOAD, WORST_POINTS):
@@ -429,7 +436,7 @@ def same_capacity(args: argparse.Namespace) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models.split(","):
         peak = u.keep_all_peak(name, **kw)
-        cap = peak // 2
+        cap = int(peak * args.capacity_fraction)
         # Under a spike, keep-all at the same capacity too (it runs out of memory), and the
         # baseline of the policies that compute this rank's experts only (chosen_policies).
         forced = forced_policies(name, args.width)
@@ -524,8 +531,8 @@ def same_capacity(args: argparse.Namespace) -> int:
                   f"{i.get('strategies', '')} | "
                   f"{format(i['max_load'], '.2f') if 'max_load' in i else ''} | "
                   f"{_range_cell(copies_ms.get(k))} | {_spent_cell(spent.get(k))} |", flush=True)
-        print(f"| {name} | capacity | {cap / 2**20:.2f} MiB (half of keep-all's "
-              f"{peak / 2**20:.2f} MiB) | | | | | | | | | | |", flush=True)
+        print(f"| {name} | capacity | {cap / 2**20:.2f} MiB ({args.capacity_fraction:g} of "
+              f"keep-all's {peak / 2**20:.2f} MiB) | | | | | | | | | | |", flush=True)
         if args.spike:
             print(f"| {name} | note | {', '.join(ALL_EXPERTS)} compute all experts (no "
                   f"bagualu to skip the other ranks'): the other rows, this rank's only, are "
