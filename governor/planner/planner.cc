@@ -866,6 +866,34 @@ Result<Plan> StagePlanner::PlanAfterGateUnchecked(int micro_batch, int chunk, in
   }
   UnitState& unit = units_[UnitIndex(micro_batch, chunk)];
   CostEvaluator& eval = EvaluatorFor(unit.share_bucket);
+  {
+    // The plan still fits at the observed load (the common case: a router a few percent over
+    // the load its point planned for): nothing to revise, so no warm lookup and no issue order
+    // (a full schedule costs milliseconds on the training thread); deferred stays false and
+    // the caller keeps the plan and order it has. The tracker learns the bytes at this load.
+    const Assignment& planned = interned_[unit.assignment].assignment;
+    const AssignmentCost now = eval.Evaluate(planned, observed_r);
+    const bool host_ok = unit.host_limit < 0 || now.host_bytes <= unit.host_limit;
+    if (now.device_bytes <= unit.budget && host_ok) {
+      unit.load = observed_r;
+      tracker_.OnReport(micro_batch, chunk, now.device_bytes);
+      Plan plan;
+      plan.phase = steps_[forward_step_[UnitIndex(micro_batch, chunk)]].phase;
+      plan.micro_batch = micro_batch;
+      plan.chunk = chunk;
+      plan.load_factor = observed_r;
+      plan.budget_bytes = static_cast<int64_t>(unit.budget);
+      plan.m0_bytes = static_cast<int64_t>(graph_.M0(observed_r));
+      plan.keep_all_bytes = static_cast<int64_t>(graph_.KeepAllBytes(observed_r));
+      plan.predicted_bytes = static_cast<int64_t>(now.device_bytes);
+      plan.host_bytes = static_cast<int64_t>(now.host_bytes);
+      plan.strategies = planned;
+      plan.overhead_s = now.exposed_s;
+      plan.deferred = false;
+      plan.bandwidth_share = static_cast<double>(unit.share_bucket) / kShareSteps;
+      return plan;
+    }
+  }
   // With the warm-up, the cached full-search plans of the whole chunk near the observed load
   // and the point's budget (the warm-up's, refined misses') are alternatives too.
   std::vector<Assignment> warm;

@@ -122,7 +122,9 @@ struct Plan {
   double serial_s = 0;      // the point's work one stage after another
   double overlapped_s = 0;  // makespan of the dual-batch order
   bool fallback_full_recompute = false;
-  bool deferred = false;  // produced by the post-gate call
+  // Produced by the post-gate call and revised there; false where the plan still fit at the
+  // observed load (then no issue order is computed: the caller keeps the plan and order it has).
+  bool deferred = false;
   bool cache_hit = false;
   // The anytime path (PlannerOptions::anytime_min_ops): first_answer, the assignment is the quick
   // first answer, its refinement pending (or past refine_timeout_ms); refined, the assignment is
@@ -178,7 +180,9 @@ class StagePlanner {
   // step. When `deadline` expires the call returns its Status (deadline.h), state unchanged.
   Result<Plan> PlanPoint(const SchedulePoint& point, const Deadline& deadline = {});
   // Deferred planning: after the gate of `gate_layer` (a layer index within the chunk) ran with
-  // observed load `observed_r`, may downgrade the rest of the MoE block to full recompute.
+  // observed load `observed_r`, revises the rest of the chunk where the plan no longer fits
+  // (Plan::deferred true, with its issue order); where it still fits, returns it unrevised at
+  // once (deferred false, no issue order).
   Result<Plan> PlanAfterGate(int micro_batch, int chunk, int gate_layer, double observed_r,
                              const Deadline& deadline = {});
   // What the forward of (micro_batch, chunk) actually retained.

@@ -254,6 +254,16 @@ TEST(StagePlanner, DeferredPlanningAfterTheGate) {
   point.backward_chunk = steps[i + 1].chunk;
   auto plan = p->PlanPoint(point);
   ASSERT_TRUE(plan.ok());
+  // At the load it was planned for the plan still fits: not revised (deferred false, the same
+  // strategies, no issue order computed: the caller keeps its own).
+  auto same = p->PlanAfterGate(point.forward_micro_batch, point.forward_chunk, 0,
+                               plan->load_factor);
+  ASSERT_TRUE(same.ok());
+  EXPECT_FALSE(same->deferred);
+  EXPECT_EQ(same->strategies, plan->strategies);
+  EXPECT_TRUE(same->issue_order.empty());
+  EXPECT_LE(same->predicted_bytes, same->budget_bytes);
+  EXPECT_EQ(PlanToJson(*same, p->graph())["deferred"], false);
   auto revised = p->PlanAfterGate(point.forward_micro_batch, point.forward_chunk, 0, 2.6);
   ASSERT_TRUE(revised.ok());
   EXPECT_TRUE(revised->deferred);

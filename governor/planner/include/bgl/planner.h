@@ -61,7 +61,9 @@ BGL_PLANNER_API char* bgl_planner_schedule(int pipeline_stages, int pipeline_ran
  * Returns the plan as JSON (free with bgl_planner_free_string) or NULL. */
 BGL_PLANNER_API char* bgl_planner_plan(bgl_planner* planner, const char* point_json);
 
-/* Deferred planning after the MoE gate of `gate_layer` (within the chunk) ran with load r. */
+/* Deferred planning after the MoE gate of `gate_layer` (within the chunk) ran with load r: a
+ * revised plan ("deferred": true) where the plan no longer fits, else the plan unrevised
+ * ("deferred": false, no issue order: keep the one in effect). */
 BGL_PLANNER_API char* bgl_planner_plan_after_gate(bgl_planner* planner, int micro_batch, int chunk,
                                                   int gate_layer, double observed_load_factor);
 
