@@ -256,8 +256,8 @@ TEST(StagePlanner, DeferredPlanningAfterTheGate) {
   ASSERT_TRUE(plan.ok());
   // At the load it was planned for the plan still fits: not revised (deferred false, the same
   // strategies, no issue order computed: the caller keeps its own).
-  auto same = p->PlanAfterGate(point.forward_micro_batch, point.forward_chunk, 0,
-                               plan->load_factor);
+  auto same =
+      p->PlanAfterGate(point.forward_micro_batch, point.forward_chunk, 0, plan->load_factor);
   ASSERT_TRUE(same.ok());
   EXPECT_FALSE(same->deferred);
   EXPECT_EQ(same->strategies, plan->strategies);
