@@ -866,33 +866,34 @@ Result<Plan> StagePlanner::PlanAfterGateUnchecked(int micro_batch, int chunk, in
   }
   UnitState& unit = units_[UnitIndex(micro_batch, chunk)];
   CostEvaluator& eval = EvaluatorFor(unit.share_bucket);
+  // The unit's plan at the observed load, as the tracker learns it.
+  auto revision = [&](const Assignment& strategies, const AssignmentCost& cost) {
+    unit.load = observed_r;
+    tracker_.OnReport(micro_batch, chunk, cost.device_bytes);
+    Plan plan;
+    plan.phase = steps_[forward_step_[UnitIndex(micro_batch, chunk)]].phase;
+    plan.micro_batch = micro_batch;
+    plan.chunk = chunk;
+    plan.load_factor = observed_r;
+    plan.budget_bytes = static_cast<int64_t>(unit.budget);
+    plan.m0_bytes = static_cast<int64_t>(graph_.M0(observed_r));
+    plan.keep_all_bytes = static_cast<int64_t>(graph_.KeepAllBytes(observed_r));
+    plan.predicted_bytes = static_cast<int64_t>(cost.device_bytes);
+    plan.host_bytes = static_cast<int64_t>(cost.host_bytes);
+    plan.strategies = strategies;
+    plan.overhead_s = cost.exposed_s;
+    plan.bandwidth_share = static_cast<double>(unit.share_bucket) / kShareSteps;
+    return plan;
+  };
   {
     // The plan still fits at the observed load (the common case: a router a few percent over
     // the load its point planned for): nothing to revise, so no warm lookup and no issue order
     // (a full schedule costs milliseconds on the training thread); deferred stays false and
-    // the caller keeps the plan and order it has. The tracker learns the bytes at this load.
+    // the caller keeps the plan and order it has.
     const Assignment& planned = interned_[unit.assignment].assignment;
     const AssignmentCost now = eval.Evaluate(planned, observed_r);
     const bool host_ok = unit.host_limit < 0 || now.host_bytes <= unit.host_limit;
-    if (now.device_bytes <= unit.budget && host_ok) {
-      unit.load = observed_r;
-      tracker_.OnReport(micro_batch, chunk, now.device_bytes);
-      Plan plan;
-      plan.phase = steps_[forward_step_[UnitIndex(micro_batch, chunk)]].phase;
-      plan.micro_batch = micro_batch;
-      plan.chunk = chunk;
-      plan.load_factor = observed_r;
-      plan.budget_bytes = static_cast<int64_t>(unit.budget);
-      plan.m0_bytes = static_cast<int64_t>(graph_.M0(observed_r));
-      plan.keep_all_bytes = static_cast<int64_t>(graph_.KeepAllBytes(observed_r));
-      plan.predicted_bytes = static_cast<int64_t>(now.device_bytes);
-      plan.host_bytes = static_cast<int64_t>(now.host_bytes);
-      plan.strategies = planned;
-      plan.overhead_s = now.exposed_s;
-      plan.deferred = false;
-      plan.bandwidth_share = static_cast<double>(unit.share_bucket) / kShareSteps;
-      return plan;
-    }
+    if (now.device_bytes <= unit.budget && host_ok) return revision(planned, now);
   }
   // With the warm-up, the cached full-search plans of the whole chunk near the observed load
   // and the point's budget (the warm-up's, refined misses') are alternatives too.
@@ -913,24 +914,10 @@ Result<Plan> StagePlanner::PlanAfterGateUnchecked(int micro_batch, int chunk, in
       ReplanAfterGate(eval, interned_[unit.assignment].assignment, gate_layer, observed_r,
                       unit.budget, unit.host_limit, options_.mitigation, &warm);
   unit.assignment = Intern(revised.assignment, observed_r, revised.fallback_full_recompute);
-  unit.load = observed_r;
-  tracker_.OnReport(micro_batch, chunk, revised.cost.device_bytes);
-  Plan plan;
-  plan.phase = steps_[forward_step_[UnitIndex(micro_batch, chunk)]].phase;
-  plan.micro_batch = micro_batch;
-  plan.chunk = chunk;
-  plan.load_factor = observed_r;
-  plan.budget_bytes = static_cast<int64_t>(unit.budget);
-  plan.m0_bytes = static_cast<int64_t>(graph_.M0(observed_r));
-  plan.keep_all_bytes = static_cast<int64_t>(graph_.KeepAllBytes(observed_r));
-  plan.predicted_bytes = static_cast<int64_t>(revised.cost.device_bytes);
-  plan.host_bytes = static_cast<int64_t>(revised.cost.host_bytes);
-  plan.strategies = revised.assignment;
-  plan.overhead_s = revised.cost.exposed_s;
+  Plan plan = revision(revised.assignment, revised.cost);
   plan.fallback_full_recompute = revised.fallback_full_recompute;
   plan.infeasible = !revised.fits;
   plan.deferred = true;
-  plan.bandwidth_share = static_cast<double>(unit.share_bucket) / kShareSteps;
   FillSchedule(plan, micro_batch, chunk, -1, 0, unit.share_bucket, /*use_cache=*/false, deadline);
   return plan;
 }
