@@ -167,13 +167,16 @@ def static_plan(load_factor: float = 1.0, moves: bool = True) -> Dict[str, str]:
     ``load_factor`` would run on every micro-batch: the planner's full search at that load for
     the tightest forward of the schedule, from a fresh point (no plan cache, no router's
     revision), with offload and FP8 where the install allows them (``moves`` False: recompute
-    only, static-under's plan at 1.0). ``force_strategies`` takes it. A plan names operators
-    within a local stage ('L0.x'): on a rank with several (``chunks``) it is the first's.
-    PlannerError before the capture registered the model, or for a load outside [1, 64]."""
+    only, static-under's plan at 1.0). ``force_strategies`` takes it. PlannerError before the
+    capture registered the model, for a load outside [1, 64], and on a rank with several local
+    stages (``chunks``: a plan names the operators of one)."""
     p = current().planning
     if p.governor is None:
         raise PlannerError("static_plan: this install has no planner (policy "
                            f"{current().settings.policy!r})")
+    if current().settings.chunks > 1:
+        raise PlannerError(f"static_plan: this rank has {current().settings.chunks} local "
+                           "stages (chunks); a static plan is made for a rank with one")
     return p.governor.static_plan((p.description or {}).get("steps", []), load_factor, moves)
 
 
