@@ -251,7 +251,7 @@ def test_static_under_and_the_worst_load_plan_at_half_the_peak_on_qwen2_moe() ->
 
 def test_static_plan_is_a_clear_error_before_the_capture_and_for_a_bad_load() -> None:
     """bagualu.static_plan: PlannerError naming what is wrong before the capture registered
-    the model and for a load outside [1, 64]; after it, a plan with recompute only where moves
+    the model, for a load outside [1, 64] and on a rank with two local stages; after it, a plan with recompute only where moves
     are not asked for, naming the model's operators."""
     require_libs()
     bagualu.install(capacity="64MiB", policy="bagualu", pipeline_stages=1, micro_batches=1,
@@ -280,5 +280,12 @@ def test_static_plan_is_a_clear_error_before_the_capture_and_for_a_bad_load() ->
         assert plan and set(plan.values()) <= {"keep", "recompute"}
         known = {f"L{i}.{op}" for i in range(3) for op in bagualu.operators(model)}
         assert set(plan) <= known
+    finally:
+        bagualu.uninstall()
+    bagualu.install(capacity="64MiB", policy="bagualu", pipeline_stages=2, micro_batches=2,
+                    chunks=2, governor="none", log_iterations=False)
+    try:
+        with pytest.raises(bagualu.PlannerError, match="this rank has 2 local stages"):
+            bagualu.static_plan(2.0)
     finally:
         bagualu.uninstall()
