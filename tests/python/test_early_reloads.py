@@ -51,8 +51,8 @@ def planning(order, capacity: int, layer: int, host: Dict[int, int]):
     early: List[int] = []
     tracker = SimpleNamespace(reload_ahead=True, store=Store(layer, host),
                               mover=SimpleNamespace(reload_early=early.append))
-    p = Planning(SimpleNamespace(policy="bagualu", chunks=1), None, None, tracker,
-                 SimpleNamespace(max_inflight=2))
+    p = Planning(SimpleNamespace(policy="bagualu", chunks=1, min_load_factor=None), None, None,
+                 tracker, SimpleNamespace(max_inflight=2))
     p.rank_schedule = RankSchedule(steps(order))
     p.plan_capacity = capacity
     return p, early

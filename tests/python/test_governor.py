@@ -430,8 +430,9 @@ def test_calls_about_micro_batches_planned_in_process_stay_with_the_daemon(
         assert gov.kind == "remote" and gov.registrations == 2
         gov.report(0, 0, in_process["predicted_bytes"])  # NOT_FOUND from the daemon: ignored
         assert gov.kind == "remote"
-        revised = gov.plan_after_gate(0, 0, 0, 1.5)  # the embedded planner's revision
-        assert revised is not None and revised["deferred"] and revised["load_factor"] == 1.5
+        # the embedded planner answers (a revision, or the plan unrevised where it still fits)
+        revised = gov.plan_after_gate(0, 0, 0, 1.5)
+        assert revised is not None and revised["load_factor"] == 1.5 and "deferred" in revised
         assert gov.kind == "remote"
         assert gov.plan(B0) is not None and gov.kind == "remote"
     finally:
