@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -157,7 +158,12 @@ def check_torchrun(returncode: int, text: str, ranks: int = 2) -> None:
         return
     parts = [f"exit status {returncode}"]
     for r in range(ranks):
-        lines = "\n".join(ln for ln in text.splitlines() if f"[rank{r}]" in ln)
+        own = [ln for ln in text.splitlines() if f"[rank{r}]" in ln]
+        # the exceptions a rank raised, the first cause included (a chained traceback's last
+        # lines show only the outermost one)
+        raised = [ln for ln in own if re.search(r"\w+(Error|Exception):", ln)]
+        lines = "\n".join(own)
+        parts.append(f"--- rank {r} raised:\n" + "\n".join(raised[:8]))
         parts.append(f"--- rank {r}:\n{lines[-2500:]}")
     parts.append(f"--- tail:\n{text[-2000:]}")
     raise AssertionError("\n".join(parts))
