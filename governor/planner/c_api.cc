@@ -106,7 +106,8 @@ bgl_planner* bgl_planner_create(const char* model_json, const char* options_json
         !Optional(options, "warm_up", po.warm_up, "options_json") ||
         !Optional(options, "warm_spike_bound", po.warm_spike_bound, "options_json") ||
         !Optional(options, "warm_max_keys", po.warm_max_keys, "options_json") ||
-        !Optional(options, "warm_nice", po.warm_nice, "options_json")) {
+        !Optional(options, "warm_nice", po.warm_nice, "options_json") ||
+        !Optional(options, "refine_nice", po.refine_nice, "options_json")) {
       return nullptr;
     }
     std::string issue = dual_batch ? "dual-batch" : "serial";

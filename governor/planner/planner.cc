@@ -49,6 +49,10 @@ Result<std::unique_ptr<StagePlanner>> StagePlanner::Create(const ModelConfig& co
     return InvalidArgument("warm_nice: must be in [0, 19], got " +
                            std::to_string(options.warm_nice));
   }
+  if (options.refine_nice < 0 || options.refine_nice > 19) {
+    return InvalidArgument("refine_nice: must be in [0, 19], got " +
+                           std::to_string(options.refine_nice));
+  }
   auto graph = BuildStageGraph(config, hw);
   if (!graph.ok()) return graph.status();
   auto steps =
@@ -109,7 +113,7 @@ StagePlanner::StagePlanner(ModelConfig config, HardwareProfile hw, PlannerOption
   anytime_ = options_.anytime_min_ops > 0 &&
              graph_.ops.size() >= static_cast<size_t>(options_.anytime_min_ops);
   if (anytime_ && options_.refine_first_answers) {
-    refiner_ = std::make_unique<Refiner>(graph_, options_.refine_timeout_ms);
+    refiner_ = std::make_unique<Refiner>(graph_, options_.refine_timeout_ms, options_.refine_nice);
   }
   if (options_.warm_up) {
     warm_refiner_ =

@@ -112,6 +112,11 @@ def test_the_planner_refuses_a_bad_spike_bound_with_its_name() -> None:
     with pytest.raises(PlannerError, match=r"warm_spike_bound.*\[1, 64\], got 0\.5"):
         EmbeddedPlanner(model, {"capacity_bytes": 2 << 30, "warm_up": True,
                                 "warm_spike_bound": 0.5})
+    # and the refiner's nice value (PlannerOptions::refine_nice), out of range or not a number
+    with pytest.raises(PlannerError, match=r"refine_nice: must be in \[0, 19\], got 20"):
+        EmbeddedPlanner(model, {"capacity_bytes": 2 << 30, "refine_nice": 20})
+    with pytest.raises(PlannerError, match=r"refine_nice"):
+        EmbeddedPlanner(model, {"capacity_bytes": 2 << 30, "refine_nice": "low"})
 
 
 def test_the_daemon_warms_up_once_for_a_jobs_ranks(model_doc, daemon, tmp_path,  # noqa: F811
@@ -191,6 +196,9 @@ def test_a_spike_run_shows_how_the_points_after_a_downgrade_were_served(monkeypa
         assert line["warm_hits"] == sum(p["warm"] for p in points)
         assert line["warm_nearest"] == sum(p["nearest"] for p in points)
         units = [p["unit"] for p in points]
+        # every revision was a call after a gate, and the calls' time is counted
+        assert line["gate_calls"] >= line["deferred"] == len(line["downgrades"]), line
+        assert (line["gate_ms"] > 0) == (line["gate_calls"] > 0), line
         for d in line["downgrades"]:
             downgrades += 1
             assert d["before"] != d["after"], d  # how the spiked micro-batch was downgraded
@@ -222,12 +230,16 @@ def test_the_downgrade_line_names_how_the_next_forward_was_served(caplog) -> Non
     log.note_downgrade(3, 1, 1.4, {"keep": 5, "offload": 2}, {"keep": 3, "offload": 2,
                                                               "recompute": 2})
     log.note_downgrade(4, 0, 1.6, {"keep": 5}, {"keep": 4, "recompute": 1})
+    log.note_gate(0.5)
+    log.note_gate(0.25)
     line = log.end({"offloads": 0, "fp8_casts": 0, "evictions": 0}, 0, 1000.0, 0,
                    {"keep": 5}, 2)
     assert [p["served"] for p in line["points"]] == ["first answer", "warm"]
     assert line["downgrades"][0]["next"] == {"unit": 4, "load_factor": 1.3,
                                              "budget_bytes": 1000, "served": "warm"}
     assert line["downgrades"][1]["next"] is None
+    assert line["gate_calls"] == 2 and line["gate_ms"] == 0.75
+    assert any("gates 2 0.8ms" in r.getMessage() for r in caplog.records)
     text = [r.getMessage() for r in caplog.records if "downgrade" in r.getMessage()]
     assert ("micro-batch 3 after the router of layer 1 (load 1.40): keep 5->3 recompute 0->2; "
             "the next forward (micro-batch 4, load 1.30) served warm") in text[0], text

@@ -35,6 +35,10 @@ class IterationLog:
         self.plan_ms = 0.0
         self.cache_hits = 0
         self.cache_misses = 0
+        # The routers over their plan's load that asked the planner after the gate, and the
+        # time those calls took (revised or not).
+        self.gate_calls = 0
+        self.gate_ms = 0.0
         self._t0 = time.perf_counter()
         self._counters0: Dict[str, int] = {}
         self._ooms0 = 0
@@ -48,6 +52,7 @@ class IterationLog:
         self.downgrades = []
         self.plan_ms = 0.0
         self.cache_hits = self.cache_misses = 0
+        self.gate_calls, self.gate_ms = 0, 0.0
         self._t0 = time.perf_counter()
         self._counters0 = dict(counters)
         self._ooms0 = ooms
@@ -105,6 +110,11 @@ class IterationLog:
             "unit": nxt["unit"], "load_factor": nxt["load_factor"],
             "budget_bytes": nxt["budget_bytes"], "served": nxt["served"]})
 
+    def note_gate(self, ms: float) -> None:
+        """A router over its plan's load asked the planner after the gate; it took ``ms``."""
+        self.gate_calls += 1
+        self.gate_ms += ms
+
     def note_recompute(self, ms: float, ops: int) -> None:
         """A recompute call reran ``ops`` operators' forward in ``ms``."""
         self.recompute_ms += ms
@@ -131,6 +141,7 @@ class IterationLog:
             "early_offloads": c.get("early_offloads", 0) - c0.get("early_offloads", 0),
             "plan_ms": self.plan_ms, "plan_cache_hits": self.cache_hits,
             "plan_cache_misses": self.cache_misses,
+            "gate_calls": self.gate_calls, "gate_ms": self.gate_ms,
             # the warm-up (issue 43): this iteration's points a warm-up plan served, and the
             # warm-up's plans in the planner's cache now
             "warm_hits": sum(1 for p in self.points if p["warm"]),
@@ -153,7 +164,7 @@ class IterationLog:
             log.info("bagualu: iter %d policy %s load %.2f (max %.2f) budget %s peak %s/%s "
                      "strategies %s offloads %d (early %d) fp8 %d recomputed %d evictions %d "
                      "deferred %d overhead %.1fms (%.1f%%) copy wait %.1fms "
-                     "plans %d hit %d miss %.1fms "
+                     "plans %d hit %d miss %.1fms gates %d %.1fms "
                      "warm %d hit %d keys nearest %d",
                      line["iteration"], self.policy,
                      line["load_factor"], line["max_load_factor"], budget_text, _mib(peak),
@@ -162,6 +173,7 @@ class IterationLog:
                      line["recomputed_ops"], line["evictions"], line["deferred"],
                      line["overhead_ms"], 100 * line["overhead_ms"] / max(elapsed, 1e-9),
                      line["copy_wait_ms"], self.cache_hits, self.cache_misses, self.plan_ms,
+                     self.gate_calls, self.gate_ms,
                      line["warm_hits"], line["warm_keys"], line["warm_nearest"])
             for d in line["downgrades"]:
                 nxt = d["next"]

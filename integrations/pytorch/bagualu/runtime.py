@@ -362,6 +362,8 @@ class Runtime(HooksHost):
                            "evictions": sum(x["evictions"] for x in lines),
                            "warm_hits": sum(x.get("warm_hits", 0) for x in lines),
                            "warm_nearest": sum(x.get("warm_nearest", 0) for x in lines),
+                           "gate_calls": sum(x.get("gate_calls", 0) for x in lines),
+                           "gate_ms": sum(x.get("gate_ms", 0.0) for x in lines),
                            # the activation capacity the planner was given (plans.py register)
                            "capacity_bytes": self.planning.plan_capacity}
         planner = self._planner_stats()

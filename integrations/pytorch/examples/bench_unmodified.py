@@ -289,10 +289,11 @@ def worst_load_plan(r: Dict) -> Tuple[Dict[str, str], float]:
 
 
 def _run(name: str, k: str, cap: int, forced: Dict[str, Dict[str, str]], iterations: int,
-         kw: Dict, worst_load: Optional[float] = None) -> Dict:
+         kw: Dict, worst_load: Optional[float] = None, worst_plan: bool = False) -> Dict:
     """One run of policy ``k`` (a SAME_CAPACITY name, keep-all or EP_BASELINE) at capacity
     ``cap``; ``forced``: the strategies forced per operator of the policies made of them
-    (offload-all, SELECTIVE, WORST_LOAD), by policy; ``worst_load``: WORST_POINTS's load."""
+    (offload-all, SELECTIVE, WORST_LOAD), by policy; ``worst_load``: WORST_POINTS's load;
+    ``worst_plan``: a bagualu run also computes WORST_LOAD's plan (worst_load_plan)."""
     policy = {"full recompute": "static-over", "offload-all": "keep-all", SELECTIVE: "keep-all",
               WORST_LOAD: "keep-all", "static-under": "static-under", WORST_POINTS: "bagualu",
               "bagualu": "bagualu", "keep-all": "keep-all", EP_BASELINE: "keep-all"}.get(k)
@@ -301,7 +302,7 @@ def _run(name: str, k: str, cap: int, forced: Dict[str, Dict[str, str]], iterati
     return u.train(name, policy, capacity=cap, iterations=iterations,
                    checkpoint_layers=k == "checkpoint every block",
                    save_on_cpu=k == "save_on_cpu", forced=forced.get(k),
-                   worst_load_plan=k == "bagualu",
+                   worst_load_plan=worst_plan and k == "bagualu",
                    min_load_factor=worst_load if k == WORST_POINTS else None, **kw)
 
 
@@ -391,7 +392,7 @@ def train_one(args: argparse.Namespace) -> int:
     forced = forced_policies(name, args.width)
     load = None
     if args.train in (WORST_LOAD, WORST_POINTS):
-        r = _run(name, "bagualu", cap, forced, args.iterations, kw)
+        r = _run(name, "bagualu", cap, forced, args.iterations, kw, worst_plan=True)
         forced[WORST_LOAD], load = worst_load_plan(r)
         print(f"{name}: the worst load {load:.2f}")
     r = _run(name, args.train, cap, forced, args.iterations, kw, load)
@@ -403,7 +404,9 @@ def train_one(args: argparse.Namespace) -> int:
     for line in r["lines"]:  # where each iteration's time and memory went (bagualu's lines)
         points = line["points"]
         print(f"  iteration {line['iteration']}: reruns {line['overhead_ms']:.1f} ms, copy wait "
-              f"{line['copy_wait_ms']:.1f} ms, strategies {line['strategies']}, evictions "
+              f"{line['copy_wait_ms']:.1f} ms, planning {line['plan_ms']:.1f} ms at "
+              f"{len(points)} points and {line['gate_ms']:.1f} ms at {line['gate_calls']} "
+              f"gates ({line['deferred']} revised), strategies {line['strategies']}, evictions "
               f"{line['evictions']}; points' budget / in use / predicted (MB): "
               + ", ".join(f"{p['budget_bytes'] / mb:.2f} / {p['in_use_bytes'] / mb:.2f} / "
                           f"{p['predicted_bytes'] / mb:.2f}" for p in points), flush=True)
@@ -456,7 +459,8 @@ def same_capacity(args: argparse.Namespace) -> int:
                     forced[WORST_LOAD] = worst_plan
                 gc.collect()
                 r = _run(name, k, 2 * peak if k == EP_BASELINE else cap, forced,
-                         args.iterations, kw, info.get(k, {}).get("planned_load"))
+                         args.iterations, kw, info.get(k, {}).get("planned_load"),
+                         worst_plan=not times.get("bagualu"))
                 if r["oom"] is not None:
                     info[k] = {"oom": r["oom"]}
                     continue

@@ -1,12 +1,19 @@
 // The anytime path (issue 23): a plan-cache miss on a large chunk is answered with the first
 // answer (the operator DP on a small front), the full search runs on the refiner's thread, and
 // the next hit of the same key gets its plan. Also run under ThreadSanitizer (label tsan).
+#include <dirent.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "governor/planner/iteration.h"
@@ -26,7 +33,8 @@ HardwareProfile SlowCopies() {
   return hw;
 }
 
-std::unique_ptr<StagePlanner> Glm423(int anytime_min_ops, int64_t refine_timeout_ms = 30000) {
+std::unique_ptr<StagePlanner> Glm423(int anytime_min_ops, int64_t refine_timeout_ms = 30000,
+                                     int refine_nice = 19) {
   auto doc = LoadJsonOrYaml(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json", "model");
   EXPECT_TRUE(doc.ok());
   (*doc)["micro_batches"] = 8;  // fewer points and keys: each refinement is a full search
@@ -36,6 +44,7 @@ std::unique_ptr<StagePlanner> Glm423(int anytime_min_ops, int64_t refine_timeout
   options.capacity_bytes = int64_t{64} * 1000 * 1000 * 1000;
   options.anytime_min_ops = anytime_min_ops;  // the chunk has 28: on below, off at 0
   options.refine_timeout_ms = refine_timeout_ms;
+  options.refine_nice = refine_nice;
   auto planner = StagePlanner::Create(*config, SlowCopies(), options);
   EXPECT_TRUE(planner.ok()) << planner.status().message();
   return std::move(planner).value();
@@ -232,6 +241,69 @@ TEST(Anytime, Deadlines) {
     if (plan.first_answer && plan.cache_hit) {
       EXPECT_GT(s.refine_expired, 0u);
     }
+  }
+}
+
+// The nice values of this process's threads (Linux: /proc/self/task/<tid>/stat, field 19).
+std::vector<int> ThreadNices() {
+  std::vector<int> out;
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return out;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream f(std::string("/proc/self/task/") + e->d_name + "/stat");
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const size_t close = text.rfind(')');  // the command may hold spaces
+    if (close == std::string::npos) continue;
+    std::istringstream rest(text.substr(close + 2));
+    std::string field;
+    for (int i = 3; i <= 19 && rest >> field; ++i) {
+      if (i == 19) out.push_back(std::stoi(field));
+    }
+  }
+  closedir(dir);
+  return out;
+}
+
+int ThreadsAtNice(int nice) {
+  int n = 0;
+  for (const int v : ThreadNices()) n += v == nice;
+  return n;
+}
+
+// The first answers' refinements run on a worker thread at refine_nice (19 by default: in a
+// training process it takes only the CPU training leaves); outside [0, 19] is refused by name.
+TEST(Anytime, TheRefinerRunsAtRefineNice) {
+  if (getpriority(PRIO_PROCESS, 0) >= 19) GTEST_SKIP() << "this process runs at nice 19 already";
+  const int before = ThreadsAtNice(19);
+  auto lowered = Glm423(1);
+  int seen = before;
+  for (int i = 0; i < 200 && seen == before; ++i) {  // the worker lowers itself as it starts
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    seen = ThreadsAtNice(19);
+  }
+  EXPECT_EQ(seen, before + 1);
+  lowered.reset();
+  EXPECT_EQ(ThreadsAtNice(19), before);
+  auto kept = Glm423(1, 30000, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(ThreadsAtNice(19), before);
+  kept.reset();
+  auto doc = LoadJsonOrYaml(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json", "model");
+  ASSERT_TRUE(doc.ok());
+  auto config = ModelConfigFromJson(*doc, "glm-423b-a30b.json");
+  ASSERT_TRUE(config.ok());
+  for (int bad : {-1, 20}) {
+    PlannerOptions options;
+    options.capacity_bytes = int64_t{64} * 1000 * 1000 * 1000;
+    options.refine_nice = bad;
+    auto p = StagePlanner::Create(*config, SlowCopies(), options);
+    ASSERT_FALSE(p.ok()) << bad;
+    EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(
+        p.status().message().find("refine_nice: must be in [0, 19], got " + std::to_string(bad)),
+        std::string::npos)
+        << p.status().message();
   }
 }
 

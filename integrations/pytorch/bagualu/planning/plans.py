@@ -257,8 +257,11 @@ class Planning:
         if load <= self.plans[unit].get("load_factor", 0.0) * 1.02:
             return False  # the plan was made for at least this load: it still fits
         chunks = self.settings.chunks
+        t0 = time.perf_counter()
         plan = self.governor.plan_after_gate(unit % UNIT_STRIDE, unit // UNIT_STRIDE,
                                              layer % max(self.layer_count // chunks, 1), load)
+        if self.log is not None:
+            self.log.note_gate((time.perf_counter() - t0) * 1e3)
         if not plan or not plan.get("deferred"):
             return False
         before = self.strategies.in_effect([unit])
