@@ -79,11 +79,11 @@ struct PlannerOptions {
   // The warm-up's jobs run on their own worker thread at this nice value (Linux; 19: the
   // lowest priority, so it takes the CPU that training leaves) ...
   int warm_nice = 19;
-  // ... and the misses' refinements on the anytime path's at this one: in a training process
-  // (the embedded planner) on a machine whose cores training keeps busy, a refinement at the
-  // caller's priority takes its CPU from training (about a tenth of a core over the first
-  // iterations of a 16-micro-batch run on 2 cores, docs/planner.md "The anytime path").
-  int refine_nice = 19;
+  // ... and the misses' refinements on the anytime path's at this one (0: the caller's). The
+  // package's embedded planner asks for 19: in a training process on cores training keeps
+  // busy, a refinement at the caller's priority takes its CPU from training (docs/planner.md
+  // "The anytime path"); the daemon, a process of its own, keeps 0.
+  int refine_nice = 0;
 };
 
 // A pipeline scheduling point F_x B_y (either side may be absent in warmup or cooldown).

@@ -60,6 +60,40 @@ def test_embedded_planner_sees_real_bytes(model_doc) -> None:
         gov.close()
 
 
+def _threads_at_nice(nice: int) -> int:
+    """This process's threads at ``nice`` (Linux: /proc/self/task/<tid>/stat, field 19)."""
+    import os
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        count += int(fields[16]) == nice  # field 19 of stat: the 17th after the command
+    return count
+
+
+def test_the_embedded_planners_refiner_runs_at_nice_19(model_doc, monkeypatch) -> None:
+    """In the training process the first answers' refinements take only the CPU training
+    leaves (PlannerOptions::refine_nice, docs/planner.md "The anytime path")."""
+    import os
+    if os.nice(0) >= 19:
+        pytest.skip("this process runs at nice 19 already")
+    monkeypatch.setenv("BGL_WARM_UP", "0")  # the warm-up's worker runs at 19 too
+    before = _threads_at_nice(19)
+    gov = Governor("none")
+    gov.register(model_doc, CAPACITY, 0)
+    try:
+        deadline = time.monotonic() + 5
+        while _threads_at_nice(19) == before and time.monotonic() < deadline:
+            time.sleep(0.005)  # the worker lowers itself as it starts
+        assert _threads_at_nice(19) == before + 1
+    finally:
+        gov.close()
+    assert _threads_at_nice(19) == before
+
+
 def test_daemon_session_has_the_real_capacity(model_doc, daemon, tmp_path,  # noqa: F811
                                               monkeypatch) -> None:
     monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))

@@ -33,7 +33,8 @@ typedef struct bgl_planner bgl_planner;
  * plans in the background the keys the run will meet at loads 1 to "warm_spike_bound" (3.0; a
  * load factor in [1, 64]), at most "warm_max_keys" (0: half the plan cache) of them, on a
  * worker thread at nice "warm_nice" (19; 0-19) (the plan's "warm" says a warm-up plan served
- * it); the first answers' refinements run at nice "refine_nice" (19; 0-19). NULL on error. */
+ * it); the first answers' refinements run at nice "refine_nice" (0; 0-19; the package asks for 19).
+ * NULL on error. */
 BGL_PLANNER_API bgl_planner* bgl_planner_create(const char* model_json, const char* options_json);
 BGL_PLANNER_API void bgl_planner_destroy(bgl_planner* planner);
 

@@ -216,6 +216,7 @@ class Governor:
         self._warm_spike_bound = warm["warm_spike_bound"] if warm["warm_up"] else None
         self.embedded = plannermod.EmbeddedPlanner(
             model, dict(self._options, anytime_min_ops=EMBEDDED_ANYTIME_MIN_OPS,
+                        refine_nice=EMBEDDED_REFINE_NICE,
                         **(warm if not self.uses_daemon else {"warm_up": False})))
         self.description = self.embedded.description
         self.kind = "embedded"
@@ -375,6 +376,9 @@ def _short(e: BaseException) -> str:
 
 
 EMBEDDED_ANYTIME_MIN_OPS = 1  # the embedded planner's PlannerOptions::anytime_min_ops
+# ... and its refiner's nice value (PlannerOptions::refine_nice): in the training process the
+# refinements take only the CPU training leaves (docs/planner.md, "The anytime path")
+EMBEDDED_REFINE_NICE = 19
 WARM_SPIKE_BOUND = 3.0  # the warm-up's default highest load (PlannerOptions::warm_spike_bound)
 
 
