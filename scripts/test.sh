@@ -24,23 +24,38 @@ check_skips() {
   python3 .ci/check_skips.py --suite "$suite" --allow "$allow" "${args[@]}"
 }
 
-# run_suite NAME DIR "CMAKE ARGS" "BUILD TARGETS (empty: all)" CTEST ARGS...
-# Writes DIR/ctest-junit.xml (and DIR/pytest-junit.xml where the Python suite runs) and checks
-# the skips in both.
+# run_suite NAME DIR "CMAKE ARGS" "BUILD TARGETS (empty: all)" BESIDE CTEST ARGS...
+# Writes DIR/ctest-junit.xml (and, where the Python suite runs, DIR/pytest-junit-*.xml: one per
+# pytest ctest test, tests/python/CMakeLists.txt) and checks the skips in all. BESIDE (a function
+# name, or empty) runs once the build is done, beside ctest (its output printed after ctest's):
+# the suites keep a core or less busy each, so side by side they take less time than one after
+# the other. Either failing fails the stage.
 run_suite() {
-  local name=$1 dir=$2 cmake_args=$3 targets=$4
-  shift 4
+  local name=$1 dir=$2 cmake_args=$3 targets=$4 beside=$5
+  shift 5
   echo "=== ${name}: configure and build (${dir})"
   # shellcheck disable=SC2086  # the argument strings are word lists on purpose
   cmake -S . -B "$dir" -G Ninja -DBGL_BUILD_TESTS=ON -DBGL_BUILD_BENCH=OFF $cmake_args >/dev/null
   # shellcheck disable=SC2086
   cmake --build "$dir" -j "$jobs" ${targets:+--target $targets}
-  echo "=== ${name}: ctest"
-  rm -f "$dir/ctest-junit.xml" "$dir/pytest-junit.xml"
-  (cd "$dir" && PYTEST_ADDOPTS="--junitxml=$PWD/pytest-junit.xml -rs" \
-    ctest --output-on-failure -j "$jobs" --output-junit "$PWD/ctest-junit.xml" "$@")
-  local results=("$dir/ctest-junit.xml")
-  [[ -f $dir/pytest-junit.xml ]] && results+=("$dir/pytest-junit.xml")
+  echo "=== ${name}: ctest${beside:+, and ${beside} beside it}"
+  rm -f "$dir/ctest-junit.xml" "$dir"/pytest-junit*.xml
+  local beside_pid="" beside_log="$dir/beside.log" status=0 beside_status=0
+  if [[ -n $beside ]]; then
+    ("$beside") >"$beside_log" 2>&1 &
+    beside_pid=$!
+  fi
+  (cd "$dir" && PYTEST_ADDOPTS="-rs" \
+    ctest --output-on-failure -j "$jobs" --output-junit "$PWD/ctest-junit.xml" "$@") || status=$?
+  if [[ -n $beside_pid ]]; then
+    wait "$beside_pid" || beside_status=$?
+    echo "=== ${name}: ${beside}'s output (it ran beside ctest; status ${beside_status})"
+    cat "$beside_log"
+  fi
+  ((status == 0)) || { echo "=== ${name}: ctest failed (status ${status})" >&2; return "$status"; }
+  ((beside_status == 0)) || return "$beside_status"
+  local results=("$dir/ctest-junit.xml") xml
+  for xml in "$dir"/pytest-junit-*.xml; do [[ -f $xml ]] && results+=("$xml"); done
   check_skips "$name" "${results[@]}"
 }
 
@@ -81,12 +96,14 @@ run_python_asan() {
   check_skips asan-python "$dir/pytest-junit.xml"
 }
 
-run_suite "release" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" ""
-run_suite "asan+ubsan" build-asan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=address" "" -LE no_asan
-run_python_asan
+run_suite "release" build "-DCMAKE_BUILD_TYPE=RelWithDebInfo" "" ""
+# The Python suite against the ASan build runs beside that build's ctest.
+run_suite "asan+ubsan" build-asan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=address" "" \
+  run_python_asan -LE no_asan
 # bgl_tsan_suite is every test program registered with bgl_tsan_gtest (tests/CMakeLists.txt),
 # and those are exactly the tests labelled tsan: what the TSan build compiles, it runs.
-run_suite "tsan" build-tsan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=thread" bgl_tsan_suite -L tsan
+run_suite "tsan" build-tsan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=thread" bgl_tsan_suite "" \
+  -L tsan
 # Fuzzing (issue 45, docs/operations.md section "Fuzzing"): the clang build of the libFuzzer
 # targets (build-fuzz) and each target for BGL_FUZZ_SECONDS (default 20) over its seeds, after
 # replaying fuzz/regressions/; any finding fails. About 320 s on a quiet 2-core machine from an
