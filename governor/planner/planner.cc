@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "base/units.h"
 
@@ -13,6 +14,12 @@ namespace {
 // plans it may be served, and how many distinct plans are costed at its load.
 constexpr int64_t kNearestBudgets = 2;
 constexpr size_t kNearestPlans = 8;
+
+// A background thread's priority option (warm_nice, refine_nice): a nice value in [0, 19].
+Status CheckNice(const char* name, int value) {
+  if (value >= 0 && value <= 19) return OkStatus();
+  return InvalidArgument(std::string(name) + ": must be in [0, 19], got " + std::to_string(value));
+}
 
 }  // namespace
 
@@ -45,14 +52,8 @@ Result<std::unique_ptr<StagePlanner>> StagePlanner::Create(const ModelConfig& co
                            std::to_string(options.warm_max_keys));
   }
   if (options.warm_rounds < 1) return InvalidArgument("warm_rounds must be at least 1");
-  if (options.warm_nice < 0 || options.warm_nice > 19) {
-    return InvalidArgument("warm_nice: must be in [0, 19], got " +
-                           std::to_string(options.warm_nice));
-  }
-  if (options.refine_nice < 0 || options.refine_nice > 19) {
-    return InvalidArgument("refine_nice: must be in [0, 19], got " +
-                           std::to_string(options.refine_nice));
-  }
+  BGL_RETURN_IF_ERROR(CheckNice("warm_nice", options.warm_nice));
+  BGL_RETURN_IF_ERROR(CheckNice("refine_nice", options.refine_nice));
   auto graph = BuildStageGraph(config, hw);
   if (!graph.ok()) return graph.status();
   auto steps =

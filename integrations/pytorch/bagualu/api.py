@@ -177,7 +177,8 @@ def static_plan(load_factor: float = 1.0, moves: bool = True) -> Dict[str, str]:
     if current().settings.chunks > 1:
         raise PlannerError(f"static_plan: this rank has {current().settings.chunks} local "
                            "stages (chunks); a static plan is made for a rank with one")
-    return p.governor.static_plan((p.description or {}).get("steps", []), load_factor, moves)
+    return p.governor.static_plan((p.description or {}).get("steps", []), load_factor,
+                                 moves=moves)
 
 
 def stage_graph() -> Optional[Dict[str, Any]]:

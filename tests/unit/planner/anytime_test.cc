@@ -294,17 +294,20 @@ TEST(Anytime, TheRefinerRunsAtRefineNice) {
   ASSERT_TRUE(doc.ok());
   auto config = ModelConfigFromJson(*doc, "glm-423b-a30b.json");
   ASSERT_TRUE(config.ok());
-  for (int bad : {-1, 20}) {
-    PlannerOptions options;
-    options.capacity_bytes = int64_t{64} * 1000 * 1000 * 1000;
-    options.refine_nice = bad;
-    auto p = StagePlanner::Create(*config, SlowCopies(), options);
-    ASSERT_FALSE(p.ok()) << bad;
-    EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(
-        p.status().message().find("refine_nice: must be in [0, 19], got " + std::to_string(bad)),
-        std::string::npos)
-        << p.status().message();
+  // Either thread's priority out of range is refused naming its field (the warm-up's too).
+  for (const std::string field : {"refine_nice", "warm_nice"}) {
+    for (int bad : {-1, 20}) {
+      PlannerOptions options;
+      options.capacity_bytes = int64_t{64} * 1000 * 1000 * 1000;
+      (field == "refine_nice" ? options.refine_nice : options.warm_nice) = bad;
+      auto p = StagePlanner::Create(*config, SlowCopies(), options);
+      ASSERT_FALSE(p.ok()) << field << " " << bad;
+      EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(
+          p.status().message().find(field + ": must be in [0, 19], got " + std::to_string(bad)),
+          std::string::npos)
+          << p.status().message();
+    }
   }
 }
 

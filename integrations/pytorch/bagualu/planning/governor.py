@@ -332,13 +332,15 @@ class Governor:
             log.debug("bagualu: planner stats: %s", e)
             return None
 
-    def static_plan(self, steps: List[Dict[str, Any]], load_factor: float = 1.0,
-                    moves: bool = False) -> Dict[str, str]:
-        """planning/static.py's static_plan with the registered model and options."""
+    def static_plan(self, steps: List[Dict[str, Any]], load_factor: float = 1.0, *,
+                    moves: bool) -> Dict[str, str]:
+        """planning/static.py's static_plan with the registered model and options (``moves``
+        has no default here: the public bagualu.static_plan moves by default, the static-under
+        policy never does; each caller says which)."""
         if self._model is None:
             raise PlannerError("static_plan: no model registered yet (the capture's first "
                                "iteration registers it)")
-        return static.static_plan(self._model, self._options, steps, load_factor, moves)
+        return static.static_plan(self._model, self._options, steps, load_factor, moves=moves)
 
     def sessions(self) -> List[Dict[str, Any]]:
         """The daemon's sessions as dicts (protobuf field names); [] while planning

@@ -112,8 +112,9 @@ class Planning:
                                                       self.tracker.mover.collect_offloaded))
             self.rank_schedule = order.RankSchedule(self.description.get("steps", []))
         if s.policy == "static-under":
+            # static-under: recompute only (the policy a user would set by hand)
             self.strategies.static = self.governor.static_plan(
-                (self.description or {}).get("steps", []))
+                (self.description or {}).get("steps", []), moves=False)
 
     def register_backward(self, backward_ms: float) -> None:
         """The capture's layer graph again with the layer's measured backward time (ms, its

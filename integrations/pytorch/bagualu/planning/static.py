@@ -12,7 +12,7 @@ from ..errors import PlannerError
 
 
 def static_plan(model: Dict[str, Any], options: Dict[str, Any], steps: List[Dict[str, Any]],
-                load_factor: float = 1.0, moves: bool = False) -> Dict[str, str]:
+                load_factor: float = 1.0, *, moves: bool) -> Dict[str, str]:
     """Strategies (qualified name -> strategy) sized for ``load_factor`` at the iteration's
     tightest forward (the one whose plan predicts the fewest bytes), computed by a full search
     on a private embedded planner from a fresh point, for the model document ``model``
