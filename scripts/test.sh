@@ -33,12 +33,12 @@ check_skips() {
 run_suite() {
   local name=$1 dir=$2 cmake_args=$3 targets=$4 beside=$5
   shift 5
-  echo "=== ${name}: configure and build (${dir})"
+  echo "=== ${name}: configure and build (${dir}) [${SECONDS} s]"
   # shellcheck disable=SC2086  # the argument strings are word lists on purpose
   cmake -S . -B "$dir" -G Ninja -DBGL_BUILD_TESTS=ON -DBGL_BUILD_BENCH=OFF $cmake_args >/dev/null
   # shellcheck disable=SC2086
   cmake --build "$dir" -j "$jobs" ${targets:+--target $targets}
-  echo "=== ${name}: ctest${beside:+, and ${beside} beside it}"
+  echo "=== ${name}: ctest${beside:+, and ${beside} beside it} [${SECONDS} s]"
   rm -f "$dir/ctest-junit.xml" "$dir"/pytest-junit*.xml
   local beside_pid="" beside_log="$dir/beside.log" status=0 beside_status=0
   if [[ -n $beside ]]; then
@@ -108,6 +108,6 @@ run_suite "tsan" build-tsan "-DCMAKE_BUILD_TYPE=Debug -DBGL_SANITIZE=thread" bgl
 # targets (build-fuzz) and each target for BGL_FUZZ_SECONDS (default 20) over its seeds, after
 # replaying fuzz/regressions/; any finding fails. About 320 s on a quiet 2-core machine from an
 # empty build folder (the nine targets' clang build about 130 s): docs/operations.md, "Fuzzing".
-echo "=== fuzz: libFuzzer targets, ${BGL_FUZZ_SECONDS:-20} s each"
+echo "=== fuzz: libFuzzer targets, ${BGL_FUZZ_SECONDS:-20} s each [${SECONDS} s]"
 BGL_JOBS=$jobs bash scripts/fuzz.sh "${BGL_FUZZ_SECONDS:-20}"
-echo "=== all test suites passed"
+echo "=== all test suites passed [${SECONDS} s]"
