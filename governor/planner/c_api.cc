@@ -1,7 +1,9 @@
 // The planner's C API (include/bgl/planner.h): JSON in, JSON out, errors through a thread-local
 // message. No exception crosses the boundary.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <string>
 
@@ -89,6 +91,31 @@ bgl_planner* bgl_planner_create(const char* model_json, const char* options_json
     if (!config.ok()) return reinterpret_cast<bgl_planner*>(Fail(config.status().message()));
     json options = json::object();
     if (options_json && !ParseObject(options_json, "options_json", options)) return nullptr;
+    static const char* const kOptionKeys[] = {"gpu",
+                                              "capacity_bytes",
+                                              "pipeline_rank",
+                                              "dual_batch",
+                                              "issue_policy",
+                                              "allow_offload",
+                                              "allow_fp8",
+                                              "allow_recompute",
+                                              "calibration",
+                                              "budget_step_bytes",
+                                              "load_bucket",
+                                              "schedule_load_class",
+                                              "anytime_min_ops",
+                                              "warm_up",
+                                              "warm_spike_bound",
+                                              "warm_max_keys",
+                                              "warm_nice",
+                                              "refine_nice",
+                                              "gate_search_share"};
+    for (const auto& [key, value] : options.items()) {
+      if (std::find_if(std::begin(kOptionKeys), std::end(kOptionKeys),
+                       [&](const char* known) { return key == known; }) == std::end(kOptionKeys)) {
+        return reinterpret_cast<bgl_planner*>(Fail("options_json: unknown field '" + key + "'"));
+      }
+    }
     std::string gpu = config->gpu;
     bgl::plan::PlannerOptions po;
     bool dual_batch = true, offload = true, fp8 = true, recompute = true;
@@ -107,7 +134,8 @@ bgl_planner* bgl_planner_create(const char* model_json, const char* options_json
         !Optional(options, "warm_spike_bound", po.warm_spike_bound, "options_json") ||
         !Optional(options, "warm_max_keys", po.warm_max_keys, "options_json") ||
         !Optional(options, "warm_nice", po.warm_nice, "options_json") ||
-        !Optional(options, "refine_nice", po.refine_nice, "options_json")) {
+        !Optional(options, "refine_nice", po.refine_nice, "options_json") ||
+        !Optional(options, "gate_search_share", po.gate_search_share, "options_json")) {
       return nullptr;
     }
     std::string issue = dual_batch ? "dual-batch" : "serial";
@@ -310,7 +338,10 @@ char* bgl_planner_stats(bgl_planner* handle) {
               {"warm_hits", s.warm_hits},
               {"warm_rounds", s.warm_rounds},
               {"warm_complete", s.warm_complete},
-              {"warm_cpu_s", s.warm_cpu_s}};
+              {"warm_cpu_s", s.warm_cpu_s},
+              {"gate_searches", s.gate_searches},
+              {"gate_searches_cut", s.gate_searches_cut},
+              {"gate_search_s", s.gate_search_s}};
     last_error.clear();
     return Dup(j.dump());
   } catch (const std::exception& e) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <limits>
 #include <optional>
 #include <string>
@@ -30,6 +31,8 @@ constexpr Strategy kMitigations[] = {Strategy::kRecompute, Strategy::kOffload, S
 // yet. 20,000 (issue 43, planner_first_answer_study gate-reference 4343 100): the pinned optima
 // proven there are met within 1.5x but one (2.12x); 64 labels per cut left 8.3x.
 constexpr int kDowngradeLabels = 20000;
+// Fewer labels per cut than this and the downgrade's DP does not run (ReplanAfterGate).
+constexpr int kMinDowngradeLabels = 16;
 
 using Partners = std::vector<std::vector<int>>;
 
@@ -387,7 +390,7 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
 MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
                                  int gate_layer, double observed_r, double budget,
                                  double host_limit_bytes, const MitigationOptions& allowed,
-                                 const std::vector<Assignment>* warm) {
+                                 const std::vector<Assignment>* warm, const GateSearch& search) {
   const StageGraph& g = eval.graph();
   MitigationResult result;
   result.budget = budget;
@@ -474,16 +477,35 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
   // chunk miss (issue 43: the worst downgrades at 9.4x the pinned optimum traded a keep and an
   // offload at once). Its fronts hold kDowngradeLabels / (operators not run yet) labels per cut,
   // at least 16 and at most the full search's 2,048, so its time stays bounded at any gate.
+  // Where a plan fits already, the search is priced (GateSearch): at most search.share of the
+  // exposed overhead it could remove, in labels at search.seconds_per_label each.
+  int labels = 0;
+  double search_s = 0;
+  bool cut = false;
   if (!best_fits || best.cost.exposed_s > 0) {
     int free_ops = 0;
     for (char pinned_op : pins.pinned) free_ops += pinned_op ? 0 : 1;
-    const int states = std::clamp(kDowngradeLabels / std::max(1, free_ops), 16, 2048);
+    int states = std::clamp(kDowngradeLabels / std::max(1, free_ops), kMinDowngradeLabels, 2048);
+    if (best_fits && search.share > 0 && search.seconds_per_label > 0) {
+      const double affordable = search.share * best.cost.exposed_s / search.seconds_per_label;
+      if (affordable < states) {
+        cut = true;
+        states = affordable < kMinDowngradeLabels ? 0 : static_cast<int>(affordable);
+      }
+    }
     const double bound = best_fits ? best.cost.exposed_s : std::numeric_limits<double>::infinity();
-    if (std::optional<OperatorDpResult> dp =
-            OperatorDp(eval, observed_r, budget, bound, options, states, &pins)) {
-      consider(std::move(dp->assignment));
+    if (states > 0) {
+      const auto start = std::chrono::steady_clock::now();
+      std::optional<OperatorDpResult> dp =
+          OperatorDp(eval, observed_r, budget, bound, options, states, &pins);
+      search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      labels = states;
+      if (dp) consider(std::move(dp->assignment));
     }
   }
+  best.search_labels = labels;
+  best.search_s = search_s;
+  best.search_cut = cut;
   return best;
 }
 

@@ -91,6 +91,23 @@ struct MitigationResult {
   bool from_operator_dp = false;   // the operator DP beat both
   bool exact = false;              // proven optimal (the operator DP's fronts were never cut)
   bool first_answer = false;       // the anytime path's quick answer (options.fast), not exact
+  // ReplanAfterGate's operator DP: the labels per cut it searched with (0: it did not run), its
+  // wall seconds, and whether the search's price (GateSearch) cut its labels or skipped it.
+  int search_labels = 0;
+  double search_s = 0;
+  bool search_cut = false;
+};
+
+// What the downgrade's search (ReplanAfterGate's operator DP) may cost. It runs on the training
+// thread between the router and the experts, so its time adds to the iteration's as surely as
+// exposed copies do: it searches with at most `share` of the best exposed overhead found so far
+// (the most it can remove) in CPU time, at `seconds_per_label` per label per cut (the caller's
+// measurement of earlier searches at the same gate), and not at all below 16 labels per cut.
+// seconds_per_label 0 (the default) or share 0: the full label count, whatever it costs. It never
+// cuts a search for a plan that fits when the cheaper alternatives do not. A plain value.
+struct GateSearch {
+  double share = 0;
+  double seconds_per_label = 0;
 };
 
 // Every operator with something to drop set to recompute: memory M0.
@@ -113,11 +130,13 @@ Result<MitigationResult> SelectMitigation(const CostEvaluator& eval, double r, d
 // `allowed`: the strategies the planner may use (its MitigationOptions' allow_*; the rest of
 // those options is not read here). `warm`: full-search plans of the whole chunk at (or near)
 // the observed load (the planner's cached plans, issue 43), each a third alternative with the
-// operators that ran set back to their plan; may be null.
+// operators that ran set back to their plan; may be null. `search`: what the operator DP may
+// cost (GateSearch; by default it always runs with its full label count).
 MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& planned,
                                  int gate_layer, double observed_r, double budget,
                                  double host_limit_bytes = -1,
                                  const MitigationOptions& allowed = MitigationOptions(),
-                                 const std::vector<Assignment>* warm = nullptr);
+                                 const std::vector<Assignment>* warm = nullptr,
+                                 const GateSearch& search = GateSearch());
 
 }  // namespace bgl::plan

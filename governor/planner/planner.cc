@@ -54,6 +54,13 @@ Result<std::unique_ptr<StagePlanner>> StagePlanner::Create(const ModelConfig& co
   if (options.warm_rounds < 1) return InvalidArgument("warm_rounds must be at least 1");
   BGL_RETURN_IF_ERROR(CheckNice("warm_nice", options.warm_nice));
   BGL_RETURN_IF_ERROR(CheckNice("refine_nice", options.refine_nice));
+  if (!std::isfinite(options.gate_search_share) || options.gate_search_share < 0 ||
+      options.gate_search_share > 1) {
+    return InvalidArgument(
+        "gate_search_share: the share of the exposed overhead the downgrade's search may cost "
+        "must be in [0, 1], got " +
+        std::to_string(options.gate_search_share));
+  }
   auto graph = BuildStageGraph(config, hw);
   if (!graph.ok()) return graph.status();
   auto steps =
@@ -180,6 +187,9 @@ PlannerCacheStats StagePlanner::cache_stats() const {
   stats.refine_cpu_s = refine_cpu_s_;
   stats.warm_shared_hits = warm_shared_hits_;
   stats.warm_shared_keys = shared_ ? shared_->size() : 0;
+  stats.gate_searches = gate_searches_;
+  stats.gate_searches_cut = gate_searches_cut_;
+  stats.gate_search_s = gate_search_s_;
   return stats;
 }
 
@@ -915,9 +925,28 @@ Result<Plan> StagePlanner::PlanAfterGateUnchecked(int micro_batch, int chunk, in
       warm.push_back(interned_[id].assignment);
     }
   }
+  // The search's price at this gate: what the earlier searches here took per label. A skipped
+  // search lowers it by a tenth, so one slow measurement (a preempted thread) does not stop the
+  // searches at this gate for good: a later one runs, with fewer labels, and measures again.
+  if (gate_search_s_per_label_.size() != static_cast<size_t>(graph_.layers)) {
+    gate_search_s_per_label_.assign(static_cast<size_t>(graph_.layers), 0.0);
+  }
+  double& per_label = gate_search_s_per_label_[static_cast<size_t>(gate_layer)];
+  GateSearch search;
+  search.share = options_.gate_search_share;
+  search.seconds_per_label = per_label;
   const MitigationResult revised =
       ReplanAfterGate(eval, interned_[unit.assignment].assignment, gate_layer, observed_r,
-                      unit.budget, unit.host_limit, options_.mitigation, &warm);
+                      unit.budget, unit.host_limit, options_.mitigation, &warm, search);
+  if (revised.search_labels > 0) {
+    const double measured = revised.search_s / revised.search_labels;
+    per_label = per_label > 0 ? 0.5 * (per_label + measured) : measured;
+    ++gate_searches_;
+    gate_search_s_ += revised.search_s;
+  } else if (revised.search_cut) {
+    per_label *= 0.9;
+  }
+  gate_searches_cut_ += revised.search_cut ? 1 : 0;
   unit.assignment = Intern(revised.assignment, observed_r, revised.fallback_full_recompute);
   Plan plan = revision(revised.assignment, revised.cost);
   plan.fallback_full_recompute = revised.fallback_full_recompute;

@@ -84,6 +84,11 @@ struct PlannerOptions {
   // busy, a refinement at the caller's priority takes its CPU from training (docs/planner.md
   // "The anytime path"); the daemon, a process of its own, keeps 0.
   int refine_nice = 0;
+  // The downgrade after the gate (PlanAfterGate) runs its operator DP on the caller's thread, in
+  // the forward: it spends at most this share of the exposed overhead it could remove (GateSearch,
+  // mitigation.h), at the seconds per label the planner measured on its earlier searches at the
+  // same gate; in [0, 1], 0: the full search at every revision.
+  double gate_search_share = 0.25;
 };
 
 // A pipeline scheduling point F_x B_y (either side may be absent in warmup or cooldown).
@@ -168,6 +173,11 @@ struct PlannerCacheStats {
   // plan; and the plans the shared store holds now (0: not sharing).
   uint64_t warm_shared_hits = 0;
   uint64_t warm_shared_keys = 0;
+  // The downgrades after the gate (PlanAfterGate) that searched (ran the operator DP), those the
+  // search's price cut (fewer labels, or no search: GateSearch), and the searches' wall time.
+  uint64_t gate_searches = 0;
+  uint64_t gate_searches_cut = 0;
+  double gate_search_s = 0;
 };
 
 class StagePlanner {
@@ -352,6 +362,10 @@ class StagePlanner {
   double warm_cpu_s_ = 0, refine_cpu_s_ = 0;
   std::shared_ptr<SharedPlans> shared_;  // null: not sharing
   uint64_t warm_shared_hits_ = 0;
+  // Per gate layer, the measured seconds per label of the downgrade's DP (0: not measured yet).
+  std::vector<double> gate_search_s_per_label_;
+  uint64_t gate_searches_ = 0, gate_searches_cut_ = 0;
+  double gate_search_s_ = 0;
   // Claims the warm-up's keys in shared_ (true: searched here) or skips them (false: another
   // planner's); without sharing, always true.
   bool ClaimWarm(const MitigationKey& key);

@@ -213,7 +213,15 @@ def test_a_spike_run_shows_how_the_points_after_a_downgrade_were_served(monkeypa
     assert downgrades > 0, [line["downgrades"] for line in r["lines"]]
     later = [p["served"] for line in r["lines"][1:] for p in line["points"]]
     assert {"warm", "refined", "nearest"} & set(later), later
-    assert r["stats"]["planning"]["warm_nearest"] == sum(x["warm_nearest"] for x in r["lines"])
+    planning = r["stats"]["planning"]
+    assert planning["warm_nearest"] == sum(x["warm_nearest"] for x in r["lines"])
+    # the downgrades' searches (docs/planner.md "The downgrade's search has a price"): a revision
+    # searches at most once (none where its candidates expose nothing), and the searches' time is
+    # counted
+    revisions = sum(x["deferred"] for x in r["lines"])
+    assert planning["gate_searches"] <= revisions, planning
+    assert planning["gate_searches_cut"] <= revisions, planning
+    assert (planning["gate_search_s"] > 0) == (planning["gate_searches"] > 0), planning
 
 
 def test_the_downgrade_line_names_how_the_next_forward_was_served(caplog) -> None:

@@ -368,9 +368,11 @@ class Runtime(HooksHost):
                            "capacity_bytes": self.planning.plan_capacity}
         planner = self._planner_stats()
         if planner is not None:
-            # the warm-up (issue 43): its plans cached now, keys searched, the worker's CPU
+            # the warm-up (issue 43): its plans cached now, keys searched, the worker's CPU;
+            # the downgrades' searches after the gate and their price (docs/planner.md)
             for key in ("warm_keys", "warm_submitted", "warm_done", "warm_complete",
-                        "warm_cpu_s", "refine_cpu_s", "first_answers"):
+                        "warm_cpu_s", "refine_cpu_s", "first_answers", "gate_searches",
+                        "gate_searches_cut", "gate_search_s"):
                 out["planning"][key] = planner.get(key)
         model = self.log.memory_model()
         if model is not None:

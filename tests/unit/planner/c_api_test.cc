@@ -67,6 +67,22 @@ TEST(PlannerCApi, BadInputFailsWithAMessage) {
   EXPECT_NE(std::string(bgl_planner_last_error()).find("capacity_bytes"), std::string::npos);
   EXPECT_EQ(bgl_planner_create(model.c_str(), R"({"budget_step_bytes": 0})"), nullptr);
   EXPECT_NE(std::string(bgl_planner_last_error()).find("budget_step_bytes"), std::string::npos);
+  // An unknown option is refused by name (a misspelt "warm_up" planned without a warm-up).
+  EXPECT_EQ(bgl_planner_create(model.c_str(), R"({"warmup": true})"), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("options_json: unknown field 'warmup'"),
+            std::string::npos);
+  for (const char* bad : {R"({"gate_search_share": -0.1})", R"({"gate_search_share": 1.5})"}) {
+    EXPECT_EQ(bgl_planner_create(model.c_str(), bad), nullptr) << bad;
+    EXPECT_NE(std::string(bgl_planner_last_error()).find("gate_search_share: "), std::string::npos)
+        << bad;
+  }
+  bgl_planner* shared = bgl_planner_create(model.c_str(), R"({"gate_search_share": 0})");
+  ASSERT_NE(shared, nullptr) << bgl_planner_last_error();
+  const nlohmann::json stats = nlohmann::json::parse(Take(bgl_planner_stats(shared)));
+  for (const char* key : {"gate_searches", "gate_searches_cut", "gate_search_s"}) {
+    EXPECT_EQ(stats.at(key), 0) << key;
+  }
+  bgl_planner_destroy(shared);
   bgl_planner* p = bgl_planner_create(model.c_str(), nullptr);
   ASSERT_NE(p, nullptr);
   EXPECT_EQ(bgl_planner_plan(p, R"({"forward_micro_batch": 99})"), nullptr);

@@ -186,6 +186,55 @@ TEST(ReplanAfterGate, UsesOnlyTheStrategiesThePlannerMay) {
   }
 }
 
+// The downgrade's search has a price (GateSearch): it runs on the training thread, so it may
+// spend at most a share of the exposed overhead it could remove. On the host chunks at 1.3 the
+// priced candidates leave a few microseconds exposed (CheapCopiesOffload): at a price of 1 ms per
+// label the search does not run (no labels, cut), and the revision is what the search would have
+// started from, still fitting and no costlier than the rule; at 1 ns per label it runs with the
+// labels the share affords (fewer than the full count where that is cheaper), and at no price
+// (the default) with the full count.
+TEST(ReplanAfterGate, TheSearchCostsAtMostAShareOfWhatItCanRemove) {
+  const HardwareProfile hw = *HardwareProfileByName("host");
+  int searched = 0;
+  for (const Case& c : HostChunks(8, hw)) {
+    const StageGraph& g = c.graph;
+    CostEvaluator eval(g, hw);
+    const double budget = g.KeepAllBytes(1.0);
+    const Assignment planned(g.ops.size(), Strategy::kKeep);
+    const int gate = g.layers - 1;
+    const MitigationResult full = ReplanAfterGate(eval, planned, gate, 1.3, budget);
+    EXPECT_FALSE(full.search_cut) << c.shape;
+    GateSearch dear;
+    dear.share = 0.25;
+    dear.seconds_per_label = 1e-3;
+    const MitigationResult skipped =
+        ReplanAfterGate(eval, planned, gate, 1.3, budget, -1, {}, nullptr, dear);
+    const AssignmentCost rule = eval.Evaluate(FixedRule(eval, planned, gate), 1.3);
+    EXPECT_TRUE(skipped.fits) << c.shape;
+    EXPECT_LE(skipped.cost.device_bytes, budget) << c.shape;
+    EXPECT_LE(skipped.cost.exposed_s, rule.exposed_s + 1e-12) << c.shape;
+    EXPECT_GE(skipped.cost.exposed_s, full.cost.exposed_s - 1e-12) << c.shape;
+    if (full.search_labels == 0) continue;  // nothing left exposed: no search either way
+    ++searched;
+    // 0.25 * exposed (tens of us at most) / 1 ms per label: under one label, no search.
+    EXPECT_EQ(skipped.search_labels, 0) << c.shape;
+    EXPECT_TRUE(skipped.search_cut) << c.shape;
+    EXPECT_EQ(skipped.search_s, 0) << c.shape;
+    GateSearch cheap = dear;
+    cheap.seconds_per_label = 1e-9;
+    const MitigationResult priced =
+        ReplanAfterGate(eval, planned, gate, 1.3, budget, -1, {}, nullptr, cheap);
+    const double affordable = cheap.share * skipped.cost.exposed_s / cheap.seconds_per_label;
+    EXPECT_EQ(priced.search_cut, affordable < full.search_labels) << c.shape;
+    if (priced.search_cut && affordable >= 16) {
+      EXPECT_EQ(priced.search_labels, static_cast<int>(affordable)) << c.shape;
+    }
+    EXPECT_LE(priced.search_labels, full.search_labels) << c.shape;
+    EXPECT_GT(full.search_s, 0) << c.shape;
+  }
+  EXPECT_GT(searched, 0) << "no chunk left the search anything to remove";
+}
+
 // Issue 43's bar for the downgrade (within 1.5x of the optimum for the rest of the chunk at the
 // observed load), against the exact reference with the operators that ran pinned, on unseen
 // chunks of planner_first_answer_study gate-reference 4343 (GateInstances 4343: the gate of a

@@ -284,5 +284,52 @@ TEST(StagePlanner, DeferredPlanningAfterTheGate) {
   EXPECT_EQ(PlanToJson(*revised, p->graph())["deferred"], true);
 }
 
+// The downgrade's search is priced by what it measured (PlannerOptions::gate_search_share):
+// every revision that searched is counted with its time, and a share of 0 never cuts one; a
+// share outside [0, 1] is refused naming the option.
+TEST(StagePlanner, TheGatesSearchesAreCountedAndPriced) {
+  for (const double share : {0.0, 0.25}) {
+    PlannerOptions options;
+    options.gate_search_share = share;
+    auto p = Make("glm-423b-a30b.json", k64GB, 0, options);
+    const auto& steps = p->steps();
+    size_t i = 0;
+    for (; i < steps.size() && steps[i].phase == Phase::kWarmup; ++i) {
+      SchedulePoint point;
+      point.forward_micro_batch = steps[i].micro_batch;
+      point.forward_chunk = steps[i].chunk;
+      ASSERT_TRUE(p->PlanPoint(point).ok());
+    }
+    ASSERT_GE(i, 2u);
+    int revised = 0;
+    for (size_t u = 0; u < 2; ++u) {  // two forwards of the warmup spike at their last gate
+      for (const double r : {2.0, 2.6}) {
+        auto plan =
+            p->PlanAfterGate(steps[u].micro_batch, steps[u].chunk, p->graph().layers - 1, r);
+        ASSERT_TRUE(plan.ok()) << plan.status().message();
+        revised += plan->deferred ? 1 : 0;
+      }
+    }
+    const PlannerCacheStats stats = p->cache_stats();
+    EXPECT_GT(revised, 0) << "the spike must revise a plan";
+    EXPECT_LE(stats.gate_searches + stats.gate_searches_cut, static_cast<uint64_t>(2 * revised));
+    EXPECT_EQ(stats.gate_search_s > 0, stats.gate_searches > 0);
+    if (share == 0) {
+      EXPECT_EQ(stats.gate_searches_cut, 0u);
+      EXPECT_GT(stats.gate_searches, 0u) << "no revision left the search anything to remove";
+    }
+  }
+  auto c = LoadModelConfig(std::string(BGL_MODELS_DIR) + "/glm-423b-a30b.json");
+  ASSERT_TRUE(c.ok());
+  for (const double bad : {-0.5, 1.01, std::nan("")}) {
+    PlannerOptions options;
+    options.gate_search_share = bad;
+    auto p = StagePlanner::Create(*c, *HardwareProfileByName(c->gpu), options);
+    ASSERT_FALSE(p.ok()) << bad;
+    EXPECT_NE(p.status().message().find("gate_search_share: "), std::string::npos)
+        << p.status().message();
+  }
+}
+
 }  // namespace
 }  // namespace bgl::plan

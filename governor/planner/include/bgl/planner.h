@@ -33,7 +33,10 @@ typedef struct bgl_planner bgl_planner;
  * plans in the background the keys the run will meet at loads 1 to "warm_spike_bound" (3.0; a
  * load factor in [1, 64]), at most "warm_max_keys" (0: half the plan cache) of them, on a
  * worker thread at nice "warm_nice" (19; 0-19) (the plan's "warm" says a warm-up plan served
- * it); the first answers' refinements run at nice "refine_nice" (0; 0-19; the package asks for 19).
+ * it); the first answers' refinements run at nice "refine_nice" (0; 0-19; the package asks for 19);
+ * "gate_search_share" (0.25; in [0, 1]; 0: always the full search): the share of the exposed
+ * overhead it could remove that the downgrade after the gate may spend searching (docs/planner.md,
+ * "The downgrade's search has a price"). An unknown key is an error naming it.
  * NULL on error. */
 BGL_PLANNER_API bgl_planner* bgl_planner_create(const char* model_json, const char* options_json);
 BGL_PLANNER_API void bgl_planner_destroy(bgl_planner* planner);
@@ -79,7 +82,9 @@ BGL_PLANNER_API void bgl_planner_reset_iteration(bgl_planner* planner);
  * "cache_evictions", "cache_entries"; the anytime path's "first_answers", "refined",
  * "refine_cpu_s"; the warm-up's "warm_keys" (cache entries holding its plans now),
  * "warm_enumerated", "warm_submitted", "warm_done", "warm_hits", "warm_rounds", "warm_complete",
- * "warm_cpu_s" (the worker thread's CPU seconds). NULL on error. Free with
+ * "warm_cpu_s" (the worker thread's CPU seconds); the downgrades after the gate's
+ * "gate_searches" (those that ran the search), "gate_searches_cut" (those its price cut or
+ * skipped) and "gate_search_s" (the searches' wall seconds). NULL on error. Free with
  * bgl_planner_free_string. */
 BGL_PLANNER_API char* bgl_planner_stats(bgl_planner* planner);
 
