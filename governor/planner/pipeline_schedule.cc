@@ -45,8 +45,8 @@ Result<std::vector<Step>> BuildSchedule(int pp, int rank, int micro_batches, int
       static_cast<long long>(pp) * chunks > kMaxUnits) {
     return InvalidArgument("micro_batches x chunks and pp x chunks must be at most " +
                            std::to_string(kMaxUnits) + ", got " + std::to_string(micro_batches) +
-                           " x " + std::to_string(chunks) + " and " + std::to_string(pp) +
-                           " x " + std::to_string(chunks));
+                           " x " + std::to_string(chunks) + " and " + std::to_string(pp) + " x " +
+                           std::to_string(chunks));
   }
   if (chunks > 1 && micro_batches % pp != 0) {
     return InvalidArgument("interleaved 1F1B needs micro_batches divisible by pp");
