@@ -18,7 +18,7 @@ while the training thread waits in backward()).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..vocabulary import Op
 
@@ -140,36 +140,51 @@ class PointIssuer:
         self.f_next = self.b_next = 0
 
     def forward_op(self, micro_batch: int, op: Op) -> None:
-        """The forward of ``micro_batch`` enters ``op``."""
-        if micro_batch == self.forward_key and self.f_next < len(self.f_stages):
-            self.f_next = self._reach("F", self.f_stages, self.f_next, op,
-                                      lambda first, i: first <= i)
+        """The forward of ``micro_batch`` enters ``op``. Called at every operator call: the
+        common case (another micro-batch, or ``op`` before the next stage) returns after a
+        dict lookup."""
+        if micro_batch != self.forward_key or self.issuing:
+            return
+        stages, n = self.f_stages, self.f_next
+        if n >= len(stages):
+            return
+        i = self.index.op(op)
+        if i < 0 or stages[n][0] > i:  # not a planned operator, or before the next stage
+            return
+        start = n
+        while n < len(stages) and stages[n][0] <= i:
+            n += 1
+        self.f_next = n
+        self._reach("F", stages, start, n)
 
     def backward_op(self, micro_batch: int, op: Op) -> None:
-        """The backward of ``micro_batch`` needs an activation ``op`` produced."""
-        if micro_batch == self.backward_key and self.b_next < len(self.b_stages):
-            self.b_next = self._reach("B", self.b_stages, self.b_next, op,
-                                      lambda first, i: i <= first)
+        """The backward of ``micro_batch`` needs an activation ``op`` produced. Called at every
+        unpack (packed.cc's NoteBackward): the common case returns as forward_op's does."""
+        if micro_batch != self.backward_key or self.issuing:
+            return
+        stages, n = self.b_stages, self.b_next
+        if n >= len(stages):
+            return
+        i = self.index.op(op)
+        if i < 0 or stages[n][0] < i:  # the backward has not reached the next stage yet
+            return
+        start = n
+        while n < len(stages) and i <= stages[n][0]:
+            n += 1
+        self.b_next = n
+        self._reach("B", stages, start, n)
 
-    def _reach(self, chain: str, stages: List[Tuple[int, int]], start: int, op: Op,
-               passed: Callable[[int, int], bool]) -> int:
-        """Tells the scheduler every stage of ``chain`` compute has passed at ``op``; returns
-        the next stage not yet reached. Completed offloads are looked for at stage
-        boundaries."""
-        i = self.index.op(op) if not self.issuing else -1
-        if i < 0:
-            return start
-        n = start
+    def _reach(self, chain: str, stages: List[Tuple[int, int]], start: int, end: int) -> None:
+        """Tells the scheduler compute passed stages ``start``..``end - 1`` of ``chain``, then
+        lets go of the device copies whose offload completed (looked for at stage
+        boundaries)."""
         self.issuing = True
         try:
-            while n < len(stages) and passed(stages[n][0], i):
-                n += 1
-                self.scheduler.reached(chain, stages[n - 1][1])
-            if n != start:
-                self.collect()
+            for n in range(start, end):
+                self.scheduler.reached(chain, stages[n][1])
+            self.collect()
         finally:
             self.issuing = False
-        return n
 
     def finish(self) -> None:
         """Issues what is left of the point's order and waits for it."""
