@@ -103,8 +103,8 @@ struct MitigationResult {
 // exposed copies do: it searches with at most `share` of the best exposed overhead found so far
 // (the most it can remove) in CPU time, at `seconds_per_label` per label per cut (the caller's
 // measurement of earlier searches at the same gate), and not at all below 16 labels per cut.
-// seconds_per_label 0 (the default) or share 0: the full label count, whatever it costs. It never
-// cuts a search for a plan that fits when the cheaper alternatives do not. A plain value.
+// seconds_per_label 0 (the default) or share 0: the full label count, whatever it costs. Where
+// nothing found before the search fits, it runs in full at any price. A plain value.
 struct GateSearch {
   double share = 0;
   double seconds_per_label = 0;
