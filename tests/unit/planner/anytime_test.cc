@@ -156,6 +156,21 @@ TEST(Anytime, AMissAnswersWithTheFirstAnswerAndTheNextHitGetsTheRefinedPlan) {
     EXPECT_FALSE(plan.refined);
   }
   EXPECT_EQ(exact->cache_stats().first_answers, 0u);
+  // Plan by plan, where both iterations planned the same forward within the same budget at the
+  // same load (the budgets follow what earlier plans predicted, so the iterations may part).
+  ASSERT_EQ(reference->plans.size(), runs.back().plans.size());
+  int compared = 0;
+  for (size_t i = 0; i < reference->plans.size(); ++i) {
+    const Plan& anytime = runs.back().plans[i];
+    const Plan& full = reference->plans[i];
+    if (anytime.micro_batch != full.micro_batch || anytime.chunk != full.chunk ||
+        anytime.budget_bytes != full.budget_bytes || anytime.load_factor != full.load_factor) {
+      continue;
+    }
+    ++compared;
+    EXPECT_LE(anytime.overhead_s, full.overhead_s + 1e-12) << "plan " << i;
+  }
+  EXPECT_GT(compared, 0) << "the two iterations planned no forward alike";
 }
 
 TEST(Anytime, DeterministicWhateverTheTiming) {
