@@ -497,6 +497,15 @@ BGL_ALLOC_API int bgl_enf_schedule_reached(bgl_enforcer* enf, int chain, int sta
   });
 }
 
+BGL_ALLOC_API int bgl_enf_schedule_at(bgl_enforcer* enf, int chain, int op, int* passed) {
+  int n = 0;
+  const int rc = Call(enf, __func__, {}, [&](Enforcer& e) {
+    return e.schedule_at(static_cast<bgl::plan::Chain>(chain), op, &n);
+  });
+  if (passed != nullptr) *passed = n;
+  return rc;
+}
+
 BGL_ALLOC_API int bgl_enf_schedule_poll(bgl_enforcer* enf, size_t* waiting) {
   return Call(enf, __func__, {}, [&](Enforcer& e) { return e.schedule_poll(waiting); });
 }

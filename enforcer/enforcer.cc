@@ -743,6 +743,17 @@ Status Enforcer::schedule_reached(plan::Chain chain, int stage) {
   return s == Status::kOk ? s : fail(s, error);
 }
 
+Status Enforcer::schedule_at(plan::Chain chain, int op, int* passed) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::string error;
+  const Status s = sched_.at(chain, op, passed, &error);
+  if (*passed > 0) {
+    stats_.scheduled_issued = sched_.issued();
+    stats_.scheduled_max_inflight = sched_.max_inflight_seen();
+  }
+  return s == Status::kOk ? s : fail(s, error);
+}
+
 Status Enforcer::schedule_poll(std::size_t* waiting) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   std::string error;

@@ -85,6 +85,8 @@ class Enforcer final : private WorkIssuer {
   Status schedule_begin(const std::vector<plan::IssueItem>& order, int offload_micro_batch,
                         int recover_micro_batch);
   Status schedule_reached(plan::Chain chain, int stage);
+  // StreamScheduler::at under the lock; *passed as there.
+  Status schedule_at(plan::Chain chain, int op, int* passed);
   Status schedule_poll(std::size_t* waiting);
   Status schedule_finish();
   // Up to `cap` handles whose offload, issued by the scheduler, completed since the last call

@@ -43,15 +43,46 @@ Status StreamScheduler::load(const std::vector<plan::IssueItem>& order, std::str
   }
   queue_.clear();
   compute_rounds_.clear();
+  for (auto& m : marks_) m.clear();
+  passed_ = {0, 0};
   frontier_ = -1;
   for (const auto& it : order) {
     if (it.chain == plan::Chain::kOffload || it.chain == plan::Chain::kRecover) {
       queue_.push_back(it);
     } else {
       compute_rounds_.push_back({{static_cast<int>(it.chain), it.stage}, it.round});
+      marks_[static_cast<int>(it.chain)].push_back({it.first, it.round});
     }
   }
+  auto& f = marks_[static_cast<int>(plan::Chain::kForward)];
+  auto& b = marks_[static_cast<int>(plan::Chain::kBackward)];
+  std::stable_sort(f.begin(), f.end(),
+                   [](const auto& x, const auto& y) { return x.first < y.first; });
+  std::stable_sort(b.begin(), b.end(),
+                   [](const auto& x, const auto& y) { return x.first > y.first; });
   return Status::kOk;
+}
+
+Status StreamScheduler::at(plan::Chain chain, int op, int* passed, std::string* error) {
+  *passed = 0;
+  if (chain != plan::Chain::kForward && chain != plan::Chain::kBackward) {
+    *error = "schedule_at: chain must be forward (0) or backward (1), not " +
+             std::to_string(static_cast<int>(chain));
+    return Status::kInvalidArgument;
+  }
+  if (op < 0) return Status::kOk;
+  const int c = static_cast<int>(chain);
+  const auto& marks = marks_[c];
+  std::size_t n = passed_[c];
+  const bool forward = chain == plan::Chain::kForward;
+  while (n < marks.size() && (forward ? marks[n].first <= op : marks[n].first >= op)) {
+    frontier_ = std::max(frontier_, marks[n].second);
+    ++n;
+  }
+  if (n == passed_[c]) return Status::kOk;
+  *passed = static_cast<int>(n - passed_[c]);
+  passed_[c] = n;
+  return pump(error);
 }
 
 Status StreamScheduler::reached(plan::Chain chain, int stage, std::string* error) {

@@ -3,6 +3,7 @@
 // `max_inflight` pieces issued but not complete.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -36,6 +37,15 @@ class StreamScheduler {
   // Compute (chain F or B) reached the start of `stage`: O/R pieces of that round or earlier
   // become issuable. kInvalidArgument when no such compute stage is in the order.
   Status reached(plan::Chain chain, int stage, std::string* error);
+  // Compute of chain F entered operator `op`, or compute of chain B needs what operator `op`
+  // produced (indices of the planner's stage graph): every stage of that chain compute passed
+  // since the last call is reached, as `reached` does for each, and *passed gets how many (0, the
+  // common case: nothing else happens). The forward passes a stage once `op` is at or after the
+  // stage's first operator, the backward once `op` is at or before it (a backward's stages run
+  // from the chunk's last operator down). The one definition of where compute is in a point's
+  // order (the integrations call it at every operator call and every unpack). op < 0: not a
+  // planned operator, nothing passed. kInvalidArgument for a chain other than F and B.
+  Status at(plan::Chain chain, int op, int* passed, std::string* error);
   // Retires completed pieces and issues what the frontier and the bound allow. The first issue
   // error is returned (that piece is skipped: its tensors stay where they are).
   Status pump(std::string* error);
@@ -68,6 +78,10 @@ class StreamScheduler {
   int max_inflight_;
   std::deque<plan::IssueItem> queue_;  // O/R pieces not yet issued, in issue order
   std::vector<std::pair<std::pair<int, int>, int>> compute_rounds_;  // (chain, stage) -> round
+  // Per compute chain (F, B): (first operator, round) of its stages in the order compute passes
+  // them (F: first ascending, B: descending), and how many compute passed (`at`).
+  std::array<std::vector<std::pair<int, int>>, 2> marks_;
+  std::array<std::size_t, 2> passed_{0, 0};
   std::deque<Flight> inflight_;
   int frontier_ = -1;  // highest round compute has reached
   std::uint64_t issued_ = 0;

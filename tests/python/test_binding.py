@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bagualu.enforce.enforcer import Enforcer
-from bagualu.errors import LibraryNotFound
+from bagualu.errors import BagualuError, LibraryNotFound
 from bagualu.native import ext, libs
 
 
@@ -223,3 +223,116 @@ def test_an_offloaded_conjugate_or_negative_view_comes_back_with_its_bit() -> No
     offloaded, stats = grad("offload")
     assert torch.equal(kept, offloaded)
     assert stats["enforcer"]["offloads"] > 0 and stats["enforcer"]["reloads"] > 0, stats
+
+
+def test_the_issue_cursor_tells_the_scheduler_where_compute_is_and_runs_python_past_a_stage(
+) -> None:
+    """enforce/order.py's PointIssuer over the binding's IssueCursor: every operator call and
+    unpack of the point's units goes to the core (bgl_enf_schedule_at); Python runs only to look
+    an operator up once and when compute passed a stage; other units, unplanned operators and
+    calls from inside the enforcer's pieces tell nothing; an error in Python reaches the caller
+    and leaves the cursor usable."""
+    from bagualu.enforce.order import PointIssuer, StageGraphIndex
+    from bagualu.vocabulary import Op
+    m = ext.load()
+    enf = Enforcer(torch.device("cpu"), 1 << 20, borrowed_free_is_safe=False)
+    index = StageGraphIndex({"operators": [{"name": "L0.a"}, {"name": "L0.b"}, {"name": "L0.c"}],
+                             "tensors": []}, layers_per_chunk=1)
+    asked, passed, collected = [], [], []
+
+    class Counting(PointIssuer):
+        def _op_index(self, op: Op) -> int:
+            asked.append(op.name)
+            return super()._op_index(op)
+
+        def _passed(self, status: int, stages: int) -> None:
+            passed.append((status, stages))
+            super()._passed(status, stages)
+
+    issuer = Counting(enf.scheduler, index, lambda: collected.append(1))
+    assert isinstance(issuer, m.IssueCursor)
+    a, b, c, x = (Op(n, "other", 0) for n in "abcx")
+    order = [{"chain": "F", "stage": 0, "round": 0, "resource": "compute", "first": 0, "last": 1},
+             {"chain": "B", "stage": 0, "round": 0, "resource": "compute", "first": 2, "last": 2},
+             {"chain": "F", "stage": 1, "round": 1, "resource": "compute", "first": 2, "last": 2},
+             {"chain": "B", "stage": 1, "round": 1, "resource": "compute", "first": 0, "last": 1}]
+    issuer.forward_op(5, a)  # no order loaded
+    assert asked == [] and passed == []
+    issuer.begin(order, 5, 7, -1, -1)
+    assert issuer.active and (issuer.forward_key, issuer.backward_key) == (5, 7)
+    issuer.forward_op(6, a)  # another unit
+    assert asked == [] and passed == []
+    issuer.forward_op(5, a)  # F0 from operator 0
+    assert asked == ["a"] and passed == [(0, 1)] and collected == [1]
+    issuer.forward_op(5, b)  # inside F0
+    issuer.forward_op(5, a)  # looked up once
+    issuer.forward_op(5, x)  # not a planned operator
+    assert asked == ["a", "b", "x"] and passed == [(0, 1)]
+    issuer.issuing = True  # as while the enforcer carries out a piece
+    issuer.forward_op(5, c)
+    issuer.issuing = False
+    assert passed == [(0, 1)]
+    issuer.forward_op(5, c)  # F1
+    assert passed == [(0, 1), (0, 1)] and not issuer.issuing
+    issuer.backward_op(5, a)  # the forward's unit is not the backward's
+    issuer.backward_op(7, b)  # B0 runs from c down: b passes it
+    assert passed[-1] == (0, 1)
+    issuer.backward_op(7, a)  # B1
+    issuer.backward_op(7, a)  # nothing left to pass
+    assert passed == [(0, 1)] * 4 and collected == [1] * 4
+
+    def fail(status: int, stages: int) -> None:
+        raise RuntimeError("from _passed")
+    issuer.begin(order, 5, 7, -1, -1)
+    issuer._passed = fail  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="from _passed"):
+        issuer.forward_op(5, a)
+    assert not issuer.issuing and issuer.active
+    del issuer._passed
+    issuer.finish()
+    assert not issuer.active and collected == [1] * 5
+    issuer.forward_op(5, c)  # after the point: nothing
+    assert passed == [(0, 1)] * 4
+    with pytest.raises(TypeError, match="forward_op\\(unit, op\\) takes 2 arguments"):
+        issuer.forward_op(5)
+    with pytest.raises(TypeError, match="Enforcer or None"):
+        m.IssueCursor("enforcer")
+    enf.close()
+
+
+def test_a_malformed_issue_order_is_refused_naming_the_item_and_loads_nothing() -> None:
+    """schedule_begin, the one reader of a plan's issue items: an unknown chain or resource, a
+    missing or non-int field, an item that is not a dict, a wrong argument: a clear error naming
+    the item, nothing loaded (the order before it still runs)."""
+    m = ext.load()
+    enf = Enforcer(torch.device("cpu"), 1 << 20, borrowed_free_is_safe=False)
+    good = {"chain": "F", "stage": 0, "round": 0, "resource": "compute", "first": 0}
+    assert m.schedule_begin(enf.fast, [good], -1, -1) == 0
+    for bad, match in [([good, dict(good, chain="Q")], "issue item 1: chain 'Q' unknown"),
+                       ([dict(good, resource="disk")], "issue item 0: resource 'disk' unknown"),
+                       ([{k: v for k, v in good.items() if k != "stage"}], "item 0: no 'stage'"),
+                       ([dict(good, round="1")], "item 0: 'round' must be an int, not str"),
+                       ([("F", 0)], "issue item 0: a dict, not tuple")]:
+        with pytest.raises(ValueError, match=match):
+            m.schedule_begin(enf.fast, bad, -1, -1)
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        m.schedule_begin(enf.fast, [good], -1)
+    with pytest.raises(TypeError, match="bagualu._C.Enforcer, not int"):
+        m.schedule_begin(3, [good], -1, -1)
+    # an order the core refuses (stages of a chain going back) is its status, the message named
+    with pytest.raises(BagualuError, match="schedule_begin.*order inside a chain"):
+        enf.scheduler.begin([dict(good, stage=1), good], -1, -1)
+    # the loaded order is still the first one: compute at operator 0 passes its one stage
+    passed = []
+
+    class Probe(m.IssueCursor):
+        def _op_index(self, op: object) -> int:
+            return 0
+
+        def _passed(self, status: int, stages: int) -> None:
+            passed.append((status, stages))
+    probe = Probe(enf.fast)
+    probe.active, probe.forward_key = True, 1
+    probe.forward_op(1, object())
+    assert passed == [(0, 1)]
+    enf.close()

@@ -46,8 +46,8 @@
  *                    (bgl_enf_store_fp8, bgl_enf_drop + the recompute callback); an offload is
  *                    issued at once (bgl_enf_offload) or left to the issue order
  *   forward end:     bgl_enf_set_graph_index, bgl_enf_set_need_order for planned offloads
- *   schedule point:  bgl_enf_schedule_begin(issue order); bgl_enf_schedule_reached(chain, stage)
- *                    as compute enters F/B stages; bgl_enf_take_offloaded (after
+ *   schedule point:  bgl_enf_schedule_begin(issue order); bgl_enf_schedule_at(chain, op) at
+ *                    every operator call (F) and unpack (B); bgl_enf_take_offloaded (after
  *                    bgl_enf_schedule_poll) to let go of offloaded device data;
  *                    bgl_enf_schedule_finish at the next point or iteration end
  *   backward:        bgl_enf_prefetch(micro_batch); bgl_enf_acquire(h, -1, stream, &ptr) ...
@@ -322,6 +322,13 @@ BGL_ALLOC_API int bgl_enf_schedule_begin(bgl_enforcer* enf, const bgl_enf_issue_
  * RECOVER item of that round or earlier, in order, keeping at most max_inflight in flight (the
  * rest are issued by later calls as earlier pieces complete). */
 BGL_ALLOC_API int bgl_enf_schedule_reached(bgl_enforcer* enf, int chain, int stage);
+/* Compute of chain FORWARD entered operator `op`, or compute of chain BACKWARD needs what `op`
+ * produced (stage-graph operator indices; the items' `first`): every stage of that chain compute
+ * passed since the last call is reached (as bgl_enf_schedule_reached): the forward passes a stage
+ * once op >= its first operator, the backward once op <= it. *passed (may be null) gets how many
+ * (0, the common case: nothing else happens). op < 0: nothing passed. Cheap enough to call at
+ * every operator call and every unpack. */
+BGL_ALLOC_API int bgl_enf_schedule_at(bgl_enforcer* enf, int chain, int op, int* passed);
 /* Retires completed pieces and issues what the bound allowed; *waiting (may be null) gets the
  * number of items not yet issued. */
 BGL_ALLOC_API int bgl_enf_schedule_poll(bgl_enforcer* enf, size_t* waiting);

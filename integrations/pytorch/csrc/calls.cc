@@ -25,6 +25,9 @@ struct EnforceApi {
   decltype(&bgl_enf_release) release = nullptr;
   decltype(&bgl_enf_unregister) unregister = nullptr;
   decltype(&bgl_enf_prefetch) prefetch = nullptr;
+  decltype(&bgl_enf_schedule_at) schedule_at = nullptr;
+  decltype(&bgl_enf_schedule_begin) schedule_begin = nullptr;
+  decltype(&bgl_enf_enum_value) enum_value = nullptr;
 };
 
 template <typename Fn>
@@ -90,7 +93,10 @@ int EnforcerInit(PyObject* self, PyObject* args, PyObject*) {
       !Find(h, "bgl_enf_offload", &a.offload) || !Find(h, "bgl_enf_wait_tensor", &a.wait_tensor) ||
       !Find(h, "bgl_enf_query", &a.query) || !Find(h, "bgl_enf_acquire", &a.acquire) ||
       !Find(h, "bgl_enf_release", &a.release) || !Find(h, "bgl_enf_unregister", &a.unregister) ||
-      !Find(h, "bgl_enf_prefetch", &a.prefetch)) {
+      !Find(h, "bgl_enf_prefetch", &a.prefetch) ||
+      !Find(h, "bgl_enf_schedule_at", &a.schedule_at) ||
+      !Find(h, "bgl_enf_schedule_begin", &a.schedule_begin) ||
+      !Find(h, "bgl_enf_enum_value", &a.enum_value)) {
     return -1;
   }
   o->enf = reinterpret_cast<bgl_enforcer*>(static_cast<uintptr_t>(enf));
@@ -408,6 +414,22 @@ int QueryOffload(PyObject* enforcer, uint64_t handle, bool* waiting, bool* issue
   *waiting = rc == 0 && info.planned == BGL_STRATEGY_OFFLOAD && info.applied == BGL_STRATEGY_KEEP;
   *issued = rc == 0 && info.applied == BGL_STRATEGY_OFFLOAD && info.placement == BGL_PLACE_HOST;
   return rc;
+}
+
+int ScheduleAt(PyObject* enforcer, int chain, int op, int* passed) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  return o->api.schedule_at(o->enf, chain, op, passed);
+}
+
+int ScheduleBegin(PyObject* enforcer, const bgl_enf_issue_item* items, size_t count,
+                  int offload_micro_batch, int recover_micro_batch) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  return o->api.schedule_begin(o->enf, items, count, offload_micro_batch, recover_micro_batch);
+}
+
+int EnumValue(PyObject* enforcer, const char* kind, const char* name, int* value) {
+  auto* o = reinterpret_cast<EnforcerObject*>(enforcer);
+  return o->api.enum_value(kind, name, value);
 }
 
 bool IsPool(PyObject* obj) {

@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "bgl/enforce.h"
+
 namespace bgl::torch_ext {
 
 // Adds the types Enforcer (the enforcer's hot calls) and Pool (the simulated device's blocks)
@@ -76,6 +78,16 @@ int QueryPlacement(PyObject* enforcer, uint64_t handle, int* placement);
 // the host (its copy issued, perhaps still running: what it read is PyTorch's until the package
 // lets go of it). The status (BGL_ERR_UNKNOWN_HANDLE for a handle that is gone).
 int QueryOffload(PyObject* enforcer, uint64_t handle, bool* waiting, bool* issued);
+
+// bgl_enf_schedule_at through an Enforcer: the status, *passed the stages compute passed.
+int ScheduleAt(PyObject* enforcer, int chain, int op, int* passed);
+
+// bgl_enf_schedule_begin through an Enforcer: the status.
+int ScheduleBegin(PyObject* enforcer, const bgl_enf_issue_item* items, size_t count,
+                  int offload_micro_batch, int recover_micro_batch);
+
+// bgl_enf_enum_value of the Enforcer's library: the status, *value the number of `name`.
+int EnumValue(PyObject* enforcer, const char* kind, const char* name, int* value);
 
 // Whether `obj` is a Pool.
 bool IsPool(PyObject* obj);

@@ -10,6 +10,7 @@
 
 #include "blocks.h"
 #include "calls.h"
+#include "cursor.h"
 #include "saved.h"
 
 namespace bgl::torch_ext {
@@ -18,7 +19,7 @@ namespace {
 // The version of this binding's interface to the package (native/ext.py checks it): raised when
 // a call is added or its arguments or results change, so a stale build is refused by name,
 // not misused.
-constexpr int64_t kAbiVersion = 5;
+constexpr int64_t kAbiVersion = 6;
 
 int64_t AbiVersion() { return kAbiVersion; }
 
@@ -58,7 +59,7 @@ PyMODINIT_FUNC PyInit__C() {
   if (m == nullptr) return nullptr;
   if (PyModule_AddStringConstant(m, "torch_version", BGL_TORCH_BUILT_FOR) < 0 ||
       PyModule_AddIntConstant(m, "abi_version", static_cast<long>(kAbiVersion)) < 0 ||
-      !AddCallTypes(m) || !AddSavedTypes(m)) {
+      !AddCallTypes(m) || !AddCursorType(m) || !AddSavedTypes(m)) {
     Py_DECREF(m);
     return nullptr;
   }

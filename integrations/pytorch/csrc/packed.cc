@@ -12,6 +12,7 @@
 
 #include "blocks.h"
 #include "calls.h"
+#include "cursor.h"
 #include "detail/saved_types.h"
 
 namespace bgl::torch_ext::detail {
@@ -382,27 +383,19 @@ PyObject* PackedDetach(PyObject* self, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// The plan's issue order learns that the backward reached the record's producer.
+// The plan's issue order learns that the backward reached the record's producer (the tracker's
+// issuer: enforce/order.py's PointIssuer, an IssueCursor, or None).
 bool NoteBackward(RecordObject* r) {
   if (r->tracker == nullptr) return true;
   PyObject* issuer = Get(r->tracker, names.issuer);
   if (issuer == nullptr) return false;
   bool ok = true;
-  if (issuer != Py_None) {
-    PyObject* active = Get(issuer, names.active);
-    const int on = active == nullptr ? -1 : PyObject_IsTrue(active);
-    Py_XDECREF(active);
-    if (on > 0) {
-      PyObject* mb = PyLong_FromLongLong(r->micro_batch);
-      PyObject* out = mb == nullptr ? nullptr
-                                    : PyObject_CallMethodObjArgs(issuer, names.backward_op, mb,
-                                                                 r->producer, nullptr);
-      Py_XDECREF(mb);
-      ok = out != nullptr;
-      Py_XDECREF(out);
-    } else {
-      ok = on == 0;
-    }
+  if (IsIssueCursor(issuer)) {
+    ok = CursorBackward(issuer, r->micro_batch, r->producer);
+  } else if (issuer != Py_None) {
+    PyErr_Format(PyExc_TypeError, "bagualu: the tracker's issuer is a %s, not a PointIssuer",
+                 Py_TYPE(issuer)->tp_name);
+    ok = false;
   }
   Py_DECREF(issuer);
   return ok;

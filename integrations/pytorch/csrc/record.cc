@@ -47,8 +47,6 @@ bool InternNames() {
                            {&names.release, "release"},
                            {&names.materialize, "materialize"},
                            {&names.issuer, "issuer"},
-                           {&names.active, "active"},
-                           {&names.backward_op, "backward_op"},
                            {&names.records, "records"},
                            {&names.current_stream, "current_stream"},
                            {&names.device, "device"},

@@ -399,7 +399,22 @@ TEST_F(EnforceCApi, ScheduleRecomputesAndFp8RoundTrip) {
   bgl_enf_issue_item order[2] = {{BGL_CHAIN_BACKWARD, 0, 0, BGL_RES_COMPUTE, 5, 5},
                                  {BGL_CHAIN_RECOVER, 0, 0, BGL_RES_COMPUTE, 0, 3}};
   ASSERT_EQ(bgl_enf_schedule_begin(enf_, order, 2, -1, 0), BGL_OK);
-  ASSERT_EQ(bgl_enf_schedule_reached(enf_, BGL_CHAIN_BACKWARD, 0), BGL_OK);
+  // The backward's stage 0 runs from operator 5 down: an unpack of operator 6's output (the
+  // backward has not reached the stage) issues nothing, one of operator 5's the recompute.
+  int passed = -1;
+  ASSERT_EQ(bgl_enf_schedule_at(enf_, BGL_CHAIN_BACKWARD, 6, &passed), BGL_OK);
+  EXPECT_EQ(passed, 0);
+  ASSERT_EQ(bgl_enf_schedule_at(enf_, BGL_CHAIN_BACKWARD, -1, nullptr), BGL_OK);
+  ASSERT_EQ(bgl_enf_schedule_at(enf_, BGL_CHAIN_BACKWARD, 5, &passed), BGL_OK);
+  EXPECT_EQ(passed, 1);
+  ASSERT_EQ(bgl_enf_schedule_at(enf_, BGL_CHAIN_BACKWARD, 4, &passed), BGL_OK);
+  EXPECT_EQ(passed, 0);
+  EXPECT_EQ(bgl_enf_schedule_at(enf_, BGL_CHAIN_RECOVER, 4, &passed), BGL_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(bgl_enf_last_error()).find("schedule_at: chain must be"), std::string::npos)
+      << bgl_enf_last_error();
+  EXPECT_EQ(
+      bgl_enf_schedule_at(reinterpret_cast<bgl_enforcer*>(&passed), BGL_CHAIN_FORWARD, 0, &passed),
+      BGL_ERR_UNKNOWN_HANDLE);
   ASSERT_EQ(bgl_enf_schedule_finish(enf_), BGL_OK);
   EXPECT_EQ(g_calls, 1);
   void* p = nullptr;

@@ -140,6 +140,73 @@ TEST(StreamScheduler, HandingOverWaitsOnlyWhereTheBoundHoldsAnIssueBack) {
   EXPECT_EQ(fake.open(), 2u);         // the last two were not waited for
 }
 
+// The order of sample_order() with the stages' first operators: F0 from operator 0, F1 from 5;
+// B0 from 9 down, B1 from 4 down (a backward runs from the chunk's last operator).
+std::vector<IssueItem> order_with_operators() {
+  auto order = sample_order();
+  order[0].first = 0;
+  order[2].first = 9;
+  order[5].first = 5;
+  order[9].first = 4;
+  return order;
+}
+
+TEST(StreamScheduler, AtPassesTheStagesComputeEnteredInEachChainsDirection) {
+  FakeIssuer fake;
+  StreamScheduler s(&fake, /*max_inflight=*/8);
+  std::string error;
+  ASSERT_EQ(s.load(order_with_operators(), &error), Status::kOk) << error;
+  int passed = -1;
+  ASSERT_EQ(s.at(Chain::kForward, -1, &passed, &error), Status::kOk);  // not a planned operator
+  EXPECT_EQ(passed, 0);
+  EXPECT_TRUE(fake.issued.empty());
+  ASSERT_EQ(s.at(Chain::kForward, 0, &passed, &error), Status::kOk);  // F0: round 0 issuable
+  EXPECT_EQ(passed, 1);
+  ASSERT_EQ(fake.issued.size(), 1u);                                  // O0
+  ASSERT_EQ(s.at(Chain::kForward, 4, &passed, &error), Status::kOk);  // still inside F0
+  EXPECT_EQ(passed, 0);
+  ASSERT_EQ(s.at(Chain::kBackward, 10, &passed, &error), Status::kOk);  // before B0's first
+  EXPECT_EQ(passed, 0);
+  EXPECT_EQ(fake.issued.size(), 1u);
+  ASSERT_EQ(s.at(Chain::kBackward, 3, &passed, &error), Status::kOk);  // past B0 and B1 at once
+  EXPECT_EQ(passed, 2);
+  EXPECT_EQ(fake.issued.size(), 6u);                                   // rounds up to 3: everything
+  ASSERT_EQ(s.at(Chain::kBackward, 0, &passed, &error), Status::kOk);  // nothing left to pass
+  EXPECT_EQ(passed, 0);
+  ASSERT_EQ(s.at(Chain::kForward, 7, &passed, &error), Status::kOk);  // F1
+  EXPECT_EQ(passed, 1);
+  // A new order starts from its first stages again.
+  ASSERT_EQ(s.finish(&error), Status::kOk);
+  ASSERT_EQ(s.load(order_with_operators(), &error), Status::kOk);
+  ASSERT_EQ(s.at(Chain::kForward, 9, &passed, &error), Status::kOk);
+  EXPECT_EQ(passed, 2);
+  EXPECT_EQ(s.at(Chain::kOffload, 0, &passed, &error), Status::kInvalidArgument);
+  EXPECT_NE(error.find("chain must be forward (0) or backward (1)"), std::string::npos) << error;
+  EXPECT_EQ(passed, 0);
+}
+
+// `at` and `reached` describe the same progress: the pieces issued after each step agree.
+TEST(StreamScheduler, AtIssuesWhatReachedIssuesForTheSameStages) {
+  FakeIssuer by_op, by_stage;
+  StreamScheduler a(&by_op, 2), b(&by_stage, 2);
+  std::string error;
+  ASSERT_EQ(a.load(order_with_operators(), &error), Status::kOk);
+  ASSERT_EQ(b.load(order_with_operators(), &error), Status::kOk);
+  int passed = 0;
+  const std::vector<std::pair<Chain, int>> ops = {
+      {Chain::kForward, 0}, {Chain::kBackward, 9}, {Chain::kForward, 6}, {Chain::kBackward, 2}};
+  const std::vector<std::pair<Chain, int>> stages = {
+      {Chain::kForward, 0}, {Chain::kBackward, 0}, {Chain::kForward, 1}, {Chain::kBackward, 1}};
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    ASSERT_EQ(a.at(ops[i].first, ops[i].second, &passed, &error), Status::kOk);
+    EXPECT_EQ(passed, 1) << i;
+    ASSERT_EQ(b.reached(stages[i].first, stages[i].second, &error), Status::kOk);
+    EXPECT_EQ(by_op.issued.size(), by_stage.issued.size()) << i;
+    for (auto& [id, c] : by_op.complete) c = true;
+    for (auto& [id, c] : by_stage.complete) c = true;
+  }
+}
+
 TEST(StreamScheduler, RejectsBadOrdersAndUnknownStages) {
   FakeIssuer fake;
   StreamScheduler s(&fake, 2);

@@ -4,7 +4,7 @@ At a scheduling point F_x B_y the plan orders four chains: F (forward of x), B (
 O (offloads of the forward before x) and R (reloads and recomputes of the backward after y). The
 package hands the order to the enforcer's stream scheduler (enforce/scheduler.py,
 bgl_enf_schedule_begin) and tells it where compute is: the forward entering an operator, the
-backward unpacking an activation (bgl_enf_schedule_reached). The scheduler issues each O/R piece
+backward unpacking an activation (bgl_enf_schedule_at). The scheduler issues each O/R piece
 once compute reached its round, at most a bounded number in flight; the package then lets go of
 the device copies of the activations whose offload completed (the Mover's collect_offloaded,
 enforce/mover.py).
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..native import ext
 from ..vocabulary import Op
+
+_C = ext.load()
 
 Unit = Tuple[int, int]  # (micro-batch, chunk)
 UNIT_STRIDE = 1 << 20  # unit id = micro-batch + chunk * UNIT_STRIDE
@@ -107,84 +110,44 @@ class RankSchedule:
         return i is not None and i + 1 < len(self.forwards)
 
 
-class PointIssuer:
+class PointIssuer(_C.IssueCursor):
     """The issue order of the current scheduling point, carried out through the enforcer's
-    stream scheduler (``scheduler``: enforce/scheduler.py). Not thread-safe: the training
-    thread (and autograd's while the training thread waits in backward())."""
+    stream scheduler (``scheduler``: enforce/scheduler.py). Where compute is (``forward_op`` at
+    every operator call, ``backward_op`` at every unpack: packed.cc calls it natively) is the
+    binding's IssueCursor (csrc/cursor.h) over the core's bgl_enf_schedule_at, the one definition
+    of when compute passes a stage; this class gives it the operators' stage-graph indices and
+    what follows a passed stage. Not thread-safe: the training thread (and autograd's while the
+    training thread waits in backward())."""
 
-    def __init__(self, scheduler: Any, index: StageGraphIndex, collect: Any) -> None:
+    def __init__(self, scheduler: Any, index: Optional[StageGraphIndex], collect: Any) -> None:
+        super().__init__(scheduler.enf.fast)
         self.scheduler = scheduler
         self.index = index
         self.collect = collect  # lets go of the device copies whose offload completed
-        self.active = False
-        self.forward_key = -1
-        self.backward_key = -1
-        self.f_stages: List[Tuple[int, int]] = []  # (first operator, stage), forward order
-        self.b_stages: List[Tuple[int, int]] = []  # (first operator, stage), backward order
-        self.f_next = 0
-        self.b_next = 0
-        # Set while the enforcer carries out pieces: a piece's recompute callback reruns module
-        # calls and unpacks their inputs, which must not reach more rounds from inside it.
-        self.issuing = False
+        # IssueCursor's members: active, issuing (set while the enforcer carries out pieces: a
+        # piece's recompute callback reruns module calls and unpacks their inputs, which must not
+        # tell the scheduler anything from inside it), forward_key, backward_key.
 
     def begin(self, order: Sequence[Dict[str, Any]], forward_key: int, backward_key: int,
               offload_key: int, recover_key: int) -> None:
         """Loads a point's order (the previous point's pieces are issued first; those still
-        in flight complete beside it)."""
+        in flight complete beside it); compute starts before its first stages."""
         self.scheduler.begin(order, offload_key, recover_key)
-        self.active = True
         self.forward_key, self.backward_key = forward_key, backward_key
-        self.f_stages = sorted((it["first"], it["stage"]) for it in order if it["chain"] == "F")
-        self.b_stages = sorted(((it["first"], it["stage"]) for it in order
-                                if it["chain"] == "B"), key=lambda s: -s[0])
-        self.f_next = self.b_next = 0
+        self.active = True
 
-    def forward_op(self, micro_batch: int, op: Op) -> None:
-        """The forward of ``micro_batch`` enters ``op``. Called at every operator call: the
-        common case (another micro-batch, or ``op`` before the next stage) returns after a
-        dict lookup."""
-        if micro_batch != self.forward_key or self.issuing:
-            return
-        stages, n = self.f_stages, self.f_next
-        if n >= len(stages):
-            return
-        i = self.index.op(op)
-        if i < 0 or stages[n][0] > i:  # not a planned operator, or before the next stage
-            return
-        start = n
-        while n < len(stages) and stages[n][0] <= i:
-            n += 1
-        self.f_next = n
-        self._reach("F", stages, start, n)
+    def _op_index(self, op: Op) -> int:
+        """The stage-graph index of ``op`` (-1: not planned); asked once per operator."""
+        return self.index.op(op) if self.index is not None else -1
 
-    def backward_op(self, micro_batch: int, op: Op) -> None:
-        """The backward of ``micro_batch`` needs an activation ``op`` produced. Called at every
-        unpack (packed.cc's NoteBackward): the common case returns as forward_op's does."""
-        if micro_batch != self.backward_key or self.issuing:
-            return
-        stages, n = self.b_stages, self.b_next
-        if n >= len(stages):
-            return
-        i = self.index.op(op)
-        if i < 0 or stages[n][0] < i:  # the backward has not reached the next stage yet
-            return
-        start = n
-        while n < len(stages) and i <= stages[n][0]:
-            n += 1
-        self.b_next = n
-        self._reach("B", stages, start, n)
-
-    def _reach(self, chain: str, stages: List[Tuple[int, int]], start: int, end: int) -> None:
-        """Tells the scheduler compute passed stages ``start``..``end - 1`` of ``chain``, then
-        lets go of the device copies whose offload completed (looked for at stage
-        boundaries)."""
-        self.issuing = True
-        try:
-            for n in range(start, end):
-                self.scheduler.reached(chain, stages[n][1])
+    def _passed(self, status: int, stages: int) -> None:
+        """Compute passed ``stages`` stages (the scheduler issued what they allow; ``status``
+        its first failure, a skipped piece counted): lets go of the device copies whose offload
+        completed (looked for at stage boundaries)."""
+        if status:
+            self.scheduler.piece(status, "schedule_at")
+        if stages:
             self.collect()
-        finally:
-            self.issuing = False
 
     def finish(self) -> None:
         """Issues what is left of the point's order and waits for it."""

@@ -1,7 +1,8 @@
-"""The enforcer's stream scheduler (bgl_enf_schedule_*): a scheduling point's issue order loaded,
-compute's progress through its F and B chains reported, the pieces it could not carry out skipped
-(counted, said once), and the offloads it completed handed back (bgl_enf_take_offloaded).
-enforce/order.py's PointIssuer decides when to report progress; the Mover (enforce/mover.py) lets
+"""The enforcer's stream scheduler (bgl_enf_schedule_*): a scheduling point's issue order loaded
+(the binding's schedule_begin, the one reader of the plan's items), the pieces it could not carry
+out skipped (counted, said once), and the offloads it completed handed back
+(bgl_enf_take_offloaded). Where compute is, the scheduler learns from enforce/order.py's
+PointIssuer (the binding's IssueCursor: bgl_enf_schedule_at); the Mover (enforce/mover.py) lets
 go of the device copies of what it offloaded.
 
 Not thread-safe: driven by the training thread (and the autograd thread running unpack hooks
@@ -13,10 +14,11 @@ import ctypes
 import logging
 from typing import Any, Dict, List, Sequence
 
-from ..native import enforce as native
+from ..native import ext
 from .handle import EnforcerHandle
 
 log = logging.getLogger("bagualu")
+_C = ext.load()
 
 
 class StreamScheduler:
@@ -34,30 +36,18 @@ class StreamScheduler:
         last); O pieces move tensors of ``offload_micro_batch``, R pieces bring back those of
         ``recover_micro_batch`` (-1: none)."""
         enf = self.enf
-        items = (native.Item * max(len(order), 1))()
-        for i, it in enumerate(order):
-            items[i] = native.Item(enf.enum_value("chain", it["chain"]), int(it["stage"]),
-                                   int(it["round"]), enf.enum_value("resource", it["resource"]),
-                                   int(it.get("first", -1)), int(it.get("last", -1)))
-        enf.check(enf.lib.bgl_enf_schedule_begin(enf.handle, items, len(order),
-                                                 offload_micro_batch, recover_micro_batch),
+        enf.check(_C.schedule_begin(enf.fast, order, offload_micro_batch, recover_micro_batch),
                   "schedule_begin")
-
-    def reached(self, chain: str, stage: int) -> None:
-        """Compute reached the start of ``stage`` of chain F or B."""
-        enf = self.enf
-        self._piece(enf.lib.bgl_enf_schedule_reached(enf.handle, enf.enum_value("chain", chain),
-                                                     stage), "schedule_reached")
 
     def finish(self) -> None:
         """Issues what is left of the order and waits for it."""
-        self._piece(self.enf.lib.bgl_enf_schedule_finish(self.enf.handle), "schedule_finish")
+        self.piece(self.enf.lib.bgl_enf_schedule_finish(self.enf.handle), "schedule_finish")
 
     def take_offloaded(self) -> List[int]:
         """Handles whose offload, issued by the scheduler, completed since the last call
         (retires finished pieces and issues more first)."""
         enf = self.enf
-        self._piece(enf.lib.bgl_enf_schedule_poll(enf.handle, None), "schedule_poll")
+        self.piece(enf.lib.bgl_enf_schedule_poll(enf.handle, None), "schedule_poll")
         out: List[int] = []
         buf = (ctypes.c_uint64 * 256)()
         n = ctypes.c_size_t(0)
@@ -68,7 +58,7 @@ class StreamScheduler:
             if n.value < 256:
                 return out
 
-    def _piece(self, rc: int, what: str) -> None:
+    def piece(self, rc: int, what: str) -> None:
         """A piece the scheduler could not carry out (no room for a reload, the pinned pool
         full, a tensor that moved meanwhile, a recompute that must wait for its parameters) is
         skipped: its tensors stay where they are and the backward's acquire brings them back.

@@ -47,11 +47,6 @@ STAT_FIELDS = ("tracked", "registered", "retired", "offloads", "reloads", "fp8_c
                 "pinned_allocs", "pinned_hits", "pinned_failures", "copy_wait_ns")
 
 
-class Item(ctypes.Structure):
-    _fields_ = [("chain", _c_int), ("stage", _c_int), ("round", _c_int), ("resource", _c_int),
-                ("first", _c_int), ("last", _c_int)]
-
-
 class Stats(ctypes.Structure):
     _fields_ = [(name, _c_u64) for name in STAT_FIELDS]
 
@@ -96,9 +91,6 @@ def bind(lib: ctypes.CDLL) -> None:
                                _c_int),
         "bgl_enf_set_graph_index": (h + [_c_int, _c_int], _c_int),
         "bgl_enf_set_need_order": (h + [ctypes.c_int64], _c_int),
-        "bgl_enf_schedule_begin": ([_c_void, ctypes.POINTER(Item), _c_size, _c_int, _c_int],
-                                   _c_int),
-        "bgl_enf_schedule_reached": ([_c_void, _c_int, _c_int], _c_int),
         "bgl_enf_schedule_poll": ([_c_void, ctypes.POINTER(_c_size)], _c_int),
         "bgl_enf_schedule_finish": ([_c_void], _c_int),
         "bgl_enf_take_offloaded": ([_c_void, ctypes.POINTER(_c_u64), _c_size,

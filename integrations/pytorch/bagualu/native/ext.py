@@ -23,7 +23,7 @@ import torch
 from ..errors import LibraryNotFound
 from .libs import _candidate_dirs
 
-ABI_VERSION = 5  # csrc/module.cc kAbiVersion: the calls this package makes
+ABI_VERSION = 6  # csrc/module.cc kAbiVersion: the calls this package makes
 _SUBDIR = "integrations/pytorch"
 _module: Optional[ModuleType] = None
 

@@ -17,12 +17,11 @@ namespace bgl::torch_ext::detail {
 struct Names {
   PyObject *light, *packs_seen, *micro_batch, *param_keys, *light_sets, *scope, *live, *unkeyed,
       *capture, *producers, *strategy_of, *min_move_bytes, *by_mb, *counters, *seq, *pack_py,
-      *add_consumer, *device_alloc, *device_free, *sizes, *release, *materialize, *issuer, *active,
-      *backward_op, *records, *current_stream, *device, *dtype, *hooks, *scheduled, *op_ids,
-      *offloads, *bytes_d2h, *reloads, *bytes_h2d, *acquired, *retire, *enforcer, *regenerators,
-      *destroy_if_done, *layer, *fp8_casts, *fp8_uncasts, *used, *reserved, *grow, *store,
-      *light_set, *light_grain, *operators, *external, *small_kept, *policy, *forced, *per_unit,
-      *qualname_slot;
+      *add_consumer, *device_alloc, *device_free, *sizes, *release, *materialize, *issuer, *records,
+      *current_stream, *device, *dtype, *hooks, *scheduled, *op_ids, *offloads, *bytes_d2h,
+      *reloads, *bytes_h2d, *acquired, *retire, *enforcer, *regenerators, *destroy_if_done, *layer,
+      *fp8_casts, *fp8_uncasts, *used, *reserved, *grow, *store, *light_set, *light_grain,
+      *operators, *external, *small_kept, *policy, *forced, *per_unit, *qualname_slot;
 };
 extern Names names;
 bool InternNames();
