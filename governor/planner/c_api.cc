@@ -6,6 +6,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "bgl/planner.h"
 #include "governor/planner/pipeline_schedule.h"
@@ -66,18 +67,51 @@ json StepsJson(const std::vector<bgl::plan::Step>& steps) {
   return out;
 }
 
-// Reads an optional field of a type, failing with its name when the type is wrong.
-template <typename T>
-bool Optional(const json& doc, const char* key, T& out, const char* what) {
-  if (!doc.contains(key) || doc[key].is_null()) return true;
-  try {
-    out = doc[key].get<T>();
-    return true;
-  } catch (const json::exception&) {
-    last_error = std::string(what) + ": field '" + key + "' has the wrong type";
-    return false;
+// The optional fields of one JSON object (options_json, point_json), read by name: each Read
+// fails with the field's name when its type is wrong, and Done refuses a field no Read or Known
+// named, so the reads are the one list of an object's fields. Not thread-safe (one call's use).
+class Fields {
+ public:
+  Fields(const json& doc, const char* what) : doc_(doc), what_(what) {}
+
+  // `key` into `out` where the object has it (null counts as absent).
+  template <typename T>
+  Fields& Read(const char* key, T& out) {
+    names_.push_back(key);
+    if (!ok_ || !doc_.contains(key) || doc_[key].is_null()) return *this;
+    try {
+      out = doc_[key].get<T>();
+    } catch (const json::exception&) {
+      last_error = std::string(what_) + ": field '" + key + "' has the wrong type";
+      ok_ = false;
+    }
+    return *this;
   }
-}
+  // A field read elsewhere (its own parser).
+  Fields& Known(const char* key) {
+    names_.push_back(key);
+    return *this;
+  }
+  // True when every read succeeded and the object has no field it did not name; else false with
+  // last_error naming the field.
+  bool Done() {
+    if (!ok_) return false;
+    for (const auto& [key, value] : doc_.items()) {
+      if (std::none_of(names_.begin(), names_.end(),
+                       [&](const char* name) { return key == name; })) {
+        last_error = std::string(what_) + ": unknown field '" + key + "'";
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  const json& doc_;
+  const char* what_;
+  std::vector<const char*> names_;
+  bool ok_ = true;
+};
 
 }  // namespace
 
@@ -91,55 +125,34 @@ bgl_planner* bgl_planner_create(const char* model_json, const char* options_json
     if (!config.ok()) return reinterpret_cast<bgl_planner*>(Fail(config.status().message()));
     json options = json::object();
     if (options_json && !ParseObject(options_json, "options_json", options)) return nullptr;
-    static const char* const kOptionKeys[] = {"gpu",
-                                              "capacity_bytes",
-                                              "pipeline_rank",
-                                              "dual_batch",
-                                              "issue_policy",
-                                              "allow_offload",
-                                              "allow_fp8",
-                                              "allow_recompute",
-                                              "calibration",
-                                              "budget_step_bytes",
-                                              "load_bucket",
-                                              "schedule_load_class",
-                                              "anytime_min_ops",
-                                              "warm_up",
-                                              "warm_spike_bound",
-                                              "warm_max_keys",
-                                              "warm_nice",
-                                              "refine_nice",
-                                              "gate_search_share"};
-    for (const auto& [key, value] : options.items()) {
-      if (std::find_if(std::begin(kOptionKeys), std::end(kOptionKeys),
-                       [&](const char* known) { return key == known; }) == std::end(kOptionKeys)) {
-        return reinterpret_cast<bgl_planner*>(Fail("options_json: unknown field '" + key + "'"));
-      }
-    }
     std::string gpu = config->gpu;
     bgl::plan::PlannerOptions po;
     bool dual_batch = true, offload = true, fp8 = true, recompute = true;
-    if (!Optional(options, "gpu", gpu, "options_json") ||
-        !Optional(options, "capacity_bytes", po.capacity_bytes, "options_json") ||
-        !Optional(options, "pipeline_rank", po.pipeline_rank, "options_json") ||
-        !Optional(options, "dual_batch", dual_batch, "options_json") ||
-        !Optional(options, "allow_offload", offload, "options_json") ||
-        !Optional(options, "allow_fp8", fp8, "options_json") ||
-        !Optional(options, "allow_recompute", recompute, "options_json") ||
-        !Optional(options, "budget_step_bytes", po.budget_step_bytes, "options_json") ||
-        !Optional(options, "load_bucket", po.load_bucket, "options_json") ||
-        !Optional(options, "schedule_load_class", po.schedule_load_class, "options_json") ||
-        !Optional(options, "anytime_min_ops", po.anytime_min_ops, "options_json") ||
-        !Optional(options, "warm_up", po.warm_up, "options_json") ||
-        !Optional(options, "warm_spike_bound", po.warm_spike_bound, "options_json") ||
-        !Optional(options, "warm_max_keys", po.warm_max_keys, "options_json") ||
-        !Optional(options, "warm_nice", po.warm_nice, "options_json") ||
-        !Optional(options, "refine_nice", po.refine_nice, "options_json") ||
-        !Optional(options, "gate_search_share", po.gate_search_share, "options_json")) {
-      return nullptr;
+    std::string issue;
+    Fields fields(options, "options_json");
+    fields.Read("gpu", gpu)
+        .Read("capacity_bytes", po.capacity_bytes)
+        .Read("pipeline_rank", po.pipeline_rank)
+        .Read("dual_batch", dual_batch)
+        .Read("issue_policy", issue)
+        .Read("allow_offload", offload)
+        .Read("allow_fp8", fp8)
+        .Read("allow_recompute", recompute)
+        .Known("calibration")
+        .Read("budget_step_bytes", po.budget_step_bytes)
+        .Read("load_bucket", po.load_bucket)
+        .Read("schedule_load_class", po.schedule_load_class)
+        .Read("anytime_min_ops", po.anytime_min_ops)
+        .Read("warm_up", po.warm_up)
+        .Read("warm_spike_bound", po.warm_spike_bound)
+        .Read("warm_max_keys", po.warm_max_keys)
+        .Read("warm_nice", po.warm_nice)
+        .Read("refine_nice", po.refine_nice)
+        .Read("gate_search_share", po.gate_search_share);
+    if (!fields.Done()) return nullptr;
+    if (!options.contains("issue_policy") || options["issue_policy"].is_null()) {
+      issue = dual_batch ? "dual-batch" : "serial";
     }
-    std::string issue = dual_batch ? "dual-batch" : "serial";
-    if (!Optional(options, "issue_policy", issue, "options_json")) return nullptr;
     if (issue == "dual-batch")
       po.issue_policy = bgl::plan::IssuePolicy::kDualBatch;
     else if (issue == "lockstep")
@@ -156,7 +169,7 @@ bgl_planner* bgl_planner_create(const char* model_json, const char* options_json
     po.mitigation.allow_recompute = recompute;
     auto hw = bgl::plan::HardwareProfileByName(gpu);
     if (!hw.ok()) return reinterpret_cast<bgl_planner*>(Fail(hw.status().message()));
-    if (options.contains("calibration")) {
+    if (options.contains("calibration") && !options["calibration"].is_null()) {
       bgl::Status s = bgl::plan::ApplyCalibration(options["calibration"], *hw);
       if (!s.ok()) return reinterpret_cast<bgl_planner*>(Fail(s.message()));
     }
@@ -264,17 +277,17 @@ char* bgl_planner_plan(bgl_planner* handle, const char* point_json) {
     if (!ParseObject(point_json, "point_json", doc)) return nullptr;
     bgl::plan::SchedulePoint point;
     std::string phase;
-    if (!Optional(doc, "phase", phase, "point_json") ||
-        !Optional(doc, "forward_micro_batch", point.forward_micro_batch, "point_json") ||
-        !Optional(doc, "forward_chunk", point.forward_chunk, "point_json") ||
-        !Optional(doc, "backward_micro_batch", point.backward_micro_batch, "point_json") ||
-        !Optional(doc, "backward_chunk", point.backward_chunk, "point_json") ||
-        !Optional(doc, "load_factor", point.load_factor, "point_json") ||
-        !Optional(doc, "bytes_in_use", point.bytes_in_use, "point_json") ||
-        !Optional(doc, "host_limit_bytes", point.host_limit_bytes, "point_json") ||
-        !Optional(doc, "bandwidth_share", point.bandwidth_share, "point_json")) {
-      return nullptr;
-    }
+    Fields fields(doc, "point_json");
+    fields.Read("phase", phase)
+        .Read("forward_micro_batch", point.forward_micro_batch)
+        .Read("forward_chunk", point.forward_chunk)
+        .Read("backward_micro_batch", point.backward_micro_batch)
+        .Read("backward_chunk", point.backward_chunk)
+        .Read("load_factor", point.load_factor)
+        .Read("bytes_in_use", point.bytes_in_use)
+        .Read("host_limit_bytes", point.host_limit_bytes)
+        .Read("bandwidth_share", point.bandwidth_share);
+    if (!fields.Done()) return nullptr;
     if (!phase.empty()) {
       auto parsed = bgl::plan::ParsePhase(phase);
       if (!parsed.ok()) return Fail(parsed.status().message());

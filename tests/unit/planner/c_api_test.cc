@@ -76,6 +76,21 @@ TEST(PlannerCApi, BadInputFailsWithAMessage) {
     EXPECT_NE(std::string(bgl_planner_last_error()).find("gate_search_share: "), std::string::npos)
         << bad;
   }
+  EXPECT_EQ(bgl_planner_create(model.c_str(), R"({"issue_policy": "eager"})"), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("must be dual-batch, lockstep or serial"),
+            std::string::npos);
+  // Every option docs/planner.md and bgl/planner.h name is read (the reads are the one list of
+  // the known fields): all of them at once plan.
+  bgl_planner* all = bgl_planner_create(model.c_str(), R"({
+      "gpu": "h200", "capacity_bytes": 8589934592, "pipeline_rank": 0, "dual_batch": true,
+      "issue_policy": "lockstep", "allow_offload": true, "allow_fp8": false,
+      "allow_recompute": true, "calibration": null, "budget_step_bytes": 1048576,
+      "load_bucket": 0.05, "schedule_load_class": 0.25, "anytime_min_ops": 64, "warm_up": false,
+      "warm_spike_bound": 3.0, "warm_max_keys": 64, "warm_nice": 19, "refine_nice": 19,
+      "gate_search_share": 0.25})");
+  ASSERT_NE(all, nullptr) << bgl_planner_last_error();
+  EXPECT_NE(bgl_planner_plan(all, R"({"forward_micro_batch": 0})"), nullptr);
+  bgl_planner_destroy(all);
   bgl_planner* shared = bgl_planner_create(model.c_str(), R"({"gate_search_share": 0})");
   ASSERT_NE(shared, nullptr) << bgl_planner_last_error();
   const nlohmann::json stats = nlohmann::json::parse(Take(bgl_planner_stats(shared)));
@@ -88,6 +103,18 @@ TEST(PlannerCApi, BadInputFailsWithAMessage) {
   EXPECT_EQ(bgl_planner_plan(p, R"({"forward_micro_batch": 99})"), nullptr);
   EXPECT_NE(std::string(bgl_planner_last_error()).find("forward_micro_batch"), std::string::npos);
   EXPECT_EQ(bgl_planner_plan(p, "[]"), nullptr);
+  // A point's fields are refused by name too: a misspelt load planned at load 1.0, silently.
+  EXPECT_EQ(bgl_planner_plan(p, R"({"forward_micro_batch": 0, "load": 2.6})"), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("point_json: unknown field 'load'"),
+            std::string::npos)
+      << bgl_planner_last_error();
+  EXPECT_EQ(bgl_planner_plan(p, R"({"forward_micro_batch": 0, "load_factor": "2.6"})"), nullptr);
+  EXPECT_NE(std::string(bgl_planner_last_error())
+                .find("point_json: field 'load_factor' has the wrong type"),
+            std::string::npos)
+      << bgl_planner_last_error();
+  EXPECT_NE(bgl_planner_plan(p, R"({"forward_micro_batch": 0, "load_factor": null})"), nullptr)
+      << bgl_planner_last_error();  // null is absent: the point's defaults
   EXPECT_EQ(bgl_planner_report(p, 3, 0, 10), -1);
   EXPECT_EQ(bgl_planner_plan(nullptr, "{}"), nullptr);
   bgl_planner_destroy(p);
