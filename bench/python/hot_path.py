@@ -137,6 +137,29 @@ class Bench:
             self.plans.per_unit = {mb: {self.op.qualname: strategy,
                                         self.consumer.qualname: strategy} for mb in range(8)}
 
+    def issuer(self) -> Any:
+        """A PointIssuer over this enforcer's scheduler, whose stage graph has the measured
+        operator at index 1 of 40."""
+        from bagualu.enforce.order import PointIssuer, StageGraphIndex
+        names = [f"L0.op{i}" for i in range(40)]
+        names[1] = self.op.qualname
+        index = StageGraphIndex({"operators": [{"name": n} for n in names], "tensors": []}, 1)
+        return PointIssuer(self.enforcer.scheduler, index, lambda: None)
+
+    @staticmethod
+    def issue_order(stages: int) -> List[Dict[str, Any]]:
+        """A point's order of ``stages`` stages per chain (F from operators 0, 10, ...; B from
+        operators 39, 29, ... down), each with an O and an R piece of nothing to move."""
+        out: List[Dict[str, Any]] = []
+        for s in range(stages):
+            out += [{"chain": "F", "stage": s, "round": 2 * s, "resource": "compute",
+                     "first": 10 * s, "last": 10 * s + 9},
+                    {"chain": "O", "stage": s, "round": 2 * s, "resource": "d2h"},
+                    {"chain": "B", "stage": s, "round": 2 * s + 1, "resource": "compute",
+                     "first": 39 - 10 * s, "last": 30 - 10 * s},
+                    {"chain": "R", "stage": s, "round": 2 * s + 1, "resource": "h2d"}]
+        return out
+
     def tensors(self, n: int, nbytes: int) -> List[torch.Tensor]:
         return [torch.empty(max(nbytes // 4, 1)).uniform_() for _ in range(n)]
 
@@ -193,6 +216,16 @@ class Bench:
                 lambda i: packed2.__setitem__(i, tr.pack(views[i])), k)
             tr.scope.pop()
             row("unpack, kept", lambda i: tr.unpack(packed[k - 1 - i]), k)
+            # The same unpacks in the backward of a point's unit: each tells the issue order
+            # (the first, untimed, passes the order's backward stages).
+            issuer = self.issuer()
+            issuer.begin(self.issue_order(4), mb, mb, -1, -1)
+            tr.set_issuer(issuer)
+            tr.unpack(packed[k - 1])
+            row("unpack, kept, told to the point's issue order",
+                lambda i: tr.unpack(packed[k - 1 - i]), k)
+            issuer.finish()
+            tr.set_issuer(None)
             del ts, views
             timed(lambda i: packed2.__setitem__(i, None), k)
             row("release (the last holder goes)", lambda i: packed.__setitem__(i, None), k)
@@ -243,6 +276,22 @@ class Bench:
                 timed(lambda i: packed.__setitem__(i, None), k)
                 tr.drop_light(mb)  # as its backward's end does
                 self.strategy, tr.min_move_bytes = KEEP, 0
+
+            # The issue order (enforce/order.py's PointIssuer): loading a point's order, and
+            # where compute is told at every operator call (forward_op) and every unpack
+            # (backward_op) of the point's units, in the common case that passes no stage
+            # (the first calls, untimed, pass the first stages).
+            issuer = self.issuer()
+            order = self.issue_order(4)
+            row("issue order: load a point's order (16 items)",
+                lambda i: issuer.begin(order, mb, mb, -1, -1), k)
+            issuer.forward_op(mb, self.op)
+            issuer.backward_op(mb, self.op)
+            row("issue order: forward_op (no stage passed)",
+                lambda i: issuer.forward_op(mb, self.op), k)
+            row("issue order: backward_op (no stage passed)",
+                lambda i: issuer.backward_op(mb, self.op), k)
+            issuer.finish()
 
             # The copies themselves: torch's copy of the same bytes, between the round's fresh
             # tensors as the offloads copy them (each source once, each into its own
