@@ -89,7 +89,8 @@ TEST(PlannerCApi, BadInputFailsWithAMessage) {
       "warm_spike_bound": 3.0, "warm_max_keys": 64, "warm_nice": 19, "refine_nice": 19,
       "gate_search_share": 0.25})");
   ASSERT_NE(all, nullptr) << bgl_planner_last_error();
-  EXPECT_NE(bgl_planner_plan(all, R"({"forward_micro_batch": 0})"), nullptr);
+  EXPECT_FALSE(Take(bgl_planner_plan(all, R"({"forward_micro_batch": 0})")).empty())
+      << bgl_planner_last_error();
   bgl_planner_destroy(all);
   bgl_planner* shared = bgl_planner_create(model.c_str(), R"({"gate_search_share": 0})");
   ASSERT_NE(shared, nullptr) << bgl_planner_last_error();
@@ -113,8 +114,10 @@ TEST(PlannerCApi, BadInputFailsWithAMessage) {
                 .find("point_json: field 'load_factor' has the wrong type"),
             std::string::npos)
       << bgl_planner_last_error();
-  EXPECT_NE(bgl_planner_plan(p, R"({"forward_micro_batch": 0, "load_factor": null})"), nullptr)
-      << bgl_planner_last_error();  // null is absent: the point's defaults
+  // null is absent: the point's defaults
+  EXPECT_FALSE(
+      Take(bgl_planner_plan(p, R"({"forward_micro_batch": 0, "load_factor": null})")).empty())
+      << bgl_planner_last_error();
   EXPECT_EQ(bgl_planner_report(p, 3, 0, 10), -1);
   EXPECT_EQ(bgl_planner_plan(nullptr, "{}"), nullptr);
   bgl_planner_destroy(p);
