@@ -42,7 +42,6 @@ Status StreamScheduler::load(const std::vector<plan::IssueItem>& order, std::str
     last_round = it.round;
   }
   queue_.clear();
-  compute_rounds_.clear();
   for (auto& m : marks_) m.clear();
   passed_ = {0, 0};
   frontier_ = -1;
@@ -50,8 +49,7 @@ Status StreamScheduler::load(const std::vector<plan::IssueItem>& order, std::str
     if (it.chain == plan::Chain::kOffload || it.chain == plan::Chain::kRecover) {
       queue_.push_back(it);
     } else {
-      compute_rounds_.push_back({{static_cast<int>(it.chain), it.stage}, it.round});
-      marks_[static_cast<int>(it.chain)].push_back({it.first, it.round});
+      marks_[static_cast<int>(it.chain)].push_back({it.first, it.stage, it.round});
     }
   }
   auto& f = marks_[static_cast<int>(plan::Chain::kForward)];
@@ -76,7 +74,7 @@ Status StreamScheduler::at(plan::Chain chain, int op, int* passed, std::string* 
   std::size_t n = passed_[c];
   const bool forward = chain == plan::Chain::kForward;
   while (n < marks.size() && (forward ? marks[n].first <= op : marks[n].first >= op)) {
-    frontier_ = std::max(frontier_, marks[n].second);
+    frontier_ = std::max(frontier_, marks[n].round);
     ++n;
   }
   if (n == passed_[c]) return Status::kOk;
@@ -91,15 +89,15 @@ Status StreamScheduler::reached(plan::Chain chain, int stage, std::string* error
              std::to_string(static_cast<int>(chain));
     return Status::kInvalidArgument;
   }
-  const std::pair<int, int> key{static_cast<int>(chain), stage};
-  auto it = std::find_if(compute_rounds_.begin(), compute_rounds_.end(),
-                         [&](const auto& e) { return e.first == key; });
-  if (it == compute_rounds_.end()) {
+  const auto& marks = marks_[static_cast<int>(chain)];
+  auto it =
+      std::find_if(marks.begin(), marks.end(), [&](const Mark& m) { return m.stage == stage; });
+  if (it == marks.end()) {
     *error = "schedule_reached: no stage " + std::to_string(stage) + " of chain " +
-             std::to_string(key.first) + " in the loaded issue order";
+             std::to_string(static_cast<int>(chain)) + " in the loaded issue order";
     return Status::kInvalidArgument;
   }
-  frontier_ = std::max(frontier_, it->second);
+  frontier_ = std::max(frontier_, it->round);
   return pump(error);
 }
 

@@ -77,10 +77,13 @@ class StreamScheduler {
   WorkIssuer* issuer_;
   int max_inflight_;
   std::deque<plan::IssueItem> queue_;  // O/R pieces not yet issued, in issue order
-  std::vector<std::pair<std::pair<int, int>, int>> compute_rounds_;  // (chain, stage) -> round
-  // Per compute chain (F, B): (first operator, round) of its stages in the order compute passes
-  // them (F: first ascending, B: descending), and how many compute passed (`at`).
-  std::array<std::vector<std::pair<int, int>>, 2> marks_;
+  // A compute stage of the loaded order: where it starts (its first operator) and its round.
+  struct Mark {
+    int first, stage, round;
+  };
+  // Per compute chain (F, B): its stages in the order compute passes them (F: first operator
+  // ascending, B: descending), and how many compute passed (`at`).
+  std::array<std::vector<Mark>, 2> marks_;
   std::array<std::size_t, 2> passed_{0, 0};
   std::deque<Flight> inflight_;
   int frontier_ = -1;  // highest round compute has reached

@@ -152,17 +152,17 @@ PyMethodDef cursor_methods[] = {
      "backward_op(unit, op): the backward of unit needs what op produced (the unpack's call)."},
     {nullptr, nullptr, 0, nullptr}};
 
-// The int of item `i`'s `key` into *out (`fallback` where the item has none, -2: required).
-// False with a Python error set.
-bool ItemInt(PyObject* item, Py_ssize_t i, PyObject* key, int fallback, int* out) {
+// The int of item `i`'s `key` into *out; where the item has none, *fallback (nullptr: the field
+// is required, an error). False with a Python error set.
+bool ItemInt(PyObject* item, Py_ssize_t i, PyObject* key, const int* fallback, int* out) {
   PyObject* v = PyDict_GetItemWithError(item, key);  // borrowed
   if (v == nullptr) {
     if (PyErr_Occurred()) return false;
-    if (fallback == -2) {
+    if (fallback == nullptr) {
       PyErr_Format(PyExc_ValueError, "issue item %zd: no '%U'", i, key);
       return false;
     }
-    *out = fallback;
+    *out = *fallback;
     return true;
   }
   const long x = PyLong_AsLong(v);
@@ -216,6 +216,7 @@ PyObject* ScheduleBeginCall(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   if (seq == nullptr) return nullptr;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   std::vector<bgl_enf_issue_item> items(static_cast<std::size_t>(n));
+  static constexpr int kNone = -1;  // an item's first or last operator where it names none
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* it = PySequence_Fast_GET_ITEM(seq, i);
     bgl_enf_issue_item& out = items[static_cast<std::size_t>(i)];
@@ -225,9 +226,11 @@ PyObject* ScheduleBeginCall(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
       return nullptr;
     }
     if (!ItemEnum(enforcer, it, i, chain_key, "chain", &out.chain) ||
-        !ItemInt(it, i, stage_key, -2, &out.stage) || !ItemInt(it, i, round_key, -2, &out.round) ||
+        !ItemInt(it, i, stage_key, nullptr, &out.stage) ||
+        !ItemInt(it, i, round_key, nullptr, &out.round) ||
         !ItemEnum(enforcer, it, i, resource_key, "resource", &out.resource) ||
-        !ItemInt(it, i, first_key, -1, &out.first) || !ItemInt(it, i, last_key, -1, &out.last)) {
+        !ItemInt(it, i, first_key, &kNone, &out.first) ||
+        !ItemInt(it, i, last_key, &kNone, &out.last)) {
       Py_DECREF(seq);
       return nullptr;
     }
