@@ -248,7 +248,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
           compiled_recompute: Any = None,
           calibration: Optional[str] = None,
           worst_load_plan: bool = False,
-          min_load_factor: Optional[float] = None) -> Dict[str, Any]:
+          min_load_factor: Optional[float] = None,
+          after_iteration: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
     """Trains ``name`` as stage 0 of a ``stages``-stage 1F1B pipeline (all layers in this process)
     for ``iterations`` iterations of ``micro_batches``. ``policy`` None: plain PyTorch
     (``checkpoint_layers``: torch.utils.checkpoint around every block; ``save_on_cpu``:
@@ -270,7 +271,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
     activations (storages, parameters left out) held at once over the schedule. ``seqs``: the
     micro-batches' sequence length in each iteration (a shape change between iterations: dynamic
     shapes), in place of ``seq``. ``compiled_recompute``, ``calibration`` and
-    ``min_load_factor``: bagualu's install options. ``worst_load_plan`` (policy bagualu):
+    ``min_load_factor``: bagualu's install options. ``after_iteration(it)`` runs after each
+    iteration (outside its time). ``worst_load_plan`` (policy bagualu):
     ``out["worst_load_plan"]``, the plan a static policy sized for the highest load factor the
     run saw would force on every micro-batch (``bagualu.static_plan``) and that load."""
     import bagualu
@@ -349,6 +351,8 @@ def train(name: str, policy: Optional[str], capacity: Any = "1GiB", iterations: 
                 torch.cuda.synchronize()
             out["times_ms"].append((time.perf_counter() - t0) * 1e3)
             out["cpu_ms"].append((time.process_time() - c0) * 1e3)
+            if after_iteration is not None:
+                after_iteration(it)
     except bagualu.OutOfMemoryError as e:
         out["oom"] = str(e)
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()
