@@ -295,7 +295,7 @@ char* bgl_planner_plan(bgl_planner* handle, const char* point_json) {
     }
     auto plan = handle->planner->PlanPoint(point);
     if (!plan.ok()) return Fail(plan.status().message());
-    return Dup(bgl::plan::PlanToJson(*plan, handle->planner->graph()).dump());
+    return Dup(bgl::plan::PlanToJsonText(*plan, handle->planner->graph()));
   } catch (const std::exception& e) {
     return Fail(std::string("internal error: ") + e.what());
   }
@@ -308,7 +308,7 @@ char* bgl_planner_plan_after_gate(bgl_planner* handle, int micro_batch, int chun
     auto plan =
         handle->planner->PlanAfterGate(micro_batch, chunk, gate_layer, observed_load_factor);
     if (!plan.ok()) return Fail(plan.status().message());
-    return Dup(bgl::plan::PlanToJson(*plan, handle->planner->graph()).dump());
+    return Dup(bgl::plan::PlanToJsonText(*plan, handle->planner->graph()));
   } catch (const std::exception& e) {
     return Fail(std::string("internal error: ") + e.what());
   }

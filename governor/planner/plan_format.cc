@@ -1,7 +1,11 @@
 #include "governor/planner/plan_format.h"
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <sstream>
+#include <string_view>
 
 #include "base/units.h"
 
@@ -120,6 +124,162 @@ nlohmann::json PlanToJson(const Plan& plan, const StageGraph& g) {
                      {"label", IssueLabel(item, g)}});
   }
   return j;
+}
+
+namespace {
+
+// A JSON object written in place; keys must come in the order nlohmann's (sorted) dump gives.
+class JsonWriter {
+ public:
+  explicit JsonWriter(std::string& out) : out_(out) {}
+  void Open() {
+    out_ += '{';
+    first_ = true;
+  }
+  void Close() { out_ += '}'; }
+  void Key(const char* key) {
+    if (!first_) out_ += ',';
+    first_ = false;
+    out_ += '"';
+    out_ += key;
+    out_ += "\":";
+  }
+  void Str(const char* key, std::string_view v) {
+    Key(key);
+    String(v);
+  }
+  void Int(const char* key, int64_t v) {
+    Key(key);
+    char buf[24];
+    const char* end = std::to_chars(buf, buf + sizeof buf, v).ptr;
+    out_.append(buf, static_cast<size_t>(end - buf));
+  }
+  void Bool(const char* key, bool v) {
+    Key(key);
+    out_ += v ? "true" : "false";
+  }
+  // As nlohmann writes a double: null where not finite, else the shortest text that reads back
+  // the same, with ".0" where that text reads as an integer.
+  void Double(const char* key, double v) {
+    Key(key);
+    if (!std::isfinite(v)) {
+      out_ += "null";
+      return;
+    }
+    char buf[32];
+    const char* end = std::to_chars(buf, buf + sizeof buf, v).ptr;
+    const size_t at = out_.size();
+    out_.append(buf, static_cast<size_t>(end - buf));
+    if (out_.find_first_of(".eE", at) == std::string::npos) out_ += ".0";
+  }
+  void String(std::string_view v) {
+    out_ += '"';
+    for (const char c : v) {
+      switch (c) {
+        case '"':
+          out_ += "\\\"";
+          break;
+        case '\\':
+          out_ += "\\\\";
+          break;
+        case '\b':
+          out_ += "\\b";
+          break;
+        case '\f':
+          out_ += "\\f";
+          break;
+        case '\n':
+          out_ += "\\n";
+          break;
+        case '\r':
+          out_ += "\\r";
+          break;
+        case '\t':
+          out_ += "\\t";
+          break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
+            out_ += buf;
+          } else {
+            out_ += c;
+          }
+      }
+    }
+    out_ += '"';
+  }
+  void Comma() { out_ += ','; }
+  void Raw(char c) { out_ += c; }
+
+ private:
+  std::string& out_;
+  bool first_ = true;
+};
+
+}  // namespace
+
+std::string PlanToJsonText(const Plan& plan, const StageGraph& g) {
+  std::string out;
+  const size_t n = std::min(plan.strategies.size(), g.ops.size());
+  out.reserve(512 + 96 * n + 160 * plan.issue_order.size());
+  JsonWriter w(out);
+  w.Open();
+  w.Double("bandwidth_share", plan.bandwidth_share);
+  w.Int("budget_bytes", plan.budget_bytes);
+  w.Bool("cache_hit", plan.cache_hit);
+  w.Int("chunk", plan.chunk);
+  w.Bool("deferred", plan.deferred);
+  w.Bool("fallback_full_recompute", plan.fallback_full_recompute);
+  w.Bool("first_answer", plan.first_answer);
+  w.Int("free_bytes", plan.free_bytes);
+  w.Int("host_bytes", plan.host_bytes);
+  w.Bool("infeasible", plan.infeasible);
+  w.Key("issue_order");
+  w.Raw('[');
+  for (size_t i = 0; i < plan.issue_order.size(); ++i) {
+    const IssueItem& item = plan.issue_order[i];
+    if (i > 0) w.Comma();
+    JsonWriter o(out);
+    o.Open();
+    o.Str("chain", ChainName(item.chain));
+    o.Double("duration_s", item.duration_s);
+    o.Int("first", item.first);
+    o.Str("label", IssueLabel(item, g));
+    o.Int("last", item.last);
+    o.Str("resource", ResourceName(item.resource));
+    o.Int("round", item.round);
+    o.Int("stage", item.stage);
+    o.Close();
+  }
+  w.Raw(']');
+  w.Int("k", plan.k);
+  w.Int("keep_all_bytes", plan.keep_all_bytes);
+  w.Double("load_factor", plan.load_factor);
+  w.Int("m0_bytes", plan.m0_bytes);
+  w.Int("micro_batch", plan.micro_batch);
+  w.Bool("nearest", plan.nearest);
+  w.Key("operators");
+  w.Raw('[');
+  for (size_t o = 0; o < n; ++o) {
+    if (o > 0) w.Comma();
+    JsonWriter op(out);
+    op.Open();
+    op.Str("kind", OpKindName(g.ops[o].kind));
+    op.Str("name", g.ops[o].name);
+    op.Str("strategy", StrategyName(plan.strategies[o]));
+    op.Close();
+  }
+  w.Raw(']');
+  w.Double("overhead_s", plan.overhead_s);
+  w.Double("overlapped_s", plan.overlapped_s);
+  w.Str("phase", PhaseName(plan.phase));
+  w.Int("predicted_bytes", plan.predicted_bytes);
+  w.Bool("refined", plan.refined);
+  w.Double("serial_s", plan.serial_s);
+  w.Bool("warm", plan.warm);
+  w.Close();
+  return out;
 }
 
 std::string CurveToCsv(const IterationCurve& planned, const IterationCurve& keep_all) {

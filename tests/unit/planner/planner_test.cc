@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "governor/planner/iteration.h"
@@ -282,6 +283,67 @@ TEST(StagePlanner, DeferredPlanningAfterTheGate) {
   EXPECT_LE(revised->overhead_s, p->evaluator().Evaluate(rule, 2.6).exposed_s + 1e-12);
   EXPECT_FALSE(FormatPlanTable(*revised, *p).empty());
   EXPECT_EQ(PlanToJson(*revised, p->graph())["deferred"], true);
+}
+
+// The C ABI's plan text (PlanToJsonText, written without the document) reads back as the very
+// document PlanToJson builds, key for key and value for value: the plans of a real schedule (points
+// with issue orders, a revision after the gate, one that still fits) and a plan whose names and
+// numbers need escaping or a particular form (quotes, control characters, UTF-8, integral,
+// tiny, huge and non-finite doubles).
+TEST(PlanFormat, TheTextReadsBackAsTheDocument) {
+  auto p = Make("glm-423b-a30b.json", k64GB);
+  const auto same = [&](const Plan& plan, const StageGraph& g) {
+    const std::string text = PlanToJsonText(plan, g);
+    const nlohmann::json doc = PlanToJson(plan, g);
+    const nlohmann::json back = nlohmann::json::parse(text);  // throws on malformed text
+    EXPECT_EQ(back, nlohmann::json::parse(doc.dump()));       // (NaN and inf write as null)
+    EXPECT_EQ(back.dump(), doc.dump());                       // the same values of the same types
+    // ... under the same keys in the same order (the document's are sorted), at every level
+    const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(text);
+    const auto keys = [](const auto& object) {
+      std::vector<std::string> out;
+      for (auto it = object.begin(); it != object.end(); ++it) out.push_back(it.key());
+      return out;
+    };
+    EXPECT_EQ(keys(ordered), keys(doc));
+    for (const char* list : {"operators", "issue_order"}) {
+      for (size_t i = 0; i < doc[list].size(); ++i) {
+        EXPECT_EQ(keys(ordered[list][i]), keys(doc[list][i])) << list << " " << i;
+      }
+    }
+  };
+  int checked = 0;
+  for (const auto& step : p->steps()) {
+    SchedulePoint point;
+    point.phase = step.phase;
+    point.forward_micro_batch = step.micro_batch;
+    point.forward_chunk = step.chunk;
+    point.load_factor = checked % 3 == 2 ? 1.7 : 1.0;
+    auto plan = p->PlanPoint(point);
+    ASSERT_TRUE(plan.ok()) << plan.status().message();
+    same(*plan, p->graph());
+    if (!plan->issue_order.empty()) ++checked;
+    auto gate = p->PlanAfterGate(point.forward_micro_batch, point.forward_chunk, 0, 2.6);
+    ASSERT_TRUE(gate.ok());
+    same(*gate, p->graph());
+    if (checked >= 6) break;
+  }
+  EXPECT_GE(checked, 1);
+  StageGraph g = p->graph();
+  ASSERT_FALSE(g.ops.empty());
+  g.ops[0].name = "say \"hi\"\\ tab\t nl\n ctl\x01 \xc3\xa9t\xc3\xa9";
+  Plan odd;
+  odd.strategies.assign(g.ops.size(), Strategy::kOffload);
+  odd.load_factor = 2.0;
+  odd.overhead_s = 1e-7;
+  odd.serial_s = 1e300;
+  odd.overlapped_s = std::numeric_limits<double>::quiet_NaN();
+  odd.bandwidth_share = std::numeric_limits<double>::infinity();
+  odd.budget_bytes = int64_t{1} << 62;
+  odd.free_bytes = -5;
+  odd.issue_order.push_back({Chain::kOffload, 0, 0, Resource::kD2H, 0.0001, -1, -1});
+  odd.issue_order.push_back({Chain::kForward, 1, 2, Resource::kCompute, 123456789012.0, 0, 0});
+  same(odd, g);
 }
 
 // The downgrade's search is priced by what it measured (PlannerOptions::gate_search_share):
