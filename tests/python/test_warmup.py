@@ -17,10 +17,12 @@ from test_torchrun import daemon, daemon_binary  # noqa: F401  (daemon: the fixt
 CAPACITY = 8 << 20  # the small MoE stage's planner document (test_governor.py)
 
 
-def run(iterations: int, until_warm: bool = False) -> list:
+def run(iterations: int, until_warm: bool = False, until_warm_hit: bool = False) -> list:
     """The small MoE stage, 4 micro-batches of gradient accumulation at 512 KiB (plans mitigate
     at load 1), embedded planner; ``until_warm``: iterations go on (at most 200) until the
-    warm-up is complete, then ``iterations`` more. Returns the iteration lines."""
+    warm-up is complete, then ``iterations`` more; ``until_warm_hit``: then at most 20 more
+    until one of them has a point served by a warm-up plan (the last line is that one). Returns
+    the iteration lines."""
     from moe_model import MoEStage
     torch.manual_seed(0)
     cfg = small_config()
@@ -41,6 +43,12 @@ def run(iterations: int, until_warm: bool = False) -> list:
                 break
             time.sleep(0.05)  # the worker thread's turn on a busy machine
         assert bagualu.stats()["planning"]["warm_complete"], "the warm-up never completed"
+    if until_warm_hit:  # (a capture re-registered after the warm-up ran starts it again)
+        for _ in range(20):
+            step()
+            if bagualu.history()[-1]["warm_hits"] >= 1:
+                break
+            time.sleep(0.05)
     for _ in range(iterations):
         step()
     return bagualu.history()
@@ -51,7 +59,7 @@ def test_stats_and_the_iteration_line_show_the_warm_up(monkeypatch, caplog) -> N
     monkeypatch.setenv("BGL_WARM_UP", "1")
     monkeypatch.delenv("BGL_WARM_SPIKE_BOUND", raising=False)
     caplog.set_level(logging.INFO, logger="bagualu")
-    lines = run(1, until_warm=True)
+    lines = run(0, until_warm=True, until_warm_hit=True)
     planning = bagualu.stats()["planning"]
     last = lines[-1]
     assert planning["warm_keys"] > 0
@@ -178,8 +186,9 @@ def test_a_spike_run_shows_how_the_points_after_a_downgrade_were_served(monkeypa
     was served (``next``). Which plans serve which points depends on how far the background
     searches got (the CPU they were given), so the run is checked for consistency, and that
     plans made before their points were met served some of them: after the first iteration the
-    run waits (at most 120 s) until the warm-up is complete, since its thread runs at nice 19 and
-    on a machine busy with other tests may get no CPU at all during the run itself."""
+    run waits (at most 120 s) until the warm-up is complete and the first iteration's cold keys
+    are refined, since both threads run at nice 19 and on a machine busy with other tests may get
+    no CPU at all during the run itself."""
     require_libs()
     unmodified = pytest.importorskip("unmodified")
     pytest.importorskip("transformers")
@@ -192,6 +201,14 @@ def test_a_spike_run_shows_how_the_points_after_a_downgrade_were_served(monkeypa
         deadline = time.monotonic() + 120
         while it == 0 and not bagualu.stats()["planning"]["warm_complete"]:
             assert time.monotonic() < deadline, bagualu.stats()["planning"]
+            time.sleep(0.05)
+        # ... and the first iteration's cold keys refined (the refiner runs at nice 19 too; a
+        # refinement that never lands is not waited for past the deadline)
+        embedded = bagualu.current().planning.governor.embedded
+        while it == 0 and time.monotonic() < deadline:
+            stats = embedded.stats()
+            if stats["refined"] >= stats["first_answers"]:
+                break
             time.sleep(0.05)
 
     r = unmodified.train("qwen3_moe", "bagualu", capacity=peak // 2, after_iteration=until_warm,
