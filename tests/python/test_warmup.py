@@ -15,14 +15,18 @@ from conftest import require_libs, small_config
 from test_torchrun import daemon, daemon_binary  # noqa: F401  (daemon: the fixture)
 
 CAPACITY = 8 << 20  # the small MoE stage's planner document (test_governor.py)
+# A plan made before its point was met: the warm-up's, or the point's own miss refined in the
+# background; the warm-up leaves a key whose full search landed first (planner.cc,
+# WarmObserved: "a miss's full search stands"), which happens when its thread gets little CPU.
+AHEAD = ("warm", "refined")
 
 
 def run(iterations: int, until_warm: bool = False, until_warm_hit: bool = False) -> list:
     """The small MoE stage, 4 micro-batches of gradient accumulation at 512 KiB (plans mitigate
     at load 1), embedded planner; ``until_warm``: iterations go on (at most 200) until the
     warm-up is complete, then ``iterations`` more; ``until_warm_hit``: then at most 20 more
-    until one of them has a point served by a warm-up plan (the last line is that one). Returns
-    the iteration lines."""
+    until one of them has a point served by a plan made before it was met (AHEAD; the last
+    line is that one). Returns the iteration lines."""
     from moe_model import MoEStage
     torch.manual_seed(0)
     cfg = small_config()
@@ -46,7 +50,7 @@ def run(iterations: int, until_warm: bool = False, until_warm_hit: bool = False)
     if until_warm_hit:  # (a capture re-registered after the warm-up ran starts it again)
         for _ in range(20):
             step()
-            if bagualu.history()[-1]["warm_hits"] >= 1:
+            if any(p["served"] in AHEAD for p in bagualu.history()[-1]["points"]):
                 break
             time.sleep(0.05)
     for _ in range(iterations):
@@ -70,8 +74,9 @@ def test_stats_and_the_iteration_line_show_the_warm_up(monkeypatch, caplog) -> N
     # every point says whether a warm-up plan served it; the line counts them
     assert all("warm" in p for p in last["points"])
     assert last["warm_hits"] == sum(p["warm"] for p in last["points"])
-    # the first forward of an iteration meets the budget the warm-up's load-1 replay gave it
-    assert last["warm_hits"] >= 1, last["points"]
+    # the points of an iteration meet the budget the warm-up's load-1 replay gave them: served
+    # by its plans, or by their own misses' full searches where those landed first
+    assert any(p["served"] in AHEAD for p in last["points"]), last["points"]
     assert planning["warm_hits"] == sum(x["warm_hits"] for x in lines)
     text = [r.getMessage() for r in caplog.records if "iter" in r.getMessage()]
     assert text and f"warm {last['warm_hits']} hit {last['warm_keys']} keys" in text[-1]
