@@ -47,7 +47,7 @@ def run(iterations: int, until_warm: bool = False, until_warm_hit: bool = False)
                 break
             time.sleep(0.05)  # the worker thread's turn on a busy machine
         assert bagualu.stats()["planning"]["warm_complete"], "the warm-up never completed"
-    if until_warm_hit:  # (a capture re-registered after the warm-up ran starts it again)
+    if until_warm_hit:  # (the warm-up leaves a key whose own miss was refined first: AHEAD)
         for _ in range(20):
             step()
             if any(p["served"] in AHEAD for p in bagualu.history()[-1]["points"]):
