@@ -328,6 +328,25 @@ int bgl_planner_report(bgl_planner* handle, int micro_batch, int chunk, int64_t 
   return 0;
 }
 
+int bgl_planner_warm_up(bgl_planner* handle, int64_t host_limit_bytes, double bandwidth_share) {
+  if (!handle) {
+    last_error = "planner: NULL handle";
+    return -1;
+  }
+  try {
+    bgl::Status s = handle->planner->StartWarmup(host_limit_bytes, bandwidth_share);
+    if (!s.ok()) {
+      last_error = s.message();
+      return -1;
+    }
+  } catch (const std::exception& e) {
+    last_error = std::string("internal error: ") + e.what();
+    return -1;
+  }
+  last_error.clear();
+  return 0;
+}
+
 void bgl_planner_reset_iteration(bgl_planner* handle) {
   if (handle) handle->planner->ResetIteration();
 }

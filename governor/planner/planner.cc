@@ -319,6 +319,10 @@ Status StagePlanner::StartWarmup(int64_t host_limit_bytes, double bandwidth_shar
     return InvalidArgument("bandwidth_share: must be in (0, 1], got " +
                            std::to_string(bandwidth_share));
   }
+  if (host_limit_bytes < -1) {
+    return InvalidArgument("host_limit_bytes: must be -1 (none) or >= 0, got " +
+                           std::to_string(host_limit_bytes));
+  }
   if (warm_started_) return OkStatus();
   warm_started_ = true;
   warm_host_limit_ = host_limit_bytes;

@@ -70,9 +70,9 @@ def describe_backward(rt: Any, at_backward: bool = False) -> None:
     it the planner takes twice the forward). Registering again starts new planners, so it
     happens where no forward is planned and not yet run back: at the end of the capture's
     backward when that is so (``at_backward``: one micro-batch at a time, as in gradient
-    accumulation), else at the next iteration's start. Not when the capture's backward reran
-    or reloaded what a static policy forced (its time is then not the layer's own backward),
-    nor for compiled blocks planned per operator."""
+    accumulation), else at the iteration's end (or the next one's start where a loop calls no
+    end). Not when the capture's backward reran or reloaded what a static policy forced (its
+    time is then not the layer's own backward), nor for compiled blocks planned per operator."""
     calls = getattr(rt.auto if rt.auto is not None else rt.block_path, "calls", None)
     planning = rt.planning
     if calls is None or calls.backward_ms <= 0 or planning.model_doc is None:

@@ -311,7 +311,7 @@ class Runtime(HooksHost):
 
     # -- iterations and observability -------------------------------------------------------
     def begin_iteration(self) -> None:
-        describe_backward(self)  # once, after the capture's backward
+        describe_backward(self)  # once, after the capture's backward (if end_iteration did not)
         self.log.begin(self.tracker.counters, self.memory.oom_count, self._copy_wait_ns())
         self.memory.reset_peak()
         self.planning.begin_iteration()
@@ -319,10 +319,14 @@ class Runtime(HooksHost):
     def end_iteration(self) -> Dict[str, Any]:
         """Closes the iteration and logs its line; returns the line's fields."""
         self.planning.end_iteration()
-        return self.log.end(self.tracker.counters, self.memory.oom_count, self.planning.budget,
+        line = self.log.end(self.tracker.counters, self.memory.oom_count, self.planning.budget,
                             self.memory.peak(), self.strategies.counts(self.layer_ops.values()),
                             self.planning.deferred, self._planner_stats(),
                             self._copy_wait_ns())
+        # No forward is planned and not yet run back: the planners the capture's backward time
+        # asks for start here, so their warm-up has the time between iterations too.
+        describe_backward(self)
+        return line
 
     def _copy_wait_ns(self) -> int:
         """The enforcer's blocked waits for copies and casts so far (ns)."""

@@ -42,6 +42,37 @@ TEST(PlannerCApi, PlansAndReports) {
   bgl_planner_destroy(p);
 }
 
+// bgl_planner_warm_up starts the warm-up before any point (a planner registered again between
+// iterations warms up in the gap); its bad arguments and a planner without a warm-up are refused
+// with a message, and the planner plans on.
+TEST(PlannerCApi, TheWarmUpStartsWhenAskedBeforeAnyPoint) {
+  const std::string model = Slurp(std::string(BGL_MODELS_DIR) + "/tiny-moe.json");
+  bgl_planner* off = bgl_planner_create(model.c_str(), R"({"budget_step_bytes": 1048576})");
+  ASSERT_NE(off, nullptr) << bgl_planner_last_error();
+  EXPECT_EQ(bgl_planner_warm_up(off, -1, 1.0), -1);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("without the warm-up"), std::string::npos);
+  bgl_planner_destroy(off);
+  EXPECT_EQ(bgl_planner_warm_up(nullptr, -1, 1.0), -1);
+  bgl_planner* p = bgl_planner_create(model.c_str(), R"({"capacity_bytes": 2147483648,
+      "budget_step_bytes": 1048576, "warm_up": true, "warm_spike_bound": 1.5})");
+  ASSERT_NE(p, nullptr) << bgl_planner_last_error();
+  for (double share : {0.0, -1.0, 1.5}) {
+    EXPECT_EQ(bgl_planner_warm_up(p, -1, share), -1) << share;
+    EXPECT_NE(std::string(bgl_planner_last_error()).find("bandwidth_share"), std::string::npos);
+  }
+  EXPECT_EQ(bgl_planner_warm_up(p, -7, 1.0), -1);
+  EXPECT_NE(std::string(bgl_planner_last_error()).find("host_limit_bytes"), std::string::npos);
+  auto stats = [&] { return nlohmann::json::parse(Take(bgl_planner_stats(p))); };
+  EXPECT_EQ(stats()["warm_rounds"], 0);  // nothing started by the refusals
+  ASSERT_EQ(bgl_planner_warm_up(p, -1, 1.0), 0) << bgl_planner_last_error();
+  // started, with no point planned (a round that landed may have started the next one)
+  EXPECT_GE(stats()["warm_rounds"], 1);
+  EXPECT_EQ(bgl_planner_warm_up(p, -1, 1.0), 0);  // a second call does nothing
+  EXPECT_FALSE(Take(bgl_planner_plan(p, R"({"forward_micro_batch": 0})")).empty())
+      << bgl_planner_last_error();
+  bgl_planner_destroy(p);
+}
+
 TEST(PlannerCApi, ScheduleWithoutAModel) {
   // Rank 0 of 2, 4 micro-batches, 2 chunks: Megatron's warm-up of (2-0-1)*2 + (2-1)*2 = 4.
   const auto steps = nlohmann::json::parse(Take(bgl_planner_schedule(2, 0, 4, 2)));

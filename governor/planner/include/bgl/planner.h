@@ -75,6 +75,13 @@ BGL_PLANNER_API char* bgl_planner_plan_after_gate(bgl_planner* planner, int micr
 BGL_PLANNER_API int bgl_planner_report(bgl_planner* planner, int micro_batch, int chunk,
                                        int64_t actual_bytes);
 
+/* Starts the warm-up now (a planner created with "warm_up": true starts it at its first plan
+ * otherwise): its worker plans the keys the run will meet under a host limit of
+ * `host_limit_bytes` (-1: none) and a share in (0, 1] of the link's bandwidth. A second call does
+ * nothing. 0 on success, -1 on error (no warm-up configured, a bad share). */
+BGL_PLANNER_API int bgl_planner_warm_up(bgl_planner* planner, int64_t host_limit_bytes,
+                                        double bandwidth_share);
+
 /* Forgets live micro-batches at an iteration boundary (caches are kept). */
 BGL_PLANNER_API void bgl_planner_reset_iteration(bgl_planner* planner);
 

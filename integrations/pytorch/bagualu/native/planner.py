@@ -29,6 +29,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.bgl_planner_plan_after_gate.restype = c_void
     lib.bgl_planner_report.argtypes = [c_void, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
     lib.bgl_planner_report.restype = ctypes.c_int
+    lib.bgl_planner_warm_up.argtypes = [c_void, ctypes.c_int64, ctypes.c_double]
+    lib.bgl_planner_warm_up.restype = ctypes.c_int
     lib.bgl_planner_reset_iteration.argtypes = [c_void]
     lib.bgl_planner_reset_iteration.restype = None
     lib.bgl_planner_last_error.argtypes = []

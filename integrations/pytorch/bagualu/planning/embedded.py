@@ -73,6 +73,15 @@ class EmbeddedPlanner:
                                             int(actual_bytes)) != 0:
                 raise PlannerError(self._error())
 
+    def warm_up(self, host_limit_bytes: int = -1, bandwidth_share: float = 1.0) -> None:
+        """Starts the warm-up now (else the first plan starts it): a planner created with
+        "warm_up" plans the keys the run will meet under that host limit (-1: none) and share of
+        the link. PlannerError where the planner has no warm-up or an argument is bad."""
+        with self._mutex:
+            if self._lib.bgl_planner_warm_up(self._handle, int(host_limit_bytes),
+                                             float(bandwidth_share)) != 0:
+                raise PlannerError(self._error())
+
     def stats(self) -> Json:
         """The planner's counters (bgl_planner_stats): the plan cache, the anytime path and
         the warm-up (warm_keys, warm_hits, warm_cpu_s, ...)."""

@@ -221,6 +221,10 @@ class Governor:
         self.description = self.embedded.description
         self.kind = "embedded"
         if not self.uses_daemon:
+            if warm["warm_up"]:
+                # at once, not at the first plan: a planner registered again between iterations
+                # (the capture's backward measured) warms up before the next one starts
+                self.embedded.warm_up(self.grant if self.grant is not None else -1, self.share)
             return
         if retry_at is not None:
             self._retry_at = retry_at
