@@ -33,6 +33,8 @@ constexpr Strategy kMitigations[] = {Strategy::kRecompute, Strategy::kOffload, S
 constexpr int kDowngradeLabels = 20000;
 // Fewer labels per cut than this and the downgrade's DP does not run (ReplanAfterGate).
 constexpr int kMinDowngradeLabels = 16;
+// The searches again below the best plan so far where a front was thinned (issue 43).
+constexpr int kDowngradePasses = 4;
 
 using Partners = std::vector<std::vector<int>>;
 
@@ -477,8 +479,13 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
   // chunk miss (issue 43: the worst downgrades at 9.4x the pinned optimum traded a keep and an
   // offload at once). Its fronts hold kDowngradeLabels / (operators not run yet) labels per cut,
   // at least 16 and at most the full search's 2,048, so its time stays bounded at any gate.
-  // Where a plan fits already, the search is priced (GateSearch): at most search.share of the
-  // exposed overhead it could remove, in labels at search.seconds_per_label each.
+  // Where it had to thin a front it searches again, up to kDowngradePasses times, below the best
+  // plan so far: the labels that cannot beat that plan (their terms and a lower bound of what
+  // the operators before their cut must still add) are cut before the fronts are thinned, so the
+  // thinning drops fewer of those that can (the worst downgrades, 2-3.6x the pinned optimum
+  // where one search's thinning dropped the optimum's label, docs/planner.md). Where a plan fits
+  // already, the searches are priced (GateSearch): at most search.share of the exposed overhead
+  // they could remove, in labels at search.seconds_per_label each.
   int labels = 0;
   double search_s = 0;
   bool cut = false;
@@ -486,11 +493,16 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
     int free_ops = 0;
     for (char pinned_op : pins.pinned) free_ops += pinned_op ? 0 : 1;
     int states = std::clamp(kDowngradeLabels / std::max(1, free_ops), kMinDowngradeLabels, 2048);
+    int searches = 1 + kDowngradePasses;
     if (best_fits && search.share > 0 && search.seconds_per_label > 0) {
       const double affordable = search.share * best.cost.exposed_s / search.seconds_per_label;
       if (affordable < states) {
         cut = true;
         states = affordable < kMinDowngradeLabels ? 0 : static_cast<int>(affordable);
+        searches = 1;
+      } else if (affordable < static_cast<double>(states) * searches) {
+        cut = true;
+        searches = static_cast<int>(affordable / states);
       }
     }
     const double bound = best_fits ? best.cost.exposed_s : std::numeric_limits<double>::infinity();
@@ -498,9 +510,21 @@ MitigationResult ReplanAfterGate(const CostEvaluator& eval, const Assignment& pl
       const auto start = std::chrono::steady_clock::now();
       std::optional<OperatorDpResult> dp =
           OperatorDp(eval, observed_r, budget, bound, options, states, &pins);
-      search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      labels = states;
+      int ran = 1;
+      bool exact = dp && dp->exact;
       if (dp) consider(std::move(dp->assignment));
+      for (; ran < searches && !exact && best_fits && best.cost.exposed_s > 0; ++ran) {
+        std::optional<OperatorDpResult> again =
+            OperatorDp(eval, observed_r, budget, best.cost.exposed_s, options, states, &pins);
+        if (!again) {  // nothing cheaper
+          ++ran;
+          break;
+        }
+        exact = again->exact;
+        consider(std::move(again->assignment));
+      }
+      search_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      labels = states * ran;
     }
   }
   best.search_labels = labels;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace bgl::plan {
@@ -44,6 +45,92 @@ uint8_t Code(Strategy s) {
   }
   return 0;
 }
+
+// A fractional knapsack of what the operators still to decide can shed: items (bytes at a price
+// in seconds per byte, each of one producer) sorted by price once, in Fenwick trees of bytes and
+// seconds; the DP removes a producer's items as it decides it. O(log items) a removal and a query.
+class Knapsack {
+ public:
+  struct Item {
+    double rate, cap;  // seconds per byte shed, bytes
+    int producer;      // -1: a tensor from outside the chunk
+  };
+
+  // The items of the producers before `below` (-1: from outside the chunk, always in).
+  Knapsack(const std::vector<Item>& items, int below) {
+    for (const Item& x : items) {
+      if (x.producer < below) items_.push_back(x);
+    }
+    std::sort(items_.begin(), items_.end(),
+              [](const Item& a, const Item& b) { return a.rate < b.rate; });
+    const size_t m = items_.size();
+    bytes_.assign(m + 1, 0);
+    seconds_.assign(m + 1, 0);
+    for (size_t i = 0; i < m; ++i) Update(i, items_[i].cap);
+    // by_producer_: the items' indices grouped by producer, from_[p + 1] where p's begin
+    from_.assign(static_cast<size_t>(std::max(below, 0)) + 2, 0);
+    for (const Item& x : items_) ++from_[static_cast<size_t>(x.producer + 1) + 1];
+    for (size_t q = 1; q < from_.size(); ++q) from_[q] += from_[q - 1];
+    by_producer_.resize(m);
+    std::vector<size_t> at(from_.begin(), from_.end() - 1);
+    for (size_t i = 0; i < m; ++i)
+      by_producer_[at[static_cast<size_t>(items_[i].producer + 1)]++] = i;
+    top_ = 1;
+    while (top_ * 2 <= m) top_ *= 2;
+  }
+
+  void RemoveProducer(int producer) {
+    const auto q = static_cast<size_t>(producer + 1);
+    if (q + 1 >= from_.size()) return;
+    for (size_t k = from_[q]; k < from_[q + 1]; ++k) {
+      const size_t i = by_producer_[k];
+      Update(i, -items_[i].cap);
+    }
+  }
+
+  // The least seconds that shed `bytes`, the cheapest items first; infinity past what they hold.
+  double Fill(double bytes) const {
+    size_t pos = 0;
+    double left = bytes, seconds = 0;
+    for (size_t step = top_; step > 0; step /= 2) {
+      if (pos + step < bytes_.size() && bytes_[pos + step] < left) {
+        pos += step;
+        left -= bytes_[pos];
+        seconds += seconds_[pos];
+      }
+    }
+    if (pos >= items_.size()) return left > 0 ? std::numeric_limits<double>::infinity() : seconds;
+    return seconds + std::max(left, 0.0) * items_[pos].rate;
+  }
+
+  // The bytes and seconds of all the items cheaper than `rate`.
+  std::pair<double, double> Below(double rate) const {
+    size_t end =
+        static_cast<size_t>(std::lower_bound(items_.begin(), items_.end(), rate,
+                                             [](const Item& a, double r) { return a.rate < r; }) -
+                            items_.begin());
+    double bytes = 0, seconds = 0;
+    for (; end > 0; end &= end - 1) {
+      bytes += bytes_[end];
+      seconds += seconds_[end];
+    }
+    return {bytes, seconds};
+  }
+
+ private:
+  void Update(size_t i, double cap) {
+    const double seconds = cap * items_[i].rate;
+    for (size_t j = i + 1; j < bytes_.size(); j += j & (~j + 1)) {
+      bytes_[j] += cap;
+      seconds_[j] += seconds;
+    }
+  }
+
+  std::vector<Item> items_;
+  std::vector<double> bytes_, seconds_;  // Fenwick trees, 1-based
+  std::vector<size_t> by_producer_, from_;
+  size_t top_ = 1;
+};
 
 // The graph's costs at one load factor, and for every cut the tensors open there.
 class Problem {
@@ -120,6 +207,7 @@ class Problem {
     // before operator c; a label whose terms plus it pass the budget or the bound is cut (issue
     // 43: in the revision after the gate the operators that ran hold most of the bytes).
     fixed_.assign(n + 1, Terms{});
+    std::vector<char> fixed_tensor(nt, 0);
     if (pinned != nullptr) {
       std::vector<Terms> by_producer(n + 1);  // index producer + 1 (0: outside the chunk)
       for (size_t t = 0; t < nt; ++t) {
@@ -139,7 +227,10 @@ class Problem {
           }
           m = code;
         }
-        if (fixed) Place(static_cast<int>(t), m, by_producer[g_.tensors[t].producer + 1]);
+        if (fixed) {
+          Place(static_cast<int>(t), m, by_producer[g_.tensors[t].producer + 1]);
+          fixed_tensor[t] = 1;
+        }
       }
       // fixed_[c] = outside the chunk + producers 0 .. c-1 for c >= 1; fixed_[0] stays empty
       // (deciding operator 0 places the tensors from outside).
@@ -152,6 +243,91 @@ class Problem {
     // The compute the copies hide under (none where they are synchronous: copy_overlap 0).
     forward_s_ = hw.copy_overlap * g_.ForwardTime(r);
     backward_s_ = hw.copy_overlap * g_.BackwardTime(r);
+    fixed_tensor_ = std::move(fixed_tensor);
+  }
+
+  // What the tensors the operators before a cut place (and the tensors from outside the chunk)
+  // can shed and at what price: the operators decided last to first, a label at cut c has placed
+  // none of them yet. A relaxation of the choices (each tensor may shed its bytes by an offload,
+  // by FP8 and by its producer's rerun at once, whatever its savers can agree on), so `Extra` is a
+  // lower bound of what they add to the exposed overhead. items_: the FP8 casts and the reruns
+  // (Knapsack); cut_: per cut, the bytes to place and the offloads' bytes and cheapest rates.
+  // Built once, where a front first passes its cap (most searches never need it).
+  void Shedding() const {
+    if (!cut_.empty()) return;
+    const size_t n = ops_.size();
+    // the tensors' indices grouped by producer + 1 (0: from outside the chunk)
+    std::vector<int> from(n + 3, 0), order(tensors_.size());
+    auto counts = [&](size_t t) {
+      const TensorCost& y = tensors_[t];
+      return !(y.skip || !y.saved || fixed_tensor_[t] || !(y.bytes > 0));
+    };
+    for (size_t t = 0; t < tensors_.size(); ++t) {
+      if (counts(t)) ++from[static_cast<size_t>(g_.tensors[t].producer + 2)];
+    }
+    for (size_t q = 1; q < from.size(); ++q) from[q] += from[q - 1];
+    std::vector<int> at(from.begin(), from.end() - 1);
+    for (size_t t = 0; t < tensors_.size(); ++t) {
+      if (counts(t)) {
+        order[static_cast<size_t>(at[static_cast<size_t>(g_.tensors[t].producer + 1)]++)] =
+            static_cast<int>(t);
+      }
+    }
+    cut_.assign(n + 1, Cut{});
+    Cut sum;
+    sum.d2h_rate = sum.h2d_rate = std::numeric_limits<double>::infinity();
+    for (size_t c = 0; c <= n; ++c) {
+      // cut c >= 1: the tensors from outside and those of the producers 0 .. c-1
+      const int producer = static_cast<int>(c) - 1;
+      double rerun_cap = 0;
+      for (int k = from[c]; k < from[c + 1]; ++k) {
+        const int t = order[static_cast<size_t>(k)];
+        const TensorCost& y = tensors_[static_cast<size_t>(t)];
+        bool offload = false, fp8 = false;
+        for (int saver : g_.tensors[static_cast<size_t>(t)].savers) {
+          for (Strategy s : ops_[static_cast<size_t>(saver)].choices) {
+            offload |= s == Strategy::kOffload;
+            fp8 |= s == Strategy::kFp8;
+          }
+        }
+        sum.bytes += y.bytes;
+        rerun_cap += y.bytes;
+        if (offload) {
+          sum.offloadable += y.bytes;
+          sum.d2h_rate = std::min(sum.d2h_rate, y.d2h_s / y.bytes);
+          sum.h2d_rate = std::min(sum.h2d_rate, y.h2d_s / y.bytes);
+        }
+        if (fp8 && y.bytes > y.fp8_bytes) {
+          items_.push_back({y.fp8_s / (y.bytes - y.fp8_bytes), y.bytes - y.fp8_bytes, producer});
+        }
+      }
+      // A dropped tensor from outside adds nothing; one of the chunk's reruns its producer.
+      const double rerun_s = producer < 0 ? 0.0 : ops_[static_cast<size_t>(producer)].forward_s;
+      if (rerun_cap > 0) items_.push_back({rerun_s / rerun_cap, rerun_cap, producer});
+      if (c >= 1) cut_[c] = sum;
+    }
+  }
+
+  // A lower bound of what the operators before cut c (their items in `k`) add to the exposed
+  // overhead of a label whose terms (with fixed_[c]) are `least`, within `mem_limit`; infinity
+  // where even the relaxation cannot fit.
+  double Extra(size_t c, const Knapsack& k, const Terms& least, double mem_limit) const {
+    if (c == 0) return 0;
+    const Cut& at = cut_[c];
+    double need = at.bytes - (mem_limit - least.mem);
+    if (need <= 0) return 0;
+    if (!(at.offloadable > 0)) return k.Fill(need);
+    // Offloads hidden under the windows' slack are free; past it an offloaded byte exposes at
+    // least the cheaper copy rate: one more item, `beyond`, of all the offloadable bytes.
+    const double free_d2h = std::max(0.0, forward_s_ - least.d2h) / at.d2h_rate;
+    const double free_h2d = std::max(0.0, backward_s_ - least.h2d) / at.h2d_rate;
+    need -= std::min({free_d2h, free_h2d, at.offloadable});
+    if (need <= 0) return 0;
+    const double rate = std::min(at.d2h_rate, at.h2d_rate), cap = at.offloadable;
+    const auto [below_cap, below_cost] = k.Below(rate);
+    if (need <= below_cap) return k.Fill(need);
+    if (need <= below_cap + cap) return below_cost + (need - below_cap) * rate;
+    return k.Fill(need - cap) + cap * rate;
   }
 
   struct TensorCost {
@@ -195,7 +371,14 @@ class Problem {
     to.host += a.host;
   }
 
+  struct Cut {
+    double bytes = 0, offloadable = 0, d2h_rate = 0, h2d_rate = 0;
+  };
+
   const StageGraph& g_;
+  std::vector<char> fixed_tensor_;             // its savers all pinned: in fixed_
+  mutable std::vector<Knapsack::Item> items_;  // Shedding's
+  mutable std::vector<Cut> cut_;
   std::vector<TensorCost> tensors_;
   std::vector<Terms> fixed_;
   std::vector<OpInfo> ops_;
@@ -388,6 +571,7 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
   std::vector<std::vector<Label>> cuts(n + 1);
   cuts[n].push_back({});
   Scratch scratch;
+  std::optional<Knapsack> knapsack;  // built where a front first passes its cap
   // One choice's move from a signature (see below).
   struct Move {
     bool conflict = false, rerun = false;
@@ -409,6 +593,7 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
     const std::vector<int>& after = p.open_[o];
     std::vector<Label>& next = cuts[o];
     const std::vector<Label>& prev = cuts[o + 1];
+    if (knapsack) knapsack->RemoveProducer(static_cast<int>(o));  // placed at cut o
     next.reserve(prev.size() * op.choices.size());
     // A choice changes only the codes of the operator's saves and inputs, and what it adds depends
     // only on the label's signature: for each run of labels of one signature (the front comes
@@ -503,6 +688,25 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
         x.strategy = op.choices[c];
         next.push_back(x);
       }
+    }
+    // A front past its cap loses, before it is thinned, the labels that cannot reach the bound
+    // with what the operators before o must still shed to fit (issue 43: the thinning dropped the
+    // optimum's label where labels that could not beat the best plan crowded the front).
+    if (next.size() > cap && std::isfinite(bound)) {
+      if (!knapsack) {
+        p.Shedding();
+        knapsack.emplace(p.items_, static_cast<int>(o));
+      }
+      size_t w = 0;
+      for (const Label& x : next) {
+        Terms least = x.terms;
+        Problem::Add(p.fixed_[o], least);
+        if (p.Overhead(least) + (1 - 1e-9) * p.Extra(o, *knapsack, least, mem_limit + slack) <
+            bound) {
+          next[w++] = x;
+        }
+      }
+      next.resize(w);
     }
     result.states += static_cast<int>(next.size());
     if (next.empty()) return std::nullopt;

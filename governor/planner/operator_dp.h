@@ -10,10 +10,13 @@
 // reads it. States of one signature are compared by Pareto dominance on (device bytes, recompute
 // and FP8 seconds, D2H seconds, H2D seconds, and host bytes under a host limit); the copy terms
 // couple layers only through max(0, D2H - forward) and max(0, H2D - backward), so the DP spans
-// the whole chunk and fills the copy windows across layers. States whose overhead already reaches
-// the bound, or whose bytes pass the budget, are cut. With every front under its cap the answer is
-// the optimum; past the cap a front is thinned on a grid of bytes and D2H seconds (the cheapest
-// and the least-copying state of each cell stay), and the answer is near it.
+// the whole chunk and fills the copy windows across layers. States whose bytes pass the budget
+// are cut, and so are those whose overhead, plus a lower bound of what the operators still to
+// decide must add to fit the budget (a fractional knapsack of their tensors' bytes: offloads free
+// within the windows' slack, then at the cheaper copy rate, FP8 casts, reruns), reaches the bound.
+// With every front under its cap the answer is the optimum; past the cap a front is thinned on a
+// grid of bytes and D2H seconds (the cheapest and the least-copying state of each cell stay), and
+// the answer is near it; a caller may search again below the answer's overhead (ReplanAfterGate).
 //
 // Internal to the planner library; mitigation.cc calls it. A free function without state: safe to
 // call from any thread on an evaluator no other thread modifies.

@@ -248,8 +248,7 @@ class Runtime(HooksHost):
 
     @contextmanager
     def forward(self, mb: int, chunk: int = 0) -> Iterator[None]:
-        """Runs a micro-batch's forward (of local stage ``chunk``) under the saved-tensor
-        hooks."""
+        """Runs a micro-batch's forward (of local stage ``chunk``) under saved-tensor hooks."""
         unit = self.unit_id(mb, chunk)
         capture = self.planning.wants_capture()
         t = self.tracker
@@ -317,14 +316,12 @@ class Runtime(HooksHost):
         self.planning.begin_iteration()
 
     def end_iteration(self) -> Dict[str, Any]:
-        """Closes the iteration and logs its line; returns the line's fields."""
+        """Closes the iteration and logs its line; returns the line's fields. Then the planners
+        the capture's backward time asks for start (describe_backward: warm-up between)."""
         self.planning.end_iteration()
         line = self.log.end(self.tracker.counters, self.memory.oom_count, self.planning.budget,
                             self.memory.peak(), self.strategies.counts(self.layer_ops.values()),
-                            self.planning.deferred, self._planner_stats(),
-                            self._copy_wait_ns())
-        # No forward is planned and not yet run back: the planners the capture's backward time
-        # asks for start here, so their warm-up has the time between iterations too.
+                            self.planning.deferred, self._planner_stats(), self._copy_wait_ns())
         describe_backward(self)
         return line
 

@@ -235,19 +235,14 @@ TEST(ReplanAfterGate, TheSearchCostsAtMostAShareOfWhatItCanRemove) {
   EXPECT_GT(searched, 0) << "no chunk left the search anything to remove";
 }
 
-// Issue 43's bar for the downgrade (within 1.5x of the optimum for the rest of the chunk at the
-// observed load), against the exact reference with the operators that ran pinned, on unseen
-// chunks of planner_first_answer_study gate-reference 4343 (GateInstances 4343: the gate of a
-// random layer sees 1.3-2.6, the budget drawn below keep-all at load 1), alone and with the warm
-// plan of the observed load (the full search of the whole chunk there, as PlanAfterGate finds it
-// cached with the warm-up), its operators that ran set back to their plan. Before the operator DP
-// over the rest of the chunk (the priced candidates, the warm plan and the fixed rule only): #8,
-// #38, #68 and #83 alone recomputed 0.9-3.6 ms where the optimum exposes nothing (90-362x), and
-// #57 and #87 were 9.4x and 8.3x with the warm plan too (a keep and an offload traded at once).
-TEST(ReplanAfterGate, TheRestOfTheChunkAgainstTheExactReference) {
+// The revision after the gate, alone and with the warm plan of the observed load, against the
+// exact reference with the operators that ran pinned: within 1.5x on the instances `indices` of
+// `planner_first_answer_study gate-reference SEED`.
+void ExpectTheRestWithinTheBar(uint32_t seed, std::initializer_list<int> indices) {
   const HardwareProfile hw = *HardwareProfileByName("h200");
-  const std::vector<testing::GateInstance> all = testing::GateInstances(4343, 88);
-  for (const int i : {8, 38, 57, 68, 83, 87}) {
+  const std::vector<testing::GateInstance> all =
+      testing::GateInstances(seed, std::max(indices) + 1);
+  for (const int i : indices) {
     const testing::GateInstance& x = all[static_cast<size_t>(i)];
     const CostEvaluator eval(x.graph, hw);
     auto planned = SelectMitigation(eval, 1.0, x.budget);
@@ -279,6 +274,29 @@ TEST(ReplanAfterGate, TheRestOfTheChunkAgainstTheExactReference) {
     EXPECT_LE((revised.cost.exposed_s + 1e-5) / (opt.exposed_s + 1e-5), 1.5) << x.label;
     EXPECT_LE((alone.cost.exposed_s + 1e-5) / (opt.exposed_s + 1e-5), 1.5) << x.label;
   }
+}
+
+// Issue 43's bar for the downgrade (within 1.5x of the optimum for the rest of the chunk at the
+// observed load), against the exact reference with the operators that ran pinned, on unseen
+// chunks of planner_first_answer_study gate-reference 4343 (GateInstances 4343: the gate of a
+// random layer sees 1.3-2.6, the budget drawn below keep-all at load 1), alone and with the warm
+// plan of the observed load (the full search of the whole chunk there, as PlanAfterGate finds it
+// cached with the warm-up), its operators that ran set back to their plan. Before the operator DP
+// over the rest of the chunk (the priced candidates, the warm plan and the fixed rule only): #8,
+// #38, #68 and #83 alone recomputed 0.9-3.6 ms where the optimum exposes nothing (90-362x), and
+// #57 and #87 were 9.4x and 8.3x with the warm plan too (a keep and an offload traded at once).
+TEST(ReplanAfterGate, TheRestOfTheChunkAgainstTheExactReference) {
+  ExpectTheRestWithinTheBar(4343, {8, 38, 57, 68, 83, 87});
+}
+
+// The worst downgrades of the studies of other seeds, each a chunk whose copies nearly fill the
+// forward's window: one search thinned the pinned optimum's label away (3.61x on 9191's #23,
+// 2.12x on 4343's #7, 1.94x and 2.29x on 4344's #57 and #89); the searches again below the best
+// plan so far cut the labels that cannot beat it by cost (operator_dp.cc, Extra) before thinning.
+TEST(ReplanAfterGate, TheWorstDowngradesOfTheStudiesAgainstTheExactReference) {
+  ExpectTheRestWithinTheBar(9191, {23});
+  ExpectTheRestWithinTheBar(4343, {7});
+  ExpectTheRestWithinTheBar(4344, {57, 89});
 }
 
 }  // namespace
