@@ -285,3 +285,36 @@ def test_the_downgrade_line_names_how_the_next_forward_was_served(caplog) -> Non
     assert ("micro-batch 3 after the router of layer 1 (load 1.40): keep 5->3 recompute 0->2; "
             "the next forward (micro-batch 4, load 1.30) served warm") in text[0], text
     assert text[1].endswith("no forward after it in the iteration"), text
+
+
+def test_the_warm_up_starts_at_registration_and_a_refusal_does_not_stop_it(monkeypatch,
+                                                                            caplog) -> None:
+    """The embedded planner starts its warm-up when the stage is registered (so a planner
+    registered again at an iteration's end warms up before the next one), with the grant and
+    bandwidth share the governor holds; a share the planner refuses (a daemon's answer out of
+    (0, 1]) is logged and the registration goes on, the warm-up then starting at the first plan.
+    The planner's own refusals: EmbeddedPlanner.warm_up raises PlannerError naming the field."""
+    require_libs()
+    import json
+    from bagualu.errors import PlannerError
+    from bagualu.planning.embedded import EmbeddedPlanner
+    from bagualu.planning.governor import Governor
+    from conftest import ROOT
+    model = json.loads((ROOT / "models" / "tiny-moe.json").read_text())
+    monkeypatch.setenv("BGL_WARM_UP", "1")
+    gov = Governor("none")
+    gov.register(model, 2 << 30, 0)
+    assert gov.embedded.stats()["warm_rounds"] >= 1  # started, no point planned yet
+    gov.close()
+    caplog.set_level(logging.WARNING, logger="bagualu")
+    gov = Governor("none")
+    gov.share = 1.5
+    gov.register(model, 2 << 30, 0)
+    assert "the warm-up did not start at registration" in caplog.text
+    assert "bandwidth_share" in caplog.text
+    assert gov.embedded.stats()["warm_rounds"] == 0
+    gov.close()
+    planner = EmbeddedPlanner(model, {"capacity_bytes": 2 << 30, "warm_up": True})
+    with pytest.raises(PlannerError, match=r"host_limit_bytes: must be -1"):
+        planner.warm_up(-5, 1.0)
+    planner.close()

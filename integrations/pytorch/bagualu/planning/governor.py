@@ -224,7 +224,11 @@ class Governor:
             if warm["warm_up"]:
                 # at once, not at the first plan: a planner registered again between iterations
                 # (the capture's backward measured) warms up before the next one starts
-                self.embedded.warm_up(self.grant if self.grant is not None else -1, self.share)
+                try:
+                    self.embedded.warm_up(self.grant if self.grant is not None else -1,
+                                          self.share)
+                except PlannerError as e:  # the first plan starts it as before
+                    log.warning("bagualu: the warm-up did not start at registration (%s)", e)
             return
         if retry_at is not None:
             self._retry_at = retry_at
