@@ -67,7 +67,7 @@ TEST(PlannerCApi, TheWarmUpStartsWhenAskedBeforeAnyPoint) {
   ASSERT_EQ(bgl_planner_warm_up(p, -1, 1.0), 0) << bgl_planner_last_error();
   // started, with no point planned (a round that landed may have started the next one)
   EXPECT_GE(stats()["warm_rounds"], 1);
-  EXPECT_EQ(bgl_planner_warm_up(p, -1, 1.0), 0);  // a second call does nothing
+  EXPECT_EQ(bgl_planner_warm_up(p, -1, 1.0), 0);  // a second call succeeds (already started)
   EXPECT_FALSE(Take(bgl_planner_plan(p, R"({"forward_micro_batch": 0})")).empty())
       << bgl_planner_last_error();
   bgl_planner_destroy(p);
