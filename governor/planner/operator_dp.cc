@@ -250,11 +250,18 @@ class Problem {
   // can shed and at what price: the operators decided last to first, a label at cut c has placed
   // none of them yet. A relaxation of the choices (each tensor may shed its bytes by an offload,
   // by FP8 and by its producer's rerun at once, whatever its savers can agree on), so `Extra` is a
-  // lower bound of what they add to the exposed overhead. items_: the FP8 casts and the reruns
-  // (Knapsack); cut_: per cut, the bytes to place and the offloads' bytes and cheapest rates.
-  // Built once, where a front first passes its cap (most searches never need it).
-  void Shedding() const {
-    if (!cut_.empty()) return;
+  // lower bound of what they add to the exposed overhead. items: the FP8 casts and the reruns
+  // (Knapsack); cuts: per cut, the bytes to place and the offloads' bytes and cheapest rates.
+  // The DP builds it once, where a front first passes its cap (most searches never need it).
+  struct Cut {
+    double bytes = 0, offloadable = 0, d2h_rate = 0, h2d_rate = 0;
+  };
+  struct Shedding {
+    std::vector<Knapsack::Item> items;
+    std::vector<Cut> cuts;
+  };
+  Shedding MakeShedding() const {
+    Shedding out;
     const size_t n = ops_.size();
     // the tensors' indices grouped by producer + 1 (0: from outside the chunk)
     std::vector<int> from(n + 3, 0), order(tensors_.size());
@@ -273,7 +280,7 @@ class Problem {
             static_cast<int>(t);
       }
     }
-    cut_.assign(n + 1, Cut{});
+    out.cuts.assign(n + 1, Cut{});
     Cut sum;
     sum.d2h_rate = sum.h2d_rate = std::numeric_limits<double>::infinity();
     for (size_t c = 0; c <= n; ++c) {
@@ -298,22 +305,24 @@ class Problem {
           sum.h2d_rate = std::min(sum.h2d_rate, y.h2d_s / y.bytes);
         }
         if (fp8 && y.bytes > y.fp8_bytes) {
-          items_.push_back({y.fp8_s / (y.bytes - y.fp8_bytes), y.bytes - y.fp8_bytes, producer});
+          out.items.push_back({y.fp8_s / (y.bytes - y.fp8_bytes), y.bytes - y.fp8_bytes, producer});
         }
       }
       // A dropped tensor from outside adds nothing; one of the chunk's reruns its producer.
       const double rerun_s = producer < 0 ? 0.0 : ops_[static_cast<size_t>(producer)].forward_s;
-      if (rerun_cap > 0) items_.push_back({rerun_s / rerun_cap, rerun_cap, producer});
-      if (c >= 1) cut_[c] = sum;
+      if (rerun_cap > 0) out.items.push_back({rerun_s / rerun_cap, rerun_cap, producer});
+      if (c >= 1) out.cuts[c] = sum;
     }
+    return out;
   }
 
-  // A lower bound of what the operators before cut c (their items in `k`) add to the exposed
-  // overhead of a label whose terms (with fixed_[c]) are `least`, within `mem_limit`; infinity
-  // where even the relaxation cannot fit.
-  double Extra(size_t c, const Knapsack& k, const Terms& least, double mem_limit) const {
+  // A lower bound of what the operators before cut c (their items in `k`, their cuts in
+  // `shedding`) add to the exposed overhead of a label whose terms (with fixed_[c]) are `least`,
+  // within `mem_limit`; infinity where even the relaxation cannot fit.
+  double Extra(size_t c, const Shedding& shedding, const Knapsack& k, const Terms& least,
+               double mem_limit) const {
     if (c == 0) return 0;
-    const Cut& at = cut_[c];
+    const Cut& at = shedding.cuts[c];
     double need = at.bytes - (mem_limit - least.mem);
     if (need <= 0) return 0;
     if (!(at.offloadable > 0)) return k.Fill(need);
@@ -371,14 +380,8 @@ class Problem {
     to.host += a.host;
   }
 
-  struct Cut {
-    double bytes = 0, offloadable = 0, d2h_rate = 0, h2d_rate = 0;
-  };
-
   const StageGraph& g_;
-  std::vector<char> fixed_tensor_;             // its savers all pinned: in fixed_
-  mutable std::vector<Knapsack::Item> items_;  // Shedding's
-  mutable std::vector<Cut> cut_;
+  std::vector<char> fixed_tensor_;  // its savers all pinned: in fixed_
   std::vector<TensorCost> tensors_;
   std::vector<Terms> fixed_;
   std::vector<OpInfo> ops_;
@@ -571,7 +574,9 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
   std::vector<std::vector<Label>> cuts(n + 1);
   cuts[n].push_back({});
   Scratch scratch;
-  std::optional<Knapsack> knapsack;  // built where a front first passes its cap
+  // built where a front first passes its cap
+  std::optional<Problem::Shedding> shedding;
+  std::optional<Knapsack> knapsack;
   // One choice's move from a signature (see below).
   struct Move {
     bool conflict = false, rerun = false;
@@ -694,14 +699,15 @@ std::optional<OperatorDpResult> OperatorDp(const CostEvaluator& eval, double r, 
     // optimum's label where labels that could not beat the best plan crowded the front).
     if (next.size() > cap && std::isfinite(bound)) {
       if (!knapsack) {
-        p.Shedding();
-        knapsack.emplace(p.items_, static_cast<int>(o));
+        shedding = p.MakeShedding();
+        knapsack.emplace(shedding->items, static_cast<int>(o));
       }
       size_t w = 0;
       for (const Label& x : next) {
         Terms least = x.terms;
         Problem::Add(p.fixed_[o], least);
-        if (p.Overhead(least) + (1 - 1e-9) * p.Extra(o, *knapsack, least, mem_limit + slack) <
+        if (p.Overhead(least) +
+                (1 - 1e-9) * p.Extra(o, *shedding, *knapsack, least, mem_limit + slack) <
             bound) {
           next[w++] = x;
         }
