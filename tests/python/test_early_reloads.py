@@ -6,9 +6,12 @@ planning/reloads.py on a fake tracker (no model, no planner); the time they save
 docs/benchmarks/same-capacity.md, "Where the time goes over the emulated link"."""
 from __future__ import annotations
 
+import statistics
 import sys
 from types import SimpleNamespace
 from typing import Dict, List
+
+import pytest
 
 from conftest import ROOT
 
@@ -141,7 +144,7 @@ def test_the_forwards_before_a_backward_set_aside_what_it_brings_back() -> None:
 def test_the_next_point_plans_with_the_median_load_of_recent_forwards() -> None:
     """A spike seen in one forward is not planned for again at the next point (its router
     downgrades a spiked forward); a lasting change is, once it holds in most of the window.
-    forward_ended still returns each forward's own load (the iteration line's)."""
+    forward_ended still returns each forward's own (mean) load (the iteration line's)."""
     p, _ = planning(FOUR, capacity=100, layer=0, host={})
     seen = []
     for unit, load in enumerate([1.0, 1.0, 3.0, 1.0]):
@@ -154,3 +157,21 @@ def test_the_next_point_plans_with_the_median_load_of_recent_forwards() -> None:
         p.loads[unit] = [2.0]
         p.forward_ended(unit)
     assert p.last_load == 2.0
+
+
+def test_the_next_point_plans_for_the_highest_router_load_of_recent_forwards() -> None:
+    """Routers of one forward meet different loads; a plan made for their mean is passed by
+    about half of them, each a revision after its router. The next point plans with the median
+    of the forwards' highest router loads, not of their means."""
+    p, _ = planning(FOUR, capacity=100, layer=0, host={})
+    seen = []
+    for unit, loads in enumerate([[0.6, 1.4, 1.0], [0.8, 1.3, 0.9], [1.0, 0.7, 1.25],
+                                  [3.0, 2.5, 3.0], [0.5, 1.2, 1.0]]):
+        p.loads[unit] = loads
+        seen.append(p.forward_ended(unit))
+    assert seen == pytest.approx([1.0, 1.0, 0.9833333, 2.8333333, 0.9])
+    # highest loads 1.4, 1.3, 1.25, 3.0, 1.2: their median, the spike's 3.0 outvoted
+    assert p.last_load == pytest.approx(1.3)
+    assert p.last_load > statistics.median(statistics.fmean(x) for x in
+                                           ([0.6, 1.4, 1.0], [0.8, 1.3, 0.9], [1.0, 0.7, 1.25],
+                                            [3.0, 2.5, 3.0], [0.5, 1.2, 1.0]))

@@ -199,7 +199,9 @@ def test_a_spike_run_shows_how_the_points_after_a_downgrade_were_served(monkeypa
     pytest.importorskip("transformers")
     monkeypatch.setenv("BGL_WARM_UP", "1")
     monkeypatch.setenv("BGL_WARM_SPIKE_BOUND", "1.5")
-    kw = dict(iterations=3, micro_batches=8, spike_every=8)
+    # spike_on_rank: the spiked micro-batch's tokens route most to this rank (a load of about
+    # 2.5 on its routers), so its downgrade does not hang on how the random batches route
+    kw = dict(iterations=3, micro_batches=8, spike_every=8, spike_on_rank=True)
     peak = unmodified.keep_all_peak("qwen3_moe", **kw)
 
     def until_warm(it: int) -> None:
@@ -234,8 +236,12 @@ def test_a_spike_run_shows_how_the_points_after_a_downgrade_were_served(monkeypa
         assert (line["gate_ms"] > 0) == (line["gate_calls"] > 0), line
         for d in line["downgrades"]:
             downgrades += 1
-            assert d["before"] != d["after"], d  # how the spiked micro-batch was downgraded
+            # how the spiked micro-batch was downgraded: after a router over its plan's load,
+            # the strategies of the same operators (which ones changed, not how many: a
+            # revision may offload others in place of those it kept)
             at = units.index(d["unit"])
+            assert d["load_factor"] > points[at]["load_factor"], (d, points[at])
+            assert sum(d["before"].values()) == sum(d["after"].values()), d
             if at + 1 == len(points):
                 assert d["next"] is None, d
                 continue

@@ -98,8 +98,9 @@ def install(capacity: Union[int, str] = "8GiB", policy: str = "bagualu",
       variants (dynamo's recompile limit, 8: two groups).
     min_load_factor: policy 'bagualu': every point plans for at least this load factor, a
       number in [1, 64] (a worst load known in advance: its memory set aside at every point, no
-      downgrade after a router up to it); None (default): each point plans for the median load
-      of the last 8 forwards, a spike is met by the downgrade after its router.
+      downgrade after a router up to it); None (default): each point plans for the median of
+      the last 8 forwards' highest router loads, a spike is met by the downgrade after its
+      router.
     """
     check_policy(policy)
     check_issue_order(issue_order)

@@ -200,7 +200,7 @@ class Settings:
     # Recompute groups inside compiled blocks (capture/compiled.py's variants): None, "auto".
     compiled_recompute: Optional[Union[str, RecomputeGroups]] = None
     # Every point plans for at least this load factor (bagualu's plans sized for a known worst
-    # load); None: for the median load of the recent forwards (planning/plans.py).
+    # load); None: for the median highest router load of the recent forwards (planning/plans.py).
     min_load_factor: Optional[float] = None
 
     def __post_init__(self) -> None:

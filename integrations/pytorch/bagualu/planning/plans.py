@@ -25,7 +25,7 @@ from .reloads import EarlyReloads
 from .strategies import Strategies
 
 SERVED_KEPT = 64  # iterations whose served plans are kept (served_plans)
-LOAD_WINDOW = 8  # forwards whose median load factor the next point plans with
+LOAD_WINDOW = 8  # forwards whose median highest load factor the next point plans with
 
 
 class Planning:
@@ -50,7 +50,7 @@ class Planning:
         self.served: Dict[int, Dict[str, Any]] = {}
         self.loads: Dict[int, List[float]] = {}        # unit -> its routers' load factors
         self.last_load = 1.0  # the load factor the next point plans with
-        self.recent_loads: deque = deque(maxlen=LOAD_WINDOW)  # the last forwards' loads
+        self.recent_loads: deque = deque(maxlen=LOAD_WINDOW)  # the last forwards' highest loads
         self.rank_schedule: Optional[order.RankSchedule] = None
         self.index: Optional[order.StageGraphIndex] = None
         self._pinned_size: Optional[int] = None
@@ -277,14 +277,16 @@ class Planning:
 
     def forward_ended(self, unit: int) -> float:
         """The forward of ``unit`` ended: returns its mean load factor (the planned one where
-        it has no router). The next point plans with the median of the last LOAD_WINDOW
-        forwards': a spike seen in one forward is not planned for again in the next (a spiked
-        forward is downgraded after its router), a lasting change is after a few forwards."""
+        it has no router). The next point plans with the median, over the last LOAD_WINDOW
+        forwards, of each forward's highest router load: a plan fits a forward only where no
+        router passes its load (``observe_router`` revises the rest of the forward after one
+        that does), so the forwards' mean loads left about half of them revised. A spike seen
+        in one forward is not planned for again in the next (a spiked forward is downgraded
+        after its router), a lasting change is after a few forwards."""
         loads = self.loads.get(unit) or [self.last_load]
-        mean = sum(loads) / len(loads)
-        self.recent_loads.append(mean)
+        self.recent_loads.append(max(loads))
         self.last_load = statistics.median(self.recent_loads)
-        return mean
+        return sum(loads) / len(loads)
 
     def in_effect(self) -> Dict[str, Any]:
         """The micro-batches in flight (forward planned and run, backward not yet) under the
