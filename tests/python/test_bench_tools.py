@@ -59,6 +59,11 @@ def test_under_a_spike_bagualus_rows_compare_with_the_baseline_of_the_same_exper
     # Without a spike the same times pair bagualu with plain, and checkpointing with bagualu.
     assert set(bench_unmodified._paired({k: v["ms"] for k, v in runs.items()})) == {
         "bagualu/plain", "checkpoint/bagualu"}
+    # With offload-all beside it, bagualu over offload-all too (issue 43's bar), round by round.
+    with_offload = {**{k: v["ms"] for k, v in runs.items()}, "offload-all": [300, 400]}
+    assert bench_unmodified._paired(with_offload, spike=16) == {
+        "bagualu/keep-all, room to spare": pytest.approx([1.1, 1.2]),
+        "bagualu/offload-all": pytest.approx([1.1, 0.9])}
     path = tmp_path / "s.json"
     path.write_text(json.dumps({"device": "cpu", "width": 4, "seq": 128, "spike": 16,
                                 "models": {"m": {"runs": runs, "paired": paired}}}))

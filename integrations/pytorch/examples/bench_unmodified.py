@@ -23,8 +23,8 @@ time (median and range of each run's median over iterations ``--warmup``.., defa
 first plans are coarse while it refines them in the background, and its pools grow), the peak of the
 activations on the simulated device and the pressure evictions per iteration (both over every
 iteration, the warm-up included); and the paired ratios of the steady times, per round, of bagualu
-over plain and of checkpointing over bagualu (each run right after the other, so a drift of the
-machine's speed over minutes cancels), median and range over rounds. ``--policies bagualu,...``:
+over plain, of checkpointing over bagualu and of bagualu over offload-all (each run right after
+the other, so a drift of the machine's speed over minutes cancels), median and range over rounds. ``--policies bagualu,...``:
 only those (and plain). ``--spike N``: the same with expert parallelism simulated (4 ranks, this
 one's experts computed) and every N-th micro-batch a batch of the two tokens whose routing lands
 most on one rank, which this process stands for (unmodified.spike_rank: a load of 2.67x balance on
@@ -250,14 +250,18 @@ def _base_key(k: str, spike: int) -> str:
 def _paired(times: Dict[str, List[float]], spike: int = 0) -> Dict[str, List[float]]:
     """Per round, bagualu over plain and checkpointing over bagualu (runs seconds apart), of
     the policies that ran every round; under a spike bagualu over EP_BASELINE instead (plain
-    and checkpointing compute every expert there)."""
+    and checkpointing compute every expert there); bagualu over offload-all where both ran
+    (issue 43's bar)."""
     b, c = times.get("bagualu", []), times.get("checkpoint every block", [])
     p = times.get(_base_key("bagualu", spike), [])
+    o = times.get("offload-all", [])
     out: Dict[str, List[float]] = {}
     if b and len(b) == len(p):
         out["bagualu/" + _base_key("bagualu", spike)] = [b[i] / p[i] for i in range(len(b))]
     if b and len(b) == len(c) and not spike:
         out["checkpoint/bagualu"] = [c[i] / b[i] for i in range(len(b))]
+    if b and len(b) == len(o):
+        out["bagualu/offload-all"] = [b[i] / o[i] for i in range(len(b))]
     return out
 
 
