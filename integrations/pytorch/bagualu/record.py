@@ -117,8 +117,15 @@ class Record(_C.RecordBase):
         one of their operators. The stage's output (the last layer's, saved only by the head)
         is outside, with the embedding's and the loss's: the planner's layer graph names a
         layer's output the next layer's block input, and the last one has no next layer."""
-        return self.producer.layer >= 0 and (
-            not self.consumers or any(c.layer >= 0 for c in self.consumers))
+        if self.producer.layer < 0:
+            return False
+        consumers = self.consumers
+        if not consumers:
+            return True
+        for c in consumers:  # a loop, not any() over a generator: called per record per point
+            if c.layer >= 0:
+                return True
+        return False
 
     # -- moves (all through the enforcer; the record follows where the data went) -----------
     def movable(self) -> bool:

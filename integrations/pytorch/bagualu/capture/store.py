@@ -121,8 +121,10 @@ class RecordStore:
         the layers (set aside from the planned capacity at register)."""
         units = (self.by_mb if micro_batch is None
                  else {micro_batch: self.by_mb.get(micro_batch, ())})
+        # the cheap field first: a moved or dropped record holds no pool bytes (the planned
+        # check asks the enforcer, in_layers reads the operators)
         total = sum(r.pool_bytes for recs in units.values() for r in recs
-                    if r.in_layers() and not r.planned)
+                    if r.pool_bytes and r.in_layers() and not r.planned)
         for unit, ls in self.light_sets.items():
             if micro_batch is None or unit == micro_batch:
                 total += sum(n for _, n in ls.sizes.values() if n > 0)
