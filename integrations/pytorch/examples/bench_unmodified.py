@@ -24,11 +24,12 @@ first plans are coarse while it refines them in the background, and its pools gr
 activations on the simulated device and the pressure evictions per iteration (both over every
 iteration, the warm-up included); and the paired ratios of the steady times, per round, of bagualu
 over plain, of checkpointing over bagualu and of bagualu over offload-all (each run right after
-the other, so a drift of the machine's speed over minutes cancels), median and range over rounds. ``--policies bagualu,...``:
-only those (and plain). ``--spike N``: the same with expert parallelism simulated (4 ranks, this
-one's experts computed) and every N-th micro-batch a batch of the two tokens whose routing lands
-most on one rank, which this process stands for (unmodified.spike_rank: a load of 2.67x balance on
-Qwen3-MoE and 2.0x on Mixtral at width 4), so routing spikes there. Only bagualu skips the other
+the other, so a drift of the machine's speed over minutes cancels), median and range over rounds.
+``--policies bagualu,...``: only those (and plain). ``--spike N``: the same with expert
+parallelism simulated (4 ranks, this one's experts computed) and every N-th micro-batch a batch
+of the two tokens whose routing lands most on one rank, which this process stands for
+(unmodified.spike_rank: a load of 2.67x balance on Qwen3-MoE and 2.0x on Mixtral at width 4), so
+routing spikes there. Only bagualu skips the other
 ranks' experts (its ``expert_parallel``): plain, checkpointing and save_on_cpu compute all of them,
 so the policies under bagualu are compared with keep-all at twice keep-all's peak (bagualu
 installed, nothing moved, this rank's experts: ``keep-all, room to spare``), not with plain;
