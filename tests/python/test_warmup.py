@@ -236,12 +236,11 @@ def test_a_spike_run_shows_how_the_points_after_a_downgrade_were_served(monkeypa
         assert (line["gate_ms"] > 0) == (line["gate_calls"] > 0), line
         for d in line["downgrades"]:
             downgrades += 1
-            # how the spiked micro-batch was downgraded: after a router over its plan's load,
-            # the strategies of the same operators (which ones changed, not how many: a
-            # revision may offload others in place of those it kept)
+            # how the spiked micro-batch was downgraded: after a router over its plan's load
+            # (its strategy counts may stay the same: a revision can offload other operators in
+            # place of those it kept, so before and after are shown, not compared)
             at = units.index(d["unit"])
             assert d["load_factor"] > points[at]["load_factor"], (d, points[at])
-            assert sum(d["before"].values()) == sum(d["after"].values()), d
             if at + 1 == len(points):
                 assert d["next"] is None, d
                 continue
