@@ -182,6 +182,11 @@ int64_t NodeArbiter::Grant(uint64_t session) const {
   return it != sessions_.end() ? it->second.grant : 0;
 }
 
+int64_t NodeArbiter::Used(uint64_t session) const {
+  auto it = sessions_.find(session);
+  return it != sessions_.end() ? it->second.used : 0;
+}
+
 std::vector<std::pair<uint64_t, int64_t>> NodeArbiter::Grants() const {
   std::vector<std::pair<uint64_t, int64_t>> out;
   out.reserve(sessions_.size());

@@ -50,6 +50,8 @@ class NodeArbiter {
   void SetUsed(uint64_t session, int64_t used_bytes);
   // The current grant (0: unknown session).
   int64_t Grant(uint64_t session) const;
+  // The pinned bytes last set by SetUsed (0: unknown session).
+  int64_t Used(uint64_t session) const;
   // (session, grant) in session order.
   std::vector<std::pair<uint64_t, int64_t>> Grants() const;
   // The link number of a GPU that no configured link lists (a link of its own), and back.

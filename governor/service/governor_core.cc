@@ -231,13 +231,25 @@ grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequ
   if (Status s = ValidateRegisterRequest(req, limits); !s.ok()) {
     return Reject("Register", ToGrpcStatus(s));
   }
+  // The session this one replaces (the caller's own): it leaves as this one arrives.
+  std::shared_ptr<Session> replaced;
+  if (!req.replaces_session_id().empty()) {
+    grpc::Status found = Find(caller, req.replaces_session_id(), false, &replaced);
+    if (found.error_code() == grpc::StatusCode::NOT_FOUND) {
+      replaced.reset();  // ended or reaped already: a plain registration
+    } else if (!found.ok()) {
+      return Reject("Register",
+                    grpc::Status(found.error_code(), "replaces_" + found.error_message()));
+    }
+  }
   {
     std::shared_lock<std::shared_mutex> lock(mu_);
-    if (static_cast<int>(sessions_.size()) >= limits.max_sessions) {
+    const int leaving = replaced ? 1 : 0;
+    if (static_cast<int>(sessions_.size()) - leaving >= limits.max_sessions) {
       return Reject("Register", Exhausted("sessions: the daemon's limit of " +
                                           std::to_string(limits.max_sessions) + " is reached"));
     }
-    int mine = 0;
+    int mine = -leaving;
     for (const auto& [id, s] : sessions_) mine += s->info.uid() == caller.uid ? 1 : 0;
     if (mine >= limits.max_sessions_per_uid) {
       return Reject("Register",
@@ -288,6 +300,7 @@ grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequ
   info.set_created_unix_ms(NowUnixMs());
   session->capacity_bytes =
       req.capacity_bytes() > 0 ? req.capacity_bytes() : (*planner)->hardware().memory_bytes;
+  session->host_request_bytes = req.host_request_bytes();
   session->planner = std::move(planner).value();
   int64_t grant = 0;
   {
@@ -295,8 +308,24 @@ grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequ
     std::lock_guard<std::mutex> lock(node_mu_);
     session->node_id = next_node_id_++;
     if (node_) {
+      // A replaced session leaves the arbitration under the same lock: no other session's
+      // grant is read between the two (they would have grown for a moment). The process's
+      // pinned pool is the same one: its use carries over.
+      const int64_t used = replaced ? node_->Used(replaced->node_id) : 0;
+      if (replaced) node_->Unregister(replaced->node_id);
       auto granted = node_->Register(session->node_id, req.gpu_index(), req.host_request_bytes());
-      if (!granted.ok()) return Reject("Register", ToGrpcStatus(granted.status()));
+      if (!granted.ok()) {
+        if (replaced) {  // the old session keeps its place
+          (void)node_->Register(replaced->node_id, replaced->info.gpu_index(),
+                                replaced->host_request_bytes);
+          node_->SetUsed(replaced->node_id, used);
+        }
+        return Reject("Register", ToGrpcStatus(granted.status()));
+      }
+      if (used > 0) {
+        node_->SetUsed(session->node_id, used);
+        granted = node_->Grant(session->node_id);
+      }
       grant = *granted;
     }
   }
@@ -309,6 +338,7 @@ grpc::Status GovernorCore::Register(const Caller& caller, const pb::RegisterRequ
   {
     std::unique_lock<std::shared_mutex> lock(mu_);
     sessions_.emplace(id, std::move(session));
+    if (replaced) sessions_.erase(req.replaces_session_id());
     count = sessions_.size();
   }
   if (metrics_ != nullptr) {

@@ -17,9 +17,10 @@
 namespace bgl::gov {
 
 struct Session {
-  bagualu::v1::Session info;   // identity; immutable after registration
-  int64_t capacity_bytes = 0;  // effective: the request's or the GPU profile's
-  uint64_t node_id = 0;        // its key in the core's NodeArbiter; immutable
+  bagualu::v1::Session info;       // identity; immutable after registration
+  int64_t capacity_bytes = 0;      // effective: the request's or the GPU profile's
+  uint64_t node_id = 0;            // its key in the core's NodeArbiter; immutable
+  int64_t host_request_bytes = 0;  // the pinned host memory it asked of the node; immutable
 
   // Guards the planner's mutable state; its graph, config and hardware are immutable after
   // registration and may be read without it.

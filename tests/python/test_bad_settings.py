@@ -22,7 +22,7 @@ from bagualu import runtime, settings
 from bagualu.errors import LibraryNotFound
 from bagualu.native import libs
 from bagualu.planning import calibration as calibrations
-from bagualu.planning.governor import warm_up_options
+from bagualu.planning.governor import search_options, warm_up_options
 from conftest import ROOT, require_libs
 
 GOOD_SIZE = "1MiB"
@@ -101,6 +101,16 @@ def test_a_bad_warm_up_variable_is_refused_naming_it(name: str, value: str, matc
     for warm in ("1", "0"):  # refused whether the warm-up is on or not
         with pytest.raises(ValueError, match=match):
             warm_up_options({"BGL_WARM_UP": warm, name: value})
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "-1"])
+def test_a_bad_reproducible_plans_value_is_refused_naming_it(value: str) -> None:
+    with pytest.raises(ValueError, match=r"^BGL_REPRODUCIBLE_PLANS: must be 1/true/on/yes .*"
+                                         r"got '"):
+        search_options({"BGL_REPRODUCIBLE_PLANS": value})
+    assert search_options({})["anytime_min_ops"] == 1
+    assert search_options({"BGL_REPRODUCIBLE_PLANS": "on"}) == {"anytime_min_ops": 0,
+                                                               "gate_search_share": 0.0}
 
 
 @pytest.mark.parametrize("content,match", [

@@ -94,6 +94,53 @@ def test_the_embedded_planners_refiner_runs_at_nice_19(model_doc, monkeypatch) -
     assert _threads_at_nice(19) == before
 
 
+def test_reproducible_plans_search_every_miss_on_the_call(model_doc, monkeypatch) -> None:
+    """BGL_REPRODUCIBLE_PLANS=1: no first answers and no refiner thread (a miss is the full
+    search on the call), the downgrade's search unpriced; the plans equal those of the full
+    search whatever the threads' speed. Off (the default) the misses are first answers."""
+    import os
+    monkeypatch.setenv("BGL_WARM_UP", "0")
+    point = {"phase": "steady", "forward_micro_batch": 0, "load_factor": 2.0, "bytes_in_use": 0}
+    firsts = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("BGL_REPRODUCIBLE_PLANS", value)
+        before = _threads_at_nice(19) if os.nice(0) < 19 else None
+        gov = Governor("none")
+        gov.register(model_doc, _graph_bytes(model_doc), 0)  # at load 2 half of keep-all fits
+        try:
+            time.sleep(0.2)  # a refiner, if any, has lowered itself by now
+            if before is not None:
+                assert _threads_at_nice(19) == before + (0 if value == "1" else 1), value
+            plan = gov.plan(dict(point))
+            firsts[value] = plan["first_answer"]
+            assert gov.embedded.stats()["first_answers"] == (0 if value == "1" else 1)
+        finally:
+            gov.close()
+    assert firsts == {"1": False, "0": True}
+
+
+def test_registering_again_replaces_the_session_on_the_daemon(
+        model_doc, daemon, tmp_path, monkeypatch, caplog) -> None:  # noqa: F811
+    """The stage registered again (its measured backward time): the daemon holds one session
+    for the process throughout, the new one, and the old id is unknown to it."""
+    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))
+    pytest.importorskip("grpc_tools")
+    gov = Governor(daemon, deadline_s=2.0)
+    gov.register(model_doc, CAPACITY, 0)
+    try:
+        assert gov.kind == "remote", "the daemon refused or did not answer"
+        first = gov.remote.session_id
+        with caplog.at_level(logging.DEBUG, logger="bagualu"):
+            gov.register(model_doc, CAPACITY, 0)
+        assert gov.kind == "remote" and gov.remote.session_id != first
+        assert [s.session_id for s in gov.remote.list_sessions()] == [gov.remote.session_id]
+        ended = [r.getMessage() for r in caplog.records if "ending the old session" in
+                 r.getMessage()]
+        assert ended and "NOT_FOUND" in ended[0], ended  # the daemon had ended it already
+    finally:
+        gov.close()
+
+
 def test_daemon_session_has_the_real_capacity(model_doc, daemon, tmp_path,  # noqa: F811
                                               monkeypatch) -> None:
     monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))

@@ -35,6 +35,7 @@ class FakeDaemon:
         self.registers = 0
         self.plans = 0
         self.ended: List[str] = []
+        self.events: List[str] = []  # "register s-N" / "end s-N", in the order they came
         self.fail_plan: Optional[RpcError] = None
         self.fail_register: Optional[RpcError] = None
 
@@ -62,6 +63,8 @@ class FakeRemote:
             error, d.fail_register = d.fail_register, None
             raise error
         self.session_id = f"s-{d.registers}"
+        replaces = kw.get("replaces_session_id", "")
+        d.events.append(f"register {self.session_id}" + (f" for {replaces}" if replaces else ""))
 
     def plan(self, point: Dict[str, Any]) -> Dict[str, Any]:
         d = self.daemon
@@ -79,6 +82,7 @@ class FakeRemote:
 
     def end_session(self, session_id: str) -> None:
         self.daemon.ended.append(session_id)
+        self.daemon.events.append(f"end {session_id}")
 
     def unregister(self) -> None:
         if self.session_id:
@@ -178,3 +182,20 @@ def test_failed_registration(case, model_doc, fake) -> None:
             assert plan is not None and plan != FROM_DAEMON
     finally:
         gov.close()
+
+
+def test_registering_again_names_the_session_it_replaces(model_doc, fake) -> None:
+    """plans.py's register_backward registers the stage again: the new session names the old
+    one, which the daemon swaps out in the node's arbitration at once (the other processes'
+    host grants would grow for a moment between an end and a registration); the old one is
+    ended after, for a daemon that did not know the field (NOT_FOUND from one that did)."""
+    gov = Governor("unix:///fake.sock", clock=StepClock())
+    gov.register(model_doc, CAPACITY, 0)
+    try:
+        gov.register(model_doc, CAPACITY, 0)
+        assert fake.events == ["register s-1", "register s-2 for s-1", "end s-1"]
+        assert gov.kind == "remote" and gov.remote.session_id == "s-2"
+        assert gov.plan(F0) == FROM_DAEMON
+    finally:
+        gov.close()
+    assert fake.events[-1] == "end s-2"

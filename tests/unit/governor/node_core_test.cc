@@ -125,6 +125,70 @@ TEST(NodeCore, ReportedUseAboveAShrunkGrantHoldsTheNewcomerBack) {
   EXPECT_EQ(grant(b.session_id()), int64_t{512} << 20);
 }
 
+// A process registering its stage again names the session it replaces: the new session takes
+// the old one's place in the arbitration (the other sessions' grants never grow in between), at
+// the session limits too; the old one ends. Another process's session is refused; an unknown one
+// makes a plain registration.
+TEST(NodeCore, ARegistrationReplacesTheCallersSessionInPlace) {
+  NodeConfig node;
+  node.host_budget_bytes = int64_t{1} << 30;
+  node.host_floor_bytes = int64_t{16} << 20;
+  node.max_sessions = 4;
+  auto arbiter = NodeArbiter::Create(node);
+  ASSERT_TRUE(arbiter.ok());
+  RequestLimits limits;
+  limits.max_sessions = 4;
+  GovernorCore core(nullptr, limits, std::move(arbiter).value());
+  auto reg = [&](int gpu, const std::string& replaces, const Caller& caller) {
+    pb::RegisterRequest req;
+    req.set_gpu_uuid("host-" + std::to_string(gpu));
+    req.set_gpu_index(gpu);
+    req.set_capacity_bytes(int64_t{1} << 30);
+    req.set_model_json(testing::TinyModel());
+    req.set_replaces_session_id(replaces);
+    pb::RegisterResponse resp;
+    const grpc::Status s = core.Register(caller, req, &resp);
+    return std::make_pair(s, resp);
+  };
+  std::string ids[4];
+  for (int gpu = 0; gpu < 4; ++gpu) {
+    auto [s, resp] = reg(gpu, "", Me());
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ids[gpu] = resp.session_id();
+  }
+  const auto grants_before = core.HostGrants();
+  ASSERT_EQ(grants_before.size(), 4u);
+  for (const auto& [id, grant] : grants_before) EXPECT_EQ(grant, int64_t{256} << 20) << id;
+  // At the daemon's limit of 4 a fifth session is refused; the replacement is not.
+  EXPECT_EQ(reg(0, "", Me()).first.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  auto [s, replaced] = reg(0, ids[0], Me());
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(replaced.host_grant_bytes(), int64_t{256} << 20);
+  pb::ListSessionsResponse list;
+  ASSERT_TRUE(core.ListSessions(Me(), {}, &list).ok());
+  ASSERT_EQ(list.sessions_size(), 4);
+  for (const auto& session : list.sessions()) {
+    EXPECT_NE(session.session_id(), ids[0]);
+    EXPECT_EQ(session.host_grant_bytes(), int64_t{256} << 20) << session.session_id();
+  }
+  pb::UnregisterRequest un;
+  un.set_session_id(ids[0]);
+  pb::UnregisterResponse unresp;
+  EXPECT_EQ(core.Unregister(Me(), un, &unresp).error_code(), grpc::StatusCode::NOT_FOUND);
+  // An unknown (ended) session: a plain registration, refused here only by the limit.
+  EXPECT_EQ(reg(0, ids[0], Me()).first.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // Another user's session: refused, naming the field; nothing changes.
+  Caller stranger = Me();
+  stranger.uid = Me().uid + 1;
+  auto [denied, none] = reg(1, ids[1], stranger);
+  EXPECT_EQ(denied.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(denied.error_message().rfind("replaces_session_id: ", 0), 0u) << denied.error_message();
+  pb::ListSessionsResponse after;
+  ASSERT_TRUE(core.ListSessions(Me(), {}, &after).ok());
+  EXPECT_EQ(after.sessions_size(), 4);
+  EXPECT_TRUE(none.session_id().empty());
+}
+
 TEST(NodeConfigKeys, LinksSpellingsAndErrors) {
   auto links = ParseLinks("0,1,2,3@25;4,5,6,7");
   ASSERT_TRUE(links.ok()) << links.status().message();

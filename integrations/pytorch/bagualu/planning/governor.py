@@ -139,7 +139,8 @@ class Governor:
                             calibration=self._options.get("calibration"),
                             allow_offload=self._options["allow_offload"],
                             allow_fp8=self._options["allow_fp8"],
-                            warm_spike_bound=self._warm_spike_bound)
+                            warm_spike_bound=self._warm_spike_bound,
+                            replaces_session_id=self._stale_session)
         except BaseException:
             remote.close()
             raise
@@ -151,10 +152,11 @@ class Governor:
         self.backoff.reset()
         self._retry_at = math.inf
         if self._stale_session:
+            # The daemon replaced it; an older daemon, which does not know the field, did not.
             stale, self._stale_session = self._stale_session, ""
             try:
                 remote.end_session(stale)
-            except Exception as e:  # NOT_FOUND after a restart: nothing to end
+            except Exception as e:  # NOT_FOUND: replaced, or a restart: nothing to end
                 log.debug("bagualu: ending the old session %s: %s", stale, _short(e))
 
     def _registration_failed(self, error: Exception, first: bool) -> None:
@@ -187,14 +189,21 @@ class Governor:
         Both planners get the same plan-cache budget step (budget_step_bytes), sized from the
         capacity, so that every byte count they see and return is real. The model and the
         options are kept: a retry registers exactly the same with a restarted daemon. Called
-        again (plans.py register_backward), it ends the session and the embedded planner it
-        had and registers anew."""
+        again (plans.py register_backward), it closes the embedded planner it had and
+        registers anew, naming the old session as the one the new one replaces: the
+        daemon swaps them in the node's arbitration at once, so the other processes' shares of
+        its host budget do not grow for a moment (ended, then registered anew, one of four
+        ranks gave the others a third of the budget until it was back)."""
         again = self.embedded is not None  # registered again (the capture's backward measured)
         # A daemon found away before stays so until the backoff's next try (_maybe_reconnect,
         # with this model), not waited for again here.
         retry_at = self._retry_at if again and self.remote is None else None
+        replaced = ""
         if again:
-            self.close()
+            if self.remote is not None and self.remote.session_id:
+                replaced, self.remote.session_id = self.remote.session_id, ""
+            self.close()  # the channel and the embedded planner; the session stays for now
+            self._stale_session = replaced or self._stale_session
         step = budget_step_bytes(capacity_bytes)
         self._model = model
         self._options = {"capacity_bytes": int(capacity_bytes), "pipeline_rank": pipeline_rank,
@@ -215,8 +224,8 @@ class Governor:
         warm = warm_up_options()
         self._warm_spike_bound = warm["warm_spike_bound"] if warm["warm_up"] else None
         self.embedded = plannermod.EmbeddedPlanner(
-            model, dict(self._options, anytime_min_ops=EMBEDDED_ANYTIME_MIN_OPS,
-                        refine_nice=EMBEDDED_REFINE_NICE,
+            model, dict(self._options, refine_nice=EMBEDDED_REFINE_NICE,
+                        **search_options(),
                         **(warm if not self.uses_daemon else {"warm_up": False})))
         self.description = self.embedded.description
         self.kind = "embedded"
@@ -390,6 +399,25 @@ EMBEDDED_ANYTIME_MIN_OPS = 1  # the embedded planner's PlannerOptions::anytime_m
 # refinements take only the CPU training leaves (docs/planner.md, "The anytime path")
 EMBEDDED_REFINE_NICE = 19
 WARM_SPIKE_BOUND = 3.0  # the warm-up's default highest load (PlannerOptions::warm_spike_bound)
+
+
+def search_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The embedded planner's search options from BGL_REPRODUCIBLE_PLANS (0/false/off/no, the
+    default: a plan-cache miss answered at once with the first answer and refined on the worker
+    thread, the downgrade's search priced at what earlier searches took; 1/true/on/yes: every
+    miss planned by the full search on the call and the downgrade's search unpriced, so that a
+    run's plans depend on its inputs only and not on how fast its threads ran: reproducible
+    runs and tests, at the full search's cost per miss); ValueError naming the variable
+    otherwise."""
+    env = os.environ if env is None else env
+    switch = env.get("BGL_REPRODUCIBLE_PLANS", "0").strip().lower()
+    if switch not in ("1", "true", "on", "yes", "", "0", "false", "off", "no"):
+        raise ValueError(f"BGL_REPRODUCIBLE_PLANS: must be 1/true/on/yes (plans independent of "
+                         f"timing) or 0/false/off/no (the default), got "
+                         f"{env.get('BGL_REPRODUCIBLE_PLANS')!r}")
+    if switch in ("1", "true", "on", "yes"):
+        return {"anytime_min_ops": 0, "gate_search_share": 0.0}
+    return {"anytime_min_ops": EMBEDDED_ANYTIME_MIN_OPS}
 
 
 def warm_up_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:

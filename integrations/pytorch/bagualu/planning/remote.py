@@ -111,19 +111,23 @@ class RemoteGovernor:
     def register(self, model: Dict[str, Any], capacity: int, rank: int, job_id: str,
                  gpu_index: int, budget_step_bytes: int = 0, dual_batch: bool = True,
                  calibration: Optional[Dict[str, Any]] = None, allow_offload: bool = True,
-                 allow_fp8: bool = True, warm_spike_bound: Optional[float] = None) -> None:
+                 allow_fp8: bool = True, warm_spike_bound: Optional[float] = None,
+                 replaces_session_id: str = "") -> None:
         """budget_step_bytes: the plan cache's budget bucket (0: the daemon's 64 MiB);
         dual_batch False: plans issue in program order (serial); calibration: the machine's
         rooflines (planning/calibration.py), as the embedded planner gets them;
         allow_offload, allow_fp8 False: no plan of the session uses that strategy;
         warm_spike_bound: the daemon warms up to that load (RegisterRequest.warm_up, issue 43;
-        None: no warm-up), sharing the plans with the job's other ranks of the same stage."""
+        None: no warm-up), sharing the plans with the job's other ranks of the same stage;
+        replaces_session_id: this process's earlier session, which the new one replaces in the
+        node's arbitration at once (the daemon ends it; an unknown one is ignored)."""
         import json
         req = self.pb.RegisterRequest(
             gpu_uuid=f"host-{gpu_index}", gpu_index=gpu_index, pid=os.getpid(), job_id=job_id,
             pipeline_rank=rank, capacity_bytes=int(capacity), model_json=json.dumps(model),
             disable_dual_batch=not dual_batch, budget_step_bytes=int(budget_step_bytes),
-            disallow_offload=not allow_offload, disallow_fp8=not allow_fp8)
+            disallow_offload=not allow_offload, disallow_fp8=not allow_fp8,
+            replaces_session_id=replaces_session_id)
         if calibration:
             fill_calibration(req.calibration, calibration, self.pb)
         if warm_spike_bound is not None:
