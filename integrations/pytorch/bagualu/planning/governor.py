@@ -190,10 +190,8 @@ class Governor:
         capacity, so that every byte count they see and return is real. The model and the
         options are kept: a retry registers exactly the same with a restarted daemon. Called
         again (plans.py register_backward), it closes the embedded planner it had and
-        registers anew, naming the old session as the one the new one replaces: the
-        daemon swaps them in the node's arbitration at once, so the other processes' shares of
-        its host budget do not grow for a moment (ended, then registered anew, one of four
-        ranks gave the others a third of the budget until it was back)."""
+        registers anew, naming the session the new one replaces (docs/operations.md,
+        "Registering again")."""
         again = self.embedded is not None  # registered again (the capture's backward measured)
         # A daemon found away before stays so until the backoff's next try (_maybe_reconnect,
         # with this model), not waited for again here.
@@ -212,15 +210,8 @@ class Governor:
         calibration = calibration or self.calibration
         if calibration:
             self._options["calibration"] = calibration
-        # The anytime path at every chunk size (docs/planner.md): a plan-cache miss is
-        # answered at once with the planner's first answer while the full search runs on its
-        # worker thread, whose plan a later point of the same key gets: in a training process
-        # a miss is on the critical path, and the first iterations and every spike miss.
-        # The warm-up (issue 43): from the first plan on, the planner's worker thread plans
-        # the keys the run will meet at loads 1 to the spike bound (BGL_WARM_SPIKE_BOUND,
-        # default 3.0, a load factor in [1, 64]; BGL_WARM_UP=0: off), so a spike and the points
-        # after it are served by full-search plans. With a daemon the daemon warms up (once
-        # for the job's ranks of one stage), not the fallback: the CPU is spent once.
+        # The anytime path and the warm-up: search_options and warm_up_options. With a daemon
+        # the daemon warms up (once for the job's ranks of one stage), not the fallback.
         warm = warm_up_options()
         self._warm_spike_bound = warm["warm_spike_bound"] if warm["warm_up"] else None
         self.embedded = plannermod.EmbeddedPlanner(
@@ -403,8 +394,10 @@ WARM_SPIKE_BOUND = 3.0  # the warm-up's default highest load (PlannerOptions::wa
 
 def search_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """The embedded planner's search options from BGL_REPRODUCIBLE_PLANS (0/false/off/no, the
-    default: a plan-cache miss answered at once with the first answer and refined on the worker
-    thread, the downgrade's search priced at what earlier searches took; 1/true/on/yes: every
+    default: the anytime path at every chunk size, docs/planner.md: a plan-cache miss, on the
+    critical path in a training process (the first iterations, every spike), answered at once
+    with the first answer and refined on the worker thread, whose plan the key's next point
+    gets; the downgrade's search priced at what earlier searches took; 1/true/on/yes: every
     miss planned by the full search on the call and the downgrade's search unpriced, so that a
     run's plans depend on its inputs only and not on how fast its threads ran: reproducible
     runs and tests, at the full search's cost per miss); ValueError naming the variable
@@ -421,7 +414,9 @@ def search_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
 
 
 def warm_up_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """The embedded planner's warm-up options from BGL_WARM_UP (1/true/on/yes: on; off by
+    """The embedded planner's warm-up options (issue 43: from the first plan on, the worker
+    thread plans the keys the run will meet at loads 1 to the spike bound, so that a spike and
+    the points after it are served by full-search plans) from BGL_WARM_UP (1/true/on/yes: on; off by
     default: with it on, iterations of the unmodified models ran 5-15 times longer on 2 cores,
     docs/benchmarks/planner.md "The warm-up"),
     BGL_WARM_SPIKE_BOUND (a load factor in [1, 64]) and BGL_WARM_NICE (the worker thread's
