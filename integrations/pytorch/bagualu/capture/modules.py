@@ -88,6 +88,21 @@ class _Router:
         self.top_k = top_k
         self.local = torch.tensor(local, dtype=torch.long)
         self.fraction = len(local) / experts
+        # Whether each expert index (and the 'no expert' index, ``experts``) is this rank's:
+        # one gather per router call (about 13 us on 512 tokens x 8 routes here, where
+        # torch.isin took 51), on the device of the indices (cached per device).
+        table = torch.zeros(experts + 1, dtype=torch.bool)
+        table[self.local] = True
+        self._is_local = {table.device: table}
+
+    def is_local(self, idx: torch.Tensor) -> torch.Tensor:
+        """Per route in ``idx`` (expert indices, the 'no expert' index included): whether
+        this rank holds its expert."""
+        table = self._is_local.get(idx.device)
+        if table is None:
+            table = self._is_local[idx.device] = next(iter(self._is_local.values())).to(
+                idx.device)
+        return table[idx]
 
     def indices(self, out: Any) -> Tuple[Optional[torch.Tensor], int]:
         """The (tokens, k) expert indices in the router's output, and where (leaf index; -1
@@ -109,7 +124,7 @@ class _Router:
         Where the rank holds every expert every route is local: 1 with no tensor work."""
         if self.fraction == 1.0:
             return 1.0
-        local = torch.isin(idx, self.local.to(idx.device))
+        local = self.is_local(idx)
         balanced = idx.shape[0] * self.top_k * self.fraction
         return float(local.sum()) / balanced if balanced > 0 else 1.0
 
@@ -119,7 +134,7 @@ class _Router:
         idx, where = self.indices(out)
         if idx is None or where < 0:
             return None
-        keep = torch.isin(idx, self.local.to(idx.device))
+        keep = self.is_local(idx)
         new = idx.masked_fill(~keep, self.experts)
         leaves, spec = pytree.tree_flatten(out)
         leaves[where] = new
