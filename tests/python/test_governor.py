@@ -119,16 +119,25 @@ def test_reproducible_plans_search_every_miss_on_the_call(model_doc, monkeypatch
     assert firsts == {"1": False, "0": True}
 
 
-def test_registering_again_replaces_the_session_on_the_daemon(
-        model_doc, daemon, tmp_path, monkeypatch, caplog) -> None:  # noqa: F811
-    """The stage registered again (its measured backward time): the daemon holds one session
-    for the process throughout, the new one, and the old id is unknown to it."""
+def _registered_remotely(model_doc: Dict[str, Any], daemon: str, tmp_path,
+                         monkeypatch) -> Governor:
+    """A Governor registered with the test's daemon (the test closes it)."""
     monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))
     pytest.importorskip("grpc_tools")
     gov = Governor(daemon, deadline_s=2.0)
     gov.register(model_doc, CAPACITY, 0)
+    if gov.kind != "remote":
+        gov.close()
+        pytest.fail("the daemon refused or did not answer")
+    return gov
+
+
+def test_registering_again_replaces_the_session_on_the_daemon(
+        model_doc, daemon, tmp_path, monkeypatch, caplog) -> None:  # noqa: F811
+    """The stage registered again (its measured backward time): the daemon holds one session
+    for the process throughout, the new one, and the old id is unknown to it."""
+    gov = _registered_remotely(model_doc, daemon, tmp_path, monkeypatch)
     try:
-        assert gov.kind == "remote", "the daemon refused or did not answer"
         first = gov.remote.session_id
         with caplog.at_level(logging.DEBUG, logger="bagualu"):
             gov.register(model_doc, CAPACITY, 0)
@@ -143,12 +152,8 @@ def test_registering_again_replaces_the_session_on_the_daemon(
 
 def test_daemon_session_has_the_real_capacity(model_doc, daemon, tmp_path,  # noqa: F811
                                               monkeypatch) -> None:
-    monkeypatch.setenv("BGL_CACHE_DIR", str(tmp_path / "cache"))
-    pytest.importorskip("grpc_tools")
-    gov = Governor(daemon, deadline_s=2.0)
-    gov.register(model_doc, CAPACITY, 0)
+    gov = _registered_remotely(model_doc, daemon, tmp_path, monkeypatch)
     try:
-        assert gov.kind == "remote", "the daemon refused or did not answer"
         sessions = gov.remote.list_sessions()
         assert [s.capacity_bytes for s in sessions] == [CAPACITY]  # what bgl-top shows
         remote = gov.plan({"phase": "steady", "forward_micro_batch": 0, "load_factor": 1.0,

@@ -73,14 +73,19 @@ TEST(NodeCore, GrantsAndLinkLoadAreGaugesThatLeaveWithTheSession) {
 
 // A session's reported pinned use above its shrunk grant holds the newcomer's grant back until
 // the use comes back (NodeArbiter::SetUsed through Report).
-TEST(NodeCore, ReportedUseAboveAShrunkGrantHoldsTheNewcomerBack) {
+// A node of 1 GiB of pinned host memory for at most 4 sessions, each granted at least 16 MiB.
+NodeArbiter SmallNode() {
   NodeConfig node;
   node.host_budget_bytes = int64_t{1} << 30;
   node.host_floor_bytes = int64_t{16} << 20;
   node.max_sessions = 4;
   auto arbiter = NodeArbiter::Create(node);
-  ASSERT_TRUE(arbiter.ok());
-  GovernorCore core(nullptr, RequestLimits{}, std::move(arbiter).value());
+  EXPECT_TRUE(arbiter.ok());
+  return std::move(arbiter).value();
+}
+
+TEST(NodeCore, ReportedUseAboveAShrunkGrantHoldsTheNewcomerBack) {
+  GovernorCore core(nullptr, RequestLimits{}, SmallNode());
   auto reg = [&](int gpu) {
     pb::RegisterRequest req;
     req.set_gpu_uuid("host-" + std::to_string(gpu));
@@ -130,15 +135,9 @@ TEST(NodeCore, ReportedUseAboveAShrunkGrantHoldsTheNewcomerBack) {
 // the session limits too; the old one ends. Another process's session is refused; an unknown one
 // makes a plain registration.
 TEST(NodeCore, ARegistrationReplacesTheCallersSessionInPlace) {
-  NodeConfig node;
-  node.host_budget_bytes = int64_t{1} << 30;
-  node.host_floor_bytes = int64_t{16} << 20;
-  node.max_sessions = 4;
-  auto arbiter = NodeArbiter::Create(node);
-  ASSERT_TRUE(arbiter.ok());
   RequestLimits limits;
   limits.max_sessions = 4;
-  GovernorCore core(nullptr, limits, std::move(arbiter).value());
+  GovernorCore core(nullptr, limits, SmallNode());
   auto reg = [&](int gpu, const std::string& replaces, const Caller& caller) {
     pb::RegisterRequest req;
     req.set_gpu_uuid("host-" + std::to_string(gpu));
