@@ -399,9 +399,9 @@ def search_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     with the first answer and refined on the worker thread, whose plan the key's next point
     gets; the downgrade's search priced at what earlier searches took; 1/true/on/yes: every
     miss planned by the full search on the call and the downgrade's search unpriced, so that a
-    run's plans depend on its inputs only and not on how fast its threads ran: reproducible
-    runs and tests, at the full search's cost per miss); ValueError naming the variable
-    otherwise."""
+    run's plans depend on its inputs (the capture's times among them), not on how fast its
+    threads ran: reproducible runs and tests, at the full search's cost per miss); ValueError
+    naming the variable otherwise."""
     env = os.environ if env is None else env
     switch = env.get("BGL_REPRODUCIBLE_PLANS", "0").strip().lower()
     if switch not in ("1", "true", "on", "yes", "", "0", "false", "off", "no"):
