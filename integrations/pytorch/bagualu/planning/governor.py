@@ -392,6 +392,16 @@ EMBEDDED_REFINE_NICE = 19
 WARM_SPIKE_BOUND = 3.0  # the warm-up's default highest load (PlannerOptions::warm_spike_bound)
 
 
+def env_switch(env: Dict[str, str], name: str, meaning: str) -> bool:
+    """Variable ``name`` as an on/off switch, off when unset: 1/true/on/yes or 0/false/off/no
+    (any case); ValueError naming it and what on means otherwise."""
+    switch = env.get(name, "0").strip().lower()
+    if switch not in ("1", "true", "on", "yes", "", "0", "false", "off", "no"):
+        raise ValueError(f"{name}: must be 1/true/on/yes ({meaning}) or 0/false/off/no (the "
+                         f"default), got {env.get(name)!r}")
+    return switch in ("1", "true", "on", "yes")
+
+
 def search_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """The embedded planner's search options from BGL_REPRODUCIBLE_PLANS (0/false/off/no, the
     default: the anytime path at every chunk size, docs/planner.md: a plan-cache miss, on the
@@ -403,12 +413,7 @@ def search_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     threads ran: reproducible runs and tests, at the full search's cost per miss); ValueError
     naming the variable otherwise."""
     env = os.environ if env is None else env
-    switch = env.get("BGL_REPRODUCIBLE_PLANS", "0").strip().lower()
-    if switch not in ("1", "true", "on", "yes", "", "0", "false", "off", "no"):
-        raise ValueError(f"BGL_REPRODUCIBLE_PLANS: must be 1/true/on/yes (plans independent of "
-                         f"timing) or 0/false/off/no (the default), got "
-                         f"{env.get('BGL_REPRODUCIBLE_PLANS')!r}")
-    if switch in ("1", "true", "on", "yes"):
+    if env_switch(env, "BGL_REPRODUCIBLE_PLANS", "plans independent of timing"):
         return {"anytime_min_ops": 0, "gate_search_share": 0.0}
     return {"anytime_min_ops": EMBEDDED_ANYTIME_MIN_OPS}
 
@@ -416,11 +421,10 @@ def search_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
 def warm_up_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """The embedded planner's warm-up options (issue 43: from the first plan on, the worker
     thread plans the keys the run will meet at loads 1 to the spike bound, so that a spike and
-    the points after it are served by full-search plans) from BGL_WARM_UP (1/true/on/yes: on; off by
-    default: with it on, iterations of the unmodified models ran 5-15 times longer on 2 cores,
-    docs/benchmarks/planner.md "The warm-up"),
-    BGL_WARM_SPIKE_BOUND (a load factor in [1, 64]) and BGL_WARM_NICE (the worker thread's
-    nice value, 0-19, default 19); ValueError naming the variable otherwise."""
+    the points after it are served by full-search plans) from BGL_WARM_UP (1/true/on/yes: on;
+    off by default: with it on, iterations of the unmodified models ran 5-15 times longer on 2
+    cores, docs/benchmarks/planner.md "The warm-up"), BGL_WARM_SPIKE_BOUND (a load factor in
+    [1, 64]) and BGL_WARM_NICE (the worker thread's nice value, 0-19, default 19); ValueError naming the variable otherwise."""
     env = os.environ if env is None else env
     text = env.get("BGL_WARM_SPIKE_BOUND", "").strip()
     bound = WARM_SPIKE_BOUND
@@ -439,11 +443,7 @@ def warm_up_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
             raise ValueError(f"BGL_WARM_NICE: the warm-up thread's nice value must be an "
                              f"integer in [0, 19], got {nice!r}")
         out["warm_nice"] = int(nice)
-    switch = env.get("BGL_WARM_UP", "0").strip().lower()
-    if switch not in ("1", "true", "on", "yes", "", "0", "false", "off", "no"):
-        raise ValueError(f"BGL_WARM_UP: must be 1/true/on/yes (warm up) or 0/false/off/no "
-                         f"(the default), got {env.get('BGL_WARM_UP')!r}")
-    if switch not in ("1", "true", "on", "yes"):
+    if not env_switch(env, "BGL_WARM_UP", "warm up"):
         return {"warm_up": False}  # (a bad bound or nice value is refused all the same)
     return out
 _MIN_STEP = 64 << 10
