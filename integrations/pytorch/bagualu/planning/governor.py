@@ -424,7 +424,8 @@ def warm_up_options(env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     the points after it are served by full-search plans) from BGL_WARM_UP (1/true/on/yes: on;
     off by default: with it on, iterations of the unmodified models ran 5-15 times longer on 2
     cores, docs/benchmarks/planner.md "The warm-up"), BGL_WARM_SPIKE_BOUND (a load factor in
-    [1, 64]) and BGL_WARM_NICE (the worker thread's nice value, 0-19, default 19); ValueError naming the variable otherwise."""
+    [1, 64]) and BGL_WARM_NICE (the worker thread's nice value, 0-19, default 19); ValueError
+    naming the variable otherwise."""
     env = os.environ if env is None else env
     text = env.get("BGL_WARM_SPIKE_BOUND", "").strip()
     bound = WARM_SPIKE_BOUND
